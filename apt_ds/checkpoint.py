@@ -1,0 +1,126 @@
+"""Resumable checkpoints: APT state as JSON + safetensors, the optimizer via the backend.
+
+Layout of RUN/checkpoint/: apt_state.json (step, shapes, ORIGINAL indices of kept units,
+adapter ranks, tuner state, configs, model fingerprint), masks / salience / teacher /
+rng .safetensors, engine/ (the backend's own checkpoint). A checkpoint is written to a
+temporary sibling and renamed into place, so a crash never leaves a half-written one.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+FORMAT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, corrupt, or does not belong to this model/config."""
+
+
+def model_fingerprint(shape_dict: dict) -> dict:
+    return {k: shape_dict[k] for k in ("hidden", "vocab", "tied_embeddings")} | {"layers": len(shape_dict["layers"])}
+
+
+def save_checkpoint(trainer, directory: Path) -> None:
+    backend, state = trainer.backend, trainer.state
+    tmp = directory.with_name(directory.name + ".tmp")
+    if backend.is_main():
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    backend.barrier()
+    backend.save(tmp / "engine")  # collective: every rank writes its shard
+    # Full fp32 trainable tensors (collective under ZeRO-3): export reads these, no DeepSpeed needed.
+    trainable = {n: backend.full_param(n, p).float().contiguous() for n, p in state.model.named_parameters() if p.requires_grad}
+    if backend.is_main():
+        save_file(trainable, str(tmp / "trainable.safetensors"))
+        meta = {
+            "format": FORMAT_VERSION,
+            "step": trainer.step,
+            "consumed_micro_batches": trainer.consumed_micro_batches,
+            "teacher_ready": trainer.teacher_ready,
+            "finished": trainer.step >= trainer.train_config.steps,
+            "world_size": backend.world_size,
+            "original_shape": state.original_shape.to_dict(),
+            "shape": state.shape.to_dict(),
+            "kept": state.kept_record(),
+            "ranks": state.ranks(),
+            "tuner": trainer.tuner.state_dict(),
+            "apt_config": trainer.apt_config.to_dict(),
+            "train_config": trainer.train_config.to_dict(),
+            "run_info": trainer.run_info,
+        }
+        (tmp / "apt_state.json").write_text(json.dumps(meta, indent=1))
+        save_file({k: v.contiguous() for k, v in state.masks.state_dict().items()}, str(tmp / "masks.safetensors"))
+        save_file({k: v.contiguous() for k, v in state.salience.state_dict().items()} or {"empty": torch.zeros(0)},
+                  str(tmp / "salience.safetensors"))
+        teacher = {}
+        for name, adapter in state.adapters.items():
+            teacher[f"{name}.teacher_A"] = adapter.teacher_A.contiguous()
+            teacher[f"{name}.teacher_B"] = adapter.teacher_B.contiguous()
+        save_file(teacher, str(tmp / "teacher.safetensors"))
+        rng = {"distill": trainer.distiller.generator.get_state(), "growth": trainer.growth_generator.get_state()}
+        save_file(rng, str(tmp / "rng.safetensors"))
+        old = directory.with_name(directory.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        if directory.exists():
+            directory.rename(old)
+        tmp.rename(directory)
+        shutil.rmtree(old, ignore_errors=True)
+    backend.barrier()
+
+
+def read_meta(directory: Path) -> dict:
+    path = Path(directory) / "apt_state.json"
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint at {directory} (missing apt_state.json)")
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"corrupt checkpoint {path}: {err}") from None
+    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {directory} has format {meta.get('format')!r}, expected {FORMAT_VERSION}")
+    return meta
+
+
+def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except Exception as err:  # safetensors raises several types for truncated/corrupt files
+        raise CheckpointError(f"corrupt checkpoint file {path}: {err}") from None
+
+
+def load_checkpoint(trainer, directory: Path) -> None:
+    meta = read_meta(directory)
+    state = trainer.state
+    if model_fingerprint(meta["original_shape"]) != model_fingerprint(state.original_shape.to_dict()) or \
+            meta["original_shape"] != state.original_shape.to_dict():
+        raise CheckpointError(f"checkpoint {directory} was made from a different model (original shapes differ)")
+    if meta["apt_config"] != trainer.apt_config.to_dict():
+        changed = sorted(k for k in meta["apt_config"] if meta["apt_config"][k] != trainer.apt_config.to_dict().get(k))
+        raise CheckpointError(f"checkpoint {directory} used a different APT config (fields {changed}); resume with the same one")
+    gather = trainer.backend.gathered
+    trainer.backend.apply_shape_change(lambda: (state.restore_architecture(meta["kept"], meta["ranks"], gather), {})[1])
+    if state.shape.to_dict() != meta["shape"]:
+        raise CheckpointError(f"checkpoint {directory}: rebuilt shapes do not match the recorded ones")
+    try:
+        trainer.backend.load(directory / "engine")
+    except (OSError, ValueError, RuntimeError, KeyError) as err:
+        raise CheckpointError(f"cannot load optimizer/engine state from {directory / 'engine'}: {err}") from None
+    state.masks.load_state_dict(_load_tensors(directory / "masks.safetensors"))
+    salience = _load_tensors(directory / "salience.safetensors")
+    salience.pop("empty", None)
+    state.salience.load_state_dict(salience)
+    teacher = _load_tensors(directory / "teacher.safetensors")
+    for name, adapter in state.adapters.items():
+        adapter.teacher_A, adapter.teacher_B = teacher[f"{name}.teacher_A"], teacher[f"{name}.teacher_B"]
+    rng = _load_tensors(directory / "rng.safetensors")
+    trainer.distiller.generator.set_state(rng["distill"])
+    trainer.growth_generator.set_state(rng["growth"])
+    trainer.tuner.load_state_dict(meta["tuner"])
+    trainer.consumed_micro_batches = meta["consumed_micro_batches"]
+    trainer.teacher_ready = meta["teacher_ready"]

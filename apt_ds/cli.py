@@ -1,0 +1,155 @@
+"""Command-line entry points (argparse -> configs -> trainer / exporter). No algorithm here."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from .config import APTConfig, ConfigError, TrainConfig
+
+# One-line errors for everything a user can get wrong; anything else is a bug and keeps its traceback.
+USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, FileExistsError)
+
+
+def _user_errors() -> tuple:
+    from .checkpoint import CheckpointError
+    from .data import DataError
+    from .modeling import ModelLoadError
+    from .pruner import PruningError
+    from .units import UnsupportedModelError
+
+    errors = [*USER_ERRORS, CheckpointError, DataError, ModelLoadError, PruningError, UnsupportedModelError]
+    try:
+        from .zero import DeepSpeedConfigError
+
+        errors.append(DeepSpeedConfigError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def _add_dataclass_args(parser: argparse.ArgumentParser, cls, title: str, skip: set[str]) -> None:
+    group = parser.add_argument_group(title)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata.get("help", "")
+        if isinstance(f.default, bool):
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif isinstance(f.default, tuple):
+            group.add_argument(flag, dest=f.name, nargs="+", default=None, help=f"{help_text} (default: {' '.join(f.default)})")
+        else:
+            group.add_argument(flag, dest=f.name, type=type(f.default), default=None, help=f"{help_text} (default: {f.default})")
+
+
+def build_train_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="launch/train.py",
+        description="Fine-tune a LLaMA model with APT: adapters are trained while attention KV groups, FFN neurons "
+        "and hidden channels are pruned and physically removed; ends with a smaller model. "
+        "Run with plain python (one process) or under the deepspeed launcher with --deepspeed.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--model", default="tiny", help="local HF model directory, a .gguf file, or 'tiny' (built-in random small LLaMA)")
+    parser.add_argument("--data", default=None, help="training data: JSONL/JSON with 'text' or 'instruction'/'input'/'output' "
+                        "fields, or a directory saved by `datasets` (default: the shipped demo data)")
+    parser.add_argument("--eval-data", default=None, help="held-out data (same formats); eval_loss is logged at each pruning event and at the end")
+    parser.add_argument("--out", default="runs/demo", help="run directory: metrics.jsonl, checkpoint/, tokenizer/")
+    parser.add_argument("--deepspeed", default=None, help="DeepSpeed JSON (ds_configs/zero2.json, zero3.json, ...); omit for one process without DeepSpeed")
+    parser.add_argument("--method", choices=("apt", "lora"), default="apt", help="apt, or lora: the same adapters with no pruning, no rank growth, no distillation")
+    parser.add_argument("--config", default=None, help="JSON file with APTConfig/TrainConfig fields (command-line flags override it)")
+    parser.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    parser.add_argument("--overwrite", action="store_true", help="delete an existing --out before starting")
+    parser.add_argument("--global-batch-size", type=int, default=None, help="sequences per optimizer step over all ranks (sets --micro-batch-size)")
+    parser.add_argument("--no-pack", action="store_true", help="do not pack 'text' data into full blocks")
+    parser.add_argument("--eval-examples", type=int, default=64, help="examples of --eval-data used per evaluation")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    _add_dataclass_args(parser, APTConfig, "APT knobs (defaults scale with --steps)", skip=set())
+    _add_dataclass_args(parser, TrainConfig, "training loop", skip=set())
+    return parser
+
+
+def resolve_configs(args) -> tuple[APTConfig, TrainConfig]:
+    """Defaults <- config file <- command line; APT schedule defaults scale with --steps."""
+    file_values: dict = {}
+    if args.config:
+        try:
+            file_values = json.loads(Path(args.config).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ConfigError(f"cannot read --config {args.config}: {err}") from None
+    apt_names = {f.name for f in dataclasses.fields(APTConfig)}
+    train_names = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(file_values) - apt_names - train_names)
+    if unknown:
+        raise ConfigError(f"--config {args.config}: unknown field(s) {unknown}")
+    cli = {k: v for k, v in vars(args).items() if v is not None}
+    merged = {**file_values, **{k: v for k, v in cli.items() if k in apt_names | train_names}}
+    train = TrainConfig(**{k: v for k, v in merged.items() if k in train_names})
+    apt_values = {k: (tuple(v) if isinstance(v, list) else v) for k, v in merged.items() if k in apt_names}
+    apt = APTConfig.for_steps(train.steps, **apt_values)
+    if args.method == "lora":
+        apt = apt.as_lora()
+    return apt, train
+
+
+def prepare_out_dir(out: Path, resume: bool, overwrite: bool, is_main: bool) -> None:
+    """Refuse to clobber a previous run unless asked to."""
+    if resume:
+        if not (out / "checkpoint" / "apt_state.json").is_file():
+            raise FileExistsError(f"--resume: {out} holds no checkpoint (expected {out / 'checkpoint' / 'apt_state.json'})")
+        return
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"--out {out} already holds a run; pass --resume to continue it or --overwrite to replace it")
+        if is_main:
+            shutil.rmtree(out)
+    if is_main:
+        out.mkdir(parents=True, exist_ok=True)
+
+
+def train_main(argv: list[str] | None = None) -> int:
+    args = build_train_parser().parse_args(argv)
+    try:
+        from .run import run_training
+
+        apt, train = resolve_configs(args)
+        run_training(args, apt, train)
+    except _user_errors() as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def build_export_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="launch/export.py",
+        description="Export a run as a merged, physically smaller, dense model (safetensors + config + tokenizer).",
+    )
+    parser.add_argument("run_dir", help="run directory written by launch/train.py (its checkpoint/ is read)")
+    parser.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="dtype of the saved weights")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    return parser
+
+
+def export_main(argv: list[str] | None = None) -> int:
+    args = build_export_parser().parse_args(argv)
+    try:
+        from .export import export_run
+
+        report = export_run(Path(args.run_dir), Path(args.out), dtype=args.dtype, overwrite=args.overwrite)
+    except _user_errors() as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(report["final"], indent=1))
+    return 0
+
+
+def world_from_env() -> tuple[int, int]:
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))

@@ -1,0 +1,188 @@
+"""Configuration of an APT run: every algorithm knob, validated on construction.
+
+APTConfig holds APT's own knobs (never mixed into the DeepSpeed JSON); TrainConfig holds the
+loop's knobs (steps, batch, learning rate, checkpoints). Both round-trip through JSON so a run
+directory records exactly what produced it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ADAPTER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range; the message names the field and the range."""
+
+
+def _require(condition: bool, cls: str, name: str, allowed: str, value: Any) -> None:
+    if not condition:
+        raise ConfigError(f"{cls}.{name} must be {allowed}, got {value!r}")
+
+
+def _help(text: str, **kwargs) -> Any:
+    """A dataclass field carrying its help text (PEFT style); the CLI reads it."""
+    return field(metadata={"help": text}, **kwargs)
+
+
+class _JsonConfig:
+    """JSON round-trip shared by the config dataclasses."""
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+
+    @classmethod
+    def from_dict(cls, data: dict):
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"{cls.__name__}: unknown field(s) {unknown}; known fields: {sorted(known)}")
+        values = dict(data)
+        for f in dataclasses.fields(cls):
+            if f.name in values and isinstance(values[f.name], list):
+                values[f.name] = tuple(values[f.name])
+        return cls(**values)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path):
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ConfigError(f"cannot read {cls.__name__} from {path}: {err}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a JSON object for {cls.__name__}")
+        return cls.from_dict(data)
+
+    @classmethod
+    def help_texts(cls) -> dict[str, str]:
+        return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}
+
+
+@dataclass
+class APTConfig(_JsonConfig):
+    """APT's algorithm knobs (see APT_SPEC.md for the meaning of each)."""
+
+    target_density: float = _help("fraction of block parameters kept at the end, in (0, 1]", default=0.7)
+    pruning_start_step: int = _help("optimizer step where the pruning phase starts (t0)", default=100)
+    pruning_end_step: int = _help("optimizer step of the last pruning event (t1)", default=1000)
+    num_pruning_events: int = _help("pruning events, evenly spaced in (t0, t1]", default=16)
+    mask_decay_window: int = _help("steps before each event in which leaving masks decay", default=200)
+    mask_decay_step: float = _help("mask change per step inside the decay window", default=0.01)
+    prune: bool = _help("prune at all (false gives plain LoRA with the same adapters)", default=True)
+    prune_heads: bool = _help("prune attention KV groups", default=True)
+    prune_neurons: bool = _help("prune FFN neurons", default=True)
+    prune_hidden: bool = _help("prune hidden (residual-stream) channels", default=True)
+    uniform: bool = _help("keep the same shape in every layer (exports as a stock LlamaConfig)", default=False)
+    count_embeddings: bool = _help("count embeddings and lm_head in the density budget", default=False)
+    adapter_targets: tuple = _help("Linear modules that get APT adapters", default=("q_proj", "v_proj"))
+    adapter_rank: int = _help("initial adapter rank", default=8)
+    adapter_alpha: float = _help("adapter scale numerator: s = alpha / initial rank", default=16.0)
+    grow_ranks: bool = _help("grow adapter ranks at pruning events", default=True)
+    rank_budget_multiple: float = _help("final tunable-parameter budget / initial", default=4.0)
+    rank_cap: int = _help("largest rank an adapter may grow to", default=64)
+    salience_beta: float = _help("EMA factor for salience and adapter importance", default=0.85)
+    use_kurtosis: bool = _help("add sqrt(kurtosis) outlier term to group/neuron salience", default=True)
+    distill: bool = _help("self-distillation from the last pruning event's snapshot", default=True)
+    distill_kl_weight: float = _help("weight of the logit KL term inside the distillation loss", default=0.1)
+    distill_mse_weight: float = _help("weight of the hidden-state MSE term", default=0.9)
+    distill_temperature: float = _help("softmax temperature of the KL term", default=2.0 / 3.0)
+    distill_num_blocks: int = _help("layer blocks; one layer is sampled per block for the MSE", default=4)
+    transform_rank: int = _help("adapter rank of the distillation transformation layer", default=8)
+
+    def __post_init__(self) -> None:
+        c = "APTConfig"
+        _require(0.0 < self.target_density <= 1.0, c, "target_density", "in (0, 1]", self.target_density)
+        _require(self.pruning_start_step >= 0, c, "pruning_start_step", ">= 0", self.pruning_start_step)
+        _require(
+            self.pruning_end_step > self.pruning_start_step,
+            c, "pruning_end_step", f"> pruning_start_step ({self.pruning_start_step})", self.pruning_end_step,
+        )
+        _require(self.num_pruning_events >= 1, c, "num_pruning_events", ">= 1", self.num_pruning_events)
+        _require(
+            self.num_pruning_events <= self.pruning_end_step - self.pruning_start_step,
+            c, "num_pruning_events", "<= pruning_end_step - pruning_start_step", self.num_pruning_events,
+        )
+        _require(self.mask_decay_window >= 0, c, "mask_decay_window", ">= 0", self.mask_decay_window)
+        _require(0.0 < self.mask_decay_step <= 1.0, c, "mask_decay_step", "in (0, 1]", self.mask_decay_step)
+        self.adapter_targets = tuple(self.adapter_targets)
+        unknown = [t for t in self.adapter_targets if t not in ADAPTER_TARGETS]
+        _require(not unknown, c, "adapter_targets", f"a subset of {list(ADAPTER_TARGETS)}", self.adapter_targets)
+        _require(len(self.adapter_targets) > 0, c, "adapter_targets", "non-empty", self.adapter_targets)
+        _require(self.adapter_rank >= 1, c, "adapter_rank", ">= 1", self.adapter_rank)
+        _require(self.adapter_alpha > 0, c, "adapter_alpha", "> 0", self.adapter_alpha)
+        _require(self.rank_budget_multiple >= 1.0, c, "rank_budget_multiple", ">= 1", self.rank_budget_multiple)
+        _require(self.rank_cap >= self.adapter_rank, c, "rank_cap", f">= adapter_rank ({self.adapter_rank})", self.rank_cap)
+        _require(0.0 <= self.salience_beta < 1.0, c, "salience_beta", "in [0, 1)", self.salience_beta)
+        for name in ("distill_kl_weight", "distill_mse_weight"):
+            _require(getattr(self, name) >= 0, c, name, ">= 0", getattr(self, name))
+        _require(self.distill_temperature > 0, c, "distill_temperature", "> 0", self.distill_temperature)
+        _require(self.distill_num_blocks >= 1, c, "distill_num_blocks", ">= 1", self.distill_num_blocks)
+        _require(self.transform_rank >= 1, c, "transform_rank", ">= 1", self.transform_rank)
+        if self.prune:
+            _require(
+                self.prune_heads or self.prune_neurons or self.prune_hidden,
+                c, "prune_heads/prune_neurons/prune_hidden", "at least one true when prune is true", False,
+            )
+
+    @classmethod
+    def for_steps(cls, total_steps: int, **overrides) -> "APTConfig":
+        """Schedule defaults scaled to a run of `total_steps` optimizer steps.
+
+        Warm up for 10% of the run, prune between 10% and 70%, then recover for the last 30%
+        (the reference spends roughly this share of epochs in each phase)."""
+        if total_steps < 4:
+            raise ConfigError(f"total steps must be >= 4 to warm up, prune and recover, got {total_steps}")
+        start = max(1, round(0.1 * total_steps))
+        end = max(start + 1, round(0.7 * total_steps))
+        events = min(16, end - start, max(1, (end - start) // 3))
+        spacing = (end - start) / events
+        defaults = dict(
+            pruning_start_step=start,
+            pruning_end_step=end,
+            num_pruning_events=events,
+            mask_decay_window=max(0, int(spacing) - 1),
+            mask_decay_step=1.0 / max(1, int(spacing) - 1) if spacing > 1 else 1.0,
+        )
+        defaults.update(overrides)
+        return cls(**defaults)
+
+    def as_lora(self) -> "APTConfig":
+        """The LoRA baseline: the same adapters, no pruning, no rank growth, no distillation."""
+        return dataclasses.replace(self, prune=False, grow_ranks=False, distill=False, target_density=1.0)
+
+
+@dataclass
+class TrainConfig(_JsonConfig):
+    """Knobs of the training loop (independent of APT)."""
+
+    steps: int = _help("optimizer steps", default=60)
+    micro_batch_size: int = _help("sequences per micro-batch per rank", default=4)
+    grad_accum_steps: int = _help("micro-batches per optimizer step", default=1)
+    lr: float = _help("peak learning rate of adapters", default=2e-3)
+    warmup_steps: int = _help("linear LR warm-up steps", default=5)
+    weight_decay: float = _help("AdamW weight decay", default=0.0)
+    max_seq_len: int = _help("tokens per sequence (longer ones are truncated)", default=128)
+    seed: int = _help("random seed (model init of adapters, data order, layer sampling)", default=0)
+    log_every: int = _help("write a metrics line every N steps", default=1)
+    checkpoint_every: int = _help("save a resumable checkpoint every N steps (0: only at the end)", default=0)
+
+    def __post_init__(self) -> None:
+        c = "TrainConfig"
+        _require(self.steps >= 1, c, "steps", ">= 1", self.steps)
+        _require(self.micro_batch_size >= 1, c, "micro_batch_size", ">= 1", self.micro_batch_size)
+        _require(self.grad_accum_steps >= 1, c, "grad_accum_steps", ">= 1", self.grad_accum_steps)
+        _require(self.lr > 0, c, "lr", "> 0", self.lr)
+        _require(self.warmup_steps >= 0, c, "warmup_steps", ">= 0", self.warmup_steps)
+        _require(self.weight_decay >= 0, c, "weight_decay", ">= 0", self.weight_decay)
+        _require(self.max_seq_len >= 2, c, "max_seq_len", ">= 2", self.max_seq_len)
+        _require(self.log_every >= 1, c, "log_every", ">= 1", self.log_every)
+        _require(self.checkpoint_every >= 0, c, "checkpoint_every", ">= 0", self.checkpoint_every)

@@ -1,0 +1,96 @@
+"""Self-distillation: the pruned student learns from its less-pruned self.
+
+Teacher = the same network (frozen base shared, nothing copied) with the adapters' snapshot
+from the last pruning event (`APTAdapter.teacher_A/B`), masks off, under no_grad.
+Loss = kl_weight * KL(teacher || student at temperature T) * T^2 + mse_weight * MSE over
+sampled layers: layers are split into blocks, one layer is sampled per block, and the
+student's hidden state passes through a transformation layer (hidden -> hidden, identity
+weight, tuned through a low-rank adapter) before the MSE. Whole layers are never removed,
+so a sampled teacher layer maps to the same student layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .adapters import APTAdapter, find_adapters
+from .config import APTConfig
+
+TRANSFORM_ATTR = "apt_distill_transform"  # submodule name; export drops it
+
+
+def attach_transform(model, hidden: int, rank: int, alpha: float, seed: int) -> APTAdapter:
+    """Identity Linear + trainable adapter, registered on the model so one engine owns it."""
+    reference = model.model.embed_tokens.weight
+    linear = nn.Linear(hidden, hidden, bias=False, dtype=reference.dtype if reference.numel() else torch.float32)
+    with torch.no_grad():
+        linear.weight.copy_(torch.eye(hidden, dtype=linear.weight.dtype))
+    transform = APTAdapter.wrap(linear, rank, alpha, torch.Generator().manual_seed(seed))
+    setattr(model, TRANSFORM_ATTR, transform)
+    return transform
+
+
+def student_adapters(model) -> dict[str, APTAdapter]:
+    return {n: a for n, a in find_adapters(model).items() if not n.startswith(TRANSFORM_ATTR)}
+
+
+class SelfDistiller:
+    def __init__(self, config: APTConfig, num_layers: int, seed: int = 0):
+        self.config = config
+        self.num_layers = num_layers
+        self.generator = torch.Generator().manual_seed(seed + 17)
+
+    def snapshot(self, model, read_param=None) -> None:
+        """Freeze the current adapters as the teacher (called at each pruning event).
+
+        `read_param(name, param)` returns a full tensor (ZeRO-3 partitions parameters)."""
+        for name, adapter in student_adapters(model).items():
+            if read_param is None:
+                adapter.snapshot_teacher()
+            else:
+                adapter.snapshot_teacher(read_param(f"{name}.lora_A", adapter.lora_A), read_param(f"{name}.lora_B", adapter.lora_B))
+
+    def sample_layers(self) -> list[int]:
+        blocks = torch.arange(self.num_layers).tensor_split(min(self.config.distill_num_blocks, self.num_layers))
+        return [int(block[torch.randint(len(block), (1,), generator=self.generator)]) for block in blocks]
+
+    @contextlib.contextmanager
+    def teacher_mode(self, model, switches):
+        """Adapters read their snapshot; masks and salience hooks are switched off."""
+        adapters = student_adapters(model).values()
+        saved = [(s, s.enabled) for s in switches]
+        for adapter in adapters:
+            adapter.use_teacher = True
+        for switch, _ in saved:
+            switch.enabled = False
+        try:
+            yield
+        finally:
+            for adapter in adapters:
+                adapter.use_teacher = False
+            for switch, enabled in saved:
+                switch.enabled = enabled
+
+    def loss(self, model, student_out, teacher_out, layers: list[int], valid: torch.Tensor) -> torch.Tensor:
+        """Distillation loss on positions where `valid` (B, T) is true."""
+        cfg = self.config
+        temperature = cfg.distill_temperature
+        weights = valid.to(student_out.logits.dtype)
+        denom = weights.sum().clamp_min(1.0)
+        s_logp = F.log_softmax(student_out.logits.float() / temperature, -1)
+        t_logp = F.log_softmax(teacher_out.logits.float() / temperature, -1)
+        kl = (t_logp.exp() * (t_logp - s_logp)).sum(-1)
+        kl = (kl * weights).sum() / denom * temperature**2
+        transform = getattr(model, TRANSFORM_ATTR)
+        mse = student_out.logits.new_zeros(())
+        for layer in layers:  # hidden_states[0] is the embedding output
+            student_h = transform(student_out.hidden_states[layer + 1])
+            teacher_h = teacher_out.hidden_states[layer + 1]
+            per_token = (student_h.float() - teacher_h.float()).pow(2).mean(-1)
+            mse = mse + (per_token * weights).sum() / denom
+        mse = mse / max(1, len(layers))
+        return cfg.distill_kl_weight * kl + cfg.distill_mse_weight * mse

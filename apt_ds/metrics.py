@@ -1,0 +1,35 @@
+"""Metrics written to disk as JSON lines, and process memory readings."""
+
+from __future__ import annotations
+
+import json
+import resource
+from pathlib import Path
+
+import psutil
+
+
+def memory_mb() -> dict:
+    """Current and peak resident set size of this process, in MiB."""
+    rss = psutil.Process().memory_info().rss / 2**20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    return {"rss_mb": round(rss, 1), "peak_rss_mb": round(peak, 1)}
+
+
+class MetricsWriter:
+    """Appends one JSON object per line and flushes, so a killed run keeps what it logged."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict) -> None:
+        if self.path is None:
+            return
+        with self.path.open("a") as handle:
+            handle.write(json.dumps(record, sort_keys=True) + "\n")
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

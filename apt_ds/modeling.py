@@ -1,0 +1,121 @@
+"""Getting LLaMA models in and out: local HF dirs, GGUF files, the built-in tiny model, and
+apt_ds exports whose layers have their own shapes.
+
+A non-uniform export is still a stock `LlamaForCausalLM`: only its Linear/RMSNorm modules
+are sized per layer (recorded in config.json as `apt_layer_shapes`). LLaMA attention reads
+the head count from its weights (reshape with -1), so nothing else changes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .units import LayerShape, UnsupportedModelError
+
+TINY_MODEL = "tiny"  # --model value for the built-in demo model
+TINY_CONFIG = dict(
+    hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
+)
+
+
+class ModelLoadError(ValueError):
+    """The model path does not hold a loadable LLaMA checkpoint."""
+
+
+def build_tiny_llama(vocab_size: int, seed: int = 0, **overrides):
+    """The built-in demo model: a small random LLaMA with GQA (no download)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    values = {**TINY_CONFIG, **overrides, "vocab_size": vocab_size}
+    return LlamaForCausalLM(LlamaConfig(**values))
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
+    """A causal LM from a local HF directory, a .gguf file, or an apt_ds export."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    if not path.exists():
+        raise ModelLoadError(f"model path {path} does not exist (give a local HF directory or a .gguf file)")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"model file {path} is not a .gguf file; give a directory with config.json or a .gguf")
+        try:
+            return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+        except Exception as err:  # transformers raises many types for bad GGUF
+            raise ModelLoadError(f"cannot load GGUF {path}: {str(err).splitlines()[0]}") from None
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model directory")
+    config = json.loads((path / "config.json").read_text())
+    if config.get("apt_layer_shapes"):
+        return load_pretrained(path, dtype=dtype)
+    if config.get("model_type") != "llama":
+        raise UnsupportedModelError(f"{path}: model_type {config.get('model_type')!r} is not supported (LLaMA only)")
+    try:
+        AutoConfig.from_pretrained(str(path))
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    except Exception as err:
+        raise ModelLoadError(f"cannot load model from {path}: {str(err).splitlines()[0]}") from None
+
+
+def resize_layers(model, layer_shapes: list[LayerShape]) -> None:
+    """Give every decoder layer its own (empty) module sizes before weights are loaded."""
+    hidden = model.config.hidden_size
+    for layer, shape in zip(model.model.layers, layer_shapes):
+        attn, mlp = layer.self_attn, layer.mlp
+        q_out, kv_out = shape.num_q_heads * shape.head_dim, shape.num_kv_groups * shape.head_dim
+        for owner, name, n_in, n_out in (
+            (attn, "q_proj", hidden, q_out), (attn, "k_proj", hidden, kv_out), (attn, "v_proj", hidden, kv_out),
+            (attn, "o_proj", q_out, hidden), (mlp, "gate_proj", hidden, shape.ffn), (mlp, "up_proj", hidden, shape.ffn),
+            (mlp, "down_proj", shape.ffn, hidden),
+        ):
+            old = getattr(owner, name)
+            setattr(owner, name, nn.Linear(n_in, n_out, bias=False, dtype=old.weight.dtype, device=old.weight.device))
+        attn.num_key_value_groups = shape.group_size
+        attn.head_dim = shape.head_dim
+        mlp.intermediate_size = shape.ffn
+
+
+def load_pretrained(directory: str | Path, dtype: torch.dtype | None = None):
+    """Load an apt_ds export (uniform or not) as a regular LlamaForCausalLM."""
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    directory = Path(directory)
+    try:
+        raw = json.loads((directory / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ModelLoadError(f"{directory}: cannot read config.json ({err})") from None
+    shapes = [LayerShape(**s) for s in raw.pop("apt_layer_shapes", None) or []]
+    config = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("architectures", "transformers_version")})
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    if shapes:
+        if len(shapes) != config.num_hidden_layers:
+            raise ModelLoadError(f"{directory}: apt_layer_shapes has {len(shapes)} layers, config says {config.num_hidden_layers}")
+        resize_layers(model, shapes)
+        model.config.apt_layer_shapes = [s.__dict__ for s in shapes]
+    state = {}
+    for shard in sorted(directory.glob("*.safetensors")):
+        state.update(load_file(str(shard)))
+    if not state:
+        raise ModelLoadError(f"{directory}: no *.safetensors weights found")
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    model.load_state_dict(state, strict=not config.tie_word_embeddings, assign=True)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if missing:
+        raise ModelLoadError(f"{directory}: weights missing for {missing[:3]}")
+    # Buffers (rotary inv_freq) were created on meta: rebuild them on CPU.
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
+    if dtype is not None:
+        model = model.to(dtype)
+    return model.eval()

@@ -1,0 +1,103 @@
+"""The APT model state: adapters, masks, salience, kept units, and how they change together.
+
+`APTModel` owns everything that is attached to the LLaMA network (adapters, masks,
+salience hooks, the distillation transform) plus the bookkeeping that lets a shrunk
+architecture be rebuilt from the original checkpoint: which ORIGINAL unit indices survive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .adapters import add_adapters, find_adapters
+from .config import APTConfig
+from .distill import TRANSFORM_ATTR, attach_transform, student_adapters
+from .edits import ShapeChange
+from .masks import UnitMasks
+from .pruner import KeepDecision
+from .salience import SalienceCollector
+from .shrink import Gather, shrink_model, slice_linear
+from .units import ModelShape, check_llama_model
+
+
+class APTModel:
+    def __init__(self, model, config: APTConfig, seed: int = 0, reduce_sum=None, world_size: int = 1):
+        check_llama_model(model)
+        self.model, self.config = model, config
+        self.original_shape = ModelShape.from_model(model)
+        self.shape = self.original_shape
+        self.kept_groups = [torch.arange(l.num_kv_groups) for l in self.shape.layers]
+        self.kept_neurons = [torch.arange(l.ffn) for l in self.shape.layers]
+        self.kept_hidden = torch.arange(self.shape.hidden)
+        add_adapters(model, config.adapter_targets, config.adapter_rank, config.adapter_alpha, seed=seed)
+        if config.distill and config.prune:
+            attach_transform(model, self.shape.hidden, config.transform_rank, config.adapter_alpha, seed)
+        self.masks = UnitMasks(self.shape)
+        self.masks.install(model)
+        self.salience = SalienceCollector(self.shape, config.salience_beta, config.use_kurtosis, reduce_sum, world_size)
+        self.salience.install(model)
+        self.salience.enabled = False
+
+    @property
+    def adapters(self):
+        return student_adapters(self.model)
+
+    def block_params(self) -> int:
+        return self.shape.block_params()
+
+    def density(self) -> float:
+        return self.shape.block_params() / self.original_shape.block_params()
+
+    def adapter_params(self) -> int:
+        return sum(a.adapter_params() for a in find_adapters(self.model).values())
+
+    def total_rank(self) -> int:
+        return sum(a.rank for a in self.adapters.values())
+
+    def ranks(self) -> dict[str, int]:
+        return {name: a.rank for name, a in sorted(self.adapters.items())}
+
+    # ---- shape changes -------------------------------------------------------------------
+    def shrink(self, decision: KeepDecision, gather: Gather) -> ShapeChange:
+        """Physically remove what `decision` drops; keep every record consistent."""
+        groups, neurons, hidden = decision.indices()
+        new_shape, change = shrink_model(self.model, self.shape, groups, neurons, hidden, gather)
+        transform = getattr(self.model, TRANSFORM_ATTR, None)
+        if transform is not None and len(hidden) != self.shape.hidden:
+            with gather(list(transform.parameters())):
+                change.update(slice_linear(transform, hidden, hidden, TRANSFORM_ATTR))
+        self.kept_groups = [k[i] for k, i in zip(self.kept_groups, groups)]
+        self.kept_neurons = [k[i] for k, i in zip(self.kept_neurons, neurons)]
+        self.kept_hidden = self.kept_hidden[hidden]
+        self.salience.keep(new_shape, groups, neurons, hidden)
+        self.masks.reset(new_shape)
+        self.shape = new_shape
+        return change
+
+    def restore_architecture(self, kept: dict, ranks: dict[str, int], gather: Gather = lambda p: contextlib.nullcontext()) -> None:
+        """Resume: shrink the original model to saved ORIGINAL indices and grow saved ranks."""
+        groups = [torch.tensor(g, dtype=torch.long) for g in kept["groups"]]
+        neurons = [torch.tensor(n, dtype=torch.long) for n in kept["neurons"]]
+        hidden = torch.tensor(kept["hidden"], dtype=torch.long)
+        flags = KeepDecision(
+            [torch.zeros(l.num_kv_groups, dtype=torch.bool).index_fill_(0, g, True) for l, g in zip(self.shape.layers, groups)],
+            [torch.zeros(l.ffn, dtype=torch.bool).index_fill_(0, n, True) for l, n in zip(self.shape.layers, neurons)],
+            torch.zeros(self.shape.hidden, dtype=torch.bool).index_fill_(0, hidden, True),
+            0,
+        )
+        self.shrink(flags, gather)
+        adapters = self.adapters
+        unknown = sorted(set(ranks) - set(adapters))
+        if unknown:
+            raise ValueError(f"checkpoint has adapters {unknown[:3]} that this model/config does not have")
+        for name, rank in ranks.items():
+            adapters[name].grow_rank(rank)
+
+    def kept_record(self) -> dict:
+        return {
+            "groups": [k.tolist() for k in self.kept_groups],
+            "neurons": [k.tolist() for k in self.kept_neurons],
+            "hidden": self.kept_hidden.tolist(),
+        }

@@ -1,0 +1,226 @@
+"""APTrainer: Algorithm 1 of APT, one loop for one process or a DeepSpeed engine.
+
+Per optimizer step: forward/backward over the gradient-accumulation micro-batches (teacher
+pass first when distilling), reduce salience and adapter importance across ranks, optimizer
+step; in the window before a pruning event move masks toward the upcoming decision; at an
+event snap masks, physically shrink, grow ranks, rebuild the optimizer carrying its state,
+and snapshot the teacher. Everything the loop needs from the executor goes through
+`TrainingBackend`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+from .backend import LocalBackend, TrainingBackend
+from .checkpoint import load_checkpoint, save_checkpoint
+from .config import APTConfig, TrainConfig
+from .distill import SelfDistiller
+from .edits import merge_changes
+from .metrics import MetricsWriter, memory_mb
+from .pruner import AdaptivePruner, GradualMasker
+from .schedule import SparsityScheduler
+from .state import APTModel
+from .tuner import AdaptiveTuner
+
+
+def warmup_cosine(warmup: int, total: int, floor: float = 0.1):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+class APTrainer:
+    def __init__(self, model, apt: APTConfig, train: TrainConfig, backend: TrainingBackend | None = None,
+                 out_dir: str | Path | None = None, eval_batches: list[dict] | None = None, progress: bool = True,
+                 run_info: dict | None = None):
+        self.apt_config, self.train_config = apt, train
+        self.backend = backend or LocalBackend()
+        self.out_dir = Path(out_dir) if out_dir else None
+        self.eval_batches = eval_batches or []
+        self.progress = progress
+        self.run_info = run_info or {}
+        torch.manual_seed(train.seed)
+        self.state = APTModel(model, apt, seed=train.seed, reduce_sum=self.backend.all_reduce_sum, world_size=self.backend.world_size)
+        self.model = model
+        self.schedule = SparsityScheduler(apt)
+        self.pruner = AdaptivePruner(apt)
+        self.masker = GradualMasker(apt.mask_decay_step)
+        self.tuner = AdaptiveTuner(apt)
+        self.distiller = SelfDistiller(apt, len(self.state.shape.layers), seed=train.seed)
+        self.growth_generator = torch.Generator().manual_seed(train.seed + 1)
+        self.consumed_micro_batches = 0
+        self.teacher_ready = False
+        self.history: list[dict] = []
+        self.backend.attach(model, train.lr, warmup_cosine(train.warmup_steps, train.steps), train.weight_decay, train.grad_accum_steps)
+        self.metrics = MetricsWriter(self.out_dir / "metrics.jsonl" if self.out_dir and self.backend.is_main() else None)
+
+    # ---- public ----------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        return self.backend.optimizer_steps
+
+    def resume(self, checkpoint_dir: str | Path) -> None:
+        load_checkpoint(self, Path(checkpoint_dir))
+
+    def train(self, batches: Iterator[dict]) -> dict:
+        cfg = self.train_config
+        for _ in range(self.consumed_micro_batches):  # deterministic data order: skip what a resumed run saw
+            next(batches)
+        bar = tqdm(total=cfg.steps, initial=self.step, disable=not (self.progress and self.backend.is_main()), desc="apt")
+        while self.step < cfg.steps:
+            record = self._train_step(batches)
+            record.update(self._after_step())
+            if self.step % cfg.log_every == 0 or record.get("event") or self.step == cfg.steps:
+                self._log(record)
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", density=f"{record['density']:.2f}")
+            if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < cfg.steps:
+                self.save()
+        bar.close()
+        final = {"step": self.step, "final": True, "density": self.state.density(), **self._sizes()}
+        if self.eval_batches:
+            final["eval_loss"] = self.evaluate()
+        self.metrics.write(final)
+        self.history.append(final)
+        if self.out_dir:
+            self.save()
+        return final
+
+    def save(self) -> None:
+        save_checkpoint(self, self.out_dir / "checkpoint")
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean token loss over the eval batches (summed over ranks before dividing)."""
+        totals = torch.zeros(2, dtype=torch.float64)
+        was_enabled = self.state.salience.enabled
+        self.state.salience.enabled = False
+        for batch in self.eval_batches:
+            out = self.backend.forward_no_grad(**batch)
+            tokens = (batch["labels"][:, 1:] != -100).sum()
+            totals += torch.tensor([float(out.loss) * float(tokens), float(tokens)], dtype=torch.float64)
+        self.state.salience.enabled = was_enabled
+        totals = self.backend.all_reduce_sum(totals)
+        return float(totals[0] / totals[1].clamp_min(1))
+
+    # ---- one optimizer step --------------------------------------------------------------
+    def _train_step(self, batches) -> dict:
+        started = time.perf_counter()
+        step = self.step
+        collect = self.schedule.collects_salience(step)
+        self.state.salience.enabled = collect
+        mu = self.schedule.distill_weight(step) if self.teacher_ready else 0.0
+        sums = {"loss": 0.0, "task_loss": 0.0, "distill_loss": 0.0}
+        for _ in range(self.train_config.grad_accum_steps):
+            batch = next(batches)
+            self.consumed_micro_batches += 1
+            task_loss, distill_loss = self._losses(batch, mu)
+            loss = (1 - mu) * task_loss + mu * distill_loss if mu > 0 else task_loss
+            self.backend.backward(loss)
+            for key, value in (("loss", loss), ("task_loss", task_loss), ("distill_loss", distill_loss)):
+                sums[key] += float(value.detach()) / self.train_config.grad_accum_steps
+        if collect:
+            self.state.salience.end_step()
+            if self.apt_config.grow_ranks:
+                self.tuner.accumulate(self.state.adapters, self.backend.full_param, self.backend.full_grad)
+        lr = self.backend.lr
+        self.backend.step()
+        reduced = self.backend.all_reduce_sum(torch.tensor([sums["loss"], sums["task_loss"], sums["distill_loss"]], dtype=torch.float64))
+        reduced /= self.backend.world_size
+        return {
+            "step": self.step, "loss": float(reduced[0]), "task_loss": float(reduced[1]),
+            "distill_loss": float(reduced[2]), "mu": mu, "lr": lr, "step_time_s": time.perf_counter() - started,
+        }
+
+    def _losses(self, batch: dict, mu: float):
+        if mu <= 0:
+            out = self.backend.forward(**batch)
+            return out.loss, torch.zeros(())
+        layers = self.distiller.sample_layers()
+        with self.distiller.teacher_mode(self.model, [self.state.masks, self.state.salience]):
+            teacher = self.backend.forward_no_grad(**batch, output_hidden_states=True)
+        student = self.backend.forward(**batch, output_hidden_states=True)
+        valid = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()
+        return student.loss, self.distiller.loss(self.model, student, teacher, layers, valid)
+
+    # ---- pruning events ------------------------------------------------------------------
+    def _after_step(self) -> dict:
+        step, record = self.step, {"event": False}
+        scores = self.state.salience
+        if self.schedule.is_event(step) and scores.has_scores:
+            record.update(self._pruning_event(step))
+        elif self.schedule.in_decay_window(step) and scores.has_scores:
+            upcoming = self.schedule.next_event(step)
+            decision = self._decide(self.schedule.density(upcoming))
+            self.masker.step_toward(self.state.masks, decision)
+        if self.apt_config.prune and not self.teacher_ready and step >= self.apt_config.pruning_start_step and self.apt_config.distill:
+            self._snapshot_teacher()
+        return record
+
+    def _decide(self, density: float):
+        target = density * self.state.original_shape.budget_params(self.apt_config.count_embeddings)
+        s = self.state.salience
+        return self.pruner.decide(self.state.shape, s.group_scores, s.neuron_scores, s.hidden_scores, target)
+
+    def _pruning_event(self, step: int) -> dict:
+        started = time.perf_counter()
+        decision = self._decide(self.schedule.density(step))
+        prints = self.backend.all_gather_object(decision.fingerprint())
+        if len(set(prints)) != 1:
+            raise RuntimeError(f"pruning decisions differ across ranks at step {step}: {prints}")
+        self.masker.snap(self.state.masks, decision)
+        gather = self.backend.gathered
+
+        def change_fn():
+            change = self.state.shrink(decision, gather) if decision.removes_anything() else {}
+            growth = {}
+            if self.apt_config.grow_ranks:
+                adapters = self.state.adapters
+                plan = self.tuner.plan_growth(adapters, self.schedule.tuning_budget_multiple(step))
+                for name in sorted(plan):
+                    with gather(list(adapters[name].parameters())):
+                        growth.update(self.tuner.grow({name: adapters[name]}, {name: plan[name]}, self.growth_generator))
+            return merge_changes(change, growth)
+
+        self.backend.apply_shape_change(change_fn)
+        ranks = self.backend.all_gather_object((self.state.kept_record(), self.state.ranks()))
+        if any(r != ranks[0] for r in ranks):
+            raise RuntimeError(f"shapes or ranks differ across ranks after the pruning event at step {step}")
+        if self.apt_config.distill:
+            self._snapshot_teacher()
+        record = {"event": True, "event_time_s": time.perf_counter() - started}
+        if self.eval_batches:
+            record["eval_loss"] = self.evaluate()
+        return record
+
+    def _snapshot_teacher(self) -> None:
+        self.distiller.snapshot(self.model, self.backend.full_param)
+        self.teacher_ready = True
+
+    # ---- metrics -------------------------------------------------------------------------
+    def _sizes(self) -> dict:
+        return {
+            "block_params": self.state.block_params(),
+            "total_params": self.state.shape.total_params(),
+            "adapter_params": self.state.adapter_params(),
+            "total_rank": self.state.total_rank(),
+        }
+
+    def _log(self, record: dict) -> None:
+        record.update(self._sizes())
+        record["density"] = self.state.density()
+        record["world_size"] = self.backend.world_size
+        record.update(memory_mb())
+        self.metrics.write(record)
+        self.history.append(record)

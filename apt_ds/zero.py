@@ -1,0 +1,448 @@
+"""The DeepSpeed seam: `DeepSpeedBackend` runs the `TrainingBackend` contract on a ZeRO engine.
+
+This is the only apt_ds module that imports deepspeed, and it does so lazily, so that
+`import apt_ds` works without it.
+
+Decisions (measured with deepspeed 0.19.8, torch 2.13 CPU, gloo):
+- The optimizer is always a client `torch.optim.AdamW` over the trainable parameters and the
+  schedule a client `LambdaLR`; lr, weight decay and schedule come from APT's config. An
+  "optimizer" or "scheduler" section in the DeepSpeed JSON is dropped with a warning.
+  `torch.optim.AdamW` needs no JIT build on CPU, also with `offload_optimizer` (the backend
+  sets `zero_force_ds_cpu_optimizer: false` for that).
+- "auto" is accepted for `bf16.enabled` (bf16 if the accelerator supports it), `fp16.enabled`
+  (off), and the three batch sizes (set from the trainer). DeepSpeed itself rejects "auto".
+- ZeRO stages 1, 2 and 3 are supported; stage 0 is refused (its optimizer keeps no fp32
+  masters to carry across a shape change).
+- Gradient accumulation: `backward` runs `engine.backward` (which scales by 1/gas) and, on
+  every micro-batch except the last of a cycle, a no-op `engine.step` that only advances
+  DeepSpeed's micro-step counter; `step` is the boundary step. So reduced gradients are
+  readable by `full_grad` between the last backward and `step`.
+
+Shape changes (`apply_shape_change`), the sequence that works on ZeRO-2 and ZeRO-3:
+1. snapshot every trainable fp32 master and its Adam moments by name (collectives) plus the
+   Adam step;
+2. destroy the engine, remove its two module hooks and the `_z3_optimizer` / `_zero_optimizer`
+   back-references DeepSpeed leaves on parameters (upstream issue #7204), so the old engine
+   is garbage-collected;
+3. run `change_fn`. Under ZeRO-3 the unchanged parameters stay partitioned after destroy, and
+   `backend.gathered(params)` still works there (measured): gather, read, build NEW plain
+   `nn.Parameter`s. Plain float32 parameters are cast to bf16 when bf16 is on;
+4. check every rank produced the same shapes (a mismatch would hang DeepSpeed), re-run
+   `deepspeed.initialize` (it broadcasts new parameters from rank 0), recreate the Adam state
+   of each flat fp32 partition, then write back masters (grown entries take the new
+   parameter's values) and moments (zeros for grown entries) with `safe_set_full_*`, and put
+   the LR schedule and DeepSpeed's step counters back where they were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import json
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+from .backend import LrLambda, TrainingBackend
+from .edits import Grow, ShapeChange, apply_edits
+
+logger = logging.getLogger(__name__)
+
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+CHECKPOINT_TAG = "apt"
+META_FILE = "apt_backend.json"
+
+
+class DeepSpeedConfigError(ValueError):
+    """The DeepSpeed config cannot be used (missing file, bad JSON, contradicting values)."""
+
+
+def load_ds_config(config: dict | str | os.PathLike) -> tuple[dict, str]:
+    """Return (a private copy of the config dict, a name for messages)."""
+    if isinstance(config, dict):
+        return copy.deepcopy(config), "<dict>"
+    path = Path(config)
+    if not path.is_file():
+        raise DeepSpeedConfigError(f"DeepSpeed config {path}: file not found")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise DeepSpeedConfigError(f"DeepSpeed config {path}: invalid JSON at line {err.lineno} column {err.colno}: {err.msg}") from None
+    if not isinstance(data, dict):
+        raise DeepSpeedConfigError(f"DeepSpeed config {path}: top level must be a JSON object, got {type(data).__name__}")
+    return data, str(path)
+
+
+def _is_auto(value) -> bool:
+    return isinstance(value, str) and value.lower() == "auto"
+
+
+def resolve_config(user: dict, *, grad_accum_steps: int, world_size: int, micro_batch_size: int | None = None,
+                   bf16_supported: bool = True, source: str = "<dict>") -> dict:
+    """Fill "auto" values and batch sizes; refuse contradictions. Pure function of its inputs."""
+    cfg = copy.deepcopy(user)
+
+    def fail(msg: str):
+        raise DeepSpeedConfigError(f"DeepSpeed config {source}: {msg}")
+
+    for section in ("optimizer", "scheduler"):
+        if section in cfg:
+            dropped = cfg.pop(section)
+            logger.warning("DeepSpeed config %s: ignoring its %r section %s; apt_ds uses torch AdamW + LambdaLR "
+                           "with lr / weight decay / schedule from the APT config", source, section, json.dumps(dropped))
+
+    # Batch sizes: the trainer owns gas and (via the constructor) the micro batch.
+    gas_user = cfg.get("gradient_accumulation_steps")
+    if gas_user is not None and not _is_auto(gas_user) and int(gas_user) != grad_accum_steps:
+        fail(f"gradient_accumulation_steps={gas_user} contradicts the trainer's {grad_accum_steps} (use \"auto\" or omit it)")
+    micro_user = cfg.get("train_micro_batch_size_per_gpu")
+    micro_user = None if micro_user is None or _is_auto(micro_user) else int(micro_user)
+    if micro_batch_size is not None and micro_user is not None and micro_user != micro_batch_size:
+        fail(f"train_micro_batch_size_per_gpu={micro_user} contradicts micro_batch_size={micro_batch_size}")
+    train_user = cfg.get("train_batch_size")
+    train_user = None if train_user is None or _is_auto(train_user) else int(train_user)
+    micro = micro_batch_size or micro_user
+    if micro is None:
+        if train_user is not None:
+            if train_user % (grad_accum_steps * world_size):
+                fail(f"train_batch_size={train_user} is not divisible by gradient_accumulation_steps*world_size="
+                     f"{grad_accum_steps}*{world_size}")
+            micro = train_user // (grad_accum_steps * world_size)
+        else:
+            micro = 1  # only used for DeepSpeed's sample counters: the trainer feeds the batches
+    if train_user is not None and train_user != micro * grad_accum_steps * world_size:
+        fail(f"train_batch_size={train_user} != micro {micro} * gradient_accumulation_steps {grad_accum_steps} "
+             f"* world size {world_size}")
+    cfg["train_micro_batch_size_per_gpu"] = micro
+    cfg["gradient_accumulation_steps"] = grad_accum_steps
+    cfg["train_batch_size"] = micro * grad_accum_steps * world_size
+
+    for key in ("bf16", "bfloat16", "fp16"):
+        section = cfg.get(key)
+        if isinstance(section, dict) and _is_auto(section.get("enabled")):
+            section["enabled"] = bool(bf16_supported) if key != "fp16" else False
+    if cfg.get("fp16", {}).get("enabled") is True and cfg.get("bf16", {}).get("enabled") is True:
+        fail("fp16 and bf16 are both enabled")
+
+    zero = cfg.setdefault("zero_optimization", {})
+    stage = zero.get("stage", 0)
+    if stage not in (1, 2, 3):
+        fail(f"zero_optimization.stage must be 1, 2 or 3 (got {stage!r}); shape changes carry ZeRO's fp32 masters")
+    offload = zero.get("offload_optimizer") or {}
+    if offload.get("device", "none") not in ("none", None):
+        if cfg.get("zero_force_ds_cpu_optimizer") is True:
+            fail("offload_optimizer with the client torch AdamW needs \"zero_force_ds_cpu_optimizer\": false")
+        cfg["zero_force_ds_cpu_optimizer"] = False
+
+    leftover = _auto_paths(cfg)
+    if leftover:
+        fail(f"\"auto\" is not supported for {', '.join(leftover)}; give a value")
+    return cfg
+
+
+def _auto_paths(node, prefix="") -> list[str]:
+    if isinstance(node, dict):
+        return [p for k, v in node.items() for p in _auto_paths(v, f"{prefix}{k}.")]
+    return [prefix[:-1]] if _is_auto(node) else []
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _flat_fp32_partitions(zero_optimizer) -> list[torch.Tensor]:
+    """The flat fp32 tensors the wrapped torch optimizer steps (keys of its state)."""
+    for attr in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups"):  # ZeRO-3, ZeRO-1/2
+        if hasattr(zero_optimizer, attr):
+            return list(getattr(zero_optimizer, attr))
+    raise RuntimeError(f"unsupported DeepSpeed optimizer {type(zero_optimizer).__name__}")
+
+
+class DeepSpeedBackend(TrainingBackend):
+    """`TrainingBackend` on a DeepSpeed ZeRO-1/2/3 engine. See the module docstring.
+
+    config: DeepSpeed config as a dict or a JSON path. micro_batch_size: per-rank micro batch
+    (DeepSpeed's sample bookkeeping only). Constructing the backend initializes
+    torch.distributed (a 1-rank group on 127.0.0.1 when not started by a launcher).
+    """
+
+    def __init__(self, config: dict | str | os.PathLike, micro_batch_size: int | None = None):
+        self.user_config, self.config_source = load_ds_config(config)
+        if micro_batch_size is not None and micro_batch_size < 1:
+            raise DeepSpeedConfigError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        self.micro_batch_size = micro_batch_size
+        self.engine = None
+        self.ds_config: dict | None = None
+        self._init_distributed()
+
+    # ---- process group ---------------------------------------------------------------------
+    def _init_distributed(self) -> None:
+        import deepspeed
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:  # plain `python script.py`
+                os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                                  MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+            deepspeed.init_distributed(verbose=False)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+    def barrier(self) -> None:
+        torch.distributed.barrier()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place on `tensor` (also returned). CPU tensors work on any backend."""
+        import torch.distributed as dist
+
+        if tensor.device.type == "cpu" and dist.get_backend() not in ("gloo", "ccl"):
+            from deepspeed.accelerator import get_accelerator
+
+            moved = tensor.to(get_accelerator().current_device_name())
+            dist.all_reduce(moved, op=dist.ReduceOp.SUM)
+            tensor.copy_(moved.cpu())
+        else:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def all_gather_object(self, obj) -> list:
+        out = [None] * self.world_size
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
+    # ---- engine ------------------------------------------------------------------------------
+    def attach(self, model, lr: float, lr_lambda: LrLambda, weight_decay: float, grad_accum_steps: int) -> None:
+        from deepspeed.accelerator import get_accelerator
+
+        if grad_accum_steps < 1:
+            raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
+        self._lr, self._lr_lambda, self._weight_decay = lr, lr_lambda, weight_decay
+        self.grad_accum_steps = grad_accum_steps
+        self.ds_config = resolve_config(self.user_config, grad_accum_steps=grad_accum_steps, world_size=self.world_size,
+                                        micro_batch_size=self.micro_batch_size,
+                                        bf16_supported=get_accelerator().is_bf16_supported(), source=self.config_source)
+        self.zero_stage = self.ds_config["zero_optimization"]["stage"]
+        self.bf16 = bool(self.ds_config.get("bf16", self.ds_config.get("bfloat16", {})).get("enabled", False))
+        self.module = model
+        self._steps, self._micro = 0, 0
+        self._build_engine(step=0)
+
+    def _trainable(self) -> dict[str, torch.nn.Parameter]:
+        return {n: p for n, p in self.module.named_parameters() if p.requires_grad}
+
+    def _build_engine(self, step: int) -> None:
+        import deepspeed
+
+        params = list(self._trainable().values())
+        if not params:
+            raise ValueError("the model has no trainable parameters (requires_grad)")
+        optimizer = torch.optim.AdamW(params, lr=self._lr, weight_decay=self._weight_decay)
+        engine, _, _, _ = deepspeed.initialize(model=self.module, optimizer=optimizer, config=self.ds_config)
+        self.engine = engine
+        self._reset_schedule(step)
+
+    @property
+    def _basic_optimizer(self) -> torch.optim.Optimizer:
+        return self.engine.optimizer.optimizer
+
+    def _reset_schedule(self, step: int) -> None:
+        """A LambdaLR at position `step` (lr = base * lambda(step)), and DeepSpeed's counters."""
+        basic = self._basic_optimizer
+        for group in basic.param_groups:
+            group["initial_lr"] = self._lr
+        self.engine.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(basic, self._lr_lambda, last_epoch=step - 1)
+        self.engine.global_steps = step
+        self.engine.micro_steps = step * self.grad_accum_steps
+        self.engine.global_samples = step * self.ds_config["train_batch_size"]
+        self._steps, self._micro = step, 0
+
+    def forward(self, **batch):
+        return self.engine(**batch)
+
+    def forward_no_grad(self, **batch):
+        with torch.no_grad():
+            return self.engine(**batch)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self._micro >= self.grad_accum_steps:
+            raise RuntimeError(f"backward() called {self._micro + 1} times without step() (grad_accum_steps="
+                               f"{self.grad_accum_steps})")
+        self.engine.backward(loss)  # scales by 1 / grad_accum_steps
+        self._micro += 1
+        if self._micro < self.grad_accum_steps:
+            self.engine.step()  # not a boundary: only advances DeepSpeed's micro-step counter
+
+    def step(self) -> None:
+        if self._micro != self.grad_accum_steps or not self.engine.is_gradient_accumulation_boundary():
+            raise RuntimeError(f"step() after {self._micro} backward() calls; expected {self.grad_accum_steps}")
+        self.engine.step()
+        self._micro = 0
+        self._steps += 1
+
+    @property
+    def lr(self) -> float:
+        return float(self._basic_optimizer.param_groups[0]["lr"])
+
+    @property
+    def optimizer_steps(self) -> int:
+        return self._steps
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps DeepSpeed skipped for inf/nan gradients (bf16/fp16 overflow check)."""
+        return int(getattr(self.engine, "skipped_steps", 0))
+
+    def full_grad(self, name: str, param: torch.nn.Parameter) -> torch.Tensor | None:
+        """Rank-averaged gradient of `param` (collective: every rank must call it for the same params)."""
+        from deepspeed.utils import safe_get_full_grad
+
+        return safe_get_full_grad(param)
+
+    def full_fp32_param(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        """fp32 master of a trainable param (collective); None for frozen ones."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        return safe_get_full_fp32_param(param)
+
+    def gathered(self, params: Iterable[torch.nn.Parameter], modifier_rank: int | None = 0):
+        """Full tensors of ZeRO-3 partitioned `params` inside the block, on every rank (collective:
+        every rank must enter with the same list). On exit rank `modifier_rank`'s in-place edits
+        are broadcast (None: read only, cheaper). Replacing a module's Parameter by a new one
+        inside the block is fine. No-op for params that are not partitioned (ZeRO-1/2)."""
+        partitioned = [p for p in params if hasattr(p, "ds_id")]
+        if not partitioned:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=modifier_rank)
+
+    # ---- shape changes -----------------------------------------------------------------------
+    def _snapshot(self) -> tuple[dict[str, dict[str, torch.Tensor]], torch.Tensor | None]:
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        basic = self._basic_optimizer
+        flats = [f for f in _flat_fp32_partitions(self.engine.optimizer) if f in basic.state and basic.state[f]]
+        adam_step = basic.state[flats[0]]["step"].detach().clone() if flats else None
+        snap = {}
+        for name, param in self._trainable().items():  # one collective per tensor, same order everywhere
+            entry = {"master": safe_get_full_fp32_param(param).detach().cpu().clone()}
+            if adam_step is not None:
+                for key in ADAM_MOMENTS:
+                    entry[key] = safe_get_full_optimizer_state(param, key).detach().cpu().clone()
+            snap[name] = entry
+        return snap, adam_step
+
+    def _destroy_engine(self) -> None:
+        engine, self.engine = self.engine, None
+        engine.destroy()
+        for handle in ("module_forward_pre_hook", "module_forward_post_hook"):
+            if getattr(engine, handle, None) is not None:
+                getattr(engine, handle).remove()
+                setattr(engine, handle, None)
+        for param in self.module.parameters():
+            for attr in ("_z3_optimizer", "_zero_optimizer", "_hp_mapping"):
+                if attr in param.__dict__:
+                    delattr(param, attr)
+        engine.lr_scheduler = engine.optimizer = engine.basic_optimizer = None
+        del engine
+        gc.collect()
+
+    def _check_shapes_agree(self) -> None:
+        shapes = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in self.module.named_parameters()}
+        trainable = sorted(self._trainable())
+        views = self.all_gather_object((shapes, trainable))
+        for rank, view in enumerate(views):
+            if view != views[0]:
+                diff = sorted(set(view[0].items()) ^ set(views[0][0].items()))[:4]
+                raise RuntimeError(f"after change_fn rank {rank} has other parameter shapes / trainable set than rank 0: {diff}")
+
+    def _cast_plain_params(self) -> None:
+        if not self.bf16:
+            return
+        for param in self.module.parameters():
+            if not hasattr(param, "ds_id") and param.dtype == torch.float32:
+                param.data = param.data.to(torch.bfloat16)
+
+    def apply_shape_change(self, change_fn: Callable[[], ShapeChange]) -> None:
+        """Destroy the engine, run `change_fn`, rebuild it carrying masters, Adam state and the
+        LR position (see the module docstring). Call after `step()`, on every rank; `change_fn`
+        must produce identical shapes on every rank (checked) and may gather ZeRO-3 params with
+        `self.gathered`. Parameters the change replaces without edits restart from their new
+        values with zero Adam state; names missing from the change keep their state as is."""
+        if self._micro:
+            raise RuntimeError("apply_shape_change() inside a gradient-accumulation cycle; call it after step()")
+        snap, adam_step = self._snapshot()
+        self._destroy_engine()
+        change = change_fn() or {}
+        self._check_shapes_agree()
+        self._cast_plain_params()
+        self._build_engine(step=self._steps)
+        self._restore(snap, adam_step, change)
+
+    def _restore(self, snap, adam_step, change: ShapeChange) -> None:
+        from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        zero_optimizer, basic = self.engine.optimizer, self._basic_optimizer
+        if adam_step is not None:
+            for flat in _flat_fp32_partitions(zero_optimizer):
+                basic.state[flat] = {"step": adam_step.clone(), "exp_avg": torch.zeros_like(flat),
+                                     "exp_avg_sq": torch.zeros_like(flat)}
+            if hasattr(zero_optimizer, "_lazy_init_hp_params_optimizer_state"):  # ZeRO-1/2 fragment links
+                zero_optimizer._hp_optimizer_states_linked = False
+                zero_optimizer._lazy_init_hp_params_optimizer_state()
+        for name, param in self._trainable().items():
+            if name not in snap:
+                continue
+            edits = change.get(name, [])
+            shape = tuple(getattr(param, "ds_shape", param.shape))
+            fill = safe_get_full_fp32_param(param).cpu() if any(isinstance(e, Grow) for e in edits) else None
+            master = apply_edits(snap[name]["master"], edits, fill=fill)
+            if tuple(master.shape) != shape:
+                raise RuntimeError(f"{name}: edits give shape {tuple(master.shape)} but the new parameter is {shape}")
+            safe_set_full_fp32_param(param, master)
+            if adam_step is not None:
+                for key in ADAM_MOMENTS:
+                    safe_set_full_optimizer_state(param, apply_edits(snap[name][key], edits), key)
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def save(self, directory: Path) -> None:
+        """DeepSpeed checkpoint of trainable params, optimizer and scheduler state into
+        directory/"deepspeed" (every rank writes its partition; call on all ranks). Frozen
+        weights are not included (the trainer saves the shrunk base), as in LocalBackend."""
+        directory = Path(directory)
+        shapes = {n: list(getattr(p, "ds_shape", p.shape)) for n, p in self._trainable().items()}
+        self.engine.save_checkpoint(str(directory / "deepspeed"), tag=CHECKPOINT_TAG,
+                                    client_state={"apt_optimizer_steps": self._steps}, exclude_frozen_parameters=True)
+        if self.rank == 0:
+            meta = {"optimizer_steps": self._steps, "world_size": self.world_size, "zero_stage": self.zero_stage,
+                    "trainable_shapes": shapes}
+            (directory / "deepspeed" / META_FILE).write_text(json.dumps(meta, indent=1))
+        self.barrier()
+
+    def load(self, directory: Path) -> None:
+        """Restore a `save`d state into the attached engine (the model must already have the
+        checkpoint's architecture); same world size and ZeRO stage as when saved."""
+        directory = Path(directory) / "deepspeed"
+        meta_path = directory / META_FILE
+        if not meta_path.is_file():
+            raise FileNotFoundError(f"no apt_ds DeepSpeed checkpoint in {directory} ({META_FILE} missing)")
+        meta = json.loads(meta_path.read_text())
+        if meta["world_size"] != self.world_size or meta["zero_stage"] != self.zero_stage:
+            raise ValueError(f"checkpoint {directory} was saved with world size {meta['world_size']} / ZeRO-"
+                             f"{meta['zero_stage']}; this run has {self.world_size} / ZeRO-{self.zero_stage}")
+        shapes = {n: list(getattr(p, "ds_shape", p.shape)) for n, p in self._trainable().items()}
+        if shapes != meta["trainable_shapes"]:
+            bad = sorted(set(shapes) ^ set(meta["trainable_shapes"])) or [
+                n for n in shapes if shapes[n] != meta["trainable_shapes"][n]]
+            raise ValueError(f"checkpoint {directory} trainable parameters differ from the model's: {bad[:4]}")
+        path, _ = self.engine.load_checkpoint(str(directory), tag=CHECKPOINT_TAG, load_module_strict=False,
+                                              load_optimizer_states=True, load_lr_scheduler_states=False)
+        if path is None:
+            raise FileNotFoundError(f"DeepSpeed could not load a checkpoint from {directory}")
+        self._reset_schedule(int(meta["optimizer_steps"]))  # LambdaLR's state is its step count

@@ -1,0 +1,15 @@
+#!/usr/bin/env python
+"""Export a run as a merged, physically smaller dense model.  See `python launch/export.py --help`.
+
+    python launch/export.py runs/r1 --out compact/
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from apt_ds.cli import export_main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(export_main())

@@ -1,0 +1,17 @@
+#!/usr/bin/env python
+"""Fine-tune a LLaMA model with APT.  See `python launch/train.py --help`.
+
+    python launch/train.py --out runs/demo                       # one process, built-in tiny model + demo data
+    deepspeed --num_gpus 2 launch/train.py --deepspeed ds_configs/zero3.json --model path/to/llama \
+        --data train.jsonl --target-density 0.7 --steps 1000 --out runs/r1
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+from apt_ds.cli import train_main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(train_main())

@@ -1,0 +1,41 @@
+"""Tiny random LLaMA models for tests (no hub access needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+TINY_CONFIGS = {
+    "mha": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4),
+    "gqa": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    "gqa_tied": dict(
+        hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+def tiny_llama(kind: str = "gqa", seed: int = 0, vocab: int = 97, **overrides) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    values = dict(vocab_size=vocab, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    values.update(TINY_CONFIGS[kind])
+    values.update(overrides)
+    model = LlamaForCausalLM(LlamaConfig(**values))
+    # Random init has near-zero norms' effect; perturb norm weights so hidden pruning is visible.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    return model.eval()
+
+
+@pytest.fixture(params=list(TINY_CONFIGS))
+def any_tiny(request):
+    return request.param
+
+
+def random_batch(vocab: int = 97, batch: int = 4, length: int = 12, seed: int = 1) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, length), generator=generator)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}

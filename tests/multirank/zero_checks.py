@@ -1,0 +1,350 @@
+"""Multi-rank checks of apt_ds.zero.DeepSpeedBackend, run by tests/test_zero.py.
+
+    deepspeed --num_gpus 2 tests/multirank/zero_checks.py --config ds_configs/zero2.json --out res.json
+    python tests/multirank/zero_checks.py --config ds_configs/zero2.json --out res.json --only baseline
+
+Every rank runs the same scenarios on a tiny random GQA LLaMA with adapters on q/v; rank 0
+writes one JSON of measurements (losses, Adam values, RSS, timings) that the test asserts on.
+Scenarios are mirrored on `LocalBackend` over the full global batch (the reference the
+DeepSpeed seam must match). The global batch per step is fixed, so any world size / micro
+batch / gradient accumulation split must give the same trajectory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+import weakref
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from apt_ds.adapters import add_adapters, find_adapters  # noqa: E402
+from apt_ds.backend import LocalBackend  # noqa: E402
+from apt_ds.zero import DeepSpeedBackend  # noqa: E402
+
+GLOBAL_BATCH, SEQ, VOCAB = 4, 16, 128
+LR, WD = 1e-2, 0.01
+
+
+def lr_lambda(step: int) -> float:
+    return 1.0 / (1.0 + 0.1 * step)  # a schedule whose position matters
+
+
+def make_model(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager")
+    model = LlamaForCausalLM(cfg)
+    add_adapters(model, ["q_proj", "v_proj"], rank=4, alpha=8, seed=seed)
+    with torch.no_grad():  # B = 0 makes lora_A's first gradients zero; start from a non-trivial point
+        gen = torch.Generator().manual_seed(seed + 1)
+        for adapter in find_adapters(model).values():
+            adapter.lora_B.normal_(0, 0.02, generator=gen)
+    model.train()
+    return model
+
+
+def global_batch(step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=gen)
+
+
+class Runner:
+    """Drives a backend over the fixed global batches, splitting them by rank and micro-batch."""
+
+    def __init__(self, backend, model, gas: int):
+        self.backend, self.model, self.gas = backend, model, gas
+        self.world, self.rank = backend.world_size, backend.rank
+        self.step_times = []
+
+    def micro_batches(self, step: int):
+        rows = global_batch(step).chunk(self.world)[self.rank]
+        return rows.chunk(self.gas)
+
+    def loss_of(self, out) -> torch.Tensor:
+        return out.loss
+
+    def train_step(self, step: int, before_step=None) -> float:
+        t0 = time.perf_counter()
+        total = torch.zeros((), dtype=torch.float64)
+        for ids in self.micro_batches(step):
+            out = self.backend.forward(input_ids=ids, labels=ids)
+            loss = out.loss
+            self.backend.backward(loss)
+            total += loss.detach().double()
+        if before_step is not None:
+            before_step()
+        self.backend.step()
+        self.step_times.append(time.perf_counter() - t0)
+        total = self.backend.all_reduce_sum(total) / (self.world * self.gas)
+        return float(total)
+
+    def eval_loss(self, step: int) -> float:
+        total = torch.zeros((), dtype=torch.float64)
+        for ids in self.micro_batches(step):
+            total += self.backend.forward_no_grad(input_ids=ids, labels=ids).loss.double()
+        return float(self.backend.all_reduce_sum(total) / (self.world * self.gas))
+
+
+def make_backend(kind: str, ds_config: dict, model, gas: int, micro: int | None):
+    backend = LocalBackend() if kind == "local" else DeepSpeedBackend(ds_config, micro_batch_size=micro)
+    if kind == "local":
+        backend.rank, backend.world_size = 0, 1
+    backend.attach(model, LR, lr_lambda, WD, gas)
+    return backend
+
+
+def close(backend) -> None:
+    if isinstance(backend, DeepSpeedBackend) and backend.engine is not None:
+        backend._destroy_engine()
+
+
+# ---- shape changes (work on both backends) ----------------------------------------------------
+def grow_change(backend, model, new_rank):
+    def change():
+        gen = torch.Generator().manual_seed(7)
+        out = {}
+        for name, adapter in find_adapters(model).items():
+            with backend.gathered([adapter.lora_A, adapter.lora_B]):
+                for key, edits in adapter.grow_rank(new_rank, gen).items():
+                    out[f"{name}.{key}"] = edits
+        return out
+    return change
+
+
+def _replace(linear: nn.Linear, weight: torch.Tensor) -> None:
+    linear.weight = nn.Parameter(weight.contiguous().clone(), requires_grad=False)
+    linear.out_features, linear.in_features = weight.shape
+
+
+def shrink_change(backend, model):
+    """Layer 0: keep every other FFN neuron. Layer 1: drop KV group 1 (q heads 2,3; kv head 1)."""
+    def change():
+        mlp = model.model.layers[0].mlp
+        keep = torch.arange(0, mlp.gate_proj.out_features, 2)
+        with backend.gathered([mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]):
+            _replace(mlp.gate_proj, mlp.gate_proj.weight.detach().index_select(0, keep))
+            _replace(mlp.up_proj, mlp.up_proj.weight.detach().index_select(0, keep))
+            _replace(mlp.down_proj, mlp.down_proj.weight.detach().index_select(1, keep))
+        attn = model.model.layers[1].self_attn
+        head_dim = attn.head_dim
+        q_keep = torch.arange(0, 2 * head_dim)
+        kv_keep = torch.arange(0, head_dim)
+        q, k, v, o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        change = {}
+        with backend.gathered([q.weight, q.lora_A, q.lora_B, k.weight, v.weight, v.lora_A, v.lora_B, o.weight]):
+            _replace(q, q.weight.detach().index_select(0, q_keep))
+            _replace(k, k.weight.detach().index_select(0, kv_keep))
+            _replace(v, v.weight.detach().index_select(0, kv_keep))
+            _replace(o, o.weight.detach().index_select(1, q_keep))
+            for prefix, adapter, idx in (("model.layers.1.self_attn.q_proj", q, q_keep),
+                                         ("model.layers.1.self_attn.v_proj", v, kv_keep)):
+                for key, edits in adapter.keep_adapter_entries(out_index=idx, in_index=None).items():
+                    change[f"{prefix}.{key}"] = edits
+        return change
+    return change
+
+
+def adam_probe(backend, name: str) -> dict:
+    """A few Adam values of `name` (old entries) via the backend's own access path."""
+    param = dict(backend.module.named_parameters())[name]
+    if isinstance(backend, LocalBackend):
+        state = backend.optimizer.state[param]
+        avg, sq, step = state["exp_avg"], state["exp_avg_sq"], float(state["step"])
+    else:
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        avg = safe_get_full_optimizer_state(param, "exp_avg")
+        sq = safe_get_full_optimizer_state(param, "exp_avg_sq")
+        basic = backend._basic_optimizer
+        step = float(next(iter(basic.state.values()))["step"])
+    return {"exp_avg": avg.flatten()[:6].tolist(), "exp_avg_sq": sq.flatten()[:6].tolist(), "step": step,
+            "shape": list(avg.shape), "exp_avg_tail": avg[:, -1].abs().sum().item() if avg.dim() == 2 else None}
+
+
+# ---- scenarios ------------------------------------------------------------------------------
+def scenario(kind, ds_config, gas, micro, steps=6, event=None, event_at=3, probe=None):
+    """Train `steps` steps; after step `event_at` apply `event` ("rebuild", "grow", "shrink")."""
+    model = make_model()
+    backend = make_backend(kind, ds_config, model, gas, micro)
+    runner = Runner(backend, model, gas)
+    rec = {"losses": []}
+    for step in range(steps):
+        if event and step == event_at:
+            if probe:
+                rec["probe_before"] = adam_probe(backend, probe)
+            t0 = time.perf_counter()
+            if event == "rebuild":
+                backend.apply_shape_change(lambda: {})
+            elif event == "grow":
+                backend.apply_shape_change(grow_change(backend, model, 8))
+            elif event == "shrink":
+                backend.apply_shape_change(shrink_change(backend, model))
+            rec["rebuild_s"] = time.perf_counter() - t0
+            rec["eval_after_event"] = runner.eval_loss(step)
+            rec["lr_after_event"] = backend.lr
+            if probe:
+                rec["probe_after"] = adam_probe(backend, probe)
+        rec["losses"].append(runner.train_step(step))
+    rec["lr"] = backend.lr
+    rec["optimizer_steps"] = backend.optimizer_steps
+    rec["step_s"] = sorted(runner.step_times)[len(runner.step_times) // 2]
+    return rec, backend, model, runner
+
+
+def run_grads(kind, ds_config, gas, micro):
+    model = make_model()
+    backend = make_backend(kind, ds_config, model, gas, micro)
+    runner = Runner(backend, model, gas)
+    runner.train_step(0)
+    grads, unchanged = {}, {}
+    probe = "model.layers.0.self_attn.q_proj.lora_A"
+
+    def grab():
+        for name, param in backend.module.named_parameters():
+            if param.requires_grad:
+                grads[name] = backend.full_grad(name, param).double().flatten()[:8].tolist()
+
+    if kind != "local" and gas > 1:  # parameters must not move on non-boundary micro-batches
+        before = backend.full_fp32_param(dict(model.named_parameters())[probe]).clone()
+        ids = runner.micro_batches(1)[0]
+        backend.backward(backend.forward(input_ids=ids, labels=ids).loss)
+        after = backend.full_fp32_param(dict(model.named_parameters())[probe])
+        unchanged["non_boundary_param_delta"] = float((after - before).abs().max())
+        unchanged["steps_mid_cycle"] = backend.engine.global_steps
+        for ids in runner.micro_batches(1)[1:]:
+            backend.backward(backend.forward(input_ids=ids, labels=ids).loss)
+        grab()
+        backend.step()
+    else:
+        runner.train_step(1, before_step=grab)
+    close(backend)
+    return {"grads": grads, **unchanged}
+
+
+def run_save_load(ds_config, tmp: Path, gas: int, micro):
+    """Shrink, train, save; continue 2 steps; rebuild a fresh shrunk model, load, replay 2 steps."""
+    model = make_model()
+    backend = make_backend("ds", ds_config, model, gas, micro)
+    runner = Runner(backend, model, gas)
+    for step in range(2):
+        runner.train_step(step)
+    backend.apply_shape_change(shrink_change(backend, model))
+    runner.train_step(2)
+    backend.save(tmp)
+    cont = [runner.train_step(s) for s in (3, 4)]
+    lr_cont = backend.lr
+    close(backend)
+    del backend, runner, model
+    gc.collect()
+
+    fresh = make_model()
+    local = LocalBackend()  # shrink the fresh model the same way before attaching (frozen base identical)
+    local.rank, local.world_size = 0, 1
+    shrink_change(local, fresh)()
+    backend = make_backend("ds", ds_config, fresh, gas, micro)
+    backend.load(tmp)
+    steps_loaded, lr_loaded = backend.optimizer_steps, backend.lr
+    runner = Runner(backend, fresh, gas)
+    resumed = [runner.train_step(s) for s in (3, 4)]
+    close(backend)
+    return {"continued": cont, "resumed": resumed, "lr_continued": lr_cont, "steps_loaded": steps_loaded,
+            "lr_loaded": lr_loaded}
+
+
+def run_leak(ds_config, gas, micro, rebuilds: int):
+    import psutil
+
+    proc = psutil.Process()
+    model = make_model()
+    backend = make_backend("ds", ds_config, model, gas, micro)
+    runner = Runner(backend, model, gas)
+    runner.train_step(0)
+    rss, dead, hooks, times = [], [], [], []
+    for i in range(rebuilds):
+        old = weakref.ref(backend.engine)
+        old_opt = weakref.ref(backend.engine.optimizer)
+        t0 = time.perf_counter()
+        backend.apply_shape_change(lambda: {})
+        times.append(time.perf_counter() - t0)
+        runner.train_step(1 + i)
+        gc.collect()
+        dead.append(old() is None and old_opt() is None)
+        hooks.append(sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()))
+        rss.append(proc.memory_info().rss / 2**20)
+    close(backend)
+    return {"rss_mb": rss, "old_engine_collected": dead, "hook_counts": hooks, "rebuild_s": times,
+            "step_s": sorted(runner.step_times)[len(runner.step_times) // 2]}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--only", default="all", help="comma list: baseline,rebuild,grow,shrink,gas,grads,save,leak,bf16")
+    parser.add_argument("--micro", type=int, default=None)
+    parser.add_argument("--rebuilds", type=int, default=10)
+    parser.add_argument("--local_rank", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+
+    ds_config = json.loads(Path(args.config).read_text())
+    ds_config.setdefault("bf16", {})["enabled"] = False
+    ds_config["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # partition every tiny param
+    only = set(args.only.split(",")) if args.only != "all" else None
+    want = lambda name: only is None or name in only  # noqa: E731
+    out: dict = {}
+    probe = "model.layers.1.self_attn.q_proj.lora_B"
+    local_gas = 1
+
+    def both(key, **kw):
+        rec, backend, *_ = scenario("ds", ds_config, 1, args.micro, **kw)
+        close(backend)
+        ref, *_ = scenario("local", ds_config, local_gas, None, **kw)
+        out[key], out[key + "_local"] = rec, ref
+
+    if want("baseline"):
+        both("baseline")
+    if want("rebuild"):
+        both("rebuild", event="rebuild")
+    if want("grow"):
+        both("grow", event="grow", probe=probe)
+    if want("shrink"):
+        both("shrink", event="shrink", probe=probe)
+    if want("gas"):
+        rec, backend, *_ = scenario("ds", ds_config, 2, None, event="grow")
+        close(backend)
+        out["gas2_grow"] = rec
+    if want("grads"):
+        out["grads"] = run_grads("ds", ds_config, 1, None)
+        out["grads_gas2"] = run_grads("ds", ds_config, 2, None)
+        out["grads_local"] = run_grads("local", ds_config, 1, None)
+    if want("save"):
+        out["save_load"] = run_save_load(ds_config, Path(args.out).parent / "ckpt", 1, None)
+    if want("leak"):
+        out["leak"] = run_leak(ds_config, 1, None, args.rebuilds)
+    if want("bf16"):
+        bf16_config = json.loads(json.dumps(ds_config))
+        bf16_config["bf16"]["enabled"] = True
+        rec, backend, *_ = scenario("ds", bf16_config, 1, None, event="grow", probe=probe)
+        out["bf16_grow_dtype"] = str(dict(backend.module.named_parameters())[probe].dtype)
+        close(backend)
+        out["bf16_grow"] = rec
+    out["world_size"] = int(os.environ.get("WORLD_SIZE", "1"))
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

