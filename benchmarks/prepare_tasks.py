@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     for task in TASKS:
         if task.name in args.tasks:
             info = prepare_task(task, root, args.out, args.train_fraction, args.seed)
-            print(f"{task.name}: {info['train']} train / {info['test']} test -> {args.out / task.name}", file=sys.stderr)
+            counts = f"{info['train']} train / {info['test']} test"
+            print(f"{task.name}: {counts} -> {args.out / task.name}", file=sys.stderr)
 
 
 if __name__ == "__main__":

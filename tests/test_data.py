@@ -186,7 +186,8 @@ def test_sentencepiece_tokenizer_round_trips_and_is_deterministic(tmp_path, toke
     for text in ["Hello world, 123 + 45!", "Sort the letters.\nabc  def", "ünïcödé 日本"]:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         assert ids and tokenizer.decode(ids) == text
-    assert (tokenizer.unk_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (0, 1, 2, 3)
+    special = (tokenizer.unk_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    assert special == (0, 1, 2, 3)
     texts = ["alpha beta gamma", "delta epsilon"] * 20
     first = data.train_sentencepiece_tokenizer(texts, tmp_path / "a", vocab_size=300)
     data.train_sentencepiece_tokenizer(texts, tmp_path / "b", vocab_size=300)

@@ -297,7 +297,6 @@ def main():
     parser.add_argument("--local_rank", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
 
     ds_config = json.loads(Path(args.config).read_text())
     ds_config.setdefault("bf16", {})["enabled"] = False
