@@ -1,0 +1,129 @@
+"""End-to-end: launch/train.py's entry point on the built-in tiny model, then export."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from apt_ds.cli import export_main, train_main
+from apt_ds.export import compact_model, export_run, rebuild_trained_model
+from apt_ds.metrics import read_metrics
+from apt_ds.modeling import load_pretrained
+
+FAST = ["--steps", "8", "--max-seq-len", "32", "--micro-batch-size", "2", "--warmup-steps", "1"]
+METRIC_FIELDS = {"step", "loss", "task_loss", "distill_loss", "density", "block_params", "adapter_params",
+                 "total_rank", "lr", "step_time_s", "peak_rss_mb", "world_size"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    assert train_main([*FAST, "--target-density", "0.6", "--out", str(root / "nonuniform")]) == 0
+    assert train_main([*FAST, "--target-density", "0.6", "--uniform", "--out", str(root / "uniform")]) == 0
+    return root
+
+
+def test_training_run_reaches_target_and_logs(runs):
+    records = read_metrics(runs / "nonuniform" / "metrics.jsonl")
+    steps = [r for r in records if not r.get("final")]
+    assert METRIC_FIELDS <= set(steps[-1])
+    assert steps[-1]["density"] <= 0.6 + 1e-9
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in steps)
+    assert records[-1]["final"] and records[-1]["step"] == 8
+
+
+def test_existing_out_is_refused_and_untouched(runs, capsys):
+    metrics = runs / "nonuniform" / "metrics.jsonl"
+    before = metrics.read_bytes()
+    assert train_main([*FAST, "--out", str(runs / "nonuniform")]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert metrics.read_bytes() == before
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--target-density", "0"], "target_density"),
+    (["--target-density", "1.5"], "target_density"),
+    (["--rank-cap", "2"], "rank_cap"),
+    (["--adapter-targets", "qq_proj"], "adapter_targets"),
+    (["--deepspeed", "/nonexistent/ds.json"], "ds.json"),
+])
+def test_bad_arguments_give_one_line(tmp_path, capsys, argv, message):
+    assert train_main([*FAST, *argv, "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and message in err and len(err.splitlines()) == 1
+
+
+def test_data_without_usable_rows(tmp_path, capsys):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"foo": 1}\n{"bar": 2}\n')
+    assert train_main([*FAST, "--data", str(data), "--out", str(tmp_path / "r")]) == 2
+    assert "no usable rows" in capsys.readouterr().err
+
+
+def test_export_matches_training_time_model(runs, tmp_path):
+    model, state, _ = rebuild_trained_model(runs / "nonuniform")
+    ids = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        masked = model(input_ids=ids).logits
+    generated = model.generate(ids[:1], max_new_tokens=20, do_sample=False)
+    report = export_run(runs / "nonuniform", tmp_path / "out")
+    loaded = load_pretrained(tmp_path / "out")
+    with torch.no_grad():
+        exported = loaded(input_ids=ids).logits
+    assert torch.allclose(exported, masked, atol=1e-4)
+    assert torch.equal(loaded.generate(ids[:1], max_new_tokens=20, do_sample=False), generated)
+    assert report["exported_params"] == report["final"]["total_params"] == sum(p.numel() for p in loaded.parameters())
+    assert report["final"]["block_params"] < report["original"]["block_params"]
+
+
+def test_uniform_export_loads_with_stock_transformers(runs, tmp_path):
+    assert export_main([str(runs / "uniform"), "--out", str(tmp_path / "u")]) == 0
+    model, state, _ = rebuild_trained_model(runs / "uniform")
+    ids = torch.randint(0, 500, (1, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    torch.save({"ids": ids, "expected": expected}, tmp_path / "ref.pt")
+    script = (
+        "import sys, torch\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"m = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'u')!r}).eval()\n"
+        f"d = torch.load({str(tmp_path / 'ref.pt')!r})\n"
+        "out = m(input_ids=d['ids']).logits\n"
+        "assert 'apt_ds' not in sys.modules\n"
+        "print(float((out - d['expected']).abs().max()))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert float(result.stdout.strip().splitlines()[-1]) < 1e-4
+
+
+def test_export_refuses_existing_out_and_missing_checkpoint(runs, tmp_path, capsys):
+    (tmp_path / "taken").mkdir()
+    assert export_main([str(runs / "nonuniform"), "--out", str(tmp_path / "taken")]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert export_main([str(tmp_path), "--out", str(tmp_path / "x")]) == 2
+    assert "no checkpoint" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_interrupted_export_leaves_nothing(runs, tmp_path, monkeypatch):
+    import apt_ds.export as export_module
+
+    def boom(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export_module, "save_file", boom)
+    with pytest.raises(KeyboardInterrupt):
+        export_run(runs / "nonuniform", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+def test_resume_finished_run_continues_nothing(runs):
+    checkpoint = json.loads((runs / "nonuniform" / "checkpoint" / "apt_state.json").read_text())
+    assert checkpoint["finished"] and checkpoint["step"] == 8
