@@ -66,10 +66,6 @@ def embedding_columns(shape: ModelShape, count_embeddings: bool) -> int:
     return shape.vocab * (1 if shape.tied_embeddings else 2)
 
 
-def count_params(shape: ModelShape, count_embeddings: bool) -> int:
-    return shape.budget_params(count_embeddings)
-
-
 class AdaptivePruner:
     def __init__(self, config: APTConfig):
         self.config = config
@@ -126,15 +122,16 @@ class AdaptivePruner:
 
     @staticmethod
     def _flags(shape, kinds, layer_of, local, params) -> KeepDecision:
-        groups = [torch.zeros(l.num_kv_groups, dtype=torch.bool) for l in shape.layers]
-        neurons = [torch.zeros(l.ffn, dtype=torch.bool) for l in shape.layers]
-        hidden = torch.zeros(shape.hidden, dtype=torch.bool)
-        hidden[local[kinds == 2]] = True
-        for l in range(len(shape.layers)):
-            in_layer = layer_of == l
-            groups[l][local[in_layer & (kinds == 0)]] = True
-            neurons[l][local[in_layer & (kinds == 1)]] = True
-        return KeepDecision(groups, neurons, hidden, params)
+        """Kept flags per layer from the kept prefix, with one scatter (O(units), not O(units x layers))."""
+        L = len(shape.layers)
+        sizes = [n for l in shape.layers for n in (l.num_kv_groups, l.ffn)] + [shape.hidden]
+        offsets = torch.tensor([0] + sizes[:-1], dtype=torch.int64).cumsum(0)
+        # Slot of each unit's vector in the order _decide_ranked concatenated them.
+        slot = torch.where(kinds == 2, torch.full_like(layer_of, 2 * L), 2 * layer_of + kinds.to(layer_of.dtype))
+        flat = torch.zeros(sum(sizes), dtype=torch.bool)
+        flat[offsets[slot.long()] + local] = True
+        pieces = [p.clone() for p in flat.split(sizes)]
+        return KeepDecision(pieces[0 : 2 * L : 2], pieces[1 : 2 * L : 2], pieces[-1], params)
 
     # ---- uniform: one shape for every layer ---------------------------------------------------
     def _decide_uniform(self, shape, group_scores, neuron_scores, hidden_scores, target) -> KeepDecision:

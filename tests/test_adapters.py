@@ -28,7 +28,7 @@ def _randomize_b(adapter: APTAdapter, seed=1, std=0.5) -> None:
 
 
 def _rel_err(a, b) -> float:
-    return float((a - b).norm() / b.norm())
+    return float((a - b).detach().norm() / b.detach().norm())
 
 
 def test_wrap_is_in_place_frozen_and_starts_from_the_pretrained_function():

@@ -199,8 +199,6 @@ class _ElementWork(TorchDispatchMode):
         return out
 
 
-@pytest.mark.xfail(strict=True, reason="bug: AdaptivePruner._flags scans all kept units once per layer "
-                                       "(O(units x layers)); 6-18 s at 70B scale on 2 cores, spec: < 2 s")
 def test_decision_cost_is_linear_in_units_and_fast_at_70b(decision_70b):
     # Deterministic part: many layers, so a per-layer pass over all units shows up clearly.
     shape = ModelShape(1024, tuple(LayerShape(8, 8, 16, 2048) for _ in range(80)), 32000, False)
