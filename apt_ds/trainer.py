@@ -10,6 +10,7 @@ and snapshot the teacher. Everything the loop needs from the executor goes throu
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -95,7 +96,16 @@ class APTrainer:
         self.history.append(final)
         if self.out_dir:
             self.save()
+            self._write_rank_record()
         return final
+
+    def _write_rank_record(self) -> None:
+        """Each rank's final kept units and ranks, so identical decisions can be verified."""
+        directory = self.out_dir / "ranks"
+        directory.mkdir(parents=True, exist_ok=True)
+        record = {"rank": self.backend.rank, "world_size": self.backend.world_size, "kept": self.state.kept_record(),
+                  "ranks": self.state.ranks(), "shape": self.state.shape.to_dict()}
+        (directory / f"rank{self.backend.rank}.json").write_text(json.dumps(record))
 
     def save(self) -> None:
         save_checkpoint(self, self.out_dir / "checkpoint")

@@ -65,8 +65,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is steadier on a shared machine)")
     parser.add_argument("--json", default=None, help="write results here")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     vocab = 2048
     batch = make_batch(vocab, args.batch, args.seq)
@@ -76,32 +78,33 @@ def main() -> None:
     add_adapters(lora, config.adapter_targets, config.adapter_rank, config.adapter_alpha)
     lora_opt = torch.optim.AdamW([p for p in lora.parameters() if p.requires_grad], lr=1e-4)
 
-    apt_model = build_tiny_llama(vocab, **MODEL)
-    state = APTModel(apt_model, config)
-    state.salience.enabled = True
-    backend, tuner = LocalBackend(), AdaptiveTuner(config)
-    backend.attach(apt_model, 1e-4, lambda s: 1.0, 0.0, 1)
+    def apt_setup():
+        model = build_tiny_llama(vocab, **MODEL)
+        state = APTModel(model, config)
+        state.salience.enabled = True
+        backend = LocalBackend()
+        backend.attach(model, 1e-4, lambda s: 1.0, 0.0, 1)
+        return state, AdaptiveTuner(config), backend
 
-    for _ in range(3):  # warm-up both
+    dense, shrunk = apt_setup(), apt_setup()
+    for _ in range(3):  # warm-up; also gives the shrunk copy salience to decide with
         lora_step(lora, lora_opt, batch)
-        apt_step(state, tuner, backend, batch)
-    lora_times, apt_times = [], []
-    for _ in range(args.repeats):  # interleaved, so drifts in machine load hit both alike
-        lora_times += timed(lambda: lora_step(lora, lora_opt, batch), 1)
-        apt_times += timed(lambda: apt_step(state, tuner, backend, batch), 1)
-
-    dense_times = list(apt_times)
+        apt_step(*dense, batch)
+        apt_step(*shrunk, batch)
+    state, _, backend = shrunk
     before = state.shape
     s = state.salience
     decision = AdaptivePruner(config).decide(before, s.group_scores, s.neuron_scores, s.hidden_scores,
                                              0.5 * before.block_params())
     backend.apply_shape_change(lambda: state.shrink(decision, backend.gathered))
-    for _ in range(3):
-        apt_step(state, tuner, backend, batch)
-    shrunk_times = []
+    apt_step(*shrunk, batch)
+
+    # Interleaved, so drifts in machine load hit all three alike.
+    lora_times, apt_times, shrunk_times = [], [], []
     for _ in range(args.repeats):
-        shrunk_times += timed(lambda: apt_step(state, tuner, backend, batch), 1)
-        dense_times += timed(lambda: lora_step(lora, lora_opt, batch), 1)  # keeps load comparable
+        lora_times += timed(lambda: lora_step(lora, lora_opt, batch), 1)
+        apt_times += timed(lambda: apt_step(*dense, batch), 1)
+        shrunk_times += timed(lambda: apt_step(*shrunk, batch), 1)
 
     def flops(shape) -> int:  # forward matmul FLOPs per token: blocks + lm_head
         return 2 * (shape.block_params() + shape.vocab * shape.hidden)

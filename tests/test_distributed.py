@@ -1,0 +1,155 @@
+"""launch/train.py under the DeepSpeed launcher: 2 ranks, ZeRO-2/3, world-size invariance,
+SIGKILL + resume, and two emulated nodes on 127.0.0.1. Real processes on the CPU accelerator."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN = str(REPO / "launch" / "train.py")
+COMMON = ["--steps", "12", "--max-seq-len", "32", "--warmup-steps", "1", "--target-density", "0.5", "--seed", "3"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ds_config(tmp: Path, stage: int) -> str:
+    """fp32 so that 1-rank and 2-rank runs round identically."""
+    path = tmp / f"zero{stage}_fp32.json"
+    path.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+        "bf16": {"enabled": False}, "zero_optimization": {"stage": stage},
+    }))
+    return str(path)
+
+
+def env() -> dict:
+    return {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+
+def launch(ranks: int, args: list[str], timeout: int = 600, **popen) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", str(free_port()), TRAIN, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env(), cwd=REPO, **popen)
+
+
+def rank_records(out: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((out / "ranks").glob("rank*.json"))]
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def check_identical_and_pruned(out: Path, ranks: int) -> dict:
+    records = rank_records(out)
+    assert len(records) == ranks
+    for record in records[1:]:
+        assert record["kept"] == records[0]["kept"] and record["ranks"] == records[0]["ranks"]
+    final = metrics(out)[-1]
+    assert final["final"] and final["density"] <= 0.5 + 1e-9
+    steps = [m for m in metrics(out) if not m.get("final")]
+    assert all(m["world_size"] == ranks for m in steps)
+    assert all(m["loss"] == m["loss"] and m["loss"] < 100 for m in steps)  # finite
+    assert max(m["total_rank"] for m in steps) > steps[0]["total_rank"]  # ranks grew
+    return records[0]
+
+
+@pytest.fixture(scope="module")
+def two_rank_zero2(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("z2")
+    out = tmp / "run"
+    result = launch(2, ["--deepspeed", ds_config(tmp, 2), *COMMON, "--micro-batch-size", "2", "--out", str(out)])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return tmp, out
+
+
+def test_zero2_two_ranks_identical_masks(two_rank_zero2):
+    check_identical_and_pruned(two_rank_zero2[1], 2)
+
+
+def test_zero3_two_ranks_identical_masks(tmp_path):
+    out = tmp_path / "run"
+    result = launch(2, ["--deepspeed", ds_config(tmp_path, 3), *COMMON, "--micro-batch-size", "2", "--out", str(out)])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    check_identical_and_pruned(out, 2)
+
+
+def test_one_rank_with_double_batch_decides_the_same(two_rank_zero2, tmp_path):
+    tmp, two = two_rank_zero2
+    out = tmp_path / "one"
+    result = launch(1, ["--deepspeed", ds_config(tmp_path, 2), *COMMON, "--micro-batch-size", "4", "--out", str(out)])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    one_rank = check_identical_and_pruned(out, 1)
+    assert one_rank["kept"] == rank_records(two)[0]["kept"]
+    assert one_rank["ranks"] == rank_records(two)[0]["ranks"]
+
+
+def test_sigkill_then_resume_finishes_like_uninterrupted(two_rank_zero2, tmp_path):
+    tmp, reference = two_rank_zero2
+    out = tmp_path / "killed"
+    args = ["--deepspeed", ds_config(tmp_path, 2), *COMMON, "--micro-batch-size", "2", "--checkpoint-every", "4", "--out", str(out)]
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()), TRAIN, *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env(), cwd=REPO, start_new_session=True)
+    state = out / "checkpoint" / "apt_state.json"
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if state.is_file() and json.loads(state.read_text())["step"] >= 8:
+            break
+        if proc.poll() is not None:
+            pytest.fail("run ended before the checkpoint to kill after was written")
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_at = json.loads(state.read_text())["step"]
+    assert killed_at < 12
+    result = launch(2, [*args, "--resume"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    resumed = check_identical_and_pruned(out, 2)
+    expected = rank_records(reference)[0]
+    assert resumed["kept"] == expected["kept"] and resumed["ranks"] == expected["ranks"]
+    reference_losses = {m["step"]: m["loss"] for m in metrics(reference) if not m.get("final")}
+    resumed_losses = {m["step"]: m["loss"] for m in metrics(out) if not m.get("final") and m["step"] > killed_at}
+    assert resumed_losses and all(abs(resumed_losses[s] - reference_losses[s]) < 1e-4 for s in resumed_losses)
+
+
+def test_two_emulated_nodes(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
+    out, port = tmp_path / "run", str(free_port())
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--no_ssh",
+               f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}", TRAIN,
+               "--deepspeed", ds_config(tmp_path, 2), *COMMON, "--micro-batch-size", "2", "--out", str(out)]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(), cwd=REPO))
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-2000:] for o in outputs)
+    check_identical_and_pruned(out, 2)
+
+
+@pytest.mark.parametrize("problem", ["missing_json", "bad_json", "indivisible_batch"])
+def test_bad_distributed_input(tmp_path, problem):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    extra = {
+        "missing_json": ["--deepspeed", str(tmp_path / "nope.json")],
+        "bad_json": ["--deepspeed", str(bad)],
+        "indivisible_batch": ["--deepspeed", ds_config(tmp_path, 2), "--global-batch-size", "3"],
+    }[problem]
+    result = launch(2, [*extra, *COMMON, "--out", str(tmp_path / "run")], timeout=300)
+    assert result.returncode != 0
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if "error:" in line]
+    assert errors, result.stderr[-2000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
