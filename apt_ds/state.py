@@ -92,8 +92,9 @@ class APTModel:
         unknown = sorted(set(ranks) - set(adapters))
         if unknown:
             raise ValueError(f"checkpoint has adapters {unknown[:3]} that this model/config does not have")
-        for name, rank in ranks.items():
-            adapters[name].grow_rank(rank)
+        for name in sorted(ranks):  # same order on every rank: gathering is collective
+            with gather(list(adapters[name].parameters())):
+                adapters[name].grow_rank(ranks[name])
 
     def kept_record(self) -> dict:
         return {

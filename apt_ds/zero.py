@@ -10,7 +10,9 @@ Decisions (measured with deepspeed 0.19.8, torch 2.13 CPU, gloo):
   `torch.optim.AdamW` needs no JIT build on CPU, also with `offload_optimizer` (the backend
   sets `zero_force_ds_cpu_optimizer: false` for that).
 - "auto" is accepted for `bf16.enabled` (bf16 if the accelerator supports it), `fp16.enabled`
-  (off), and the three batch sizes (set from the trainer). DeepSpeed itself rejects "auto".
+  (off), the three batch sizes (set from the trainer) and the ZeRO bucket sizes (from the
+  model's hidden size). Careful: DeepSpeed itself silently reads `"bf16": {"enabled": "auto"}`
+  as False; only this backend resolves it. Any other "auto" is refused.
 - ZeRO stages 1, 2 and 3 are supported; stage 0 is refused (its optimizer keeps no fp32
   masters to carry across a shape change).
 - Gradient accumulation: `backward` runs `engine.backward` (which scales by 1/gas) and, on
@@ -26,7 +28,7 @@ Shape changes (`apply_shape_change`), the sequence that works on ZeRO-2 and ZeRO
    is garbage-collected;
 3. run `change_fn`. Under ZeRO-3 the unchanged parameters stay partitioned after destroy, and
    `backend.gathered(params)` still works there (measured): gather, read, build NEW plain
-   `nn.Parameter`s. Plain float32 parameters are cast to bf16 when bf16 is on;
+   `nn.Parameter`s. New float32 parameters are cast to bf16/fp16 when that is on;
 4. check every rank produced the same shapes (a mismatch would hang DeepSpeed), re-run
    `deepspeed.initialize` (it broadcasts new parameters from rank 0), recreate the Adam state
    of each flat fp32 partition, then write back masters (grown entries take the new
@@ -72,9 +74,11 @@ def load_ds_config(config: dict | str | os.PathLike) -> tuple[dict, str]:
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        raise DeepSpeedConfigError(f"DeepSpeed config {path}: invalid JSON at line {err.lineno} column {err.colno}: {err.msg}") from None
+        raise DeepSpeedConfigError(
+            f"DeepSpeed config {path}: invalid JSON at line {err.lineno} column {err.colno}: {err.msg}") from None
     if not isinstance(data, dict):
-        raise DeepSpeedConfigError(f"DeepSpeed config {path}: top level must be a JSON object, got {type(data).__name__}")
+        raise DeepSpeedConfigError(
+            f"DeepSpeed config {path}: top level must be a JSON object, got {type(data).__name__}")
     return data, str(path)
 
 
@@ -83,8 +87,11 @@ def _is_auto(value) -> bool:
 
 
 def resolve_config(user: dict, *, grad_accum_steps: int, world_size: int, micro_batch_size: int | None = None,
-                   bf16_supported: bool = True, source: str = "<dict>") -> dict:
-    """Fill "auto" values and batch sizes; refuse contradictions. Pure function of its inputs."""
+                   bf16_supported: bool = True, hidden_size: int | None = None, source: str = "<dict>") -> dict:
+    """Fill "auto" values and batch sizes; refuse contradictions. Pure function of its inputs.
+
+    "auto" bucket sizes follow the Hugging Face integration: reduce_bucket_size = hidden²,
+    stage3_prefetch_bucket_size = 0.9·hidden², stage3_param_persistence_threshold = 10·hidden."""
     cfg = copy.deepcopy(user)
 
     def fail(msg: str):
@@ -92,57 +99,66 @@ def resolve_config(user: dict, *, grad_accum_steps: int, world_size: int, micro_
 
     for section in ("optimizer", "scheduler"):
         if section in cfg:
-            dropped = cfg.pop(section)
-            logger.warning("DeepSpeed config %s: ignoring its %r section %s; apt_ds uses torch AdamW + LambdaLR "
-                           "with lr / weight decay / schedule from the APT config", source, section, json.dumps(dropped))
-
-    # Batch sizes: the trainer owns gas and (via the constructor) the micro batch.
-    gas_user = cfg.get("gradient_accumulation_steps")
-    if gas_user is not None and not _is_auto(gas_user) and int(gas_user) != grad_accum_steps:
-        fail(f"gradient_accumulation_steps={gas_user} contradicts the trainer's {grad_accum_steps} (use \"auto\" or omit it)")
-    micro_user = cfg.get("train_micro_batch_size_per_gpu")
-    micro_user = None if micro_user is None or _is_auto(micro_user) else int(micro_user)
-    if micro_batch_size is not None and micro_user is not None and micro_user != micro_batch_size:
-        fail(f"train_micro_batch_size_per_gpu={micro_user} contradicts micro_batch_size={micro_batch_size}")
-    train_user = cfg.get("train_batch_size")
-    train_user = None if train_user is None or _is_auto(train_user) else int(train_user)
-    micro = micro_batch_size or micro_user
-    if micro is None:
-        if train_user is not None:
-            if train_user % (grad_accum_steps * world_size):
-                fail(f"train_batch_size={train_user} is not divisible by gradient_accumulation_steps*world_size="
-                     f"{grad_accum_steps}*{world_size}")
-            micro = train_user // (grad_accum_steps * world_size)
-        else:
-            micro = 1  # only used for DeepSpeed's sample counters: the trainer feeds the batches
-    if train_user is not None and train_user != micro * grad_accum_steps * world_size:
-        fail(f"train_batch_size={train_user} != micro {micro} * gradient_accumulation_steps {grad_accum_steps} "
-             f"* world size {world_size}")
-    cfg["train_micro_batch_size_per_gpu"] = micro
-    cfg["gradient_accumulation_steps"] = grad_accum_steps
-    cfg["train_batch_size"] = micro * grad_accum_steps * world_size
-
+            logger.warning("DeepSpeed config %s: ignoring its %r section %s; apt_ds uses torch AdamW + LambdaLR with "
+                           "lr / weight decay / schedule from the APT config", source, section,
+                           json.dumps(cfg.pop(section)))
+    _resolve_batch_sizes(cfg, grad_accum_steps, world_size, micro_batch_size, fail)
     for key in ("bf16", "bfloat16", "fp16"):
         section = cfg.get(key)
         if isinstance(section, dict) and _is_auto(section.get("enabled")):
             section["enabled"] = bool(bf16_supported) if key != "fp16" else False
     if cfg.get("fp16", {}).get("enabled") is True and cfg.get("bf16", {}).get("enabled") is True:
         fail("fp16 and bf16 are both enabled")
+    _resolve_zero(cfg, hidden_size, fail)
+    leftover = _auto_paths(cfg)
+    if leftover:
+        fail(f"\"auto\" is not supported for {', '.join(leftover)}; give a value")
+    return cfg
 
+
+def _resolve_batch_sizes(cfg: dict, gas: int, world_size: int, micro_batch_size: int | None, fail) -> None:
+    """The trainer owns gas and (via the constructor) the micro batch; the JSON may only agree."""
+    def given(key):
+        value = cfg.get(key)
+        return None if value is None or _is_auto(value) else int(value)
+
+    gas_user, micro_user, train_user = (given(k) for k in (
+        "gradient_accumulation_steps", "train_micro_batch_size_per_gpu", "train_batch_size"))
+    if gas_user is not None and gas_user != gas:
+        fail(f"gradient_accumulation_steps={gas_user} contradicts the trainer's {gas} (use \"auto\" or omit it)")
+    if micro_batch_size is not None and micro_user is not None and micro_user != micro_batch_size:
+        fail(f"train_micro_batch_size_per_gpu={micro_user} contradicts micro_batch_size={micro_batch_size}")
+    micro = micro_batch_size or micro_user
+    if micro is None and train_user is not None:
+        if train_user % (gas * world_size):
+            fail(f"train_batch_size={train_user} is not divisible by gradient_accumulation_steps*world_size="
+                 f"{gas}*{world_size}")
+        micro = train_user // (gas * world_size)
+    micro = micro or 1  # only feeds DeepSpeed's sample counters: the trainer makes the batches
+    if train_user is not None and train_user != micro * gas * world_size:
+        fail(f"train_batch_size={train_user} != micro {micro} * gradient_accumulation_steps {gas} "
+             f"* world size {world_size}")
+    cfg.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=gas,
+               train_batch_size=micro * gas * world_size)
+
+
+def _resolve_zero(cfg: dict, hidden_size: int | None, fail) -> None:
     zero = cfg.setdefault("zero_optimization", {})
     stage = zero.get("stage", 0)
     if stage not in (1, 2, 3):
         fail(f"zero_optimization.stage must be 1, 2 or 3 (got {stage!r}); shape changes carry ZeRO's fp32 masters")
+    by_hidden = {"reduce_bucket_size": lambda h: h * h, "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+                 "stage3_param_persistence_threshold": lambda h: 10 * h}
+    for key, rule in by_hidden.items():
+        if _is_auto(zero.get(key)):
+            if not hidden_size:
+                fail(f"zero_optimization.{key} is \"auto\" but the model config has no hidden_size")
+            zero[key] = rule(hidden_size)
     offload = zero.get("offload_optimizer") or {}
     if offload.get("device", "none") not in ("none", None):
         if cfg.get("zero_force_ds_cpu_optimizer") is True:
             fail("offload_optimizer with the client torch AdamW needs \"zero_force_ds_cpu_optimizer\": false")
         cfg["zero_force_ds_cpu_optimizer"] = False
-
-    leftover = _auto_paths(cfg)
-    if leftover:
-        fail(f"\"auto\" is not supported for {', '.join(leftover)}; give a value")
-    return cfg
 
 
 def _auto_paths(node, prefix="") -> list[str]:
@@ -226,9 +242,13 @@ class DeepSpeedBackend(TrainingBackend):
         self.grad_accum_steps = grad_accum_steps
         self.ds_config = resolve_config(self.user_config, grad_accum_steps=grad_accum_steps, world_size=self.world_size,
                                         micro_batch_size=self.micro_batch_size,
-                                        bf16_supported=get_accelerator().is_bf16_supported(), source=self.config_source)
+                                        bf16_supported=get_accelerator().is_bf16_supported(),
+                                        hidden_size=getattr(getattr(model, "config", None), "hidden_size", None),
+                                        source=self.config_source)
         self.zero_stage = self.ds_config["zero_optimization"]["stage"]
-        self.bf16 = bool(self.ds_config.get("bf16", self.ds_config.get("bfloat16", {})).get("enabled", False))
+        bf16 = self.ds_config.get("bf16", self.ds_config.get("bfloat16", {})).get("enabled", False)
+        fp16 = self.ds_config.get("fp16", {}).get("enabled", False)
+        self.param_dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
         self.module = model
         self._steps, self._micro = 0, 0
         self._build_engine(step=0)
@@ -304,11 +324,18 @@ class DeepSpeedBackend(TrainingBackend):
 
         return safe_get_full_grad(param)
 
-    def full_fp32_param(self, param: torch.nn.Parameter) -> torch.Tensor | None:
-        """fp32 master of a trainable param (collective); None for frozen ones."""
+    def full_param(self, name: str, param: torch.nn.Parameter) -> torch.Tensor:
+        """Full value of `param`, identical on every rank (collective: every rank must call it for
+        the same params). Trainable params give their fp32 master (more precise than the bf16
+        model copy); frozen ones a gathered copy in their own dtype."""
         from deepspeed.utils import safe_get_full_fp32_param
 
-        return safe_get_full_fp32_param(param)
+        if param.requires_grad and self.engine is not None:
+            master = safe_get_full_fp32_param(param)
+            if master is not None:
+                return master
+        with self.gathered([param], modifier_rank=None):
+            return param.detach().clone()
 
     def gathered(self, params: Iterable[torch.nn.Parameter], modifier_rank: int | None = 0):
         """Full tensors of ZeRO-3 partitioned `params` inside the block, on every rank (collective:
@@ -353,6 +380,12 @@ class DeepSpeedBackend(TrainingBackend):
         del engine
         gc.collect()
 
+    def close(self) -> None:
+        """Destroy the engine (without leaking it); the model stays usable (ZeRO-3 params stay
+        partitioned). Needed before attaching another engine in the same process."""
+        if self.engine is not None:
+            self._destroy_engine()
+
     def _check_shapes_agree(self) -> None:
         shapes = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in self.module.named_parameters()}
         trainable = sorted(self._trainable())
@@ -360,21 +393,25 @@ class DeepSpeedBackend(TrainingBackend):
         for rank, view in enumerate(views):
             if view != views[0]:
                 diff = sorted(set(view[0].items()) ^ set(views[0][0].items()))[:4]
-                raise RuntimeError(f"after change_fn rank {rank} has other parameter shapes / trainable set than rank 0: {diff}")
+                raise RuntimeError(f"after change_fn rank {rank} has other parameter shapes / trainable set "
+                                   f"than rank 0: {diff}")
 
     def _cast_plain_params(self) -> None:
-        if not self.bf16:
+        """New fp32 params in a bf16/fp16 model: ZeRO-3 re-init would not cast them (ZeRO-1/2 does)."""
+        if self.param_dtype == torch.float32:
             return
         for param in self.module.parameters():
             if not hasattr(param, "ds_id") and param.dtype == torch.float32:
-                param.data = param.data.to(torch.bfloat16)
+                param.data = param.data.to(self.param_dtype)
 
     def apply_shape_change(self, change_fn: Callable[[], ShapeChange]) -> None:
         """Destroy the engine, run `change_fn`, rebuild it carrying masters, Adam state and the
         LR position (see the module docstring). Call after `step()`, on every rank; `change_fn`
         must produce identical shapes on every rank (checked) and may gather ZeRO-3 params with
-        `self.gathered`. Parameters the change replaces without edits restart from their new
-        values with zero Adam state; names missing from the change keep their state as is."""
+        `self.gathered`. Every trainable param that existed before gets its old master and
+        moments with `change[name]` applied (no entry: unchanged, so a replaced param of the same
+        shape gets its old master back); trainable params with new names keep their values and
+        start with zero moments. If `change_fn` raises, the backend is left without an engine."""
         if self._micro:
             raise RuntimeError("apply_shape_change() inside a gradient-accumulation cycle; call it after step()")
         snap, adam_step = self._snapshot()

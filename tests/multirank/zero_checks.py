@@ -32,20 +32,21 @@ from apt_ds.zero import DeepSpeedBackend  # noqa: E402
 
 GLOBAL_BATCH, SEQ, VOCAB = 4, 16, 128
 LR, WD = 1e-2, 0.01
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def lr_lambda(step: int) -> float:
     return 1.0 / (1.0 + 0.1 * step)  # a schedule whose position matters
 
 
-def make_model(seed: int = 0):
+def make_model(seed: int = 0, hidden: int = 64, rank: int = 4, targets=("q_proj", "v_proj")):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager")
     model = LlamaForCausalLM(cfg)
-    add_adapters(model, ["q_proj", "v_proj"], rank=4, alpha=8, seed=seed)
+    add_adapters(model, list(targets), rank=rank, alpha=2 * rank, seed=seed)
     with torch.no_grad():  # B = 0 makes lora_A's first gradients zero; start from a non-trivial point
         gen = torch.Generator().manual_seed(seed + 1)
         for adapter in find_adapters(model).values():
@@ -70,9 +71,6 @@ class Runner:
     def micro_batches(self, step: int):
         rows = global_batch(step).chunk(self.world)[self.rank]
         return rows.chunk(self.gas)
-
-    def loss_of(self, out) -> torch.Tensor:
-        return out.loss
 
     def train_step(self, step: int, before_step=None) -> float:
         t0 = time.perf_counter()
@@ -105,8 +103,8 @@ def make_backend(kind: str, ds_config: dict, model, gas: int, micro: int | None)
 
 
 def close(backend) -> None:
-    if isinstance(backend, DeepSpeedBackend) and backend.engine is not None:
-        backend._destroy_engine()
+    if isinstance(backend, DeepSpeedBackend):
+        backend.close()
 
 
 # ---- shape changes (work on both backends) ----------------------------------------------------
@@ -216,10 +214,10 @@ def run_grads(kind, ds_config, gas, micro):
                 grads[name] = backend.full_grad(name, param).double().flatten()[:8].tolist()
 
     if kind != "local" and gas > 1:  # parameters must not move on non-boundary micro-batches
-        before = backend.full_fp32_param(dict(model.named_parameters())[probe]).clone()
+        before = backend.full_param(probe, dict(model.named_parameters())[probe]).clone()
         ids = runner.micro_batches(1)[0]
         backend.backward(backend.forward(input_ids=ids, labels=ids).loss)
-        after = backend.full_fp32_param(dict(model.named_parameters())[probe])
+        after = backend.full_param(probe, dict(model.named_parameters())[probe])
         unchanged["non_boundary_param_delta"] = float((after - before).abs().max())
         unchanged["steps_mid_cycle"] = backend.engine.global_steps
         for ids in runner.micro_batches(1)[1:]:
@@ -228,8 +226,13 @@ def run_grads(kind, ds_config, gas, micro):
         backend.step()
     else:
         runner.train_step(1, before_step=grab)
+    values = {}  # full values after two steps: trainable (masters) and frozen (gathered)
+    for name, param in model.named_parameters():
+        if param.requires_grad or name.endswith("layers.1.mlp.down_proj.weight"):
+            full = backend.full_param(name, param) if kind != "local" else param.detach()
+            values[name] = [list(full.shape), full.double().flatten()[-8:].tolist()]
     close(backend)
-    return {"grads": grads, **unchanged}
+    return {"grads": grads, "values": values, **unchanged}
 
 
 def run_save_load(ds_config, tmp: Path, gas: int, micro):
@@ -262,15 +265,42 @@ def run_save_load(ds_config, tmp: Path, gas: int, micro):
             "lr_loaded": lr_loaded}
 
 
-def run_leak(ds_config, gas, micro, rebuilds: int):
+def trim() -> None:
+    """Return freed heap pages to the OS (glibc) so RSS reflects live memory, not allocator caching."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def live_tensor_mb() -> float:
+    """Bytes of distinct storages reachable from Python-tracked tensors: an allocator-independent leak probe."""
+    seen, total = set(), 0
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor):
+            try:
+                storage = obj.untyped_storage()
+            except RuntimeError:
+                continue
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total / 2**20
+
+
+def run_leak(ds_config, gas, micro, rebuilds: int, hidden: int = 64, rank: int = 4):
+    """Rebuild `rebuilds` times (one step between); RSS, engine collection, hook counts."""
     import psutil
 
     proc = psutil.Process()
-    model = make_model()
+    model = make_model(hidden=hidden, rank=rank, targets=ALL_TARGETS if rank > 4 else ("q_proj", "v_proj"))
+    trainable_mb = sum(p.numel() for p in model.parameters() if p.requires_grad) * 4 / 2**20
     backend = make_backend("ds", ds_config, model, gas, micro)
     runner = Runner(backend, model, gas)
     runner.train_step(0)
-    rss, dead, hooks, times = [], [], [], []
+    rss, dead, hooks, times, tensors = [], [], [], [], []
     for i in range(rebuilds):
         old = weakref.ref(backend.engine)
         old_opt = weakref.ref(backend.engine.optimizer)
@@ -281,9 +311,12 @@ def run_leak(ds_config, gas, micro, rebuilds: int):
         gc.collect()
         dead.append(old() is None and old_opt() is None)
         hooks.append(sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()))
+        trim()
         rss.append(proc.memory_info().rss / 2**20)
+        if i in (0, rebuilds - 1):  # a gc scan is slow: first and last only
+            tensors.append(live_tensor_mb())
     close(backend)
-    return {"rss_mb": rss, "old_engine_collected": dead, "hook_counts": hooks, "rebuild_s": times,
+    return {"trainable_fp32_mb": trainable_mb, "rss_mb": rss, "old_engine_collected": dead, "hook_counts": hooks, "live_tensor_mb": tensors, "rebuild_s": times,
             "step_s": sorted(runner.step_times)[len(runner.step_times) // 2]}
 
 
@@ -294,6 +327,8 @@ def main():
     parser.add_argument("--only", default="all", help="comma list: baseline,rebuild,grow,shrink,gas,grads,save,leak,bf16")
     parser.add_argument("--micro", type=int, default=None)
     parser.add_argument("--rebuilds", type=int, default=10)
+    parser.add_argument("--leak-hidden", type=int, default=64)
+    parser.add_argument("--leak-rank", type=int, default=4)
     parser.add_argument("--local_rank", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -302,44 +337,53 @@ def main():
     ds_config.setdefault("bf16", {})["enabled"] = False
     ds_config["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # partition every tiny param
     only = set(args.only.split(",")) if args.only != "all" else None
-    want = lambda name: only is None or name in only  # noqa: E731
     out: dict = {}
     probe = "model.layers.1.self_attn.q_proj.lora_B"
-    local_gas = 1
 
     def both(key, **kw):
         rec, backend, *_ = scenario("ds", ds_config, 1, args.micro, **kw)
         close(backend)
-        ref, *_ = scenario("local", ds_config, local_gas, None, **kw)
+        ref, *_ = scenario("local", ds_config, 1, None, **kw)
         out[key], out[key + "_local"] = rec, ref
 
-    if want("baseline"):
-        both("baseline")
-    if want("rebuild"):
-        both("rebuild", event="rebuild")
-    if want("grow"):
-        both("grow", event="grow", probe=probe)
-    if want("shrink"):
-        both("shrink", event="shrink", probe=probe)
-    if want("gas"):
+    def gas():
         rec, backend, *_ = scenario("ds", ds_config, 2, None, event="grow")
         close(backend)
         out["gas2_grow"] = rec
-    if want("grads"):
+
+    def grads():
         out["grads"] = run_grads("ds", ds_config, 1, None)
         out["grads_gas2"] = run_grads("ds", ds_config, 2, None)
         out["grads_local"] = run_grads("local", ds_config, 1, None)
-    if want("save"):
-        out["save_load"] = run_save_load(ds_config, Path(args.out).parent / "ckpt", 1, None)
-    if want("leak"):
-        out["leak"] = run_leak(ds_config, 1, None, args.rebuilds)
-    if want("bf16"):
+
+    def bf16():
         bf16_config = json.loads(json.dumps(ds_config))
         bf16_config["bf16"]["enabled"] = True
         rec, backend, *_ = scenario("ds", bf16_config, 1, None, event="grow", probe=probe)
         out["bf16_grow_dtype"] = str(dict(backend.module.named_parameters())[probe].dtype)
         close(backend)
         out["bf16_grow"] = rec
+        rec, backend, *_ = scenario("ds", bf16_config, 1, None)
+        close(backend)
+        out["bf16_baseline"] = rec
+
+    sections = {
+        "baseline": lambda: both("baseline"),
+        "rebuild": lambda: both("rebuild", event="rebuild"),
+        "grow": lambda: both("grow", event="grow", probe=probe),
+        "shrink": lambda: both("shrink", event="shrink", probe=probe),
+        "gas": gas,
+        "grads": grads,
+        "save": lambda: out.update(save_load=run_save_load(ds_config, Path(args.out).parent / "ckpt", 1, None)),
+        "leak": lambda: out.update(leak=run_leak(ds_config, 1, None, args.rebuilds, args.leak_hidden, args.leak_rank)),
+        "bf16": bf16,
+    }
+    out["section_s"] = {}
+    for name, run in sections.items():
+        if only is None or name in only:
+            t0 = time.perf_counter()
+            run()
+            out["section_s"][name] = round(time.perf_counter() - t0, 2)
     out["world_size"] = int(os.environ.get("WORLD_SIZE", "1"))
     if int(os.environ.get("RANK", "0")) == 0:
         Path(args.out).write_text(json.dumps(out, indent=1))
