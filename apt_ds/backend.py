@@ -73,9 +73,10 @@ class TrainingBackend:
         """Context in which full tensors of `params` can be read and replaced on every rank."""
         return contextlib.nullcontext()
 
-    def apply_shape_change(self, change_fn: Callable[[], ShapeChange]) -> None:
+    def apply_shape_change(self, change_fn: Callable[[], ShapeChange], carry_state: bool = True) -> None:
         """Run `change_fn` (which replaces parameters and returns their edits), then rebuild
-        the optimizer carrying masters, Adam moments, step count and LR schedule."""
+        the optimizer carrying masters, Adam moments, step count and LR schedule
+        (`carry_state=False`: a checkpoint is loaded next, carry nothing)."""
         raise NotImplementedError
 
     def save(self, directory: Path) -> None:
@@ -143,8 +144,8 @@ class LocalBackend(TrainingBackend):
                 out[by_param[id(param)]] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in state.items()}
         return out
 
-    def apply_shape_change(self, change_fn):
-        old_state = self._state_by_name()
+    def apply_shape_change(self, change_fn, carry_state=True):
+        old_state = self._state_by_name() if carry_state else {}
         change = change_fn()
         self._build_optimizer(step=self._steps)
         self._restore_state(old_state, change)

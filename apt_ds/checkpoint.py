@@ -104,7 +104,11 @@ def load_checkpoint(trainer, directory: Path) -> None:
         changed = sorted(k for k in meta["apt_config"] if meta["apt_config"][k] != trainer.apt_config.to_dict().get(k))
         raise CheckpointError(f"checkpoint {directory} used a different APT config (fields {changed}); resume with the same one")
     gather = trainer.backend.gathered
-    trainer.backend.apply_shape_change(lambda: (state.restore_architecture(meta["kept"], meta["ranks"], gather), {})[1])
+    def rebuild():
+        state.restore_architecture(meta["kept"], meta["ranks"], gather)
+        return {}
+
+    trainer.backend.apply_shape_change(rebuild, carry_state=False)
     if state.shape.to_dict() != meta["shape"]:
         raise CheckpointError(f"checkpoint {directory}: rebuilt shapes do not match the recorded ones")
     try:

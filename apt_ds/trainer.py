@@ -41,6 +41,16 @@ def warmup_cosine(warmup: int, total: int, floor: float = 0.1):
     return factor
 
 
+def _supervised_tokens(batch: dict) -> int:
+    """Tokens the causal-LM loss averages over (labels are shifted by one)."""
+    return int((batch["labels"][:, 1:] != -100).sum())
+
+
+def _valid_tokens(batch: dict) -> int:
+    mask = batch.get("attention_mask")
+    return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+
+
 class APTrainer:
     def __init__(self, model, apt: APTConfig, train: TrainConfig, backend: TrainingBackend | None = None,
                  out_dir: str | Path | None = None, eval_batches: list[dict] | None = None, progress: bool = True,
@@ -131,26 +141,33 @@ class APTrainer:
         collect = self.schedule.collects_salience(step)
         self.state.salience.enabled = collect
         mu = self.schedule.distill_weight(step) if self.teacher_ready else 0.0
-        sums = {"loss": 0.0, "task_loss": 0.0, "distill_loss": 0.0}
-        for _ in range(self.train_config.grad_accum_steps):
-            batch = next(batches)
-            self.consumed_micro_batches += 1
+        gas, world = self.train_config.grad_accum_steps, self.backend.world_size
+        micro_batches = [next(batches) for _ in range(gas)]
+        self.consumed_micro_batches += gas
+        # Normalise by the GLOBAL token counts of this step, so that the gradient (and hence
+        # salience) is the same however the global batch is split over ranks/micro-batches:
+        # each micro-batch's mean loss is turned into its token sum / global token count.
+        counts = torch.tensor([[_supervised_tokens(b), _valid_tokens(b)] for b in micro_batches], dtype=torch.float64)
+        totals = self.backend.all_reduce_sum(counts.sum(0).clone()).clamp_min(1.0)
+        sums = torch.zeros(2, dtype=torch.float64)  # token-summed task and distill losses
+        for batch, (n_task, n_valid) in zip(micro_batches, counts):
             task_loss, distill_loss = self._losses(batch, mu)
-            loss = (1 - mu) * task_loss + mu * distill_loss if mu > 0 else task_loss
-            self.backend.backward(loss)
-            for key, value in (("loss", loss), ("task_loss", task_loss), ("distill_loss", distill_loss)):
-                sums[key] += float(value.detach()) / self.train_config.grad_accum_steps
+            task_loss = torch.nan_to_num(task_loss)  # a micro-batch without supervised tokens
+            scaled = task_loss * float(n_task * world * gas / totals[0])
+            if mu > 0:
+                scaled = (1 - mu) * scaled + mu * distill_loss * float(n_valid * world * gas / totals[1])
+            self.backend.backward(scaled)
+            sums += torch.tensor([float(task_loss.detach()) * n_task, float(distill_loss.detach()) * n_valid], dtype=torch.float64)
         if collect:
             self.state.salience.end_step()
             if self.apt_config.grow_ranks:
                 self.tuner.accumulate(self.state.adapters, self.backend.full_param, self.backend.full_grad)
         lr = self.backend.lr
         self.backend.step()
-        reduced = self.backend.all_reduce_sum(torch.tensor([sums["loss"], sums["task_loss"], sums["distill_loss"]], dtype=torch.float64))
-        reduced /= self.backend.world_size
+        task_mean, distill_mean = (self.backend.all_reduce_sum(sums) / totals).tolist()
         return {
-            "step": self.step, "loss": float(reduced[0]), "task_loss": float(reduced[1]),
-            "distill_loss": float(reduced[2]), "mu": mu, "lr": lr, "step_time_s": time.perf_counter() - started,
+            "step": self.step, "loss": (1 - mu) * task_mean + mu * distill_mean, "task_loss": task_mean,
+            "distill_loss": distill_mean, "mu": mu, "lr": lr, "step_time_s": time.perf_counter() - started,
         }
 
     def _losses(self, batch: dict, mu: float):

@@ -404,23 +404,25 @@ class DeepSpeedBackend(TrainingBackend):
             if not hasattr(param, "ds_id") and param.dtype == torch.float32:
                 param.data = param.data.to(self.param_dtype)
 
-    def apply_shape_change(self, change_fn: Callable[[], ShapeChange]) -> None:
+    def apply_shape_change(self, change_fn: Callable[[], ShapeChange], carry_state: bool = True) -> None:
         """Destroy the engine, run `change_fn`, rebuild it carrying masters, Adam state and the
         LR position (see the module docstring). Call after `step()`, on every rank; `change_fn`
         must produce identical shapes on every rank (checked) and may gather ZeRO-3 params with
         `self.gathered`. Every trainable param that existed before gets its old master and
         moments with `change[name]` applied (no entry: unchanged, so a replaced param of the same
         shape gets its old master back); trainable params with new names keep their values and
-        start with zero moments. If `change_fn` raises, the backend is left without an engine."""
+        start with zero moments. If `change_fn` raises, the backend is left without an engine.
+        `carry_state=False` (resume: a checkpoint is loaded next) rebuilds without carrying."""
         if self._micro:
             raise RuntimeError("apply_shape_change() inside a gradient-accumulation cycle; call it after step()")
-        snap, adam_step = self._snapshot()
+        snap, adam_step = self._snapshot() if carry_state else ({}, None)
         self._destroy_engine()
         change = change_fn() or {}
         self._check_shapes_agree()
         self._cast_plain_params()
         self._build_engine(step=self._steps)
-        self._restore(snap, adam_step, change)
+        if carry_state:
+            self._restore(snap, adam_step, change)
 
     def _restore(self, snap, adam_step, change: ShapeChange) -> None:
         from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param, safe_set_full_optimizer_state
