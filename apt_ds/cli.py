@@ -90,7 +90,10 @@ def resolve_configs(args) -> tuple[APTConfig, TrainConfig]:
         raise ConfigError(f"--config {args.config}: unknown field(s) {unknown}")
     cli = {k: v for k, v in vars(args).items() if v is not None}
     merged = {**file_values, **{k: v for k, v in cli.items() if k in apt_names | train_names}}
-    train = TrainConfig(**{k: v for k, v in merged.items() if k in train_names})
+    train_values = {k: v for k, v in merged.items() if k in train_names}
+    steps = int(train_values.get("steps", TrainConfig.steps))
+    train_values.setdefault("checkpoint_every", max(10, steps // 10))  # resumable without asking
+    train = TrainConfig(**train_values)
     apt_values = {k: (tuple(v) if isinstance(v, list) else v) for k, v in merged.items() if k in apt_names}
     apt = APTConfig.for_steps(train.steps, **apt_values)
     if args.method == "lora":
@@ -131,7 +134,10 @@ def build_export_parser() -> argparse.ArgumentParser:
         prog="launch/export.py",
         description="Export a run as a merged, physically smaller, dense model (safetensors + config + tokenizer).",
     )
-    parser.add_argument("run_dir", help="run directory written by launch/train.py (its checkpoint/ is read)")
+    parser.add_argument("run_dir", nargs="?", help="run directory written by launch/train.py (its checkpoint/ is read)")
+    parser.add_argument("--model", default=None, help="instead of a run: a plain LLaMA directory (adapters merged or none) ...")
+    parser.add_argument("--kept", default=None, help="... and a JSON with the kept ORIGINAL unit indices "
+                        "(a run's checkpoint/apt_state.json, or {groups, neurons, hidden})")
     parser.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="dtype of the saved weights")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
@@ -139,16 +145,33 @@ def build_export_parser() -> argparse.ArgumentParser:
 
 
 def export_main(argv: list[str] | None = None) -> int:
-    args = build_export_parser().parse_args(argv)
+    parser = build_export_parser()
+    args = parser.parse_args(argv)
+    if bool(args.run_dir) == bool(args.model and args.kept):
+        parser.error("give either RUN_DIR, or --model and --kept")
     try:
-        from .export import export_run
+        from .export import export_pruned, export_run
 
-        report = export_run(Path(args.run_dir), Path(args.out), dtype=args.dtype, overwrite=args.overwrite)
+        if args.run_dir:
+            report = export_run(Path(args.run_dir), Path(args.out), dtype=args.dtype, overwrite=args.overwrite)
+        else:
+            report = export_pruned(*_plain_model_and_kept(args.model, args.kept), Path(args.out), dtype=args.dtype,
+                                   tokenizer_dir=Path(args.model), overwrite=args.overwrite)
     except _user_errors() as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(json.dumps(report["final"], indent=1))
     return 0
+
+
+def _plain_model_and_kept(model_path: str, kept_path: str):
+    from .modeling import load_model
+
+    try:
+        kept = json.loads(Path(kept_path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConfigError(f"cannot read --kept {kept_path}: {err}") from None
+    return load_model(model_path), kept.get("kept", kept)
 
 
 def world_from_env() -> tuple[int, int]:

@@ -8,6 +8,7 @@ export leaves no directory that loads.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tempfile
@@ -79,14 +80,7 @@ def fold_masks(model, state: APTModel) -> None:
     masks.remove()
     state.salience.remove()
     if decision.removes_anything():
-        state.shrink(decision, gather=lambda params: _null())
-    masks.remove()
-
-
-def _null():
-    import contextlib
-
-    return contextlib.nullcontext()
+        state.shrink(decision, gather=lambda params: contextlib.nullcontext())
 
 
 def compact_model(model, state: APTModel):
@@ -148,7 +142,7 @@ def write_export(model, shape: ModelShape, out: Path, dtype: torch.dtype, tokeni
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=1))
         if tokenizer_dir is not None and tokenizer_dir.is_dir():
             for item in tokenizer_dir.iterdir():
-                if item.is_file():
+                if item.is_file() and _is_tokenizer_file(item.name):
                     shutil.copy2(item, tmp / item.name)
         report = {"final": _summary(shape), "uniform": shape.uniform,
                   "exported_params": sum(v.numel() for v in state_dict.values())}
@@ -162,6 +156,43 @@ def write_export(model, shape: ModelShape, out: Path, dtype: torch.dtype, tokeni
     return report
 
 
+def _is_tokenizer_file(name: str) -> bool:
+    """Tokenizer files only: a model directory also holds weights and a config we replace."""
+    return (name.startswith(("tokenizer", "special_tokens_map", "added_tokens", "vocab", "merges", "chat_template"))
+            or name.endswith(".model"))
+
+
 def _summary(shape: ModelShape) -> dict:
     return {"hidden": shape.hidden, "block_params": shape.block_params(), "total_params": shape.total_params(),
             "layers": [dict(layer.__dict__) for layer in shape.layers]}
+
+
+def export_pruned(model, kept: dict, out: Path, dtype: str = "fp32", tokenizer_dir: Path | None = None,
+                  overwrite: bool = False) -> dict:
+    """Export a plain LLaMA (adapters already merged, or none) pruned to `kept` ORIGINAL unit
+    indices ({"groups": [[...] per layer], "neurons": [[...] per layer], "hidden": [...]}, as
+    in a run's checkpoint/apt_state.json). Needs neither DeepSpeed nor a run directory."""
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"--out {out} already exists; pass --overwrite to replace it")
+    from .shrink import shrink_model
+    from .units import check_llama_model
+
+    check_llama_model(model)
+    original = ModelShape.from_model(model)
+    try:
+        groups = [torch.tensor(g, dtype=torch.long) for g in kept["groups"]]
+        neurons = [torch.tensor(n, dtype=torch.long) for n in kept["neurons"]]
+        hidden = torch.tensor(kept["hidden"], dtype=torch.long)
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"kept-units record is malformed ({err}); expected groups/neurons/hidden lists") from None
+    limits = [(g, l.num_kv_groups) for g, l in zip(groups, original.layers)] + [(n, l.ffn) for n, l in zip(neurons, original.layers)]
+    if len(groups) != len(original.layers) or len(neurons) != len(original.layers) or any(
+        len(ix) == 0 or int(ix.max()) >= size or int(ix.min()) < 0 for ix, size in limits + [(hidden, original.hidden)]
+    ):
+        raise CheckpointError("kept-units record does not fit this model (layer count or unit indices out of range)")
+    shape, _ = shrink_model(model, original, groups, neurons, hidden)
+    report = write_export(model.eval(), shape, out, DTYPES[dtype], tokenizer_dir=tokenizer_dir)
+    report["original"] = _summary(original)
+    (out / "apt_export.json").write_text(json.dumps(report, indent=1))
+    return report

@@ -106,6 +106,10 @@ def _eval_batches(args, tokenizer, train: TrainConfig, backend, pad_id: int) -> 
     records = load_records(args.eval_data)
     examples = tokenize_dataset(records, tokenizer, train.max_seq_len, pack=False, source=args.eval_data)
     examples = examples[: args.eval_examples]
+    # Every rank must run the same number of forwards (ZeRO-3 gathers are collective).
+    examples = examples[: len(examples) - len(examples) % backend.world_size]
+    if not examples:
+        raise ConfigError(f"--eval-data {args.eval_data}: fewer usable examples than ranks ({backend.world_size})")
     mine = examples[backend.rank :: backend.world_size]
     size = train.micro_batch_size
     return [collate(mine[i : i + size], pad_id=pad_id) for i in range(0, len(mine), size)]

@@ -127,3 +127,88 @@ def test_interrupted_export_leaves_nothing(runs, tmp_path, monkeypatch):
 def test_resume_finished_run_continues_nothing(runs):
     checkpoint = json.loads((runs / "nonuniform" / "checkpoint" / "apt_state.json").read_text())
     assert checkpoint["finished"] and checkpoint["step"] == 8
+
+
+def test_resume_from_a_different_model_is_refused(runs, tmp_path, capsys):
+    import shutil
+
+    from conftest import tiny_llama
+
+    other = tmp_path / "other-model"
+    tiny_llama("gqa", vocab=512).save_pretrained(str(other))
+    for item in (runs / "nonuniform" / "tokenizer").iterdir():
+        shutil.copy2(item, other / item.name)
+    state = (runs / "nonuniform" / "checkpoint" / "apt_state.json").read_bytes()
+    assert train_main([*FAST, "--model", str(other), "--resume", "--out", str(runs / "nonuniform")]) == 2
+    assert "--model" in capsys.readouterr().err
+    assert (runs / "nonuniform" / "checkpoint" / "apt_state.json").read_bytes() == state
+
+
+def test_resume_without_checkpoint_is_refused(tmp_path, capsys):
+    assert train_main([*FAST, "--resume", "--out", str(tmp_path / "fresh")]) == 2
+    assert "no checkpoint" in capsys.readouterr().err
+
+
+def test_export_from_plain_model_and_kept_units(runs, tmp_path):
+    """A plain model + the kept-unit record export without a run directory or DeepSpeed, and the
+    result computes what the model masked to those units computes."""
+    from apt_ds.data import load_tokenizer
+    from apt_ds.masks import UnitMasks
+    from apt_ds.modeling import build_tiny_llama
+    from apt_ds.units import ModelShape
+
+    meta = json.loads((runs / "nonuniform" / "checkpoint" / "apt_state.json").read_text())
+    tokenizer = load_tokenizer(runs / "nonuniform" / "tokenizer")
+    original = build_tiny_llama(vocab_size=len(tokenizer), seed=meta["train_config"]["seed"])
+    original.save_pretrained(str(tmp_path / "plain"))
+    tokenizer.save_pretrained(str(tmp_path / "plain"))
+    masks = UnitMasks(ModelShape.from_model(original))
+    kept = meta["kept"]
+    masks.kv_group = [torch.zeros_like(m).index_fill_(0, torch.tensor(k), 1.0) for m, k in zip(masks.kv_group, kept["groups"])]
+    masks.ffn_neuron = [torch.zeros_like(m).index_fill_(0, torch.tensor(k), 1.0) for m, k in zip(masks.ffn_neuron, kept["neurons"])]
+    masks.hidden = torch.zeros_like(masks.hidden).index_fill_(0, torch.tensor(kept["hidden"]), 1.0)
+    masks.refresh()
+    masks.install(original)
+    ids = torch.randint(0, 500, (1, 8), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = original.eval()(input_ids=ids).logits
+    result = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve().parent.parent / "launch" / "export.py"), "--model",
+         str(tmp_path / "plain"), "--kept", str(runs / "nonuniform" / "checkpoint" / "apt_state.json"),
+         "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    exported = load_pretrained(tmp_path / "out")
+    report = json.loads((tmp_path / "out" / "apt_export.json").read_text())
+    assert report["final"]["total_params"] == sum(p.numel() for p in exported.parameters())
+    assert report["final"]["layers"] == meta["shape"]["layers"] and report["final"]["hidden"] == meta["shape"]["hidden"]
+    with torch.no_grad():
+        assert torch.allclose(exported(input_ids=ids).logits, expected, atol=1e-4)
+
+
+def test_checkpoint_whose_shapes_contradict_its_config(runs, tmp_path, capsys):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(runs / "nonuniform", broken)
+    meta_path = broken / "checkpoint" / "apt_state.json"
+    meta = json.loads(meta_path.read_text())
+    meta["shape"]["hidden"] += 1
+    meta_path.write_text(json.dumps(meta))
+    assert export_main([str(broken), "--out", str(tmp_path / "x")]) == 2
+    assert "contradict" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_export_needs_no_deepspeed(runs, tmp_path):
+    script = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from apt_ds.export import export_run\n"
+        f"export_run(Path({str(runs / 'nonuniform')!r}), Path({str(tmp_path / 'o')!r}))\n"
+        "assert 'deepspeed' not in sys.modules, 'export imported deepspeed'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            cwd=Path(__file__).resolve().parent.parent)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -13,9 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = str(REPO / "launch" / "train.py")
+EVAL_EXAMPLES = 8
+EVAL = ["--eval-data", str(REPO / "apt_ds" / "data" / "demo.jsonl"), "--eval-examples", str(EVAL_EXAMPLES)]
 COMMON = ["--steps", "12", "--max-seq-len", "32", "--warmup-steps", "1", "--target-density", "0.5", "--seed", "3"]
 
 
@@ -70,20 +73,41 @@ def check_identical_and_pruned(out: Path, ranks: int) -> dict:
 def two_rank_zero2(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("z2")
     out = tmp / "run"
-    result = launch(2, ["--deepspeed", ds_config(tmp, 2), *COMMON, "--micro-batch-size", "2", "--out", str(out)])
+    result = launch(2, ["--deepspeed", ds_config(tmp, 2), *COMMON, *EVAL, "--micro-batch-size", "2", "--out", str(out)])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return tmp, out
 
 
-def test_zero2_two_ranks_identical_masks(two_rank_zero2):
-    check_identical_and_pruned(two_rank_zero2[1], 2)
+def test_zero2_two_ranks_identical_masks_and_export_matches(two_rank_zero2):
+    tmp, out = two_rank_zero2
+    check_identical_and_pruned(out, 2)
+    live = metrics(out)[-1]["eval_loss"]
+    assert abs(exported_eval_loss(out, tmp / "export") - live) < 1e-4 * max(1.0, abs(live))
 
 
-def test_zero3_two_ranks_identical_masks(tmp_path):
+def exported_eval_loss(out: Path, export_dir: Path) -> float:
+    """Token-mean loss of the exported model on the run's eval examples (one process, no DeepSpeed)."""
+    from apt_ds.data import collate, demo_data_path, load_records, load_tokenizer, tokenize_dataset
+    from apt_ds.export import export_run
+    from apt_ds.modeling import load_pretrained
+
+    export_run(out, export_dir)
+    model = load_pretrained(export_dir)
+    tokenizer = load_tokenizer(out / "tokenizer")
+    examples = tokenize_dataset(load_records(demo_data_path()), tokenizer, 32, pack=False)[:EVAL_EXAMPLES]
+    batch = collate(examples, pad_id=tokenizer.pad_token_id or 0)
+    with torch.no_grad():
+        loss = model(**batch).loss
+    return float(loss)
+
+
+def test_zero3_two_ranks_identical_masks_and_export_matches(tmp_path):
     out = tmp_path / "run"
-    result = launch(2, ["--deepspeed", ds_config(tmp_path, 3), *COMMON, "--micro-batch-size", "2", "--out", str(out)])
+    result = launch(2, ["--deepspeed", ds_config(tmp_path, 3), *COMMON, *EVAL, "--micro-batch-size", "2", "--out", str(out)])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     check_identical_and_pruned(out, 2)
+    live = metrics(out)[-1]["eval_loss"]  # the masked model inside the ZeRO-3 engine, both ranks
+    assert abs(exported_eval_loss(out, tmp_path / "export") - live) < 1e-4 * max(1.0, abs(live))
 
 
 def test_one_rank_with_double_batch_decides_the_same(two_rank_zero2, tmp_path):
