@@ -78,6 +78,7 @@ def test_export_matches_training_time_model(runs, tmp_path):
     assert torch.allclose(exported, masked, atol=1e-4)
     assert torch.equal(loaded.generate(ids[:1], max_new_tokens=20, do_sample=False), generated)
     assert report["exported_params"] == report["final"]["total_params"] == sum(p.numel() for p in loaded.parameters())
+    assert report["exported_params"] == read_metrics(runs / "nonuniform" / "metrics.jsonl")[-1]["total_params"]
     assert report["final"]["block_params"] < report["original"]["block_params"]
 
 
@@ -212,3 +213,29 @@ def test_export_needs_no_deepspeed(runs, tmp_path):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                             cwd=Path(__file__).resolve().parent.parent)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("uniform", [False, True])
+def test_mha_model_directory_run_exports_exactly(runs, tmp_path, uniform):
+    """An MHA LLaMA given as a local HF directory: train, export, same logits as training time."""
+    import shutil
+
+    from conftest import tiny_llama
+
+    model_dir = tmp_path / "mha"
+    tiny_llama("mha", vocab=512).save_pretrained(str(model_dir))
+    for item in (runs / "nonuniform" / "tokenizer").iterdir():
+        shutil.copy2(item, model_dir / item.name)
+    out = tmp_path / "run"
+    flags = ["--uniform"] if uniform else []
+    assert train_main([*FAST, *flags, "--target-density", "0.6", "--model", str(model_dir), "--out", str(out)]) == 0
+    model, _, meta = rebuild_trained_model(out)
+    assert meta["shape"]["layers"][0]["group_size"] == 1  # MHA: a KV group is one head
+    ids = torch.randint(0, 500, (2, 10), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    export_run(out, tmp_path / "export")
+    loaded = load_pretrained(tmp_path / "export")
+    with torch.no_grad():
+        assert torch.allclose(loaded(input_ids=ids).logits, expected, atol=1e-4)
+    assert meta["shape"]["hidden"] <= 64 and read_metrics(out / "metrics.jsonl")[-1]["density"] <= 0.6 + 1e-9
