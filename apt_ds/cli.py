@@ -33,19 +33,33 @@ def _user_errors() -> tuple:
     return tuple(errors)
 
 
-def _add_dataclass_args(parser: argparse.ArgumentParser, cls, title: str, skip: set[str]) -> None:
+SCALED_DEFAULTS = {  # fields whose default is derived from --steps (see APTConfig.for_steps / resolve_configs)
+    "pruning_start_step": "10%% of --steps",
+    "pruning_end_step": "70%% of --steps",
+    "num_pruning_events": "about one per 3 steps of the pruning phase, at most 16",
+    "mask_decay_window": "the spacing between events - 1",
+    "mask_decay_step": "1 / mask-decay-window",
+    "warmup_steps": "5%% of --steps, at least 1",
+    "checkpoint_every": "10%% of --steps, at least 10",
+}
+
+
+def _add_dataclass_args(parser: argparse.ArgumentParser, cls, title: str) -> None:
+    """One flag per dataclass field (--field-name), help text from the field's metadata."""
     group = parser.add_argument_group(title)
     for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
         flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata.get("help", "")
+        help_text = f.metadata.get("help", "").replace("%", "%%")
+        default = SCALED_DEFAULTS.get(f.name)
+        if default is None:
+            default = " ".join(f.default) if isinstance(f.default, tuple) else f.default
+        help_text = f"{help_text} (default: {default})"
         if isinstance(f.default, bool):
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         elif isinstance(f.default, tuple):
-            group.add_argument(flag, dest=f.name, nargs="+", default=None, help=f"{help_text} (default: {' '.join(f.default)})")
+            group.add_argument(flag, dest=f.name, nargs="+", default=None, help=help_text)
         else:
-            group.add_argument(flag, dest=f.name, type=type(f.default), default=None, help=f"{help_text} (default: {f.default})")
+            group.add_argument(flag, dest=f.name, type=type(f.default), default=None, help=help_text)
 
 
 def build_train_parser() -> argparse.ArgumentParser:
@@ -54,13 +68,13 @@ def build_train_parser() -> argparse.ArgumentParser:
         description="Fine-tune a LLaMA model with APT: adapters are trained while attention KV groups, FFN neurons "
         "and hidden channels are pruned and physically removed; ends with a smaller model. "
         "Run with plain python (one process) or under the deepspeed launcher with --deepspeed.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--model", default="tiny", help="local HF model directory, a .gguf file, or 'tiny' (built-in random small LLaMA)")
+    parser.add_argument("--model", default="tiny", help="local HF model directory, a .gguf file, or 'tiny' "
+                        "(built-in random small LLaMA; default)")
     parser.add_argument("--data", default=None, help="training data: JSONL/JSON with 'text' or 'instruction'/'input'/'output' "
                         "fields, or a directory saved by `datasets` (default: the shipped demo data)")
     parser.add_argument("--eval-data", default=None, help="held-out data (same formats); eval_loss is logged at each pruning event and at the end")
-    parser.add_argument("--out", default="runs/demo", help="run directory: metrics.jsonl, checkpoint/, tokenizer/")
+    parser.add_argument("--out", default="runs/demo", help="run directory: metrics.jsonl, checkpoint/, tokenizer/ (default: runs/demo)")
     parser.add_argument("--deepspeed", default=None, help="DeepSpeed JSON (ds_configs/zero2.json, zero3.json, ...); omit for one process without DeepSpeed")
     parser.add_argument("--method", choices=("apt", "lora"), default="apt", help="apt, or lora: the same adapters with no pruning, no rank growth, no distillation")
     parser.add_argument("--config", default=None, help="JSON file with APTConfig/TrainConfig fields (command-line flags override it)")
@@ -68,10 +82,10 @@ def build_train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--overwrite", action="store_true", help="delete an existing --out before starting")
     parser.add_argument("--global-batch-size", type=int, default=None, help="sequences per optimizer step over all ranks (sets --micro-batch-size)")
     parser.add_argument("--no-pack", action="store_true", help="do not pack 'text' data into full blocks")
-    parser.add_argument("--eval-examples", type=int, default=64, help="examples of --eval-data used per evaluation")
+    parser.add_argument("--eval-examples", type=int, default=64, help="examples of --eval-data used per evaluation (default: 64)")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    _add_dataclass_args(parser, APTConfig, "APT knobs (defaults scale with --steps)", skip=set())
-    _add_dataclass_args(parser, TrainConfig, "training loop", skip=set())
+    _add_dataclass_args(parser, APTConfig, "APT knobs (schedule defaults scale with --steps)")
+    _add_dataclass_args(parser, TrainConfig, "training loop")
     return parser
 
 
@@ -93,27 +107,51 @@ def resolve_configs(args) -> tuple[APTConfig, TrainConfig]:
     train_values = {k: v for k, v in merged.items() if k in train_names}
     steps = int(train_values.get("steps", TrainConfig.steps))
     train_values.setdefault("checkpoint_every", max(10, steps // 10))  # resumable without asking
+    train_values.setdefault("warmup_steps", max(1, steps // 20))
     train = TrainConfig(**train_values)
     apt_values = {k: (tuple(v) if isinstance(v, list) else v) for k, v in merged.items() if k in apt_names}
+    if args.method == "lora":
+        apt_values = {k: v for k, v in apt_values.items() if k not in SCHEDULE_FIELDS}
     apt = APTConfig.for_steps(train.steps, **apt_values)
+    if apt.prune and apt.pruning_end_step > train.steps:
+        raise ConfigError(
+            f"APTConfig.pruning_end_step ({apt.pruning_end_step}) must be <= --steps ({train.steps}): "
+            "the run would end before reaching its target density"
+        )
     if args.method == "lora":
         apt = apt.as_lora()
     return apt, train
 
 
-def prepare_out_dir(out: Path, resume: bool, overwrite: bool, is_main: bool) -> None:
-    """Refuse to clobber a previous run unless asked to."""
+SCHEDULE_FIELDS = ("pruning_start_step", "pruning_end_step", "num_pruning_events", "mask_decay_window", "mask_decay_step")
+
+
+def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse to clobber a previous run unless asked to (checks only; nothing is touched)."""
     if resume:
-        if not (out / "checkpoint" / "apt_state.json").is_file():
+        if not (out / "checkpoint" / "apt_state.json").is_file() and not (out / "checkpoint.old" / "apt_state.json").is_file():
             raise FileExistsError(f"--resume: {out} holds no checkpoint (expected {out / 'checkpoint' / 'apt_state.json'})")
         return
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise FileExistsError(f"--out {out} already holds a run; pass --resume to continue it or --overwrite to replace it")
-        if is_main:
-            shutil.rmtree(out)
-    if is_main:
-        out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        what = "already holds a run" if (out / "run.json").exists() or (out / "checkpoint").exists() else "is not empty"
+        raise FileExistsError(f"--out {out} {what}; pass --resume to continue it or --overwrite to replace it")
+
+
+def prepare_out_dir(out: Path, resume: bool, overwrite: bool, is_main: bool) -> None:
+    """After every input has been validated: clear (--overwrite) and create the run directory,
+    or recover a checkpoint that a crash left renamed to checkpoint.old."""
+    check_out_dir(out, resume, overwrite)
+    if not is_main:
+        return
+    if resume:
+        current, old = out / "checkpoint", out / "checkpoint.old"
+        if not (current / "apt_state.json").is_file() and (old / "apt_state.json").is_file():
+            shutil.rmtree(current, ignore_errors=True)
+            old.rename(current)
+        return
+    if out.exists() and overwrite:
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
 
 
 def train_main(argv: list[str] | None = None) -> int:

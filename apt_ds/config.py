@@ -140,17 +140,23 @@ class APTConfig(_JsonConfig):
         Warm up for 10% of the run, prune between 10% and 70%, then recover for the last 30%
         (the reference spends roughly this share of epochs in each phase)."""
         if total_steps < 4:
-            raise ConfigError(f"total steps must be >= 4 to warm up, prune and recover, got {total_steps}")
-        start = max(1, round(0.1 * total_steps))
-        end = max(start + 1, round(0.7 * total_steps))
-        events = min(16, end - start, max(1, (end - start) // 3))
-        spacing = (end - start) / events
+            raise ConfigError(f"TrainConfig.steps must be >= 4 to warm up, prune and recover, got {total_steps}")
+        # Each default is derived from the values given so far, so overriding one field keeps
+        # the rest consistent with it.
+        start = overrides.get("pruning_start_step", max(1, round(0.1 * total_steps)))
+        if start >= total_steps:
+            raise ConfigError(f"APTConfig.pruning_start_step must be < steps ({total_steps}), got {start}")
+        end = overrides.get("pruning_end_step", max(start + 1, round(0.7 * total_steps)))
+        span = max(1, end - start)
+        events = overrides.get("num_pruning_events", min(16, span, max(1, span // 3)))
+        spacing = span / max(1, events)
+        window = overrides.get("mask_decay_window", max(0, int(spacing) - 1))
         defaults = dict(
             pruning_start_step=start,
             pruning_end_step=end,
             num_pruning_events=events,
-            mask_decay_window=max(0, int(spacing) - 1),
-            mask_decay_step=1.0 / max(1, int(spacing) - 1) if spacing > 1 else 1.0,
+            mask_decay_window=window,
+            mask_decay_step=1.0 / window if window >= 1 else 1.0,
         )
         defaults.update(overrides)
         return cls(**defaults)

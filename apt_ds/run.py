@@ -7,13 +7,15 @@ the loop knows nothing about files, tokenizers or launchers.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
+import tempfile
 from pathlib import Path
 
 from .backend import LocalBackend
 from .checkpoint import CheckpointError, read_meta
-from .cli import prepare_out_dir
+from .cli import check_out_dir, prepare_out_dir
 from .config import APTConfig, ConfigError, TrainConfig
 from .data import (
     batches, collate, demo_data_path, load_records, load_tokenizer, tokenize_dataset, train_sentencepiece_tokenizer,
@@ -29,6 +31,11 @@ def make_backend(args, train: TrainConfig):
     if not args.deepspeed:
         if int(os.environ.get("WORLD_SIZE", 1)) > 1:
             raise ConfigError("several ranks were launched but --deepspeed was not given; pass a ds_configs/*.json")
+        if args.global_batch_size:
+            if args.global_batch_size % train.grad_accum_steps:
+                raise ConfigError(f"--global-batch-size {args.global_batch_size} is not divisible by "
+                                  f"grad_accum_steps ({train.grad_accum_steps})")
+            train = dataclasses.replace(train, micro_batch_size=args.global_batch_size // train.grad_accum_steps)
         return LocalBackend(), train
     from .zero import DeepSpeedBackend
 
@@ -45,21 +52,17 @@ def make_backend(args, train: TrainConfig):
     return backend, train
 
 
-def _tokenizer_and_model(args, out: Path, backend, texts: list[str] | None, seed: int):
-    tokenizer_dir = out / TOKENIZER_DIR
+def _tokenizer_and_model(args, out: Path, texts: list[str], seed: int, staging: Path):
+    """Load (or, for the tiny model, train) the tokenizer and load the model; writes nothing
+    into --out: a trained tokenizer goes to `staging` until the run directory is prepared."""
     if args.model == TINY_MODEL:
-        if not (tokenizer_dir / "tokenizer_config.json").is_file():
-            if backend.is_main():
-                train_sentencepiece_tokenizer(texts, tokenizer_dir, vocab_size=512)
-            backend.barrier()
-        tokenizer = load_tokenizer(tokenizer_dir)
-        model = build_tiny_llama(vocab_size=len(tokenizer), seed=seed)
-    else:
-        tokenizer = load_tokenizer(args.model)
-        model = load_model(args.model)
-        if backend.is_main() and not tokenizer_dir.exists():
-            tokenizer.save_pretrained(str(tokenizer_dir))
-    return tokenizer, model
+        saved = out / TOKENIZER_DIR
+        if args.resume and (saved / "tokenizer_config.json").is_file():
+            tokenizer = load_tokenizer(saved)
+        else:  # deterministic: every rank trains the same tokenizer (no shared write needed)
+            tokenizer = train_sentencepiece_tokenizer(texts, staging, vocab_size=512)
+        return tokenizer, build_tiny_llama(vocab_size=len(tokenizer), seed=seed)
+    return load_tokenizer(args.model), load_model(args.model)
 
 
 def _texts_for_tokenizer(records) -> list[str]:
@@ -69,35 +72,87 @@ def _texts_for_tokenizer(records) -> list[str]:
     return texts
 
 
+def model_fingerprint(model) -> dict:
+    """Identifies the base model of a run: its config and a checksum of its embedding."""
+    config = {k: v for k, v in model.config.to_dict().items() if k not in ("_name_or_path", "transformers_version", "dtype", "torch_dtype")}
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    embedding = model.get_input_embeddings().weight.detach()
+    return {"config_sha": digest, "embedding_sum": round(float(embedding.double().abs().sum()), 3)}
+
+
+RESUME_MUST_MATCH = ("steps", "micro_batch_size", "grad_accum_steps", "lr", "warmup_steps", "weight_decay", "max_seq_len", "seed")
+
+
+def check_resumable(meta: dict, args, train: TrainConfig, fingerprint: dict) -> None:
+    saved_train = meta["train_config"]
+    changed = [k for k in RESUME_MUST_MATCH if saved_train.get(k) != getattr(train, k)]
+    if changed:
+        details = ", ".join(f"{k}: {saved_train.get(k)} -> {getattr(train, k)}" for k in changed)
+        raise CheckpointError(f"--resume must use the run's training settings; changed: {details}")
+    info = meta["run_info"]
+    if info.get("model_fingerprint") != fingerprint:
+        raise CheckpointError(f"--resume: --model {args.model} is not the model this run was trained from ({info.get('model')})")
+
+
 def run_training(args, apt: APTConfig, train: TrainConfig) -> dict:
     backend, train = make_backend(args, train)
     out = Path(args.out)
-    prepare_out_dir(out, args.resume, args.overwrite, backend.is_main())
-    backend.barrier()
-    if args.resume:
-        meta = read_meta(out / "checkpoint")
-        if meta["run_info"].get("model") != args.model:
-            raise CheckpointError(
-                f"--resume: {out} was trained from --model {meta['run_info'].get('model')}, not {args.model}"
-            )
+    check_out_dir(out, args.resume, args.overwrite)  # fail early; nothing is touched yet
+    meta = read_meta(_checkpoint_dir(out)) if args.resume else None
+    # Validate every input before writing anything into --out.
     data_path = args.data or str(demo_data_path())
     records = load_records(data_path)
-    tokenizer, model = _tokenizer_and_model(args, out, backend, _texts_for_tokenizer(records), train.seed)
-    examples = tokenize_dataset(records, tokenizer, train.max_seq_len, pack=not args.no_pack, source=data_path)
-    pad_id = tokenizer.pad_token_id or 0
-    eval_batches = _eval_batches(args, tokenizer, train, backend, pad_id)
+    with tempfile.TemporaryDirectory(prefix="apt-tokenizer-") as staging:
+        tokenizer, model = _tokenizer_and_model(args, out, _texts_for_tokenizer(records), train.seed, Path(staging))
+        examples = tokenize_dataset(records, tokenizer, train.max_seq_len, pack=not args.no_pack, source=data_path)
+        pad_id = tokenizer.pad_token_id or 0
+        eval_batches = _eval_batches(args, tokenizer, train, backend, pad_id)
+        fingerprint = model_fingerprint(model)
+        if meta is not None:
+            check_resumable(meta, args, train, fingerprint)
+        backend.barrier()
+        prepare_out_dir(out, args.resume, args.overwrite, backend.is_main())
+        if backend.is_main() and not args.resume:
+            tokenizer.save_pretrained(str(out / TOKENIZER_DIR))
+        backend.barrier()
     run_info = {"model": args.model, "data": data_path, "tokenizer": TOKENIZER_DIR, "method": args.method,
-                "deepspeed": args.deepspeed, "world_size": backend.world_size}
+                "deepspeed": args.deepspeed, "world_size": backend.world_size, "model_fingerprint": fingerprint}
     if backend.is_main() and not args.resume:
         (out / RUN_FILE).write_text(json.dumps({**run_info, "apt_config": apt.to_dict(), "train_config": train.to_dict()}, indent=1))
     trainer = APTrainer(model, apt, train, backend=backend, out_dir=out, eval_batches=eval_batches, run_info=run_info)
+    start = 0
     if args.resume:
+        if meta["finished"]:
+            if backend.is_main():
+                print(f"{out} already finished at step {meta['step']}; nothing to do")
+            return {"step": meta["step"], "final": True, "already_finished": True}
         trainer.resume(out / "checkpoint")
-    stream = batches(examples, train.micro_batch_size, train.seed, rank=backend.rank, world_size=backend.world_size, pad_id=pad_id)
-    final = trainer.train(stream)
+        start = trainer.consumed_micro_batches
+        if backend.is_main():
+            truncate_metrics(out / "metrics.jsonl", meta["step"])
+    stream = batches(examples, train.micro_batch_size, train.seed, rank=backend.rank, world_size=backend.world_size,
+                     pad_id=pad_id, start_step=start)
+    final = trainer.train(stream, skip_consumed=False)
     if backend.is_main():
         print(json.dumps(final))
     return final
+
+
+def _checkpoint_dir(out: Path) -> Path:
+    """The checkpoint, or the previous one if a crash interrupted the rename of a new one."""
+    current = out / "checkpoint"
+    return current if (current / "apt_state.json").is_file() else out / "checkpoint.old"
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop lines logged after the checkpoint a resumed run restarts from (they will be redone)."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step
+            and not json.loads(line).get("final")]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)
 
 
 def _eval_batches(args, tokenizer, train: TrainConfig, backend, pad_id: int) -> list[dict]:

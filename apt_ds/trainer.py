@@ -84,9 +84,11 @@ class APTrainer:
     def resume(self, checkpoint_dir: str | Path) -> None:
         load_checkpoint(self, Path(checkpoint_dir))
 
-    def train(self, batches: Iterator[dict]) -> dict:
+    def train(self, batches: Iterator[dict], skip_consumed: bool = True) -> dict:
+        """Train to `steps`. A resumed trainer skips the micro-batches it already consumed,
+        unless the iterator already starts after them (`skip_consumed=False`)."""
         cfg = self.train_config
-        for _ in range(self.consumed_micro_batches):  # deterministic data order: skip what a resumed run saw
+        for _ in range(self.consumed_micro_batches if skip_consumed else 0):
             next(batches)
         bar = tqdm(total=cfg.steps, initial=self.step, disable=not (self.progress and self.backend.is_main()), desc="apt")
         while self.step < cfg.steps:
@@ -99,7 +101,8 @@ class APTrainer:
             if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < cfg.steps:
                 self.save()
         bar.close()
-        final = {"step": self.step, "final": True, "density": self.state.density(), **self._sizes()}
+        final = {"step": self.step, "final": True, "density": self.state.density(), "world_size": self.backend.world_size,
+                 **self._sizes(), **memory_mb()}
         if self.eval_batches:
             final["eval_loss"] = self.evaluate()
         self.metrics.write(final)
@@ -226,7 +229,7 @@ class APTrainer:
             raise RuntimeError(f"shapes or ranks differ across ranks after the pruning event at step {step}")
         if self.apt_config.distill:
             self._snapshot_teacher()
-        record = {"event": True, "event_time_s": time.perf_counter() - started}
+        record = {"event": True, "event_time_s": time.perf_counter() - started, "decision": decision.fingerprint()[:16]}
         if self.eval_batches:
             record["eval_loss"] = self.evaluate()
         return record

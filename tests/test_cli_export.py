@@ -125,9 +125,80 @@ def test_interrupted_export_leaves_nothing(runs, tmp_path, monkeypatch):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
 
 
-def test_resume_finished_run_continues_nothing(runs):
-    checkpoint = json.loads((runs / "nonuniform" / "checkpoint" / "apt_state.json").read_text())
-    assert checkpoint["finished"] and checkpoint["step"] == 8
+def test_resume_of_a_finished_run_changes_nothing(runs, capsys):
+    metrics = (runs / "nonuniform" / "metrics.jsonl").read_bytes()
+    assert train_main([*FAST, "--target-density", "0.6", "--resume", "--out", str(runs / "nonuniform")]) == 0
+    assert "already finished" in capsys.readouterr().out
+    assert (runs / "nonuniform" / "metrics.jsonl").read_bytes() == metrics
+
+
+def test_resume_with_changed_training_settings_is_refused(runs, capsys):
+    assert train_main([*FAST, "--target-density", "0.6", "--seed", "5", "--resume", "--out", str(runs / "nonuniform")]) == 2
+    assert "seed: 0 -> 5" in capsys.readouterr().err
+
+
+def test_failed_start_touches_nothing(runs, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"output": ""}\n')
+    before = sorted(p.name for p in (runs / "nonuniform").iterdir())
+    assert train_main([*FAST, "--data", str(bad), "--overwrite", "--out", str(runs / "nonuniform")]) == 2
+    assert sorted(p.name for p in (runs / "nonuniform").iterdir()) == before  # --overwrite did not delete first
+    fresh = tmp_path / "fresh"
+    assert train_main([*FAST, "--eval-data", str(tmp_path / "missing.jsonl"), "--out", str(fresh)]) == 2
+    assert not fresh.exists()  # a corrected rerun is not refused
+    capsys.readouterr()
+
+
+def test_schedule_overrides_are_checked_against_steps(tmp_path, capsys):
+    assert train_main([*FAST, "--pruning-end-step", "100", "--out", str(tmp_path / "a")]) == 2
+    assert "pruning_end_step (100) must be <= --steps (8)" in capsys.readouterr().err
+    from apt_ds.cli import build_train_parser, resolve_configs
+
+    apt, train = resolve_configs(build_train_parser().parse_args(["--steps", "60", "--pruning-start-step", "50"]))
+    assert apt.pruning_start_step == 50 and 50 < apt.pruning_end_step <= 60 and train.warmup_steps == 3
+
+
+def test_config_file_command_line_and_method(tmp_path):
+    import dataclasses
+
+    from apt_ds.cli import build_train_parser, resolve_configs
+    from apt_ds.config import APTConfig, TrainConfig
+
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({"adapter_rank": 4, "rank_cap": 16, "lr": 0.01, "steps": 40}))
+    parser = build_train_parser()
+    apt, train = resolve_configs(parser.parse_args(["--config", str(config), "--rank-cap", "32"]))
+    assert (apt.adapter_rank, apt.rank_cap, train.lr, train.steps) == (4, 32, 0.01, 40)  # flag beats file
+    apt, _ = resolve_configs(parser.parse_args(["--method", "lora", "--steps", "20"]))
+    assert not apt.prune and not apt.grow_ranks and not apt.distill and apt.target_density == 1.0
+    flags = parser.format_help()
+    for cls in (APTConfig, TrainConfig):
+        for field in dataclasses.fields(cls):
+            assert "--" + field.name.replace("_", "-") in flags
+    assert "(default: None)" not in flags
+
+
+def test_global_batch_size_without_deepspeed(tmp_path):
+    from apt_ds.cli import build_train_parser, resolve_configs
+    from apt_ds.run import make_backend
+
+    args = build_train_parser().parse_args(["--global-batch-size", "6", "--grad-accum-steps", "2"])
+    _, train = make_backend(args, resolve_configs(args)[1])
+    assert train.micro_batch_size == 3
+
+
+def test_sixty_step_default_schedule(tmp_path):
+    """The default schedule scales with --steps: warm-up, several events to the target, recovery."""
+    out = tmp_path / "r60"
+    assert train_main(["--steps", "60", "--max-seq-len", "32", "--micro-batch-size", "2", "--out", str(out)]) == 0
+    records = [r for r in read_metrics(out / "metrics.jsonl") if not r.get("final")]
+    events = [r for r in records if r["event"]]
+    assert len(events) >= 4
+    assert all(r["density"] == 1.0 for r in records[:5])  # warm-up
+    assert records[-1]["density"] <= 0.7 + 1e-9
+    last_event = events[-1]["step"]
+    assert last_event <= 45 and all(r["density"] == records[-1]["density"] for r in records if r["step"] > last_event)
+
 
 
 def test_resume_from_a_different_model_is_refused(runs, tmp_path, capsys):

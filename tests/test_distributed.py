@@ -81,11 +81,13 @@ def two_rank_zero2(tmp_path_factory):
 def test_zero2_two_ranks_identical_masks_and_export_matches(two_rank_zero2):
     tmp, out = two_rank_zero2
     check_identical_and_pruned(out, 2)
+    events = [m for m in metrics(out) if m.get("event")]
+    assert events and all(m["eval_loss"] == m["eval_loss"] for m in events)  # logged (and finite) at every event
     live = metrics(out)[-1]["eval_loss"]
     assert abs(exported_eval_loss(out, tmp / "export") - live) < 1e-4 * max(1.0, abs(live))
 
 
-def exported_eval_loss(out: Path, export_dir: Path) -> float:
+def exported_eval_loss(out: Path, export_dir: Path, count: int = EVAL_EXAMPLES) -> float:
     """Token-mean loss of the exported model on the run's eval examples (one process, no DeepSpeed)."""
     from apt_ds.data import collate, demo_data_path, load_records, load_tokenizer, tokenize_dataset
     from apt_ds.export import export_run
@@ -94,7 +96,7 @@ def exported_eval_loss(out: Path, export_dir: Path) -> float:
     export_run(out, export_dir)
     model = load_pretrained(export_dir)
     tokenizer = load_tokenizer(out / "tokenizer")
-    examples = tokenize_dataset(load_records(demo_data_path()), tokenizer, 32, pack=False)[:EVAL_EXAMPLES]
+    examples = tokenize_dataset(load_records(demo_data_path()), tokenizer, 32, pack=False)[:count]
     batch = collate(examples, pad_id=tokenizer.pad_token_id or 0)
     with torch.no_grad():
         loss = model(**batch).loss
@@ -103,11 +105,12 @@ def exported_eval_loss(out: Path, export_dir: Path) -> float:
 
 def test_zero3_two_ranks_identical_masks_and_export_matches(tmp_path):
     out = tmp_path / "run"
-    result = launch(2, ["--deepspeed", ds_config(tmp_path, 3), *COMMON, *EVAL, "--micro-batch-size", "2", "--out", str(out)])
+    odd_eval = [EVAL[0], EVAL[1], "--eval-examples", str(EVAL_EXAMPLES - 1)]  # trimmed to a multiple of 2 ranks
+    result = launch(2, ["--deepspeed", ds_config(tmp_path, 3), *COMMON, *odd_eval, "--micro-batch-size", "2", "--out", str(out)])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     check_identical_and_pruned(out, 2)
     live = metrics(out)[-1]["eval_loss"]  # the masked model inside the ZeRO-3 engine, both ranks
-    assert abs(exported_eval_loss(out, tmp_path / "export") - live) < 1e-4 * max(1.0, abs(live))
+    assert abs(exported_eval_loss(out, tmp_path / "export", EVAL_EXAMPLES - 2) - live) < 1e-4 * max(1.0, abs(live))
 
 
 def test_one_rank_with_double_batch_decides_the_same(two_rank_zero2, tmp_path):
@@ -116,6 +119,8 @@ def test_one_rank_with_double_batch_decides_the_same(two_rank_zero2, tmp_path):
     result = launch(1, ["--deepspeed", ds_config(tmp_path, 2), *COMMON, "--micro-batch-size", "4", "--out", str(out)])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     one_rank = check_identical_and_pruned(out, 1)
+    decisions = lambda run: [m["decision"] for m in metrics(run) if m.get("event")]  # noqa: E731
+    assert len(decisions(out)) >= 2 and decisions(out) == decisions(two)  # every event, not just the end
     assert one_rank["kept"] == rank_records(two)[0]["kept"]
     assert one_rank["ranks"] == rank_records(two)[0]["ranks"]
 
@@ -129,14 +134,19 @@ def test_sigkill_then_resume_finishes_like_uninterrupted(two_rank_zero2, tmp_pat
     state = out / "checkpoint" / "apt_state.json"
     deadline = time.time() + 600
     while time.time() < deadline:
-        if state.is_file() and json.loads(state.read_text())["step"] >= 8:
-            break
+        try:
+            if json.loads(state.read_text())["step"] >= 8:
+                break
+        except (OSError, ValueError, KeyError):  # not written yet, or being renamed into place
+            pass
         if proc.poll() is not None:
             pytest.fail("run ended before the checkpoint to kill after was written")
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    killed_at = json.loads(state.read_text())["step"]
+    from apt_ds.run import _checkpoint_dir
+
+    killed_at = json.loads((_checkpoint_dir(out) / "apt_state.json").read_text())["step"]
     assert killed_at < 12
     result = launch(2, [*args, "--resume"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

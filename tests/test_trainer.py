@@ -286,3 +286,25 @@ def test_lora_baseline_run_changes_nothing_but_adapters():
     assert batches.served == 36 and trainer.step == 12
     assert all(r["distill_loss"] == 0.0 and r["mu"] == 0.0 for r in trainer.history if "loss" in r)
     assert any(bool((a.lora_B != 0).any()) for a in trainer.state.adapters.values())  # it did train
+
+
+def test_differing_decisions_across_ranks_are_an_error():
+    """A rank whose pruning decision differs must stop the run, not silently diverge."""
+    import pytest
+
+    from apt_ds.backend import LocalBackend
+
+    class SplitBrainBackend(LocalBackend):
+        def all_gather_object(self, obj):
+            return [obj, "another rank decided differently"]
+
+    model = tiny_llama("gqa")
+    apt = APTConfig.for_steps(12, target_density=0.6)
+    trainer = APTrainer(model, apt, TrainConfig(steps=12, micro_batch_size=2), backend=SplitBrainBackend(), progress=False)
+
+    def batches():
+        while True:
+            yield random_batch(batch=2, length=8)
+
+    with pytest.raises(RuntimeError, match="differ across ranks"):
+        trainer.train(batches())
