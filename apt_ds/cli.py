@@ -140,9 +140,9 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
 def prepare_out_dir(out: Path, resume: bool, overwrite: bool, is_main: bool) -> None:
     """After every input has been validated: clear (--overwrite) and create the run directory,
     or recover a checkpoint that a crash left renamed to checkpoint.old."""
-    check_out_dir(out, resume, overwrite)
-    if not is_main:
+    if not is_main:  # every rank ran check_out_dir before anything was written
         return
+    check_out_dir(out, resume, overwrite)
     if resume:
         current, old = out / "checkpoint", out / "checkpoint.old"
         if not (current / "apt_state.json").is_file() and (old / "apt_state.json").is_file():

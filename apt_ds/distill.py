@@ -75,22 +75,33 @@ class SelfDistiller:
             for switch, enabled in saved:
                 switch.enabled = enabled
 
-    def loss(self, model, student_out, teacher_out, layers: list[int], valid: torch.Tensor) -> torch.Tensor:
-        """Distillation loss on positions where `valid` (B, T) is true."""
+    def loss_sums(self, model, student_out, teacher_out, layers: list[int], valid: torch.Tensor,
+                  kl_positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token SUMS of the two weighted terms: (kl_weight * T^2 * KL summed over `kl_positions`,
+        mse_weight * hidden-state MSE summed over `valid` positions, averaged over sampled layers).
+
+        Sums, so the caller can divide by token counts of the whole (multi-rank) step. Logits are
+        gathered at the KL positions first: the (positions x vocab) softmax temporaries cover only
+        the distilled tokens."""
         cfg = self.config
         temperature = cfg.distill_temperature
-        weights = valid.to(student_out.logits.dtype)
-        denom = weights.sum().clamp_min(1.0)
-        s_logp = F.log_softmax(student_out.logits.float() / temperature, -1)
-        t_logp = F.log_softmax(teacher_out.logits.float() / temperature, -1)
-        kl = (t_logp.exp() * (t_logp - s_logp)).sum(-1)
-        kl = (kl * weights).sum() / denom * temperature**2
+        positions = valid if kl_positions is None else kl_positions
+        s_logp = F.log_softmax(student_out.logits[positions].float() / temperature, -1)
+        t_logp = F.log_softmax(teacher_out.logits[positions].float() / temperature, -1)
+        kl_sum = (t_logp.exp() * (t_logp - s_logp)).sum() * temperature**2
         transform = getattr(model, TRANSFORM_ATTR)
-        mse = student_out.logits.new_zeros(())
+        weights = valid.float()
+        mse_sum = weights.new_zeros(())
         for layer in layers:  # hidden_states[0] is the embedding output
             student_h = transform(student_out.hidden_states[layer + 1])
             teacher_h = teacher_out.hidden_states[layer + 1]
-            per_token = (student_h.float() - teacher_h.float()).pow(2).mean(-1)
-            mse = mse + (per_token * weights).sum() / denom
-        mse = mse / max(1, len(layers))
-        return cfg.distill_kl_weight * kl + cfg.distill_mse_weight * mse
+            mse_sum = mse_sum + ((student_h.float() - teacher_h.float()).pow(2).mean(-1) * weights).sum()
+        mse_sum = mse_sum / max(1, len(layers))
+        return cfg.distill_kl_weight * kl_sum, cfg.distill_mse_weight * mse_sum
+
+    def loss(self, model, student_out, teacher_out, layers: list[int], valid: torch.Tensor,
+             kl_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Distillation loss of one batch: KL mean over `kl_positions` + MSE mean over `valid`."""
+        positions = valid if kl_positions is None else kl_positions
+        kl_sum, mse_sum = self.loss_sums(model, student_out, teacher_out, layers, valid, kl_positions)
+        return kl_sum / max(1, int(positions.sum())) + mse_sum / max(1, int(valid.sum()))

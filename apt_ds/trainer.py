@@ -152,37 +152,46 @@ class APTrainer:
         # each micro-batch's mean loss is turned into its token sum / global token count.
         counts = torch.tensor([[_supervised_tokens(b), _valid_tokens(b)] for b in micro_batches], dtype=torch.float64)
         totals = self.backend.all_reduce_sum(counts.sum(0).clone()).clamp_min(1.0)
-        sums = torch.zeros(2, dtype=torch.float64)  # token-summed task and distill losses
+        sums = torch.zeros(3, dtype=torch.float64)  # token sums: task loss, distill KL, distill MSE
         for batch, (n_task, n_valid) in zip(micro_batches, counts):
-            task_loss, distill_loss = self._losses(batch, mu)
+            task_loss, kl_sum, mse_sum = self._losses(batch, mu)
             task_loss = torch.nan_to_num(task_loss)  # a micro-batch without supervised tokens
             scaled = task_loss * float(n_task * world * gas / totals[0])
             if mu > 0:
-                scaled = (1 - mu) * scaled + mu * distill_loss * float(n_valid * world * gas / totals[1])
+                distill = kl_sum * float(world * gas / totals[0]) + mse_sum * float(world * gas / totals[1])
+                scaled = (1 - mu) * scaled + mu * distill
             self.backend.backward(scaled)
-            sums += torch.tensor([float(task_loss.detach()) * n_task, float(distill_loss.detach()) * n_valid], dtype=torch.float64)
+            sums += torch.tensor([float(task_loss.detach()) * n_task, float(kl_sum.detach()), float(mse_sum.detach())], dtype=torch.float64)
         if collect:
             self.state.salience.end_step()
             if self.apt_config.grow_ranks:
                 self.tuner.accumulate(self.state.adapters, self.backend.full_param, self.backend.full_grad)
         lr = self.backend.lr
         self.backend.step()
-        task_mean, distill_mean = (self.backend.all_reduce_sum(sums) / totals).tolist()
+        task_sum, kl_total, mse_total = self.backend.all_reduce_sum(sums).tolist()
+        task_mean = task_sum / float(totals[0])
+        distill_mean = kl_total / float(totals[0]) + mse_total / float(totals[1])
         return {
             "step": self.step, "loss": (1 - mu) * task_mean + mu * distill_mean, "task_loss": task_mean,
             "distill_loss": distill_mean, "mu": mu, "lr": lr, "step_time_s": time.perf_counter() - started,
         }
 
     def _losses(self, batch: dict, mu: float):
+        """(mean task loss, distill KL token sum, distill MSE token sum) of one micro-batch."""
         if mu <= 0:
             out = self.backend.forward(**batch)
-            return out.loss, torch.zeros(())
+            return out.loss, torch.zeros(()), torch.zeros(())
         layers = self.distiller.sample_layers()
         with self.distiller.teacher_mode(self.model, [self.state.masks, self.state.salience]):
             teacher = self.backend.forward_no_grad(**batch, output_hidden_states=True)
         student = self.backend.forward(**batch, output_hidden_states=True)
         valid = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()
-        return student.loss, self.distiller.loss(self.model, student, teacher, layers, valid)
+        # The logit KL is taken where the task loss is: positions that predict a supervised label
+        # (the response of instruction data; every real token of text data).
+        supervised = torch.zeros_like(valid)
+        supervised[:, :-1] = batch["labels"][:, 1:] != -100
+        kl_sum, mse_sum = self.distiller.loss_sums(self.model, student, teacher, layers, valid, supervised)
+        return student.loss, kl_sum, mse_sum
 
     # ---- pruning events ------------------------------------------------------------------
     def _after_step(self) -> dict:
