@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -210,7 +209,3 @@ def _plain_model_and_kept(model_path: str, kept_path: str):
     except (OSError, json.JSONDecodeError) as err:
         raise ConfigError(f"cannot read --kept {kept_path}: {err}") from None
     return load_model(model_path), kept.get("kept", kept)
-
-
-def world_from_env() -> tuple[int, int]:
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
