@@ -25,7 +25,9 @@ Shape changes (`apply_shape_change`), the sequence that works on ZeRO-2 and ZeRO
    Adam step;
 2. destroy the engine, remove its two module hooks and the `_z3_optimizer` / `_zero_optimizer`
    back-references DeepSpeed leaves on parameters (upstream issue #7204), so the old engine
-   is garbage-collected;
+   is garbage-collected; under ZeRO-3 also the per-module `pre_bwd_fn` / `post_bwd_fn`
+   autograd Functions, which would otherwise keep the first engine's parameter coordinator
+   alive and route every later backward through it;
 3. run `change_fn`. Under ZeRO-3 the unchanged parameters stay partitioned after destroy, and
    `backend.gathered(params)` still works there (measured): gather, read, build NEW plain
    `nn.Parameter`s. New float32 parameters are cast to bf16/fp16 when that is on;
@@ -34,6 +36,21 @@ Shape changes (`apply_shape_change`), the sequence that works on ZeRO-2 and ZeRO
    of each flat fp32 partition, then write back masters (grown entries take the new
    parameter's values) and moments (zeros for grown entries) with `safe_set_full_*`, and put
    the LR schedule and DeepSpeed's step counters back where they were.
+
+Checkpoints (`save` / `load`) hold the same full, unpartitioned state as a shape change, so
+nothing DeepSpeed-specific and nothing pickled is written (DeepSpeed's own checkpoint files
+are loaded with `torch.load(weights_only=False)`, which this project does not allow):
+`trainable.safetensors` with `master/<name>`, `exp_avg/<name>`, `exp_avg_sq/<name>` (fp32,
+full shapes) and `optimizer.json` (optimizer steps, Adam step, ZeRO stage and world size at
+save time, shapes). Because the tensors are full, a checkpoint can be loaded under another
+world size or ZeRO stage (tested: 2-rank ZeRO-2 -> 1-rank ZeRO-3 and 2-rank ZeRO-3 -> 1-rank
+ZeRO-1 continue the fp32 loss trajectory within 1e-5).
+
+Launchers: `deepspeed`, `torchrun` and `mpirun`/`srun` all work. When RANK / WORLD_SIZE are
+unset, OpenMPI (`OMPI_COMM_WORLD_*`) and Slurm (`SLURM_PROCID`, `SLURM_NTASKS`,
+`SLURM_LOCALID`) variables are mapped to them (`launcher_env`); with more than one rank
+MASTER_ADDR and MASTER_PORT must then be exported by the job script. Otherwise a plain
+`python script.py` gets a 1-rank group on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -46,7 +63,7 @@ import logging
 import os
 import socket
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 import torch
 
@@ -56,8 +73,9 @@ from .edits import Grow, ShapeChange, apply_edits
 logger = logging.getLogger(__name__)
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
-CHECKPOINT_TAG = "apt"
-META_FILE = "apt_backend.json"
+CHECKPOINT_FORMAT = 1
+TENSOR_FILE = "trainable.safetensors"
+META_FILE = "optimizer.json"
 
 
 class DeepSpeedConfigError(ValueError):
@@ -173,6 +191,60 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+# (launcher, rank, world size, local rank) variables, in order of preference.
+LAUNCHER_VARS = (
+    ("OpenMPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    ("Slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+)
+
+
+def launcher_env(environ: Mapping[str, str], free_port: Callable[[], int] = _free_port) -> dict[str, str]:
+    """The variables to add to `environ` before `torch.distributed` is initialized (pure).
+
+    - RANK or WORLD_SIZE already set (deepspeed, torchrun, a job script): nothing.
+    - OpenMPI (`mpirun`) or Slurm (`srun`, one task per rank): RANK / WORLD_SIZE / LOCAL_RANK
+      from their variables; with more than one rank MASTER_ADDR and MASTER_PORT must be set
+      (Slurm: `export MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1)`),
+      else DeepSpeedConfigError. One rank: 127.0.0.1 and a free port unless given.
+    - nothing of the above (plain `python script.py`): a 1-rank group on 127.0.0.1.
+    """
+    if "RANK" in environ or "WORLD_SIZE" in environ:
+        return {}
+
+    def local_default() -> dict[str, str]:
+        return {"MASTER_ADDR": environ.get("MASTER_ADDR") or "127.0.0.1",
+                "MASTER_PORT": environ.get("MASTER_PORT") or str(free_port())}
+
+    for launcher, rank_key, size_key, local_key in LAUNCHER_VARS:
+        if rank_key not in environ or size_key not in environ:
+            continue
+        values = {}
+        for key in (rank_key, size_key, local_key):
+            raw = environ.get(key, "0" if key == local_key else None)
+            try:
+                values[key] = int(raw)
+            except (TypeError, ValueError):
+                raise DeepSpeedConfigError(f"{launcher} launch: {key}={raw!r} is not an integer") from None
+        rank, size, local = values[rank_key], values[size_key], values[local_key]
+        if size < 1 or not 0 <= rank < size or not 0 <= local < size:
+            raise DeepSpeedConfigError(f"{launcher} launch: inconsistent {rank_key}={rank}, {size_key}={size}, "
+                                       f"{local_key}={local}")
+        if size > 1 and local_key not in environ:
+            raise DeepSpeedConfigError(f"{launcher} launch with {size_key}={size} but {local_key} is unset")
+        out = {"RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(local)}
+        if size == 1:
+            return out | local_default()
+        missing = [key for key in ("MASTER_ADDR", "MASTER_PORT") if not environ.get(key)]
+        if missing:
+            hint = "$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1)" if launcher == "Slurm" else "<host of rank 0>"
+            raise DeepSpeedConfigError(
+                f"{launcher} launch with {size_key}={size}: {' and '.join(missing)} not set; export MASTER_ADDR={hint} "
+                f"and MASTER_PORT=<free port> (same on every task) before starting the tasks")
+        return out
+    return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": environ.get("MASTER_PORT") or str(free_port())}
+
+
 def _flat_fp32_partitions(zero_optimizer) -> list[torch.Tensor]:
     """The flat fp32 tensors the wrapped torch optimizer steps (keys of its state)."""
     for attr in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups"):  # ZeRO-3, ZeRO-1/2
@@ -204,9 +276,7 @@ class DeepSpeedBackend(TrainingBackend):
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:  # plain `python script.py`
-                os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                                  MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+            os.environ.update(launcher_env(os.environ))  # OpenMPI / Slurm / plain python -> RANK, WORLD_SIZE
             deepspeed.init_distributed(verbose=False)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
 
@@ -350,20 +420,28 @@ class DeepSpeedBackend(TrainingBackend):
         return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=modifier_rank)
 
     # ---- shape changes -----------------------------------------------------------------------
-    def _snapshot(self) -> tuple[dict[str, dict[str, torch.Tensor]], torch.Tensor | None]:
-        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
+    def _adam_step(self) -> torch.Tensor | None:
+        """The Adam step of the flat fp32 partitions (None before the first step: state is lazy)."""
         basic = self._basic_optimizer
         flats = [f for f in _flat_fp32_partitions(self.engine.optimizer) if f in basic.state and basic.state[f]]
-        adam_step = basic.state[flats[0]]["step"].detach().clone() if flats else None
-        snap = {}
-        for name, param in self._trainable().items():  # one collective per tensor, same order everywhere
+        return basic.state[flats[0]]["step"].detach().clone() if flats else None
+
+    def _full_states(self, moments: bool):
+        """(name, param, {"master", "exp_avg", "exp_avg_sq"}) per trainable param, full fp32 CPU
+        tensors identical on every rank. Collectives in the same order on every rank: consume
+        the whole iterator on every rank."""
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        for name, param in self._trainable().items():
             entry = {"master": safe_get_full_fp32_param(param).detach().cpu().clone()}
-            if adam_step is not None:
+            if moments:
                 for key in ADAM_MOMENTS:
                     entry[key] = safe_get_full_optimizer_state(param, key).detach().cpu().clone()
-            snap[name] = entry
-        return snap, adam_step
+            yield name, param, entry
+
+    def _snapshot(self) -> tuple[dict[str, dict[str, torch.Tensor]], torch.Tensor | None]:
+        adam_step = self._adam_step()
+        return {name: entry for name, _, entry in self._full_states(adam_step is not None)}, adam_step
 
     def _destroy_engine(self) -> None:
         engine, self.engine = self.engine, None
@@ -376,6 +454,13 @@ class DeepSpeedBackend(TrainingBackend):
             for attr in ("_z3_optimizer", "_zero_optimizer", "_hp_mapping"):
                 if attr in param.__dict__:
                     delattr(param, attr)
+        # ZeRO-3 puts autograd Functions on every module whose closures hold the engine's
+        # DeepSpeedZeRoOffload, and a later engine reuses them if present: the FIRST engine's
+        # offload and parameter coordinator then stay alive for the rest of the run (measured
+        # with weakrefs) and backward prefetches/releases through that stale coordinator.
+        for module in self.module.modules():
+            for attr in ("pre_bwd_fn", "post_bwd_fn"):
+                module.__dict__.pop(attr, None)
         engine.lr_scheduler = engine.optimizer = engine.basic_optimizer = None
         del engine
         gc.collect()
@@ -424,17 +509,36 @@ class DeepSpeedBackend(TrainingBackend):
         if carry_state:
             self._restore(snap, adam_step, change)
 
-    def _restore(self, snap, adam_step, change: ShapeChange) -> None:
-        from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param, safe_set_full_optimizer_state
-
+    def _init_adam_state(self, adam_step: torch.Tensor) -> None:
+        """Create the (lazy) Adam state of every flat fp32 partition with zero moments, so that
+        `safe_set_full_optimizer_state` has somewhere to write."""
         zero_optimizer, basic = self.engine.optimizer, self._basic_optimizer
+        for flat in _flat_fp32_partitions(zero_optimizer):
+            basic.state[flat] = {"step": adam_step.clone(), "exp_avg": torch.zeros_like(flat),
+                                 "exp_avg_sq": torch.zeros_like(flat)}
+        if hasattr(zero_optimizer, "_lazy_init_hp_params_optimizer_state"):  # ZeRO-1/2 fragment links
+            zero_optimizer._hp_optimizer_states_linked = False
+            zero_optimizer._lazy_init_hp_params_optimizer_state()
+
+    def _set_full_state(self, param, master: torch.Tensor, moments: dict[str, torch.Tensor],
+                        model_copy: bool = False) -> None:
+        """Write full tensors into this rank's partitions (collective under ZeRO-3). `model_copy`:
+        also set the model's working copy (bf16/fp16 or fp32) from the master, which the optimizer
+        otherwise does only at its next step."""
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        safe_set_full_fp32_param(param, master)
+        for key, value in moments.items():
+            safe_set_full_optimizer_state(param, value, key)
+        if model_copy:
+            with torch.no_grad(), self.gathered([param], modifier_rank=0):
+                param.data.copy_(master.view(param.shape))
+
+    def _restore(self, snap, adam_step, change: ShapeChange) -> None:
+        from deepspeed.utils import safe_get_full_fp32_param
+
         if adam_step is not None:
-            for flat in _flat_fp32_partitions(zero_optimizer):
-                basic.state[flat] = {"step": adam_step.clone(), "exp_avg": torch.zeros_like(flat),
-                                     "exp_avg_sq": torch.zeros_like(flat)}
-            if hasattr(zero_optimizer, "_lazy_init_hp_params_optimizer_state"):  # ZeRO-1/2 fragment links
-                zero_optimizer._hp_optimizer_states_linked = False
-                zero_optimizer._lazy_init_hp_params_optimizer_state()
+            self._init_adam_state(adam_step)
         for name, param in self._trainable().items():
             if name not in snap:
                 continue
@@ -444,44 +548,102 @@ class DeepSpeedBackend(TrainingBackend):
             master = apply_edits(snap[name]["master"], edits, fill=fill)
             if tuple(master.shape) != shape:
                 raise RuntimeError(f"{name}: edits give shape {tuple(master.shape)} but the new parameter is {shape}")
-            safe_set_full_fp32_param(param, master)
-            if adam_step is not None:
-                for key in ADAM_MOMENTS:
-                    safe_set_full_optimizer_state(param, apply_edits(snap[name][key], edits), key)
+            moments = {key: apply_edits(snap[name][key], edits) for key in ADAM_MOMENTS} if adam_step is not None else {}
+            self._set_full_state(param, master, moments)
 
-    # ---- checkpoints -------------------------------------------------------------------------
+    # ---- checkpoints (safetensors + JSON, nothing pickled) ------------------------------------
+    def _shapes(self) -> dict[str, list[int]]:
+        return {n: list(getattr(p, "ds_shape", p.shape)) for n, p in self._trainable().items()}
+
+    def _on_all_ranks(self, check: Callable[[], None]) -> None:
+        """Run `check` on every rank; if it fails anywhere, raise on every rank (instead of one
+        rank raising while the others wait in the next collective)."""
+        try:
+            check()
+            error = None
+        except (OSError, ValueError, KeyError) as err:
+            error = (type(err).__name__, str(err))
+        errors = [e for e in self.all_gather_object(error) if e is not None]
+        if errors:
+            kind, message = errors[0]
+            raise {"FileNotFoundError": FileNotFoundError, "KeyError": KeyError}.get(kind, ValueError)(message)
+
     def save(self, directory: Path) -> None:
-        """DeepSpeed checkpoint of trainable params, optimizer and scheduler state into
-        directory/"deepspeed" (every rank writes its partition; call on all ranks). Frozen
-        weights are not included (the trainer saves the shrunk base), as in LocalBackend."""
+        """Write the full fp32 masters and Adam moments of every trainable parameter plus step
+        counters (call on all ranks: gathering is collective; rank 0 writes). Layout:
+        directory/trainable.safetensors (`master/<name>`, `exp_avg/<name>`, `exp_avg_sq/<name>`)
+        and directory/optimizer.json. Frozen weights and buffers are not included (the trainer
+        saves those), as in LocalBackend. Loadable under any world size and ZeRO stage."""
+        from safetensors.torch import save_file
+
+        if self._micro:
+            raise RuntimeError("save() inside a gradient-accumulation cycle; call it after step()")
         directory = Path(directory)
-        shapes = {n: list(getattr(p, "ds_shape", p.shape)) for n, p in self._trainable().items()}
-        self.engine.save_checkpoint(str(directory / "deepspeed"), tag=CHECKPOINT_TAG,
-                                    client_state={"apt_optimizer_steps": self._steps}, exclude_frozen_parameters=True)
+        adam_step = self._adam_step()
+        tensors: dict[str, torch.Tensor] = {}
+        for name, _, entry in self._full_states(adam_step is not None):
+            if self.rank == 0:
+                tensors.update({f"{key}/{name}": value.float().contiguous() for key, value in entry.items()})
         if self.rank == 0:
-            meta = {"optimizer_steps": self._steps, "world_size": self.world_size, "zero_stage": self.zero_stage,
-                    "trainable_shapes": shapes}
-            (directory / "deepspeed" / META_FILE).write_text(json.dumps(meta, indent=1))
+            directory.mkdir(parents=True, exist_ok=True)
+            meta = {"format": CHECKPOINT_FORMAT, "backend": "deepspeed", "optimizer_steps": self._steps,
+                    "adam_step": None if adam_step is None else float(adam_step),
+                    "zero_stage": self.zero_stage, "world_size": self.world_size,
+                    "param_dtype": str(self.param_dtype).replace("torch.", ""), "lr": self.lr, "shapes": self._shapes()}
+            save_file(tensors, str(directory / TENSOR_FILE), metadata={"format": str(CHECKPOINT_FORMAT)})
+            (directory / META_FILE).write_text(json.dumps(meta, indent=1))
         self.barrier()
 
     def load(self, directory: Path) -> None:
-        """Restore a `save`d state into the attached engine (the model must already have the
-        checkpoint's architecture); same world size and ZeRO stage as when saved."""
-        directory = Path(directory) / "deepspeed"
-        meta_path = directory / META_FILE
-        if not meta_path.is_file():
-            raise FileNotFoundError(f"no apt_ds DeepSpeed checkpoint in {directory} ({META_FILE} missing)")
-        meta = json.loads(meta_path.read_text())
-        if meta["world_size"] != self.world_size or meta["zero_stage"] != self.zero_stage:
-            raise ValueError(f"checkpoint {directory} was saved with world size {meta['world_size']} / ZeRO-"
-                             f"{meta['zero_stage']}; this run has {self.world_size} / ZeRO-{self.zero_stage}")
-        shapes = {n: list(getattr(p, "ds_shape", p.shape)) for n, p in self._trainable().items()}
-        if shapes != meta["trainable_shapes"]:
-            bad = sorted(set(shapes) ^ set(meta["trainable_shapes"])) or [
-                n for n in shapes if shapes[n] != meta["trainable_shapes"][n]]
-            raise ValueError(f"checkpoint {directory} trainable parameters differ from the model's: {bad[:4]}")
-        path, _ = self.engine.load_checkpoint(str(directory), tag=CHECKPOINT_TAG, load_module_strict=False,
-                                              load_optimizer_states=True, load_lr_scheduler_states=False)
-        if path is None:
-            raise FileNotFoundError(f"DeepSpeed could not load a checkpoint from {directory}")
+        """Restore a `save`d state into the attached engine; call on all ranks, after building
+        the checkpoint's architecture (shapes are checked first: ValueError naming the first
+        parameter that differs). World size and ZeRO stage may differ from when it was saved."""
+        from safetensors import safe_open
+
+        directory = Path(directory)
+        tensor_path, meta_path = directory / TENSOR_FILE, directory / META_FILE
+        meta: dict = {}
+
+        def validate() -> None:
+            if not meta_path.is_file() or not tensor_path.is_file():
+                legacy = " (a pickled DeepSpeed checkpoint from an older apt_ds: not loadable)" \
+                    if (directory / "deepspeed").is_dir() else ""
+                raise FileNotFoundError(f"no apt_ds checkpoint in {directory}: {META_FILE} or {TENSOR_FILE} "
+                                        f"missing{legacy}")
+            try:
+                meta.update(json.loads(meta_path.read_text()))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"corrupt {meta_path}: {err}") from None
+            if meta.get("format") != CHECKPOINT_FORMAT or meta.get("backend") != "deepspeed":
+                raise ValueError(f"{meta_path}: not a DeepSpeedBackend checkpoint of format {CHECKPOINT_FORMAT}")
+            saved, model = meta["shapes"], self._shapes()
+            for name in model:
+                if name not in saved:
+                    raise ValueError(f"checkpoint {directory} has no state for trainable parameter {name} "
+                                     f"(shape {model[name]})")
+                if saved[name] != model[name]:
+                    raise ValueError(f"checkpoint {directory}: trainable parameter {name} has shape {saved[name]} "
+                                     f"in the checkpoint but {model[name]} in the model")
+            extra = sorted(set(saved) - set(model))
+            if extra:
+                raise ValueError(f"checkpoint {directory} has state for {extra[0]} (and {len(extra) - 1} more), "
+                                 f"which is not a trainable parameter of the model")
+            keys = ["master"] + (list(ADAM_MOMENTS) if meta["adam_step"] is not None else [])
+            with safe_open(str(tensor_path), framework="pt") as handle:
+                stored = {key: list(handle.get_slice(key).get_shape()) for key in handle.keys()}
+            for name in model:
+                for key in keys:
+                    if stored.get(f"{key}/{name}") != model[name]:
+                        raise ValueError(f"{tensor_path}: {key}/{name} is missing or has shape "
+                                         f"{stored.get(f'{key}/{name}')}, expected {model[name]}")
+
+        self._on_all_ranks(validate)
+        adam_step = meta["adam_step"]
+        # A fresh Adam state (step 0, zero moments) behaves exactly like the lazy one.
+        self._init_adam_state(torch.tensor(float(adam_step or 0.0), dtype=torch.float32))
+        with safe_open(str(tensor_path), framework="pt") as handle:
+            for name, param in self._trainable().items():  # collectives under ZeRO-3: same order everywhere
+                moments = {key: handle.get_tensor(f"{key}/{name}") for key in ADAM_MOMENTS} if adam_step is not None \
+                    else {}  # saved before the first step: the zero moments just created
+                self._set_full_state(param, handle.get_tensor(f"master/{name}"), moments, model_copy=True)
         self._reset_schedule(int(meta["optimizer_steps"]))  # LambdaLR's state is its step count

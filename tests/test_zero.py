@@ -1,10 +1,13 @@
-"""DeepSpeedBackend: config handling in-process, engine behaviour on real ranks.
+"""DeepSpeedBackend: config handling and launcher variables in-process, engine behaviour on
+real ranks.
 
 The multi-rank checks launch tests/multirank/zero_checks.py with DeepSpeed's launcher on the
 CPU accelerator (gloo), 2 ranks, once per config, and assert on the JSON it writes. Every
 scenario there is mirrored on LocalBackend over the full global batch, so "DeepSpeed matches
-the plain-torch reference" is what most assertions say. The first launch on a machine JIT-
-builds DeepSpeed's shared-memory comm op (~100 s, cached afterwards).
+the plain-torch reference" is what most assertions say. One 1-rank process (no launcher)
+replays the 2-rank global batch and resumes both 2-rank checkpoints under the other ZeRO
+stage; two plain `python` processes with Slurm's variables emulate `srun -n 2`. The first
+launch on a machine JIT-builds DeepSpeed's shared-memory comm op (~100 s, cached afterwards).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from apt_ds.zero import DeepSpeedBackend, DeepSpeedConfigError, load_ds_config, resolve_config
+from apt_ds.zero import DeepSpeedBackend, DeepSpeedConfigError, launcher_env, load_ds_config, resolve_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "multirank" / "zero_checks.py"
@@ -113,6 +116,54 @@ def test_shipped_configs_resolve(name, bf16_supported):
         assert zero["reduce_bucket_size"] == 4096 * 4096 and zero["stage3_param_persistence_threshold"] == 40960
     if "offload_optimizer" in zero:
         assert cfg["zero_force_ds_cpu_optimizer"] is False
+
+
+# ---- launcher environments (pure function) -----------------------------------------------------
+def _port() -> int:
+    return 4242
+
+
+def test_launcher_env_keeps_launcher_settings():
+    assert launcher_env({"RANK": "1", "WORLD_SIZE": "2", "SLURM_PROCID": "0", "SLURM_NTASKS": "4"}, _port) == {}
+    assert launcher_env({"WORLD_SIZE": "1"}, _port) == {}
+
+
+def test_launcher_env_plain_python_is_one_rank():
+    assert launcher_env({}, _port) == {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                                       "MASTER_PORT": "4242"}
+    assert launcher_env({"MASTER_PORT": "29999"}, _port)["MASTER_PORT"] == "29999"
+
+
+@pytest.mark.parametrize("launcher, keys", [
+    ("Slurm", ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")),
+    ("OpenMPI", ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK")),
+])
+def test_launcher_env_maps_slurm_and_openmpi(launcher, keys):
+    rank, size, local = keys
+    env = {rank: "5", size: "8", local: "1", "MASTER_ADDR": "node17", "MASTER_PORT": "29500"}
+    assert launcher_env(env, _port) == {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1"}
+    for missing in ("MASTER_ADDR", "MASTER_PORT"):
+        partial = {k: v for k, v in env.items() if k != missing}
+        with pytest.raises(DeepSpeedConfigError, match=rf"{launcher} launch with {size}=8: {missing} not set; "
+                                                       r"export MASTER_ADDR=") as err:
+            launcher_env(partial, _port)
+        assert "\n" not in str(err.value)
+    # One task needs no rendezvous address.
+    single = launcher_env({rank: "0", size: "1", local: "0"}, _port)
+    assert single == {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "4242"}
+    with pytest.raises(DeepSpeedConfigError, match="inconsistent"):
+        launcher_env({rank: "8", size: "8", local: "0", "MASTER_ADDR": "a", "MASTER_PORT": "1"}, _port)
+    with pytest.raises(DeepSpeedConfigError, match="is not an integer"):
+        launcher_env({rank: "x", size: "8"}, _port)
+
+
+def test_launcher_env_slurm_hint_and_openmpi_precedence():
+    with pytest.raises(DeepSpeedConfigError, match=r"scontrol show hostnames \$SLURM_JOB_NODELIST"):
+        launcher_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}, _port)
+    # mpirun inside a Slurm allocation: the MPI variables describe the processes actually started.
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0", "OMPI_COMM_WORLD_RANK": "3",
+           "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
+    assert launcher_env(env, _port)["RANK"] == "3"
 
 
 # ---- multi-rank runs ---------------------------------------------------------------------------
@@ -233,19 +284,74 @@ def test_full_param_is_full_and_global(two_ranks):
 
 def test_save_load_after_shrink(two_ranks):
     result = two_ranks["save_load"]
-    assert result["resumed"] == result["continued"]
+    assert result["resumed"] == result["continued"]  # bit for bit
     assert result["steps_loaded"] == 3 and result["lr_loaded"] == pytest.approx(lr_at(3))
+    # Only safetensors + JSON: no DeepSpeed checkpoint files, nothing to unpickle.
+    assert result["ckpt_files"] == ["optimizer.json", "trainable.safetensors"]
+    meta = json.loads((Path(result["ckpt"]) / "optimizer.json").read_text())
+    assert meta["optimizer_steps"] == 3 and meta["adam_step"] == 3.0 and meta["world_size"] == 2
+    from safetensors import safe_open
+
+    with safe_open(str(Path(result["ckpt"]) / "trainable.safetensors"), framework="pt") as handle:
+        keys = set(handle.keys())
+        name = "model.layers.1.self_attn.q_proj.lora_B"
+        assert list(handle.get_slice(f"master/{name}").get_shape()) == meta["shapes"][name] == [32, 4]  # full, shrunk
+    assert {k.split("/", 1)[0] for k in keys} == {"master", "exp_avg", "exp_avg_sq"}
+    assert len(keys) == 3 * len(meta["shapes"])
 
 
-def test_rebuilds_do_not_leak(two_ranks):
-    # (d) ten rebuilds with a step between each.
-    leak = two_ranks["leak"]
-    print(f"\nRSS MB after each rebuild: {[round(x, 1) for x in leak['rss_mb']]}; "
-          f"rebuild s {[round(x, 2) for x in leak['rebuild_s']]}, step s {leak['step_s']:.3f}")
+def one_rank(tmp_path_factory) -> dict:
+    """1 rank, 4 rows per micro-batch: the 2-rank baseline/grads scenarios, and resuming the
+    2-rank ZeRO-2 and ZeRO-3 checkpoints under the other stage."""
+    ckpts = {name: run(tmp_path_factory, name, f"{name}.json", 2)["save_load"]["ckpt"] for name in ("zero2", "zero3")}
+    return run(tmp_path_factory, "zero2_1rank", "zero2.json", 1, "--only", "baseline,grads,resume", "--micro", "4",
+               "--resume", f"zero2_to_zero3={ckpts['zero2']}@{CONFIGS / 'zero3.json'}",
+               "--resume", f"zero3_to_zero2={ckpts['zero3']}@{CONFIGS / 'zero2.json'}")
+
+
+@pytest.mark.parametrize("saved, key", [("zero2", "zero2_to_zero3"), ("zero3", "zero3_to_zero2")])
+def test_resume_under_other_world_size_and_stage(tmp_path_factory, saved, key):
+    # Saved by 2 ranks under one ZeRO stage, loaded by 1 rank under the other: same trajectory.
+    original = run(tmp_path_factory, saved, f"{saved}.json", 2)["save_load"]
+    resumed = one_rank(tmp_path_factory)["resume"][key]
+    assert (resumed["world_size"], resumed["zero_stage"]) == (1, 3 if saved == "zero2" else 2)
+    assert resumed["steps_loaded"] == 3 and resumed["lr_loaded"] == pytest.approx(lr_at(3))
+    _close(resumed["resumed"], original["continued"], 1e-5)
+
+
+def test_load_refuses_other_shapes(tmp_path_factory):
+    message = one_rank(tmp_path_factory)["resume"]["mismatch_error"]
+    assert message == (f"checkpoint {run(tmp_path_factory, 'zero2', 'zero2.json', 2)['save_load']['ckpt']}: trainable "
+                       "parameter model.layers.1.self_attn.q_proj.lora_B has shape [32, 4] in the checkpoint but "
+                       "[64, 4] in the model")
+
+
+# Per-rebuild RSS growth allowed in the leak checks (RSS read after gc + malloc_trim, with a
+# fixed glibc mmap threshold). Measured on ~1M trainable params (hidden 512, rank 64 on all 7
+# projections: 4 MB fp32), 2 ranks, 12 rebuilds x 2 runs: a steady +0.15 MB/rebuild on ZeRO-2
+# and +0.25 MB/rebuild on ZeRO-3 (DeepSpeed-internal, not Python objects, tensors, hooks or
+# process groups, which stay constant), never a jump. Leaking one fp32 copy of the trainable
+# params per rebuild (the smallest leak of interest: a master, a moment or a gradient buffer)
+# would add 4 MB per rebuild; a whole engine ~16 MB.
+RSS_PER_REBUILD_MB = 1.0
+
+
+def _check_leak(leak: dict, label: str) -> None:
+    rss = leak["rss_mb"]
+    per_rebuild = (rss[-1] - rss[1]) / (len(rss) - 2)  # the first rebuild warms allocator caches
+    print(f"\n{label}: trainable {leak['trainable_fp32_mb']:.1f} MB fp32; RSS MB after each rebuild "
+          f"{[round(x, 1) for x in rss]} ({per_rebuild:+.2f} MB/rebuild); rebuild s "
+          f"{[round(x, 2) for x in leak['rebuild_s']]}, step s {leak['step_s']:.3f}")
     assert all(leak["old_engine_collected"])
     assert len(set(leak["hook_counts"])) == 1
     assert max(leak["live_tensor_mb"]) - min(leak["live_tensor_mb"]) < 0.01
-    assert leak["rss_mb"][-1] - leak["rss_mb"][0] < 16
+    assert per_rebuild < RSS_PER_REBUILD_MB
+
+
+def test_rebuilds_do_not_leak(two_ranks):
+    # (d) six rebuilds of a ~1M-trainable-parameter model, a step between each.
+    assert two_ranks["leak"]["trainable_fp32_mb"] > 3.9
+    _check_leak(two_ranks["leak"], "2 ranks")
 
 
 def test_bf16_growth(two_ranks):
@@ -259,13 +365,37 @@ def test_bf16_growth(two_ranks):
 
 def test_one_rank_double_micro_batch_matches_two_ranks(tmp_path_factory):
     # (e) the same global batch as 1 rank x 4 rows gives the 2 ranks x 2 rows trajectory.
-    single = run(tmp_path_factory, "zero2_1rank", "zero2.json", 1, "--only", "baseline,grads", "--micro", "4")
+    single = one_rank(tmp_path_factory)
     double = run(tmp_path_factory, "zero2", "zero2.json", 2)
     assert single["world_size"] == 1
     _close(single["baseline"]["losses"], double["baseline"]["losses"], 1e-6)
     for name, values in double["grads"]["grads"].items():
         for x, y in zip(single["grads"]["grads"][name], values):
             assert x == pytest.approx(y, rel=1e-4, abs=1e-9), name
+
+
+def test_emulated_slurm_launch(tmp_path):
+    """Two `python` tasks with only Slurm's variables (as `srun -n 2` sets them) plus MASTER_ADDR /
+    MASTER_PORT form one 2-rank group through the backend."""
+    port = str(_free_port())
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+            and not k.startswith(("SLURM_", "OMPI_", "PMI_"))}
+    base.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), SLURM_NTASKS="2",
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    out = tmp_path / "probe.json"
+    cmd = [sys.executable, str(SCRIPT), "--config", str(CONFIGS / "zero2.json"), "--out", str(out), "--only", "probe"]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env={**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    try:
+        logs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-2000:] for log in logs)
+    probe = json.loads(out.read_text())["probe"]
+    assert probe["sum"] == 3.0 and probe["world_size"] == 2
+    assert probe["rank_env"] == [{"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r)} for r in (0, 1)]
 
 
 @pytest.mark.slow
@@ -281,8 +411,4 @@ def test_zero3_cpu_offload(tmp_path_factory):
 def test_rebuilds_do_not_leak_larger_model(tmp_path_factory, config):
     result = run(tmp_path_factory, f"{config}_leak", f"{config}.json", 2, "--only", "leak", "--rebuilds", "20",
                  "--leak-hidden", "512", "--leak-rank", "64")
-    leak = result["leak"]
-    print(f"\n{config}: trainable {leak['trainable_fp32_mb']:.1f} MB fp32; RSS MB {[round(x, 1) for x in leak['rss_mb']]}")
-    assert all(leak["old_engine_collected"]) and len(set(leak["hook_counts"])) == 1
-    assert max(leak["live_tensor_mb"]) - min(leak["live_tensor_mb"]) < 0.01
-    assert leak["rss_mb"][-1] - leak["rss_mb"][0] < 32
+    _check_leak(result["leak"], f"{config}, 20 rebuilds")
