@@ -39,3 +39,12 @@ def random_batch(vocab: int = 97, batch: int = 4, length: int = 12, seed: int = 
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch, length), generator=generator)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matmuls: threads only add synchronisation cost (and noise on a shared machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

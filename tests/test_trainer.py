@@ -30,12 +30,8 @@ METRIC_FIELDS = ("step", "loss", "task_loss", "distill_loss", "density", "block_
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matmuls: threads only add synchronisation cost (and noise on a shared machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread):
+    """Every test here runs with one torch thread (see conftest.one_thread)."""
 
 
 class _Crash(Exception):
