@@ -83,13 +83,15 @@ def model_fingerprint(model) -> dict:
 RESUME_MUST_MATCH = ("steps", "micro_batch_size", "grad_accum_steps", "lr", "warmup_steps", "weight_decay", "max_seq_len", "seed")
 
 
-def check_resumable(meta: dict, args, train: TrainConfig, fingerprint: dict) -> None:
+def check_resumable(meta: dict, args, train: TrainConfig, fingerprint: dict, data_path: str) -> None:
     saved_train = meta["train_config"]
     changed = [k for k in RESUME_MUST_MATCH if saved_train.get(k) != getattr(train, k)]
     if changed:
         details = ", ".join(f"{k}: {saved_train.get(k)} -> {getattr(train, k)}" for k in changed)
         raise CheckpointError(f"--resume must use the run's training settings; changed: {details}")
     info = meta["run_info"]
+    if info.get("data") != data_path:
+        raise CheckpointError(f"--resume: the run was trained on --data {info.get('data')}, not {data_path}")
     if info.get("model_fingerprint") != fingerprint:
         raise CheckpointError(f"--resume: --model {args.model} is not the model this run was trained from ({info.get('model')})")
 
@@ -109,7 +111,7 @@ def run_training(args, apt: APTConfig, train: TrainConfig) -> dict:
         eval_batches = _eval_batches(args, tokenizer, train, backend, pad_id)
         fingerprint = model_fingerprint(model)
         if meta is not None:
-            check_resumable(meta, args, train, fingerprint)
+            check_resumable(meta, args, train, fingerprint, data_path)
         backend.barrier()
         prepare_out_dir(out, args.resume, args.overwrite, backend.is_main())
         if backend.is_main() and not args.resume:
@@ -148,8 +150,14 @@ def truncate_metrics(path: Path, step: int) -> None:
     """Drop lines logged after the checkpoint a resumed run restarts from (they will be redone)."""
     if not path.is_file():
         return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step
-            and not json.loads(line).get("final")]
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line torn by the crash being resumed from
+            continue
+        if record.get("step", 0) <= step and not record.get("final"):
+            kept.append(line)
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     tmp.replace(path)

@@ -310,3 +310,22 @@ def test_mha_model_directory_run_exports_exactly(runs, tmp_path, uniform):
     with torch.no_grad():
         assert torch.allclose(loaded(input_ids=ids).logits, expected, atol=1e-4)
     assert meta["shape"]["hidden"] <= 64 and read_metrics(out / "metrics.jsonl")[-1]["density"] <= 0.6 + 1e-9
+
+
+def test_torn_metrics_line_and_changed_data_on_resume(tmp_path, capsys):
+    from apt_ds.run import truncate_metrics
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.9}\n{"step": 3, "lo')
+    truncate_metrics(metrics, 2)
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2]
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"text": "some other data for the same run"}\n' * 20)
+    out = tmp_path / "run"
+    steps = ["--steps", "12", "--max-seq-len", "32", "--micro-batch-size", "2", "--checkpoint-every", "4"]
+    assert train_main([*steps, "--out", str(out)]) == 0
+    state = json.loads((out / "checkpoint" / "apt_state.json").read_text())
+    state["finished"] = False
+    (out / "checkpoint" / "apt_state.json").write_text(json.dumps(state))
+    assert train_main([*steps, "--data", str(other), "--resume", "--out", str(out)]) == 2
+    assert "trained on --data" in capsys.readouterr().err
