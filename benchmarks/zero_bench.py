@@ -10,10 +10,11 @@
     adapter +2 rank) vs one training step, ZeRO-2 and ZeRO-3, 2 ranks; interleaved
     rebuild / first step after it / steady step.
 (c) APT step (APTModel: salience hooks incl. kurtosis, masks, tuner.accumulate through
-    full_param/full_grad) vs plain LoRA step at density 1.0, ZeRO-3, 2 ranks; both engines
-    live in the same processes, stepped alternately.
+    full_param/full_grad) vs plain LoRA step at density 1.0, ZeRO-3 (or --apt-config zero2,
+    --apt-fp32), 2 ranks; both engines live in the same processes, stepped alternately; the
+    APT step is also timed by part. Under a noisy load use the paired per-step ratio.
 
-    python benchmarks/zero_bench.py --repeats 3 --steps 10 --json bench_out/zero_bench.json
+    python benchmarks/zero_bench.py --repeats 3 --steps 20 --json bench_out/zero_bench.json
 
 Every worker runs with OMP_NUM_THREADS=1 and DS_ACCELERATOR=cpu; 2 ranks use DeepSpeed's
 launcher (`--num_gpus 2`), 1 rank is a plain `python` process (the backend makes a 1-rank
@@ -62,10 +63,13 @@ def _batch(rank: int, step: int) -> dict:
     return {"input_ids": ids, "labels": ids}
 
 
-def _backend(config: str):
+def _backend(config: str, fp32: bool = False):
     from apt_ds.zero import DeepSpeedBackend
 
-    return DeepSpeedBackend(ROOT / "ds_configs" / config, micro_batch_size=MICRO)
+    backend = DeepSpeedBackend(ROOT / "ds_configs" / config, micro_batch_size=MICRO)
+    if fp32:
+        backend.user_config["bf16"] = {"enabled": False}
+    return backend
 
 
 def _lora_model(zero_init_config: dict | None = None):
@@ -190,11 +194,11 @@ def worker_apt_vs_lora(spec: dict) -> dict:
     from apt_ds.tuner import AdaptiveTuner
 
     torch.set_num_threads(1)
-    lora_backend = _backend("zero3.json")
+    lora_backend = _backend(spec["config"], spec["fp32"])
     lora_model = _lora_model()
     lora_backend.attach(lora_model, 1e-4, lambda s: 1.0, 0.0, 1)
 
-    apt_backend = _backend("zero3.json")
+    apt_backend = _backend(spec["config"], spec["fp32"])
     config = APTConfig()
     apt_model = build_tiny_llama(VOCAB, **MODEL).train()
     state = APTModel(apt_model, config, reduce_sum=apt_backend.all_reduce_sum, world_size=apt_backend.world_size)
@@ -203,13 +207,22 @@ def worker_apt_vs_lora(spec: dict) -> dict:
     apt_backend.attach(apt_model, 1e-4, lambda s: 1.0, 0.0, 1)
     rank = apt_backend.rank
 
+    parts: dict[str, list[float]] = {"forward_backward": [], "salience_end_step": [], "tuner_accumulate": [],
+                                     "optimizer_step": []}
+
     def apt_step(step: int) -> float:
-        start = time.perf_counter()
+        marks = [time.perf_counter()]
         apt_backend.backward(apt_backend.forward(**_batch(rank, step)).loss)
-        state.salience.end_step()
-        tuner.accumulate(state.adapters, apt_backend.full_param, apt_backend.full_grad)
+        marks.append(time.perf_counter())
+        state.salience.end_step()  # one all-reduce of all salience sums
+        marks.append(time.perf_counter())
+        tuner.accumulate(state.adapters, apt_backend.full_param, apt_backend.full_grad)  # 2 collectives / adapter
+        marks.append(time.perf_counter())
         apt_backend.step()
-        return time.perf_counter() - start
+        marks.append(time.perf_counter())
+        for key, a, b in zip(parts, marks, marks[1:]):
+            parts[key].append(b - a)
+        return marks[-1] - marks[0]
 
     for step in range(2):  # warm-up both
         _step(lora_backend, rank, step)
@@ -222,7 +235,8 @@ def worker_apt_vs_lora(spec: dict) -> dict:
         else:
             apt_s.append(apt_step(step))
             lora_s.append(_step(lora_backend, rank, step))
-    return {"lora_step_s": lora_s, "apt_step_s": apt_s, "density": state.density(),
+    parts = {key: values[2:] for key, values in parts.items()}  # drop the warm-up steps
+    return {"lora_step_s": lora_s, "apt_step_s": apt_s, "apt_parts_s": parts, "density": state.density(),
             "has_salience": state.salience.has_scores}
 
 
@@ -286,6 +300,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="launches per memory configuration (a)")
     parser.add_argument("--steps", type=int, default=10, help="repeats inside the timing workers (b), (c)")
     parser.add_argument("--only", default="memory,rebuild,apt_vs_lora")
+    parser.add_argument("--apt-config", default="zero3", choices=["zero2", "zero3"], help="ZeRO stage for (c)")
+    parser.add_argument("--apt-fp32", action="store_true", help="(c) in fp32 instead of the config's bf16 \"auto\"")
     parser.add_argument("--out-dir", default="bench_out/zero_bench")
     parser.add_argument("--json", default=None, help="write the summary here")
     args = parser.parse_args()
@@ -335,11 +351,14 @@ def main() -> None:
         summary["rebuild"] = rebuild
 
     if "apt_vs_lora" in only:  # (c)
-        ranks = launch(out_dir, "apt_vs_lora", 2, {"mode": "apt_vs_lora", "repeats": max(args.steps, 3)})
+        ranks = launch(out_dir, f"apt_vs_lora_{args.apt_config}{'_fp32' * args.apt_fp32}", 2, {
+            "mode": "apt_vs_lora", "config": f"{args.apt_config}.json", "fp32": args.apt_fp32,
+            "repeats": max(args.steps, 3)})
         r0 = ranks[0]
-        summary["apt_vs_lora"] = {"lora_step_s": med(r0["lora_step_s"]), "apt_step_s": med(r0["apt_step_s"]),
+        summary["apt_vs_lora"] = {"config": args.apt_config, "fp32": args.apt_fp32, "lora_step_s": med(r0["lora_step_s"]), "apt_step_s": med(r0["apt_step_s"]),
                                   "ratio": med(r0["apt_step_s"]) / med(r0["lora_step_s"]),
                                   "paired_ratio": med(a / b for a, b in zip(r0["apt_step_s"], r0["lora_step_s"])),
+                                  "apt_parts_s": {k: med(v) for k, v in r0["apt_parts_s"].items()},
                                   "repeats": len(r0["apt_step_s"]), "density": r0["density"]}
 
     summary["load_after"] = os.getloadavg()
