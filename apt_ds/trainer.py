@@ -46,6 +46,29 @@ def _supervised_tokens(batch: dict) -> int:
     return int((batch["labels"][:, 1:] != -100).sum())
 
 
+def supervised_forward(forward, batch: dict, **kwargs):
+    """Forward that projects onto the vocabulary only at positions predicting a supervised label.
+
+    Instruction data supervises a few response tokens per row; the (positions x vocab) logits,
+    their softmax and their gradient are then a large share of a small model's step (SmolLM2:
+    a 49k vocabulary). Positions are the union over the batch (a 1D `logits_to_keep`, which
+    every supported transformers version accepts), so the gradient is exactly that of the full
+    causal-LM loss. Returns (model output whose logits are (batch, kept, vocab), mean task loss,
+    boolean (batch, kept) mask of the supervised entries).
+    """
+    labels = batch["labels"]
+    targets = labels[:, 1:]  # position i predicts token i + 1
+    positions = (targets != -100).any(0).nonzero().squeeze(1)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    out = forward(**inputs, logits_to_keep=positions, **kwargs)
+    kept_targets = targets[:, positions]
+    mask = kept_targets != -100
+    logits = out.logits
+    loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), kept_targets.reshape(-1),
+                                             ignore_index=-100)
+    return out, loss, mask
+
+
 def _valid_tokens(batch: dict) -> int:
     mask = batch.get("attention_mask")
     return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
@@ -130,9 +153,10 @@ class APTrainer:
         was_enabled = self.state.salience.enabled
         self.state.salience.enabled = False
         for batch in self.eval_batches:
-            out = self.backend.forward_no_grad(**batch)
-            tokens = (batch["labels"][:, 1:] != -100).sum()
-            totals += torch.tensor([float(out.loss) * float(tokens), float(tokens)], dtype=torch.float64)
+            _, loss, supervised = supervised_forward(self.backend.forward_no_grad, batch)
+            tokens = int(supervised.sum())
+            if tokens:
+                totals += torch.tensor([float(loss) * tokens, float(tokens)], dtype=torch.float64)
         self.state.salience.enabled = was_enabled
         totals = self.backend.all_reduce_sum(totals)
         return float(totals[0] / totals[1].clamp_min(1))
@@ -179,19 +203,17 @@ class APTrainer:
     def _losses(self, batch: dict, mu: float):
         """(mean task loss, distill KL token sum, distill MSE token sum) of one micro-batch."""
         if mu <= 0:
-            out = self.backend.forward(**batch)
-            return out.loss, torch.zeros(()), torch.zeros(())
+            _, loss, _ = supervised_forward(self.backend.forward, batch)
+            return loss, torch.zeros(()), torch.zeros(())
         layers = self.distiller.sample_layers()
         with self.distiller.teacher_mode(self.model, [self.state.masks, self.state.salience]):
-            teacher = self.backend.forward_no_grad(**batch, output_hidden_states=True)
-        student = self.backend.forward(**batch, output_hidden_states=True)
+            teacher, _, _ = supervised_forward(self.backend.forward_no_grad, batch, output_hidden_states=True)
+        student, loss, supervised = supervised_forward(self.backend.forward, batch, output_hidden_states=True)
         valid = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()
         # The logit KL is taken where the task loss is: positions that predict a supervised label
         # (the response of instruction data; every real token of text data).
-        supervised = torch.zeros_like(valid)
-        supervised[:, :-1] = batch["labels"][:, 1:] != -100
         kl_sum, mse_sum = self.distiller.loss_sums(self.model, student, teacher, layers, valid, supervised)
-        return student.loss, kl_sum, mse_sum
+        return loss, kl_sum, mse_sum
 
     # ---- pruning events ------------------------------------------------------------------
     def _after_step(self) -> dict:

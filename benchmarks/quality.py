@@ -322,7 +322,7 @@ def aggregate(args, out: Path, speed: dict) -> dict:
     run_seconds = 0.0
     for task in args.tasks:
         rows = {}
-        for method in args.methods:
+        for method in METHOD_ORDER + EXTRA_METHODS:  # every finished run, not only this invocation's
             path = out / task / method / "result.json"
             if path.is_file():
                 rows[method] = read_json(path)
@@ -436,6 +436,10 @@ def plots(summary: dict, out: Path, img_dir: Path) -> None:
                          and not m.endswith("_nodistill"))
             if pts:
                 ax.plot(*zip(*pts), style, label=label)
+        for method, row in rows.items():
+            if method.endswith("_nodistill"):
+                ax.plot([row["density"]], [row["accuracy"]], "rx", markersize=8,
+                        label="APT w/o distillation" if method == "apt_0.7_nodistill" or "apt_0.7_nodistill" not in rows else None)
         if "lora" in rows:
             ax.plot([rows["lora"]["density"]], [rows["lora"]["accuracy"]], "k*", markersize=11, label="LoRA (dense)")
         if "zero_shot" in rows:
