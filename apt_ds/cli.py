@@ -34,7 +34,7 @@ def _user_errors() -> tuple:
 
 SCALED_DEFAULTS = {  # fields whose default is derived from --steps (see APTConfig.for_steps / resolve_configs)
     "pruning_start_step": "10%% of --steps",
-    "pruning_end_step": "70%% of --steps",
+    "pruning_end_step": "50%% of --steps",
     "num_pruning_events": "about one per 3 steps of the pruning phase, at most 16",
     "mask_decay_window": "the spacing between events - 1",
     "mask_decay_step": "1 / mask-decay-window",

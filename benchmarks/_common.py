@@ -166,18 +166,42 @@ def fast_label_scores(model, tokenizer, rows: list[dict], labels: list[str], max
     return torch.cat(out)
 
 
-def fast_label_accuracy(model, tokenizer, rows: list[dict], labels: list[str], max_seq_len: int, batch_size: int = 16) -> float:
-    """`apt_ds.evaluate.label_accuracy` (highest-likelihood label, exact match) computed with
-    `fast_label_scores` (falls back to label_accuracy for multi-token labels)."""
+def fast_label_report(model, tokenizer, rows: list[dict], labels: list[str], max_seq_len: int, batch_size: int = 16) -> dict:
+    """Accuracy plus what accuracy hides on a skewed binary task (BoolQ: ~62% "yes"): the
+    share of rows predicted as / labelled with each label (accuracy near a label's share = a
+    one-label model), and, from the label log-probabilities, the ROC AUC of the score margin
+    (0.5 = no signal beyond the label prior, whatever the model's bias) and the mean NLL of the
+    gold label renormalised over the labels."""
     import torch
 
     from apt_ds.evaluate import label_accuracy
 
+    gold = torch.tensor([labels.index(row["output"]) for row in rows])
+    gold_share = {label: float((gold == i).float().mean()) for i, label in enumerate(labels)}
     scores = fast_label_scores(model, tokenizer, rows, labels, max_seq_len, batch_size)
     if scores is None:
-        return label_accuracy(model, tokenizer, rows, labels, max_seq_len=max_seq_len, batch_size=batch_size)
-    gold = torch.tensor([labels.index(row["output"]) for row in rows])
-    return int((scores.argmax(1) == gold).sum()) / max(1, len(rows))
+        accuracy = label_accuracy(model, tokenizer, rows, labels, max_seq_len=max_seq_len, batch_size=batch_size)
+        return {"accuracy": accuracy, "gold_share": gold_share, "predicted_share": None}
+    predicted = scores.argmax(1)
+    renormalised = torch.log_softmax(scores.double(), 1)
+    report = {"accuracy": int((predicted == gold).sum()) / max(1, len(rows)), "gold_share": gold_share,
+              "predicted_share": {label: float((predicted == i).float().mean()) for i, label in enumerate(labels)},
+              "gold_nll": float(-renormalised[torch.arange(len(rows)), gold].mean())}
+    if len(labels) == 2:
+        report["auc"] = roc_auc(scores[:, 1] - scores[:, 0], gold == 1)
+    return report
+
+
+def roc_auc(score: "torch.Tensor", positive: "torch.Tensor") -> float | None:
+    """P(score of a random positive > score of a random negative), ties count half."""
+    import torch
+
+    pos, neg = score[positive].double(), score[~positive].double()
+    if not len(pos) or not len(neg):
+        return None
+    greater = (pos[:, None] > neg[None, :]).double().mean()
+    ties = (pos[:, None] == neg[None, :]).double().mean()
+    return float(greater + 0.5 * ties)
 
 
 def check_fast_scorer(model, tokenizer, rows: list[dict], labels: list[str], max_seq_len: int) -> dict:

@@ -41,11 +41,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _common import (  # noqa: E402
-    DEFAULT_GGUF, check_fast_scorer, command_line, ensure_hf_model, fast_label_accuracy, hardware, load_for_training, malloc_trim, read_json, reset_peak_rss, rss_mb,
+    DEFAULT_GGUF, check_fast_scorer, command_line, ensure_hf_model, fast_label_report, hardware, load_for_training, malloc_trim, read_json, reset_peak_rss, rss_mb,
     vm_hwm_mb, write_json,
 )
 
-TASK_SEQ_LEN = {"sst2": 64, "boolq": 96}  # BoolQ prompts are cut from the left: the question survives
+# Per task: sequence length (BoolQ prompts are cut from the left: the question survives),
+# optimizer steps (BoolQ's passages make it the harder task: twice the steps) and test rows
+# scored (SST-2: its whole test split; BoolQ: 500 of 981, a +-2.2-point standard error).
+TASKS = {"sst2": {"max_seq_len": 64, "steps": 48, "eval_examples": 262},
+         "boolq": {"max_seq_len": 96, "steps": 96, "eval_examples": 500}}
 METHOD_ORDER = ["zero_shot", "lora", "apt_0.7", "ptt_0.7", "apt_0.5", "apt_0.7_uniform", "apt_0.5_uniform", "ptt_0.5"]
 # ablations, run only when named in --methods: APT without self-distillation
 EXTRA_METHODS = ["apt_0.7_nodistill", "apt_0.5_nodistill"]
@@ -98,7 +102,7 @@ def run_worker(spec_path: Path) -> None:
 
     if method["kind"] == "zero_shot":
         started = time.perf_counter()
-        result["accuracy"] = fast_label_accuracy(model, tokenizer, test_rows, labels, seq, spec["eval_batch_size"])
+        result.update(fast_label_report(model, tokenizer, test_rows, labels, seq, spec["eval_batch_size"]))
         result["eval_time_s"] = time.perf_counter() - started
         # cross-check the one-forward scorer against apt_ds.evaluate.label_accuracy's own scores
         result["scorer_check"] = check_fast_scorer(model, tokenizer, test_rows[: spec["check_rows"]], labels, seq)
@@ -203,7 +207,7 @@ def run_worker(spec_path: Path) -> None:
         stock_loadable=not (json.loads((export_dir / "config.json").read_text()).get("apt_layer_shapes")),
     )
     started = time.perf_counter()
-    result["accuracy"] = fast_label_accuracy(model, tokenizer, test_rows, labels, seq, spec["eval_batch_size"])
+    result.update(fast_label_report(model, tokenizer, test_rows, labels, seq, spec["eval_batch_size"]))
     result["eval_time_s"] = time.perf_counter() - started
     write_json(run_dir / "result.json", result)
 
@@ -261,9 +265,9 @@ def run_all(args) -> None:
                 continue
             spec = {
                 "task": task, "method": method, "run_dir": str(run_dir), "task_dir": str(Path(args.tasks_dir) / task),
-                "hf_dir": str(hf_dir), "steps": args.steps, "micro_batch_size": args.micro_batch_size, "lr": args.lr,
-                "rank": args.rank, "seed": args.seed, "threads": args.threads, "max_seq_len": TASK_SEQ_LEN[task],
-                "eval_examples": args.eval_examples, "eval_batch_size": args.eval_batch_size,
+                "hf_dir": str(hf_dir), "steps": args.steps or TASKS[task]["steps"], "micro_batch_size": args.micro_batch_size, "lr": args.lr,
+                "rank": args.rank, "seed": args.seed, "threads": args.threads, "max_seq_len": TASKS[task]["max_seq_len"],
+                "eval_examples": args.eval_examples or TASKS[task]["eval_examples"], "eval_batch_size": args.eval_batch_size,
                 "calibration_batches": args.calibration_batches, "check_rows": args.check_rows,
                 "malloc_trim": not args.no_malloc_trim,
             }
@@ -384,14 +388,19 @@ def _fmt(value, spec=".3f", missing="–"):
     return missing if value is None else format(value, spec)
 
 
+def _first_share(row: dict, key: str):
+    shares = row.get(key)
+    return next(iter(shares.values())) if shares else None
+
+
 def markdown(summary: dict) -> str:
     lines = []
     for task, rows in summary["tasks"].items():
         lines += [f"\n#### {task} ({len(rows)} runs)\n",
-                  "| method | density | params (M) | accuracy | acc / LoRA | train s | time / LoRA | CPU / LoRA | peak RSS MB | peak / LoRA "
+                  "| method | density | params (M) | accuracy | acc / LoRA | AUC | predicted share of first label | train s | time / LoRA | CPU / LoRA | peak RSS MB | peak / LoRA "
                   "| RSS at last event / LoRA | recovery peak / LoRA | export MB | size / dense | decode tok/s | decode / dense "
                   "| FLOPs/tok / dense |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for method in METHOD_ORDER + EXTRA_METHODS:
             if method not in rows:
                 continue
@@ -399,7 +408,8 @@ def markdown(summary: dict) -> str:
             sp = r.get("speed", {})
             lines.append(
                 f"| {method} | {_fmt(r.get('density'))} | {_fmt(r.get('total_params', 0) / 1e6, '.1f')} | {_fmt(r.get('accuracy'))} "
-                f"| {_fmt(r.get('acc_vs_lora'))} | {_fmt(r.get('train_time_s'), '.0f')} | {_fmt(r.get('train_time_s_vs_lora'), '.2f')} "
+                f"| {_fmt(r.get('acc_vs_lora'))} | {_fmt(r.get('auc'))} | {_fmt(_first_share(r, 'predicted_share'))} "
+                f"| {_fmt(r.get('train_time_s'), '.0f')} | {_fmt(r.get('train_time_s_vs_lora'), '.2f')} "
                 f"| {_fmt(r.get('train_cpu_s_vs_lora'), '.2f')} "
                 f"| {_fmt(r.get('peak_rss_mb'), '.0f')} | {_fmt(r.get('peak_rss_mb_vs_lora'), '.3f')} "
                 f"| {_fmt(r.get('rss_after_last_event_mb_vs_lora'), '.3f')} "
@@ -408,6 +418,10 @@ def markdown(summary: dict) -> str:
                 f"| {_fmt(r.get('export_bytes_vs_lora'), '.3f')} | {_fmt(sp.get('decode_tokens_per_s'), '.1f')} "
                 f"| {_fmt(r.get('decode_speed_vs_dense'), '.2f')} | {_fmt(r.get('flops_per_token_vs_lora'), '.3f')} |"
             )
+        share = next((_first_share(r, "gold_share") for r in rows.values() if r.get("gold_share")), None)
+        if share is not None:
+            first = next(iter(next(r for r in rows.values() if r.get("gold_share"))["gold_share"]))
+            lines.append(f"\nTest rows labelled '{first}': {share:.3f}; a one-label model scores {max(share, 1 - share):.3f}.")
         t = summary.get("targets", {}).get(task)
         if t:
             lines.append("\nTargets: " + ", ".join(f"{k}: {'PASS' if v else 'MISS'}" for k, v in t.items()))
@@ -444,6 +458,9 @@ def plots(summary: dict, out: Path, img_dir: Path) -> None:
             ax.plot([rows["lora"]["density"]], [rows["lora"]["accuracy"]], "k*", markersize=11, label="LoRA (dense)")
         if "zero_shot" in rows:
             ax.axhline(rows["zero_shot"]["accuracy"], color="gray", lw=0.8, ls="--", label="zero-shot")
+        share = next((_first_share(r, "gold_share") for r in rows.values() if r.get("gold_share")), None)
+        if share is not None:
+            ax.axhline(max(share, 1 - share), color="tab:red", lw=0.8, ls=":", label="majority label")
         ax.set_title(task)
         ax.set_xlabel("density (block params kept)")
         ax.set_ylabel("accuracy")
@@ -488,15 +505,15 @@ def main(argv=None) -> None:
     parser.add_argument("--tasks-dir", default="bench_out/tasks")
     parser.add_argument("--out", default=None, help="default bench_out/quality (bench_out/quality_smoke with --smoke)")
     parser.add_argument("--img-dir", default=None, help="default docs/img (OUT/img with --smoke)")
-    parser.add_argument("--tasks", nargs="+", default=["sst2", "boolq"], choices=sorted(TASK_SEQ_LEN))
+    parser.add_argument("--tasks", nargs="+", default=["sst2", "boolq"], choices=sorted(TASKS))
     parser.add_argument("--methods", nargs="+", default=METHOD_ORDER, choices=METHOD_ORDER + EXTRA_METHODS)
-    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps of every run (default: per task, see TASKS)")
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--rank", type=int, default=8, help="initial adapter rank (LoRA's rank)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run (1: stable timings on a shared machine)")
-    parser.add_argument("--eval-examples", type=int, default=200)
+    parser.add_argument("--eval-examples", type=int, default=None, help="test rows scored (default: per task, see TASKS)")
     parser.add_argument("--eval-batch-size", type=int, default=16)
     parser.add_argument("--check-rows", type=int, default=16, help="rows on which the fast scorer is checked against label_accuracy")
     parser.add_argument("--calibration-batches", type=int, default=8)

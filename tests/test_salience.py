@@ -257,6 +257,26 @@ def test_collector_kurtosis_term_matches_direct_computation():
     assert positive >= 10
 
 
+def test_power_sums_are_recomputed_only_for_weights_that_change():
+    """Frozen o_proj/down_proj: power sums computed once per shape; an adapted o_proj: every step,
+    from the weight as updated by the optimizer."""
+    model = _model("gqa", seed=3)  # o_proj carries an adapter, down_proj is frozen
+    shape = ModelShape.from_model(model)
+    collector = SalienceCollector(shape, beta=0.85, use_kurtosis=True)
+    collector.install(model)
+    model(**random_batch(batch=2, seed=4)).loss.backward()
+    collector.end_step()
+    frozen_sums, adapted_sums = collector.ffn_sites[0].power_sums, collector.attn_sites[0].power_sums
+    o_proj = model.model.layers[0].self_attn.o_proj
+    with torch.no_grad():
+        o_proj.lora_B.add_(0.5)  # what an optimizer step does to the effective weight
+    model(**random_batch(batch=2, seed=5)).loss.backward()
+    collector.end_step()
+    assert collector.ffn_sites[0].power_sums is frozen_sums  # not recomputed
+    torch.testing.assert_close(collector.attn_sites[0].power_sums, column_power_sums(o_proj.merged_weight()))
+    assert not torch.allclose(collector.attn_sites[0].power_sums, adapted_sums)
+
+
 # ---- EMA, masks of state ---------------------------------------------------------------------------
 
 def test_ema_disabled_collection_and_keep():
