@@ -23,8 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
-import torch
-
 from .adapters import merge_adapters
 from .config import APTConfig, TrainConfig
 from .pruner import AdaptivePruner, KeepDecision

@@ -69,7 +69,7 @@ def build_train_parser() -> argparse.ArgumentParser:
         "Run with plain python (one process) or under the deepspeed launcher with --deepspeed.",
     )
     parser.add_argument("--model", default="tiny", help="local HF model directory, a .gguf file, or 'tiny' "
-                        "(built-in random small LLaMA; default)")
+                        "(built-in random small LLaMA with GQA; default) or 'tiny-mha' (the same with one KV head per query head)")
     parser.add_argument("--data", default=None, help="training data: JSONL/JSON with 'text' or 'instruction'/'input'/'output' "
                         "fields, or a directory saved by `datasets` (default: the shipped demo data)")
     parser.add_argument("--eval-data", default=None, help="held-out data (same formats); eval_loss is logged at each pruning event and at the end")
@@ -82,6 +82,9 @@ def build_train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--global-batch-size", type=int, default=None, help="sequences per optimizer step over all ranks (sets --micro-batch-size)")
     parser.add_argument("--no-pack", action="store_true", help="do not pack 'text' data into full blocks")
     parser.add_argument("--eval-examples", type=int, default=64, help="examples of --eval-data used per evaluation (default: 64)")
+    parser.add_argument("--save-eval-probe", action="store_true", help="after training, write eval_probe.safetensors: the "
+                        "live model's logits on the first --eval-data batch and its 20-token greedy continuation of that "
+                        "batch's first row, to check an export against the run (needs --eval-data)")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     _add_dataclass_args(parser, APTConfig, "APT knobs (schedule defaults scale with --steps)")
     _add_dataclass_args(parser, TrainConfig, "training loop")
@@ -172,28 +175,35 @@ def build_export_parser() -> argparse.ArgumentParser:
         description="Export a run as a merged, physically smaller, dense model (safetensors + config + tokenizer).",
     )
     parser.add_argument("run_dir", nargs="?", help="run directory written by launch/train.py (its checkpoint/ is read)")
-    parser.add_argument("--model", default=None, help="instead of a run: a plain LLaMA directory (adapters merged or none) ...")
-    parser.add_argument("--kept", default=None, help="... and a JSON with the kept ORIGINAL unit indices "
-                        "(a run's checkpoint/apt_state.json, or {groups, neurons, hidden})")
+    parser.add_argument("--model", default=None, help="with RUN_DIR: the run's base model, when it is no longer at the path "
+                        "the run recorded (a moved run). Without RUN_DIR: a plain LLaMA directory (adapters merged or none) "
+                        "to prune with --kept")
+    parser.add_argument("--kept", default=None, help="with --model: a JSON with the kept ORIGINAL unit indices "
+                        "(a run's checkpoint/apt_state.json, or {groups, neurons, hidden}); needs no DeepSpeed")
     parser.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="dtype of the saved weights")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out that holds a previous export")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (e.g. 500MB, 5GB; default 5GB); "
+                        "bigger models are written as shards plus model.safetensors.index.json")
     return parser
 
 
 def export_main(argv: list[str] | None = None) -> int:
     parser = build_export_parser()
     args = parser.parse_args(argv)
-    if bool(args.run_dir) == bool(args.model and args.kept):
-        parser.error("give either RUN_DIR, or --model and --kept")
+    if args.run_dir and args.kept:
+        parser.error("--kept is for exporting a plain model: give either RUN_DIR [--model BASE], or --model and --kept")
+    if not args.run_dir and not (args.model and args.kept):
+        parser.error("give either RUN_DIR [--model BASE], or --model and --kept")
     try:
         from .export import export_pruned, export_run
 
         if args.run_dir:
-            report = export_run(Path(args.run_dir), Path(args.out), dtype=args.dtype, overwrite=args.overwrite)
+            report = export_run(Path(args.run_dir), Path(args.out), dtype=args.dtype, overwrite=args.overwrite,
+                                model_path=args.model, max_shard_size=args.max_shard_size)
         else:
             report = export_pruned(*_plain_model_and_kept(args.model, args.kept), Path(args.out), dtype=args.dtype,
-                                   tokenizer_dir=Path(args.model), overwrite=args.overwrite)
+                                   tokenizer_dir=Path(args.model), overwrite=args.overwrite, max_shard_size=args.max_shard_size)
     except _user_errors() as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -208,4 +218,9 @@ def _plain_model_and_kept(model_path: str, kept_path: str):
         kept = json.loads(Path(kept_path).read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise ConfigError(f"cannot read --kept {kept_path}: {err}") from None
-    return load_model(model_path), kept.get("kept", kept)
+    if isinstance(kept, dict) and "kept" in kept:  # a run's checkpoint/apt_state.json
+        kept = kept["kept"]
+    from .export import read_kept_record
+
+    read_kept_record(kept)  # before the (slow) model load
+    return load_model(model_path), kept

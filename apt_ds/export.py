@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -19,32 +20,54 @@ from safetensors.torch import load_file, save_file
 
 from .adapters import merge_adapters
 from .checkpoint import CheckpointError, read_meta
-from .config import APTConfig
+from .config import APTConfig, ConfigError
 from .distill import TRANSFORM_ATTR
-from .modeling import TINY_MODEL, build_tiny_llama, load_model
+from .modeling import TINY_MODELS, ModelLoadError, build_tiny_llama, load_model, model_fingerprint
 from .pruner import KeepDecision
 from .state import APTModel
-from .units import ModelShape
+from .units import ModelShape, UnsupportedModelError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DEFAULT_SHARD_SIZE = "5GB"  # as transformers' save_pretrained
+REPORT_FILE = "apt_export.json"
 
 
-def rebuild_trained_model(run_dir: Path):
-    """The run's model as trained: original weights, shrunk, adapters loaded, masks installed."""
+def rebuild_trained_model(run_dir: Path, model_path: str | Path | None = None):
+    """The run's model as trained: original weights, shrunk, adapters loaded, masks installed.
+
+    `model_path` overrides the base model recorded in the run (a run moved to another machine).
+    Every inconsistency of the run's files is reported as one CheckpointError."""
     checkpoint = run_dir / "checkpoint"
     meta = read_meta(checkpoint)
+    try:
+        return _rebuild(run_dir, checkpoint, meta, model_path)
+    except (KeyError, IndexError, ValueError, TypeError, RuntimeError, AttributeError) as err:
+        if isinstance(err, (CheckpointError, ModelLoadError, UnsupportedModelError)):
+            raise
+        detail = f"missing field {err}" if isinstance(err, KeyError) else str(err).splitlines()[0]
+        raise CheckpointError(f"{run_dir}: checkpoint is inconsistent ({type(err).__name__}: {detail})") from None
+
+
+def _rebuild(run_dir: Path, checkpoint: Path, meta: dict, model_path):
     info = meta["run_info"]
     apt = APTConfig.from_dict(meta["apt_config"])
-    if info["model"] == TINY_MODEL:
+    base = str(model_path) if model_path is not None else info["model"]
+    if base in TINY_MODELS:
         from .data import load_tokenizer
 
         tokenizer = load_tokenizer(run_dir / info.get("tokenizer", "tokenizer"))
-        model = build_tiny_llama(vocab_size=len(tokenizer), seed=meta["train_config"]["seed"])
+        model = build_tiny_llama(vocab_size=len(tokenizer), seed=meta["train_config"]["seed"], variant=base)
     else:
-        model = load_model(info["model"])
+        if not Path(base).exists():
+            raise CheckpointError(f"{run_dir}: its base model {base} does not exist here; pass --model PATH to the base model")
+        model = load_model(base)
+    recorded = info.get("model_fingerprint")
+    if recorded is not None:
+        if model_fingerprint(model) != recorded:
+            raise CheckpointError(f"{run_dir}: model {base} is not the base model this run was trained from")
     state = APTModel(model, apt, seed=meta["train_config"]["seed"])
     if state.original_shape.to_dict() != meta["original_shape"]:
-        raise CheckpointError(f"{run_dir}: model {info['model']} does not match the checkpoint's original shapes")
+        raise CheckpointError(f"{run_dir}: model {base} does not match the checkpoint's original shapes")
     state.restore_architecture(meta["kept"], meta["ranks"])
     if state.shape.to_dict() != meta["shape"]:
         raise CheckpointError(f"{run_dir}: checkpoint shapes contradict its recorded config")
@@ -54,11 +77,17 @@ def rebuild_trained_model(run_dir: Path):
     except Exception as err:
         raise CheckpointError(f"{run_dir}: cannot read checkpoint tensors: {err}") from None
     params = dict(model.named_parameters())
+    missing = sorted(n for n, p in params.items() if p.requires_grad and n not in trainable)
+    if missing:  # exporting untrained adapters silently would be a wrong model
+        raise CheckpointError(f"{run_dir}: checkpoint/trainable.safetensors lacks {len(missing)} trained tensors, e.g. {missing[0]}")
     with torch.no_grad():
         for name, tensor in trainable.items():
             if name not in params or params[name].shape != tensor.shape:
                 raise CheckpointError(f"{run_dir}: checkpoint tensor {name} {tuple(tensor.shape)} does not fit the rebuilt model")
             params[name].copy_(tensor)
+    expected = state.masks.state_dict()
+    if set(masks) != set(expected) or any(masks[k].shape != expected[k].shape for k in expected):
+        raise CheckpointError(f"{run_dir}: checkpoint/masks.safetensors does not match the checkpoint's shapes")
     state.masks.load_state_dict(masks)
     return model, state, meta
 
@@ -103,7 +132,7 @@ def _config_dict(model, shape: ModelShape) -> dict:
     first = shape.layers[0]
     config.update(head_dim=first.head_dim, num_attention_heads=first.num_q_heads,
                   num_key_value_heads=first.num_kv_groups, intermediate_size=first.ffn)
-    if not shape.uniform:
+    if not stock_loadable(shape):
         config["apt_layer_shapes"] = [dict(layer.__dict__) for layer in shape.layers]
         if shape.hidden % first.num_q_heads:
             # LlamaConfig refuses hidden % heads != 0; per-layer shapes are authoritative anyway.
@@ -111,49 +140,131 @@ def _config_dict(model, shape: ModelShape) -> dict:
     return config
 
 
-def export_run(run_dir: Path, out: Path, dtype: str = "fp32", overwrite: bool = False) -> dict:
+def stock_loadable(shape: ModelShape) -> bool:
+    """A plain LlamaConfig describes the model: every layer alike and a hidden size that
+    transformers accepts for that head count (it requires hidden % num_attention_heads == 0)."""
+    return shape.uniform and shape.hidden % shape.layers[0].num_q_heads == 0
+
+
+def export_run(run_dir: Path, out: Path, dtype: str = "fp32", overwrite: bool = False,
+               model_path: str | Path | None = None, max_shard_size: str | int = DEFAULT_SHARD_SIZE) -> dict:
     run_dir, out = Path(run_dir), Path(out)
     if dtype not in DTYPES:
-        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"--out {out} already exists; pass --overwrite to replace it")
-    model, state, meta = rebuild_trained_model(run_dir)
+        raise ConfigError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    _check_shard_size(max_shard_size)
+    check_export_out(out, overwrite, protected=[run_dir] + ([Path(model_path)] if model_path else []))
+    model, state, meta = rebuild_trained_model(run_dir, model_path)
     original = ModelShape.from_dict(meta["original_shape"])
     model = compact_model(model, state)
-    report = write_export(model, state.shape, out, DTYPES[dtype], tokenizer_dir=run_dir / meta["run_info"].get("tokenizer", "tokenizer"))
-    report.update(original=_summary(original), run=str(run_dir), step=meta["step"], finished=meta["finished"])
-    (out / "apt_export.json").write_text(json.dumps(report, indent=1))
-    return report
+    extra = {"original": _summary(original), "run": str(run_dir.resolve()), "step": meta["step"], "finished": meta["finished"]}
+    return write_export(model, state.shape, out, DTYPES[dtype], tokenizer_dir=run_dir / meta["run_info"].get("tokenizer", "tokenizer"),
+                        extra_report=extra, max_shard_size=max_shard_size)
 
 
-def write_export(model, shape: ModelShape, out: Path, dtype: torch.dtype, tokenizer_dir: Path | None = None) -> dict:
-    """Atomically write weights + config + generation config + tokenizer into `out`."""
+def check_export_out(out: Path, overwrite: bool, protected: list[Path] = ()) -> None:
+    """Refuse an --out that would destroy data: an existing path without --overwrite, and, even
+    with it, anything but a previous export (or an empty directory), or a path that is or
+    contains one of the inputs."""
+    resolved = out.resolve()
+    for path in protected:
+        path = Path(path).resolve()
+        if resolved == path or resolved in path.parents:
+            raise FileExistsError(f"--out {out} is or contains the input {path}; choose another directory")
+    if not out.exists() and not out.is_symlink():
+        return
+    if not overwrite:
+        raise FileExistsError(f"--out {out} already exists; pass --overwrite to replace it")
+    if not out.is_dir() or out.is_symlink():
+        raise FileExistsError(f"--out {out} exists and is not a directory; remove it or choose another --out")
+    if not (out / REPORT_FILE).is_file() and any(out.iterdir()):
+        raise FileExistsError(f"--out {out} is not an apt_ds export (no {REPORT_FILE}); --overwrite only replaces exports")
+
+
+def write_export(model, shape: ModelShape, out: Path, dtype: torch.dtype, tokenizer_dir: Path | None = None,
+                 extra_report: dict | None = None, max_shard_size: str | int = DEFAULT_SHARD_SIZE) -> dict:
+    """Atomically write weights (safetensors shards + index when sharded), config, generation
+    config, tokenizer and report into `out`.
+
+    Everything goes into a hidden temporary sibling, config.json last, then one rename: a
+    killed export leaves at most a `.NAME.tmp-*` directory, which the next export removes."""
     out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(out)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         state_dict = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items() if "rotary" not in k}
         if shape.tied_embeddings:
             state_dict.pop("lm_head.weight", None)
-        save_file(state_dict, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        config = _config_dict(model, shape)
-        config["dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-        (tmp / "config.json").write_text(json.dumps(config, indent=1))
-        generation = model.generation_config.to_dict() if model.generation_config is not None else {}
+        _save_shards(state_dict, tmp, max_shard_size)
+        generation = model.generation_config.to_diff_dict() if model.generation_config is not None else {}
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=1))
         if tokenizer_dir is not None and tokenizer_dir.is_dir():
             for item in tokenizer_dir.iterdir():
                 if item.is_file() and _is_tokenizer_file(item.name):
                     shutil.copy2(item, tmp / item.name)
-        report = {"final": _summary(shape), "uniform": shape.uniform,
-                  "exported_params": sum(v.numel() for v in state_dict.values())}
-        (tmp / "apt_export.json").write_text(json.dumps(report, indent=1))
+        report = {"final": _summary(shape), "uniform": shape.uniform, "stock_loadable": stock_loadable(shape),
+                  "exported_params": sum(v.numel() for v in state_dict.values()), **(extra_report or {})}
+        (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1))
+        config = _config_dict(model, shape)
+        config["dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+        (tmp / "config.json").write_text(json.dumps(config, indent=1))
+        _make_readable(tmp)
         if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+            old = out.parent / f".{out.name}.old-{tmp.name.rsplit('-', 1)[-1]}"
+            out.rename(old)  # the previous export is only deleted once the new one is in place
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return report
+
+
+def _check_shard_size(max_shard_size) -> None:
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    try:
+        size = max_shard_size if isinstance(max_shard_size, int) else parse_size_to_int(max_shard_size)
+        if size <= 0:
+            raise ValueError
+    except (ValueError, TypeError, AttributeError):
+        raise ConfigError(f"--max-shard-size must be a positive size such as 500MB or 5GB, got {max_shard_size!r}") from None
+
+
+def _save_shards(state_dict: dict, directory: Path, max_shard_size) -> None:
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    split = split_torch_state_dict_into_shards(state_dict, max_shard_size=max_shard_size)
+    for filename, names in split.filename_to_tensors.items():
+        save_file({name: state_dict[name] for name in names}, str(directory / filename), metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": {**split.metadata, "total_size": sum(v.numel() * v.element_size() for v in state_dict.values())},
+                 "weight_map": split.tensor_to_filename}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+
+
+def _make_readable(directory: Path) -> None:
+    """mkdtemp makes a 0700 directory: give the export the permissions the umask allows, so a
+    serving user other than the exporter can read it."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for item in directory.iterdir():
+        item.chmod(0o666 & ~umask)
+
+
+def _remove_stale_temporaries(out: Path) -> None:
+    for stale in list(out.parent.glob(f".{out.name}.tmp-*")) + list(out.parent.glob(f".{out.name}.old-*")):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def weight_files(export_dir: Path) -> list[Path]:
+    """The safetensors files of an export (one file, or the shards of its index)."""
+    index = export_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted({export_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
+    return [export_dir / "model.safetensors"]
 
 
 def _is_tokenizer_file(name: str) -> bool:
@@ -167,32 +278,44 @@ def _summary(shape: ModelShape) -> dict:
             "layers": [dict(layer.__dict__) for layer in shape.layers]}
 
 
+def read_kept_record(kept) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """(groups per layer, neurons per layer, hidden) index tensors of a kept-units record, checked
+    for form and duplicates (a unit listed twice would be copied twice)."""
+    if not isinstance(kept, dict):
+        raise CheckpointError("kept-units record is malformed: expected a JSON object with groups/neurons/hidden lists")
+    try:
+        groups = [torch.tensor(g, dtype=torch.long) for g in kept["groups"]]
+        neurons = [torch.tensor(n, dtype=torch.long) for n in kept["neurons"]]
+        hidden = torch.tensor(kept["hidden"], dtype=torch.long)
+    except (KeyError, TypeError, ValueError, RuntimeError) as err:
+        raise CheckpointError(f"kept-units record is malformed ({err}); expected groups/neurons/hidden lists") from None
+    if any(ix.dim() != 1 or len(torch.unique(ix)) != len(ix) for ix in [*groups, *neurons, hidden]):
+        raise CheckpointError("kept-units record lists a unit twice (or is not flat lists); every kept index must be unique")
+    return groups, neurons, hidden
+
+
 def export_pruned(model, kept: dict, out: Path, dtype: str = "fp32", tokenizer_dir: Path | None = None,
-                  overwrite: bool = False) -> dict:
+                  overwrite: bool = False, max_shard_size: str | int = DEFAULT_SHARD_SIZE) -> dict:
     """Export a plain LLaMA (adapters already merged, or none) pruned to `kept` ORIGINAL unit
     indices ({"groups": [[...] per layer], "neurons": [[...] per layer], "hidden": [...]}, as
-    in a run's checkpoint/apt_state.json). Needs neither DeepSpeed nor a run directory."""
+    in a run's checkpoint/apt_state.json): the binary masks of the run, stated as the units
+    they keep. Needs neither DeepSpeed nor a run directory."""
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"--out {out} already exists; pass --overwrite to replace it")
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    _check_shard_size(max_shard_size)
+    check_export_out(out, overwrite, protected=[tokenizer_dir] if tokenizer_dir else [])
     from .shrink import shrink_model
     from .units import check_llama_model
 
     check_llama_model(model)
     original = ModelShape.from_model(model)
-    try:
-        groups = [torch.tensor(g, dtype=torch.long) for g in kept["groups"]]
-        neurons = [torch.tensor(n, dtype=torch.long) for n in kept["neurons"]]
-        hidden = torch.tensor(kept["hidden"], dtype=torch.long)
-    except (KeyError, TypeError, ValueError) as err:
-        raise CheckpointError(f"kept-units record is malformed ({err}); expected groups/neurons/hidden lists") from None
+    groups, neurons, hidden = read_kept_record(kept)
     limits = [(g, l.num_kv_groups) for g, l in zip(groups, original.layers)] + [(n, l.ffn) for n, l in zip(neurons, original.layers)]
     if len(groups) != len(original.layers) or len(neurons) != len(original.layers) or any(
-        len(ix) == 0 or int(ix.max()) >= size or int(ix.min()) < 0 for ix, size in limits + [(hidden, original.hidden)]
+        ix.dim() != 1 or len(ix) == 0 or int(ix.max()) >= size or int(ix.min()) < 0 for ix, size in limits + [(hidden, original.hidden)]
     ):
         raise CheckpointError("kept-units record does not fit this model (layer count or unit indices out of range)")
     shape, _ = shrink_model(model, original, groups, neurons, hidden)
-    report = write_export(model.eval(), shape, out, DTYPES[dtype], tokenizer_dir=tokenizer_dir)
-    report["original"] = _summary(original)
-    (out / "apt_export.json").write_text(json.dumps(report, indent=1))
-    return report
+    return write_export(model.eval(), shape, out, DTYPES[dtype], tokenizer_dir=tokenizer_dir,
+                        extra_report={"original": _summary(original)}, max_shard_size=max_shard_size)

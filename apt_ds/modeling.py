@@ -8,6 +8,7 @@ the head count from its weights (reshape with -1), so nothing else changes.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -17,6 +18,8 @@ from torch import nn
 from .units import LayerShape, UnsupportedModelError
 
 TINY_MODEL = "tiny"  # --model value for the built-in demo model
+# Built-in random models (no download): --model value -> LlamaConfig overrides of TINY_CONFIG.
+TINY_MODELS = {TINY_MODEL: {}, "tiny-mha": {"num_key_value_heads": 4}}
 TINY_CONFIG = dict(
     hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
     max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
@@ -27,12 +30,12 @@ class ModelLoadError(ValueError):
     """The model path does not hold a loadable LLaMA checkpoint."""
 
 
-def build_tiny_llama(vocab_size: int, seed: int = 0, **overrides):
-    """The built-in demo model: a small random LLaMA with GQA (no download)."""
+def build_tiny_llama(vocab_size: int, seed: int = 0, variant: str = TINY_MODEL, **overrides):
+    """The built-in demo model: a small random LLaMA, GQA ('tiny') or MHA ('tiny-mha')."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    values = {**TINY_CONFIG, **overrides, "vocab_size": vocab_size}
+    values = {**TINY_CONFIG, **TINY_MODELS[variant], **overrides, "vocab_size": vocab_size}
     return LlamaForCausalLM(LlamaConfig(**values))
 
 
@@ -64,6 +67,14 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
         raise ModelLoadError(f"cannot load model from {path}: {str(err).splitlines()[0]}") from None
 
 
+def model_fingerprint(model) -> dict:
+    """Identifies the base model of a run: its config and a checksum of its embedding."""
+    config = {k: v for k, v in model.config.to_dict().items() if k not in ("_name_or_path", "transformers_version", "dtype", "torch_dtype")}
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    embedding = model.get_input_embeddings().weight.detach()
+    return {"config_sha": digest, "embedding_sum": round(float(embedding.double().abs().sum()), 3)}
+
+
 def resize_layers(model, layer_shapes: list[LayerShape]) -> None:
     """Give every decoder layer its own (empty) module sizes before weights are loaded."""
     hidden = model.config.hidden_size
@@ -93,7 +104,10 @@ def load_pretrained(directory: str | Path, dtype: torch.dtype | None = None):
     except (OSError, json.JSONDecodeError) as err:
         raise ModelLoadError(f"{directory}: cannot read config.json ({err})") from None
     shapes = [LayerShape(**s) for s in raw.pop("apt_layer_shapes", None) or []]
-    config = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("architectures", "transformers_version")})
+    try:
+        config = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("architectures", "transformers_version")})
+    except Exception as err:  # transformers validates head counts etc. with several exception types
+        raise ModelLoadError(f"{directory}: config.json is not a valid LLaMA config ({str(err).splitlines()[0]})") from None
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     if shapes:

@@ -7,11 +7,12 @@ the loop knows nothing about files, tokenizers or launchers.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import tempfile
 from pathlib import Path
+
+from safetensors.torch import save_file
 
 from .backend import LocalBackend
 from .checkpoint import CheckpointError, read_meta
@@ -20,7 +21,7 @@ from .config import APTConfig, ConfigError, TrainConfig
 from .data import (
     batches, collate, demo_data_path, load_records, load_tokenizer, tokenize_dataset, train_sentencepiece_tokenizer,
 )
-from .modeling import TINY_MODEL, build_tiny_llama, load_model
+from .modeling import TINY_MODELS, build_tiny_llama, load_model, model_fingerprint
 from .trainer import APTrainer
 
 TOKENIZER_DIR = "tokenizer"
@@ -55,13 +56,13 @@ def make_backend(args, train: TrainConfig):
 def _tokenizer_and_model(args, out: Path, texts: list[str], seed: int, staging: Path):
     """Load (or, for the tiny model, train) the tokenizer and load the model; writes nothing
     into --out: a trained tokenizer goes to `staging` until the run directory is prepared."""
-    if args.model == TINY_MODEL:
+    if args.model in TINY_MODELS:
         saved = out / TOKENIZER_DIR
         if args.resume and (saved / "tokenizer_config.json").is_file():
             tokenizer = load_tokenizer(saved)
         else:  # deterministic: every rank trains the same tokenizer (no shared write needed)
             tokenizer = train_sentencepiece_tokenizer(texts, staging, vocab_size=512)
-        return tokenizer, build_tiny_llama(vocab_size=len(tokenizer), seed=seed)
+        return tokenizer, build_tiny_llama(vocab_size=len(tokenizer), seed=seed, variant=args.model)
     return load_tokenizer(args.model), load_model(args.model)
 
 
@@ -72,14 +73,7 @@ def _texts_for_tokenizer(records) -> list[str]:
     return texts
 
 
-def model_fingerprint(model) -> dict:
-    """Identifies the base model of a run: its config and a checksum of its embedding."""
-    config = {k: v for k, v in model.config.to_dict().items() if k not in ("_name_or_path", "transformers_version", "dtype", "torch_dtype")}
-    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    embedding = model.get_input_embeddings().weight.detach()
-    return {"config_sha": digest, "embedding_sum": round(float(embedding.double().abs().sum()), 3)}
-
-
+PROBE_FILE = "eval_probe.safetensors"
 RESUME_MUST_MATCH = ("steps", "micro_batch_size", "grad_accum_steps", "lr", "warmup_steps", "weight_decay", "max_seq_len", "seed")
 
 
@@ -117,7 +111,9 @@ def run_training(args, apt: APTConfig, train: TrainConfig) -> dict:
         if backend.is_main() and not args.resume:
             tokenizer.save_pretrained(str(out / TOKENIZER_DIR))
         backend.barrier()
-    run_info = {"model": args.model, "data": data_path, "tokenizer": TOKENIZER_DIR, "method": args.method,
+    # Absolute: the run is exported/resumed from other working directories.
+    model_ref = args.model if args.model in TINY_MODELS else str(Path(args.model).resolve())
+    run_info = {"model": model_ref, "data": data_path, "tokenizer": TOKENIZER_DIR, "method": args.method,
                 "deepspeed": args.deepspeed, "world_size": backend.world_size, "model_fingerprint": fingerprint}
     if backend.is_main() and not args.resume:
         (out / RUN_FILE).write_text(json.dumps({**run_info, "apt_config": apt.to_dict(), "train_config": train.to_dict()}, indent=1))
@@ -135,6 +131,10 @@ def run_training(args, apt: APTConfig, train: TrainConfig) -> dict:
     stream = batches(examples, train.micro_batch_size, train.seed, rank=backend.rank, world_size=backend.world_size,
                      pad_id=pad_id, start_step=start)
     final = trainer.train(stream, skip_consumed=False)
+    if getattr(args, "save_eval_probe", False) and eval_batches:
+        probe = trainer.probe(eval_batches[0])  # every rank: ZeRO-3 gathers weights inside forward
+        if backend.is_main():
+            save_file(probe, str(out / PROBE_FILE))
     if backend.is_main():
         print(json.dumps(final))
     return final

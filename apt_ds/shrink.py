@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .adapters import APTAdapter
-from .edits import Keep, ShapeChange
+from .edits import ShapeChange
 from .units import ModelShape
 
 Gather = Callable[[Iterable[nn.Parameter]], contextlib.AbstractContextManager]

@@ -215,6 +215,23 @@ class APTrainer:
         kl_sum, mse_sum = self.distiller.loss_sums(self.model, student, teacher, layers, valid, supervised)
         return loss, kl_sum, mse_sum
 
+    def probe(self, batch: dict, new_tokens: int = 20) -> dict[str, torch.Tensor]:
+        """The live (masked, possibly sharded) model's logits on `batch` and its greedy
+        continuation of the batch's first row, for checking an export against the run.
+        Every rank must call it: ZeRO-3 gathers weights inside forward."""
+        was_enabled = self.state.salience.enabled
+        self.state.salience.enabled = False
+        try:
+            inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+            logits = self.backend.forward_no_grad(**inputs, use_cache=False).logits.float()
+            ids = batch["input_ids"][:1, : int(batch["attention_mask"][0].sum())]
+            for _ in range(new_tokens):  # no KV cache: the plain forward the engine runs in training
+                step_logits = self.backend.forward_no_grad(input_ids=ids, use_cache=False).logits
+                ids = torch.cat([ids, step_logits[:, -1].argmax(-1, keepdim=True)], 1)
+        finally:
+            self.state.salience.enabled = was_enabled
+        return {**{k: v.contiguous() for k, v in inputs.items()}, "logits": logits.contiguous(), "greedy": ids.contiguous()}
+
     # ---- pruning events ------------------------------------------------------------------
     def _after_step(self) -> dict:
         step, record = self.step, {"event": False}

@@ -192,10 +192,8 @@ def fast_label_report(model, tokenizer, rows: list[dict], labels: list[str], max
     return report
 
 
-def roc_auc(score: "torch.Tensor", positive: "torch.Tensor") -> float | None:
-    """P(score of a random positive > score of a random negative), ties count half."""
-    import torch
-
+def roc_auc(score, positive) -> float | None:
+    """P(score of a random positive > score of a random negative), ties count half (tensors)."""
     pos, neg = score[positive].double(), score[~positive].double()
     if not len(pos) or not len(neg):
         return None

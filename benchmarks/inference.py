@@ -98,6 +98,7 @@ def main(argv=None) -> None:
     import torch
 
     from apt_ds.evaluate import decode_speed, directory_bytes, parameter_bytes
+    from apt_ds.export import weight_files
     from apt_ds.modeling import load_model
     from quality import forward_flops_per_token
 
@@ -113,7 +114,7 @@ def main(argv=None) -> None:
         info[name] = {
             "path": str(path), "total_params": shape.total_params(), "block_params": shape.block_params(),
             "parameter_bytes": parameter_bytes(models[name]),
-            "checkpoint_bytes": (path / "model.safetensors").stat().st_size, "directory_bytes": directory_bytes(path),
+            "checkpoint_bytes": sum(f.stat().st_size for f in weight_files(path)), "directory_bytes": directory_bytes(path),
             "flops_per_decoded_token": forward_flops_per_token(shape, int(context)),
             "prefill_flops_per_token": forward_flops_per_token(shape, args.prompt_len // 2),
             "uniform": shape.uniform, "hidden": shape.hidden,

@@ -80,7 +80,7 @@ def run_worker(spec_path: Path) -> None:
     from apt_ds.config import APTConfig, TrainConfig
     from apt_ds.data import batches, load_records, load_tokenizer, tokenize_dataset
     from apt_ds.evaluate import parameter_bytes
-    from apt_ds.export import compact_model, export_run, write_export
+    from apt_ds.export import compact_model, export_run, weight_files, write_export
     from apt_ds.modeling import load_model
     from apt_ds.trainer import APTrainer
     from apt_ds.units import ModelShape
@@ -203,7 +203,7 @@ def run_worker(spec_path: Path) -> None:
         density=shape.block_params() / original.block_params(), block_params=shape.block_params(),
         total_params=shape.total_params(), uniform_shape=shape.uniform, hidden=shape.hidden,
         exported_params=report["exported_params"], parameter_bytes=parameter_bytes(model),
-        export_bytes=(export_dir / "model.safetensors").stat().st_size,
+        export_bytes=sum(f.stat().st_size for f in weight_files(export_dir)),
         stock_loadable=not (json.loads((export_dir / "config.json").read_text()).get("apt_layer_shapes")),
     )
     started = time.perf_counter()

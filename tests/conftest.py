@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -48,3 +50,32 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def greedy(model, ids: torch.Tensor, new_tokens: int = 20) -> torch.Tensor:
+    """The probe's loop: argmax of a full forward, no cache, no EOS stop."""
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            ids = torch.cat([ids, model(input_ids=ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return ids
+
+
+def check_against_probe(run_dir: Path, export_dir: Path) -> None:
+    """Exported logits = the live run's logits (atol 1e-4 where attended) and 20 greedy tokens."""
+    from safetensors.torch import load_file
+
+    from apt_ds.modeling import load_pretrained
+
+    probe = load_file(str(run_dir / "eval_probe.safetensors"))
+    model = load_pretrained(export_dir)
+    with torch.no_grad():
+        logits = model(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits
+    attended = probe["attention_mask"].bool()
+    assert attended.sum() > 0
+    torch.testing.assert_close(logits[attended], probe["logits"][attended], atol=1e-4, rtol=0)
+    prompt_len = int(probe["attention_mask"][0].sum())
+    assert probe["greedy"].shape[1] == prompt_len + 20
+    assert torch.equal(greedy(model, probe["greedy"][:, :prompt_len]), probe["greedy"])
+    # HF generate (KV cache) agrees for as long as it runs (it may stop early at EOS)
+    generated = model.generate(probe["greedy"][:, :prompt_len], max_new_tokens=20, do_sample=False)
+    assert torch.equal(generated, probe["greedy"][:, : generated.shape[1]])

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import check_against_probe
+
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = str(REPO / "launch" / "train.py")
 EVAL_EXAMPLES = 8
@@ -73,7 +75,8 @@ def check_identical_and_pruned(out: Path, ranks: int) -> dict:
 def two_rank_zero2(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("z2")
     out = tmp / "run"
-    result = launch(2, ["--deepspeed", ds_config(tmp, 2), *COMMON, *EVAL, "--micro-batch-size", "2", "--out", str(out)])
+    result = launch(2, ["--deepspeed", ds_config(tmp, 2), *COMMON, *EVAL, "--save-eval-probe", "--micro-batch-size", "2",
+                        "--out", str(out)])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return tmp, out
 
@@ -85,6 +88,7 @@ def test_zero2_two_ranks_identical_masks_and_export_matches(two_rank_zero2):
     assert events and all(m["eval_loss"] == m["eval_loss"] for m in events)  # logged (and finite) at every event
     live = metrics(out)[-1]["eval_loss"]
     assert abs(exported_eval_loss(out, tmp / "export") - live) < 1e-4 * max(1.0, abs(live))
+    check_against_probe(out, tmp / "export")  # GQA, non-uniform, ZeRO-2: logits and 20 greedy tokens
 
 
 def exported_eval_loss(out: Path, export_dir: Path, count: int = EVAL_EXAMPLES) -> float:
@@ -104,13 +108,19 @@ def exported_eval_loss(out: Path, export_dir: Path, count: int = EVAL_EXAMPLES) 
 
 
 def test_zero3_two_ranks_identical_masks_and_export_matches(tmp_path):
+    """MHA and uniform here (the ZeRO-2 test covers GQA, non-uniform): the export's logits and
+    greedy tokens equal the live ZeRO-3 engine's, whose weights are partitioned over 2 ranks."""
     out = tmp_path / "run"
     odd_eval = [EVAL[0], EVAL[1], "--eval-examples", str(EVAL_EXAMPLES - 1)]  # trimmed to a multiple of 2 ranks
-    result = launch(2, ["--deepspeed", ds_config(tmp_path, 3), *COMMON, *odd_eval, "--micro-batch-size", "2", "--out", str(out)])
+    result = launch(2, ["--deepspeed", ds_config(tmp_path, 3), *COMMON, *odd_eval, "--model", "tiny-mha", "--uniform",
+                        "--save-eval-probe", "--micro-batch-size", "2", "--out", str(out)])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     check_identical_and_pruned(out, 2)
     live = metrics(out)[-1]["eval_loss"]  # the masked model inside the ZeRO-3 engine, both ranks
     assert abs(exported_eval_loss(out, tmp_path / "export", EVAL_EXAMPLES - 2) - live) < 1e-4 * max(1.0, abs(live))
+    check_against_probe(out, tmp_path / "export")
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert "apt_layer_shapes" not in config and config["num_attention_heads"] == config["num_key_value_heads"]  # stock MHA
 
 
 def test_one_rank_with_double_batch_decides_the_same(two_rank_zero2, tmp_path):
