@@ -74,11 +74,25 @@ def _texts_for_tokenizer(records) -> list[str]:
 
 
 PROBE_FILE = "eval_probe.safetensors"
-RESUME_MUST_MATCH = ("steps", "micro_batch_size", "grad_accum_steps", "lr", "warmup_steps", "weight_decay", "max_seq_len", "seed")
+# The split of the global batch (micro batch, gradient accumulation, ranks) may change on resume:
+# data order and loss normalisation depend only on the global batch.
+RESUME_MUST_MATCH = ("steps", "lr", "warmup_steps", "weight_decay", "max_seq_len", "seed")
 
 
-def check_resumable(meta: dict, args, train: TrainConfig, fingerprint: dict, data_path: str) -> None:
+def global_batch_size(train: dict | TrainConfig, world_size: int) -> int:
+    values = train if isinstance(train, dict) else train.to_dict()
+    return values["micro_batch_size"] * values["grad_accum_steps"] * world_size
+
+
+def check_resumable(meta: dict, args, train: TrainConfig, fingerprint: dict, data_path: str, world_size: int) -> None:
     saved_train = meta["train_config"]
+    saved_world = meta["run_info"].get("world_size", 1)
+    before, now = global_batch_size(saved_train, saved_world), global_batch_size(train, world_size)
+    if before != now:
+        raise CheckpointError(
+            f"--resume must keep the global batch ({before} = micro {saved_train['micro_batch_size']} x accumulation "
+            f"{saved_train['grad_accum_steps']} x {saved_world} ranks), got {now}; set --micro-batch-size/--grad-accum-steps "
+            f"(or --global-batch-size {before}) for {world_size} ranks")
     changed = [k for k in RESUME_MUST_MATCH if saved_train.get(k) != getattr(train, k)]
     if changed:
         details = ", ".join(f"{k}: {saved_train.get(k)} -> {getattr(train, k)}" for k in changed)
@@ -105,7 +119,7 @@ def run_training(args, apt: APTConfig, train: TrainConfig) -> dict:
         eval_batches = _eval_batches(args, tokenizer, train, backend, pad_id)
         fingerprint = model_fingerprint(model)
         if meta is not None:
-            check_resumable(meta, args, train, fingerprint, data_path)
+            check_resumable(meta, args, train, fingerprint, data_path, backend.world_size)
         backend.barrier()
         prepare_out_dir(out, args.resume, args.overwrite, backend.is_main())
         if backend.is_main() and not args.resume:
@@ -125,7 +139,12 @@ def run_training(args, apt: APTConfig, train: TrainConfig) -> dict:
                 print(f"{out} already finished at step {meta['step']}; nothing to do")
             return {"step": meta["step"], "final": True, "already_finished": True}
         trainer.resume(out / "checkpoint")
-        start = trainer.consumed_micro_batches
+        # Position in the example stream, re-expressed in this run's micro-batches (the global
+        # batch is unchanged, so this is a whole number of this run's optimizer steps).
+        saved = meta["train_config"]
+        examples_done = trainer.consumed_micro_batches * saved["micro_batch_size"] * meta["run_info"].get("world_size", 1)
+        start = examples_done // (train.micro_batch_size * backend.world_size)
+        trainer.consumed_micro_batches = start
         if backend.is_main():
             truncate_metrics(out / "metrics.jsonl", meta["step"])
     stream = batches(examples, train.micro_batch_size, train.seed, rank=backend.rank, world_size=backend.world_size,

@@ -138,6 +138,37 @@ def test_resume_with_changed_training_settings_is_refused(runs, capsys):
     assert "seed: 0 -> 5" in capsys.readouterr().err
 
 
+def test_resume_with_another_split_of_the_global_batch(tmp_path, monkeypatch, capsys):
+    """Crash after the step-4 checkpoint, resume with micro 1 x accumulation 2 instead of micro 2:
+    same global batch, so the same data and the same decisions as the uninterrupted run. A
+    different global batch is refused."""
+    from apt_ds.trainer import APTrainer
+
+    common = [*FAST, "--target-density", "0.6", "--checkpoint-every", "4"]
+    assert train_main([*common, "--out", str(tmp_path / "whole")]) == 0
+    real_step = APTrainer._train_step
+
+    def crash_after_step_5(self, batches):
+        if self.step == 5:
+            raise KeyboardInterrupt
+        return real_step(self, batches)
+
+    monkeypatch.setattr(APTrainer, "_train_step", crash_after_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        train_main([*common, "--out", str(tmp_path / "split")])
+    monkeypatch.setattr(APTrainer, "_train_step", real_step)
+    resplit = [a if a != "2" or common[i - 1] != "--micro-batch-size" else "1" for i, a in enumerate(common)]
+    assert train_main([*resplit, "--grad-accum-steps", "3", "--resume", "--out", str(tmp_path / "split")]) == 2
+    assert "global batch (2" in capsys.readouterr().err
+    assert train_main([*resplit, "--grad-accum-steps", "2", "--resume", "--out", str(tmp_path / "split")]) == 0
+    whole, split = (json.loads((tmp_path / r / "checkpoint" / "apt_state.json").read_text()) for r in ("whole", "split"))
+    assert split["step"] == whole["step"] == 8
+    assert split["kept"] == whole["kept"] and split["ranks"] == whole["ranks"]
+    losses = [[r["loss"] for r in read_metrics(tmp_path / r / "metrics.jsonl") if "loss" in r] for r in ("whole", "split")]
+    assert len(losses[0]) == len(losses[1]) == 8
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+
+
 def test_failed_start_touches_nothing(runs, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"output": ""}\n')

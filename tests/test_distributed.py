@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -57,7 +58,7 @@ def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def check_identical_and_pruned(out: Path, ranks: int) -> dict:
+def check_identical_and_pruned(out: Path, ranks: int, since_step: int = 0) -> dict:
     records = rank_records(out)
     assert len(records) == ranks
     for record in records[1:]:
@@ -65,7 +66,7 @@ def check_identical_and_pruned(out: Path, ranks: int) -> dict:
     final = metrics(out)[-1]
     assert final["final"] and final["density"] <= 0.5 + 1e-9
     steps = [m for m in metrics(out) if not m.get("final")]
-    assert all(m["world_size"] == ranks for m in steps)
+    assert all(m["world_size"] == ranks for m in steps if m["step"] > since_step)
     assert all(m["loss"] == m["loss"] and m["loss"] < 100 for m in steps)  # finite
     assert max(m["total_rank"] for m in steps) > steps[0]["total_rank"]  # ranks grew
     return records[0]
@@ -158,14 +159,22 @@ def test_sigkill_then_resume_finishes_like_uninterrupted(two_rank_zero2, tmp_pat
 
     killed_at = json.loads((_checkpoint_dir(out) / "apt_state.json").read_text())["step"]
     assert killed_at < 12
+    smaller = tmp_path / "killed_resumed_on_one_rank"
+    shutil.copytree(out, smaller)
     result = launch(2, [*args, "--resume"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    resumed = check_identical_and_pruned(out, 2)
+    # the same checkpoint resumed on 1 rank with micro 4: the same global batch of 4
+    one_rank = [a if a != str(out) else str(smaller) for a in args]
+    one_rank[one_rank.index("--micro-batch-size") + 1] = "4"
+    result = launch(1, [*one_rank, "--resume"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     expected = rank_records(reference)[0]
-    assert resumed["kept"] == expected["kept"] and resumed["ranks"] == expected["ranks"]
     reference_losses = {m["step"]: m["loss"] for m in metrics(reference) if not m.get("final")}
-    resumed_losses = {m["step"]: m["loss"] for m in metrics(out) if not m.get("final") and m["step"] > killed_at}
-    assert resumed_losses and all(abs(resumed_losses[s] - reference_losses[s]) < 1e-4 for s in resumed_losses)
+    for run, ranks in ((out, 2), (smaller, 1)):
+        resumed = check_identical_and_pruned(run, ranks, since_step=killed_at)
+        assert resumed["kept"] == expected["kept"] and resumed["ranks"] == expected["ranks"]
+        resumed_losses = {m["step"]: m["loss"] for m in metrics(run) if not m.get("final") and m["step"] > killed_at}
+        assert resumed_losses and all(abs(resumed_losses[s] - reference_losses[s]) < 1e-4 for s in resumed_losses)
 
 
 def test_two_emulated_nodes(tmp_path):
