@@ -22,10 +22,6 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, corrupt, or does not belong to this model/config."""
 
 
-def model_fingerprint(shape_dict: dict) -> dict:
-    return {k: shape_dict[k] for k in ("hidden", "vocab", "tied_embeddings")} | {"layers": len(shape_dict["layers"])}
-
-
 def save_checkpoint(trainer, directory: Path) -> None:
     backend, state = trainer.backend, trainer.state
     tmp = directory.with_name(directory.name + ".tmp")
@@ -97,8 +93,7 @@ def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
 def load_checkpoint(trainer, directory: Path) -> None:
     meta = read_meta(directory)
     state = trainer.state
-    if model_fingerprint(meta["original_shape"]) != model_fingerprint(state.original_shape.to_dict()) or \
-            meta["original_shape"] != state.original_shape.to_dict():
+    if meta["original_shape"] != state.original_shape.to_dict():
         raise CheckpointError(f"checkpoint {directory} was made from a different model (original shapes differ)")
     if meta["apt_config"] != trainer.apt_config.to_dict():
         changed = sorted(k for k in meta["apt_config"] if meta["apt_config"][k] != trainer.apt_config.to_dict().get(k))

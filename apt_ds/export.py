@@ -22,7 +22,7 @@ from .adapters import merge_adapters
 from .checkpoint import CheckpointError, read_meta
 from .config import APTConfig, ConfigError
 from .distill import TRANSFORM_ATTR
-from .modeling import TINY_MODELS, ModelLoadError, build_tiny_llama, load_model, model_fingerprint
+from .modeling import TINY_MODELS, ModelLoadError, build_tiny_llama, load_model, model_fingerprint, same_model
 from .pruner import KeepDecision
 from .state import APTModel
 from .units import ModelShape, UnsupportedModelError
@@ -63,7 +63,7 @@ def _rebuild(run_dir: Path, checkpoint: Path, meta: dict, model_path):
         model = load_model(base)
     recorded = info.get("model_fingerprint")
     if recorded is not None:
-        if model_fingerprint(model) != recorded:
+        if not same_model(recorded, model_fingerprint(model)):
             raise CheckpointError(f"{run_dir}: model {base} is not the base model this run was trained from")
     state = APTModel(model, apt, seed=meta["train_config"]["seed"])
     if state.original_shape.to_dict() != meta["original_shape"]:
@@ -152,7 +152,9 @@ def export_run(run_dir: Path, out: Path, dtype: str = "fp32", overwrite: bool = 
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     _check_shard_size(max_shard_size)
-    check_export_out(out, overwrite, protected=[run_dir] + ([Path(model_path)] if model_path else []))
+    recorded_base = read_meta(run_dir / "checkpoint").get("run_info", {}).get("model")
+    bases = [Path(p) for p in (model_path, recorded_base) if p is not None and str(p) not in TINY_MODELS]
+    check_export_out(out, overwrite, protected=[run_dir, *bases])
     model, state, meta = rebuild_trained_model(run_dir, model_path)
     original = ModelShape.from_dict(meta["original_shape"])
     model = compact_model(model, state)
@@ -165,6 +167,7 @@ def check_export_out(out: Path, overwrite: bool, protected: list[Path] = ()) -> 
     """Refuse an --out that would destroy data: an existing path without --overwrite, and, even
     with it, anything but a previous export (or an empty directory), or a path that is or
     contains one of the inputs."""
+    _recover_interrupted_overwrite(out)
     resolved = out.resolve()
     for path in protected:
         path = Path(path).resolve()
@@ -188,6 +191,7 @@ def write_export(model, shape: ModelShape, out: Path, dtype: torch.dtype, tokeni
     Everything goes into a hidden temporary sibling, config.json last, then one rename: a
     killed export leaves at most a `.NAME.tmp-*` directory, which the next export removes."""
     out.parent.mkdir(parents=True, exist_ok=True)
+    _recover_interrupted_overwrite(out)
     _remove_stale_temporaries(out)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
@@ -254,7 +258,20 @@ def _make_readable(directory: Path) -> None:
         item.chmod(0o666 & ~umask)
 
 
+def _recover_interrupted_overwrite(out: Path) -> None:
+    """An overwrite killed between its two renames left the previous export as `.NAME.old-*`
+    and no NAME: put the previous export back before anything else happens."""
+    if out.exists() or out.is_symlink():
+        return
+    for old in sorted(out.parent.glob(f".{out.name}.old-*")) if out.parent.is_dir() else []:
+        if (old / REPORT_FILE).is_file() and (old / "config.json").is_file():
+            old.rename(out)
+            return
+
+
 def _remove_stale_temporaries(out: Path) -> None:
+    """Leftovers of killed exports to `out` (never a complete previous export: see
+    _recover_interrupted_overwrite). Exports to the same --out must not run concurrently."""
     for stale in list(out.parent.glob(f".{out.name}.tmp-*")) + list(out.parent.glob(f".{out.name}.old-*")):
         shutil.rmtree(stale, ignore_errors=True)
 

@@ -68,11 +68,25 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
 
 
 def model_fingerprint(model) -> dict:
-    """Identifies the base model of a run: its config and a checksum of its embedding."""
+    """Identifies the base model of a run: its config, and a checksum over every weight tensor
+    (|w| summed over a strided sample of ~4k entries per tensor: cheap even at 70B, and any
+    retrained layer changes it)."""
     config = {k: v for k, v in model.config.to_dict().items() if k not in ("_name_or_path", "transformers_version", "dtype", "torch_dtype")}
     digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
     embedding = model.get_input_embeddings().weight.detach()
-    return {"config_sha": digest, "embedding_sum": round(float(embedding.double().abs().sum()), 3)}
+    sums = []
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            flat = param.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // 4096)]
+            sums.append(f"{name}:{float(sample.double().abs().sum()):.6e}")
+    weights = hashlib.sha256("|".join(sums).encode()).hexdigest()[:16]
+    return {"config_sha": digest, "embedding_sum": round(float(embedding.double().abs().sum()), 3), "weights_sha": weights}
+
+
+def same_model(recorded: dict, fingerprint: dict) -> bool:
+    """Compare on the fields the recorded fingerprint has (runs from before `weights_sha`)."""
+    return all(fingerprint.get(key) == value for key, value in recorded.items())
 
 
 def resize_layers(model, layer_shapes: list[LayerShape]) -> None:

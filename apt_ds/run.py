@@ -21,7 +21,7 @@ from .config import APTConfig, ConfigError, TrainConfig
 from .data import (
     batches, collate, demo_data_path, load_records, load_tokenizer, tokenize_dataset, train_sentencepiece_tokenizer,
 )
-from .modeling import TINY_MODELS, build_tiny_llama, load_model, model_fingerprint
+from .modeling import TINY_MODELS, build_tiny_llama, load_model, model_fingerprint, same_model
 from .trainer import APTrainer
 
 TOKENIZER_DIR = "tokenizer"
@@ -100,7 +100,7 @@ def check_resumable(meta: dict, args, train: TrainConfig, fingerprint: dict, dat
     info = meta["run_info"]
     if info.get("data") != data_path:
         raise CheckpointError(f"--resume: the run was trained on --data {info.get('data')}, not {data_path}")
-    if info.get("model_fingerprint") != fingerprint:
+    if not same_model(info.get("model_fingerprint") or {"missing": True}, fingerprint):
         raise CheckpointError(f"--resume: --model {args.model} is not the model this run was trained from ({info.get('model')})")
 
 
@@ -108,6 +108,8 @@ def run_training(args, apt: APTConfig, train: TrainConfig) -> dict:
     backend, train = make_backend(args, train)
     out = Path(args.out)
     check_out_dir(out, args.resume, args.overwrite)  # fail early; nothing is touched yet
+    if getattr(args, "save_eval_probe", False) and not args.eval_data:
+        raise ConfigError("--save-eval-probe needs --eval-data (the probe is the first eval batch)")
     meta = read_meta(_checkpoint_dir(out)) if args.resume else None
     # Validate every input before writing anything into --out.
     data_path = args.data or str(demo_data_path())

@@ -225,12 +225,15 @@ class APTrainer:
             inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
             logits = self.backend.forward_no_grad(**inputs, use_cache=False).logits.float()
             ids = batch["input_ids"][:1, : int(batch["attention_mask"][0].sum())]
+            step_logits = []  # each greedy step's next-token logits: informative even when argmax repeats
             for _ in range(new_tokens):  # no KV cache: the plain forward the engine runs in training
-                step_logits = self.backend.forward_no_grad(input_ids=ids, use_cache=False).logits
-                ids = torch.cat([ids, step_logits[:, -1].argmax(-1, keepdim=True)], 1)
+                last = self.backend.forward_no_grad(input_ids=ids, use_cache=False).logits[0, -1].float()
+                step_logits.append(last)
+                ids = torch.cat([ids, last.argmax().view(1, 1)], 1)
         finally:
             self.state.salience.enabled = was_enabled
-        return {**{k: v.contiguous() for k, v in inputs.items()}, "logits": logits.contiguous(), "greedy": ids.contiguous()}
+        return {**{k: v.contiguous() for k, v in inputs.items()}, "logits": logits.contiguous(), "greedy": ids.contiguous(),
+                "greedy_logits": torch.stack(step_logits).contiguous()}
 
     # ---- pruning events ------------------------------------------------------------------
     def _after_step(self) -> dict:

@@ -76,6 +76,9 @@ def check_against_probe(run_dir: Path, export_dir: Path) -> None:
     prompt_len = int(probe["attention_mask"][0].sum())
     assert probe["greedy"].shape[1] == prompt_len + 20
     assert torch.equal(greedy(model, probe["greedy"][:, :prompt_len]), probe["greedy"])
+    with torch.no_grad():  # the full next-token distributions along the trajectory, not only their argmax
+        along = model(input_ids=probe["greedy"]).logits[0, prompt_len - 1 : -1]
+    torch.testing.assert_close(along, probe["greedy_logits"], atol=1e-4, rtol=0)
     # HF generate (KV cache) agrees for as long as it runs (it may stop early at EOS)
     generated = model.generate(probe["greedy"][:, :prompt_len], max_new_tokens=20, do_sample=False)
     assert torch.equal(generated, probe["greedy"][:, : generated.shape[1]])

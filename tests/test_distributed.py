@@ -108,12 +108,13 @@ def exported_eval_loss(out: Path, export_dir: Path, count: int = EVAL_EXAMPLES) 
     return float(loss)
 
 
-def test_zero3_two_ranks_identical_masks_and_export_matches(tmp_path):
-    """MHA and uniform here (the ZeRO-2 test covers GQA, non-uniform): the export's logits and
-    greedy tokens equal the live ZeRO-3 engine's, whose weights are partitioned over 2 ranks."""
+@pytest.mark.parametrize("model, shape_flags", [("tiny", []), ("tiny-mha", ["--uniform"])], ids=["gqa-nonuniform", "mha-uniform"])
+def test_zero3_two_ranks_identical_masks_and_export_matches(tmp_path, model, shape_flags):
+    """The export's logits and greedy trajectory equal the live ZeRO-3 engine's, whose weights are
+    partitioned over 2 ranks (the ZeRO-2 test covers GQA non-uniform)."""
     out = tmp_path / "run"
     odd_eval = [EVAL[0], EVAL[1], "--eval-examples", str(EVAL_EXAMPLES - 1)]  # trimmed to a multiple of 2 ranks
-    result = launch(2, ["--deepspeed", ds_config(tmp_path, 3), *COMMON, *odd_eval, "--model", "tiny-mha", "--uniform",
+    result = launch(2, ["--deepspeed", ds_config(tmp_path, 3), *COMMON, *odd_eval, "--model", model, *shape_flags,
                         "--save-eval-probe", "--micro-batch-size", "2", "--out", str(out)])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     check_identical_and_pruned(out, 2)
@@ -121,7 +122,8 @@ def test_zero3_two_ranks_identical_masks_and_export_matches(tmp_path):
     assert abs(exported_eval_loss(out, tmp_path / "export", EVAL_EXAMPLES - 2) - live) < 1e-4 * max(1.0, abs(live))
     check_against_probe(out, tmp_path / "export")
     config = json.loads((tmp_path / "export" / "config.json").read_text())
-    assert "apt_layer_shapes" not in config and config["num_attention_heads"] == config["num_key_value_heads"]  # stock MHA
+    if shape_flags:  # uniform MHA: a stock config
+        assert "apt_layer_shapes" not in config and config["num_attention_heads"] == config["num_key_value_heads"]
 
 
 def test_one_rank_with_double_batch_decides_the_same(two_rank_zero2, tmp_path):

@@ -25,12 +25,16 @@ REPO = Path(__file__).resolve().parent.parent
 DEMO = str(REPO / "apt_ds" / "data" / "demo.jsonl")
 FAST = ["--steps", "8", "--max-seq-len", "32", "--micro-batch-size", "2", "--warmup-steps", "1"]
 PROBE = ["--eval-data", DEMO, "--eval-examples", "4", "--save-eval-probe"]
+# Long enough that the demo prompts are not all cut to the same length: the probe's batch is
+# padded, so masked positions are exercised
+UNTRUNCATED = ["--max-seq-len", "256"]
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("safety") / "run"
-    assert train_main([*FAST, *PROBE, "--target-density", "0.6", "--out", str(out)]) == 0
+    assert train_main([*FAST, *PROBE, *UNTRUNCATED, "--target-density", "0.6", "--out", str(out)]) == 0
+    assert not load_file(str(out / "eval_probe.safetensors"))["attention_mask"].bool().all()  # padding is present
     return out
 
 
@@ -123,6 +127,26 @@ def test_killed_export_leaves_nothing_loadable_and_is_cleaned_up(run, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
+def test_overwrite_killed_between_renames_restores_the_previous_export(run, tmp_path, capsys):
+    """A kill between `out -> .out.old-*` and `.out.tmp-* -> out` leaves no `out`: the next export
+    puts the previous one back first (and so refuses to replace it without --overwrite)."""
+    out = tmp_path / "e"
+    assert export_main([str(run), "--out", str(out)]) == 0
+    before = (out / "config.json").read_text()
+    out.rename(tmp_path / ".e.old-abc")
+    shutil.copytree(tmp_path / ".e.old-abc", tmp_path / ".e.tmp-abc")  # the complete new one, not renamed yet
+    assert export_main([str(run), "--out", str(out)]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert (out / "config.json").read_text() == before
+    assert export_main([str(run), "--out", str(out), "--overwrite"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e"]
+
+
+def test_probe_without_eval_data_is_refused(tmp_path, capsys):
+    assert train_main([*FAST, "--save-eval-probe", "--out", str(tmp_path / "r")]) == 2
+    assert "--eval-data" in capsys.readouterr().err and not (tmp_path / "r").exists()
+
+
 def test_overwrite_never_deletes_what_is_not_an_export(run, tmp_path, capsys):
     before = sorted(p.relative_to(run) for p in run.rglob("*"))
     for out in (run, run.parent):  # the run itself, or a directory containing it
@@ -209,6 +233,18 @@ def test_moved_run_exports_with_model_override(tmp_path, capsys):
     assert export_main([str(tmp_path / "run"), "--out", str(tmp_path / "e1")]) == 2
     assert "--model" in capsys.readouterr().err
     assert export_main([str(tmp_path / "run"), "--model", str(tmp_path / "moved"), "--out", str(tmp_path / "e2")]) == 0
+    # the same config and embedding but one retrained layer: not the base model
+    other = tmp_path / "other"
+    shutil.copytree(tmp_path / "moved", other)
+    weights = load_file(str(other / "model.safetensors"))
+    weights["model.layers.1.mlp.down_proj.weight"] += 0.01
+    save_file(weights, str(other / "model.safetensors"), metadata={"format": "pt"})
+    assert export_main([str(tmp_path / "run"), "--model", str(other), "--out", str(tmp_path / "e3")]) == 2
+    assert "not the base model" in capsys.readouterr().err
+    # the run's base model is never an --out, even when it is itself an export
+    assert export_main([str(tmp_path / "run"), "--model", str(tmp_path / "moved"), "--out", str(tmp_path / "moved"),
+                        "--overwrite"]) == 2
+    assert "input" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kept, message", [
