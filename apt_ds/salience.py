@@ -41,15 +41,16 @@ class _Site:
     def capture(self, x: torch.Tensor) -> None:
         dims = tuple(range(x.dim() - 1))
         detached = x.detach()
-        # vector_norm(ord=1) is abs+sum in one pass without an (B, T, C) temporary.
-        self.act_abs += torch.linalg.vector_norm(detached, ord=1, dim=dims).double()
+        # abs().sum() rather than vector_norm(ord=1): the latter was 4-10x slower on CPU (measured
+        # on (4, 64, 576..1536) activations), which alone cost ~7% of a SmolLM2 training step.
+        self.act_abs += detached.abs().sum(dims).double()
         if self.act_sum is not None:
             self.act_sum += detached.sum(dims).double()
         if x.requires_grad:
             x.register_hook(self._on_grad)
 
     def _on_grad(self, grad: torch.Tensor) -> None:
-        self.grad_abs += torch.linalg.vector_norm(grad.detach(), ord=1, dim=tuple(range(grad.dim() - 1))).double()
+        self.grad_abs += grad.detach().abs().sum(tuple(range(grad.dim() - 1))).double()
 
     def zero(self) -> None:
         for t in (self.act_abs, self.grad_abs, self.act_sum):
