@@ -1,0 +1,77 @@
+"""APT vs LoRA training cost per phase on SmolLM2-135M, paired step by step in one process.
+
+Two trainers (APT at --density, and LoRA with the same adapters, data, steps and LR) hold
+their own copy of the model; their optimizer steps alternate, so both see the same machine
+load. Reported: CPU seconds (process time, one torch thread) of each trainer per phase —
+warm-up (before the first pruning event), pruning (events, teacher pass, salience), recovery
+(the final shape, no teacher) — and the ratios. Pruning-event time (shrink + optimizer
+rebuild) is included in the step it follows.
+
+    python benchmarks/prepare_tasks.py && python benchmarks/phase_cost.py --json bench_out/phase_cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _common import DEFAULT_GGUF, command_line, ensure_hf_model, hardware, load_for_training, write_json  # noqa: E402
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_GGUF, help="a .gguf file or an HF LLaMA directory")
+    parser.add_argument("--hf-cache", default="bench_out/smollm2-135m-hf", help="where a .gguf is converted once")
+    parser.add_argument("--task", default="bench_out/tasks/sst2", help="a task directory made by prepare_tasks.py")
+    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--density", type=float, default=0.7)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--max-seq-len", type=int, default=64)
+    parser.add_argument("--json", type=Path, default=Path("bench_out/phase_cost.json"))
+    args = parser.parse_args(argv)
+
+    import torch
+    from tqdm.auto import tqdm
+
+    from apt_ds.config import APTConfig, TrainConfig
+    from apt_ds.data import batches, load_records, load_tokenizer, tokenize_dataset
+    from apt_ds.trainer import APTrainer
+
+    torch.set_num_threads(1)
+    hf_dir = ensure_hf_model(args.model, args.hf_cache)
+    tokenizer = load_tokenizer(hf_dir)
+    records = load_records(Path(args.task) / "train.jsonl")
+    examples = tokenize_dataset(records, tokenizer, args.max_seq_len, pack=False)
+    apt = APTConfig.for_steps(args.steps, target_density=args.density, adapter_rank=8, adapter_alpha=16.0)
+    train = TrainConfig(steps=args.steps, micro_batch_size=args.micro_batch_size, lr=2e-3,
+                        warmup_steps=max(1, args.steps // 10), max_seq_len=args.max_seq_len, seed=0, log_every=1)
+    trainers = {name: APTrainer(load_for_training(hf_dir), config, train, progress=False)
+                for name, config in (("apt", apt), ("lora", apt.as_lora()))}
+    pad_id = tokenizer.pad_token_id or 0
+    streams = {name: batches(examples, args.micro_batch_size, train.seed, pad_id=pad_id) for name in trainers}
+    cpu: dict[str, list[float]] = {name: [] for name in trainers}
+    for _ in tqdm(range(args.steps), desc="paired steps"):
+        for name, trainer in trainers.items():
+            started = time.process_time()
+            trainer._train_step(streams[name])
+            trainer._after_step()
+            cpu[name].append(time.process_time() - started)
+    phases = {"warm-up": (0, apt.pruning_start_step), "pruning": (apt.pruning_start_step, apt.pruning_end_step),
+              "recovery": (apt.pruning_end_step, args.steps), "total": (0, args.steps)}
+    result = {"command": command_line(), "hardware": hardware(), "steps": args.steps, "density": args.density,
+              "task": args.task, "max_seq_len": args.max_seq_len, "micro_batch_size": args.micro_batch_size,
+              "final_density": trainers["apt"].state.density(), "cpu_s_per_step": cpu, "phases": {}}
+    for phase, (lo, hi) in phases.items():
+        apt_s, lora_s = sum(cpu["apt"][lo:hi]), sum(cpu["lora"][lo:hi])
+        result["phases"][phase] = {"steps": hi - lo, "apt_cpu_s": apt_s, "lora_cpu_s": lora_s, "apt_over_lora": apt_s / lora_s}
+        print(f"[phase_cost] {phase:9s} steps {lo:3d}-{hi:3d}: APT {apt_s:7.1f} s, LoRA {lora_s:7.1f} s, ratio {apt_s / lora_s:.3f}")
+    write_json(args.json, result)
+
+
+if __name__ == "__main__":
+    main()
