@@ -178,8 +178,9 @@ def build_export_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None, help="with RUN_DIR: the run's base model, when it is no longer at the path "
                         "the run recorded (a moved run). Without RUN_DIR: a plain LLaMA directory (adapters merged or none) "
                         "to prune with --kept")
-    parser.add_argument("--kept", default=None, help="with --model: a JSON with the kept ORIGINAL unit indices "
-                        "(a run's checkpoint/apt_state.json, or {groups, neurons, hidden}); needs no DeepSpeed")
+    parser.add_argument("--kept", default=None, help="with --model: the units to keep, as a JSON of ORIGINAL unit indices "
+                        "(a run's checkpoint/apt_state.json, or {groups, neurons, hidden}) or as binary masks over the "
+                        "original model in a .safetensors (hidden, kv_group.<i>, ffn_neuron.<i>); needs no DeepSpeed")
     parser.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="dtype of the saved weights")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out that holds a previous export")
@@ -214,13 +215,41 @@ def export_main(argv: list[str] | None = None) -> int:
 def _plain_model_and_kept(model_path: str, kept_path: str):
     from .modeling import load_model
 
-    try:
-        kept = json.loads(Path(kept_path).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ConfigError(f"cannot read --kept {kept_path}: {err}") from None
+    if kept_path.endswith(".safetensors"):
+        kept = _kept_from_masks(kept_path)
+    else:
+        try:
+            kept = json.loads(Path(kept_path).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ConfigError(f"cannot read --kept {kept_path}: {err}") from None
     if isinstance(kept, dict) and "kept" in kept:  # a run's checkpoint/apt_state.json
         kept = kept["kept"]
     from .export import read_kept_record
 
     read_kept_record(kept)  # before the (slow) model load
     return load_model(model_path), kept
+
+
+def _kept_from_masks(path: str) -> dict:
+    """Binary unit masks over the ORIGINAL model (`hidden`, `kv_group.<layer>`, `ffn_neuron.<layer>`,
+    as `UnitMasks.state_dict()` names them) -> the kept-units record."""
+    from safetensors.torch import load_file
+
+    from .checkpoint import CheckpointError
+
+    try:
+        masks = load_file(path)
+    except Exception as err:
+        raise ConfigError(f"cannot read --kept {path}: {str(err).splitlines()[0]}") from None
+    layers = sum(1 for key in masks if key.startswith("kv_group."))
+    names = ["hidden"] + [f"{kind}.{i}" for i in range(layers) for kind in ("kv_group", "ffn_neuron")]
+    if not layers or any(name not in masks for name in names):
+        raise CheckpointError(f"--kept {path}: expected masks hidden, kv_group.<i>, ffn_neuron.<i> for every layer")
+    if any(not bool(((m == 0) | (m == 1)).all()) for m in masks.values()):
+        raise CheckpointError(f"--kept {path}: masks must be binary (0/1) to be exported; finish the decay first")
+
+    def kept(name: str) -> list[int]:
+        return masks[name].nonzero().flatten().tolist()
+
+    return {"groups": [kept(f"kv_group.{i}") for i in range(layers)],
+            "neurons": [kept(f"ffn_neuron.{i}") for i in range(layers)], "hidden": kept("hidden")}

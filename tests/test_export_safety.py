@@ -267,3 +267,34 @@ def test_bad_kept_records_give_one_line(run, tmp_path, capsys, kept, message):
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
     assert not (tmp_path / "x").exists()
+
+
+def test_plain_model_with_saved_binary_masks(run, tmp_path, capsys):
+    """--kept may be binary masks over the original model (.safetensors): the same export as the
+    kept-index record; fractional masks are refused."""
+    from apt_ds.data import load_tokenizer
+    from apt_ds.masks import UnitMasks
+    from apt_ds.modeling import build_tiny_llama
+    from apt_ds.units import ModelShape
+
+    meta = json.loads((run / "checkpoint" / "apt_state.json").read_text())
+    plain = tmp_path / "plain"
+    model = build_tiny_llama(vocab_size=len(load_tokenizer(run / "tokenizer")), seed=meta["train_config"]["seed"])
+    model.save_pretrained(str(plain))
+    masks = UnitMasks(ModelShape.from_model(model))
+    kept = meta["kept"]
+    masks.kv_group = [torch.zeros_like(m).index_fill_(0, torch.tensor(k), 1.0) for m, k in zip(masks.kv_group, kept["groups"])]
+    masks.ffn_neuron = [torch.zeros_like(m).index_fill_(0, torch.tensor(k), 1.0) for m, k in zip(masks.ffn_neuron, kept["neurons"])]
+    masks.hidden = torch.zeros_like(masks.hidden).index_fill_(0, torch.tensor(kept["hidden"]), 1.0)
+    save_file(masks.state_dict(), str(tmp_path / "masks.safetensors"))
+    capsys.readouterr()
+    assert export_main(["--model", str(plain), "--kept", str(tmp_path / "masks.safetensors"), "--out", str(tmp_path / "m")]) == 0
+    assert export_main(["--model", str(plain), "--kept", str(run / "checkpoint" / "apt_state.json"), "--out", str(tmp_path / "k")]) == 0
+    a, b = load_file(str(tmp_path / "m" / "model.safetensors")), load_file(str(tmp_path / "k" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    state = masks.state_dict()
+    state["hidden"][0] = 0.5
+    save_file(state, str(tmp_path / "frac.safetensors"))
+    capsys.readouterr()
+    assert export_main(["--model", str(plain), "--kept", str(tmp_path / "frac.safetensors"), "--out", str(tmp_path / "f")]) == 2
+    assert "binary" in capsys.readouterr().err and not (tmp_path / "f").exists()
