@@ -301,6 +301,9 @@ def read_kept_record(kept) -> tuple[list[torch.Tensor], list[torch.Tensor], torc
     if not isinstance(kept, dict):
         raise CheckpointError("kept-units record is malformed: expected a JSON object with groups/neurons/hidden lists")
     try:
+        lists = [*kept["groups"], *kept["neurons"], kept["hidden"]]
+        if not all(isinstance(ix, list) and all(type(i) is int for i in ix) for ix in lists):
+            raise TypeError("indices must be lists of integers")
         groups = [torch.tensor(g, dtype=torch.long) for g in kept["groups"]]
         neurons = [torch.tensor(n, dtype=torch.long) for n in kept["neurons"]]
         hidden = torch.tensor(kept["hidden"], dtype=torch.long)

@@ -45,7 +45,11 @@ def ensure_hf_model(model: str | Path, cache_dir: str | Path) -> Path:
     if model.is_dir():
         return model
     if (cache_dir / "config.json").is_file() and (cache_dir / "tokenizer_config.json").is_file():
-        return cache_dir
+        source = cache_dir / "converted_from.json"
+        recorded = json.loads(source.read_text()).get("source") if source.is_file() else None
+        if recorded is None or Path(recorded).resolve() == model.resolve():
+            return cache_dir
+        raise SystemExit(f"error: {cache_dir} holds a conversion of {recorded}, not {model}; pass another --hf-cache")
     if not model.is_file():
         raise SystemExit(f"error: model {model} not found: pass --model (a .gguf or an HF LLaMA directory)")
     from apt_ds.data import load_tokenizer
@@ -127,6 +131,17 @@ def write_json(path: str | Path, data) -> None:
 
 def read_json(path: str | Path):
     return json.loads(Path(path).read_text())
+
+
+def git_commit() -> str:
+    """The repository's commit (+ "-dirty" with uncommitted changes), recorded with each result."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                               cwd=ROOT, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (commit or "unknown") + ("-dirty" if dirty else "")
 
 
 def command_line() -> str:

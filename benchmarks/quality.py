@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _common import (  # noqa: E402
-    DEFAULT_GGUF, check_fast_scorer, command_line, ensure_hf_model, fast_label_report, hardware, load_for_training, malloc_trim, read_json, reset_peak_rss, rss_mb,
+    DEFAULT_GGUF, check_fast_scorer, command_line, ensure_hf_model, fast_label_report, git_commit, hardware, load_for_training, malloc_trim, read_json, reset_peak_rss, rss_mb,
     vm_hwm_mb, write_json,
 )
 
@@ -92,7 +92,8 @@ def run_worker(spec_path: Path) -> None:
     task = read_json(task_dir / "task.json")
     labels, seq = task["labels"], spec["max_seq_len"]
     method = method_spec(spec["method"])
-    result = {"task": spec["task"], "method": spec["method"], **method, "max_seq_len": seq, "seed": spec["seed"]}
+    result = {"task": spec["task"], "method": spec["method"], **method, "max_seq_len": seq, "seed": spec["seed"],
+              "git_commit": git_commit(), "hardware": hardware()}
     tokenizer = load_tokenizer(spec["hf_dir"])
     test_rows = _rows(task_dir / "test.jsonl", spec["eval_examples"])
     started = time.perf_counter()
@@ -260,18 +261,20 @@ def run_all(args) -> None:
     for task in args.tasks:
         for method in args.methods:
             run_dir = out / task / method
-            if (run_dir / "result.json").is_file() and not args.overwrite:
-                print(f"[quality] {task}/{method}: have result, skipping", flush=True)
-                continue
             spec = {
                 "task": task, "method": method, "run_dir": str(run_dir), "task_dir": str(Path(args.tasks_dir) / task),
                 "hf_dir": str(hf_dir), "steps": args.steps or TASKS[task]["steps"], "micro_batch_size": args.micro_batch_size, "lr": args.lr,
-                "rank": args.rank, "seed": args.seed, "threads": args.threads, "max_seq_len": TASKS[task]["max_seq_len"],
+                "rank": args.rank, "seed": args.seed, "threads": args.threads, "max_seq_len": args.max_seq_len or TASKS[task]["max_seq_len"],
                 "eval_examples": args.eval_examples or TASKS[task]["eval_examples"], "eval_batch_size": args.eval_batch_size,
                 "calibration_batches": args.calibration_batches, "check_rows": args.check_rows,
                 "malloc_trim": not args.no_malloc_trim,
             }
             spec_path = out / task / f"{method}.spec.json"
+            if (run_dir / "result.json").is_file() and not args.overwrite:
+                if spec_path.is_file() and read_json(spec_path) == spec:  # same settings: reuse it
+                    print(f"[quality] {task}/{method}: have a result with these settings, skipping", flush=True)
+                    continue
+                print(f"[quality] {task}/{method}: the saved result used other settings; running again", flush=True)
             write_json(spec_path, spec)
             started = time.perf_counter()
             print(f"[quality] {task}/{method}: start (elapsed {time.perf_counter() - wall_start:.0f} s, "
@@ -381,6 +384,8 @@ def targets(rows: dict) -> dict:
     }
     if ptt:
         out["apt0.7_acc_gt_ptt0.7"] = apt["accuracy"] > ptt["accuracy"]
+    if lora.get("auc") is not None:  # without it the accuracy targets compare label priors, not learning
+        out["task_learned_by_lora_auc_gt_0.55"] = lora["auc"] > 0.55
     return out
 
 
@@ -508,6 +513,7 @@ def main(argv=None) -> None:
     parser.add_argument("--tasks", nargs="+", default=["sst2", "boolq"], choices=sorted(TASKS))
     parser.add_argument("--methods", nargs="+", default=METHOD_ORDER, choices=METHOD_ORDER + EXTRA_METHODS)
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps of every run (default: per task, see TASKS)")
+    parser.add_argument("--max-seq-len", type=int, default=None, help="tokens per example of every run (default: per task, see TASKS)")
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--rank", type=int, default=8, help="initial adapter rank (LoRA's rank)")

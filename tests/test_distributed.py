@@ -22,7 +22,9 @@ REPO = Path(__file__).resolve().parent.parent
 TRAIN = str(REPO / "launch" / "train.py")
 EVAL_EXAMPLES = 8
 EVAL = ["--eval-data", str(REPO / "apt_ds" / "data" / "demo.jsonl"), "--eval-examples", str(EVAL_EXAMPLES)]
-COMMON = ["--steps", "12", "--max-seq-len", "32", "--warmup-steps", "1", "--target-density", "0.5", "--seed", "3"]
+# pruning until step 8 (not the default 6 = 50%): two events, so decisions are compared more than once
+COMMON = ["--steps", "12", "--max-seq-len", "32", "--warmup-steps", "1", "--target-density", "0.5", "--seed", "3",
+          "--pruning-end-step", "8"]
 
 
 def free_port() -> int:
