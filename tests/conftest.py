@@ -82,3 +82,17 @@ def check_against_probe(run_dir: Path, export_dir: Path) -> None:
     # HF generate (KV cache) agrees for as long as it runs (it may stop early at EOS)
     generated = model.generate(probe["greedy"][:, :prompt_len], max_new_tokens=20, do_sample=False)
     assert torch.equal(generated, probe["greedy"][:, : generated.shape[1]])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_leaked_deepspeed_shared_memory():
+    """DeepSpeed's CPU all-reduce keeps a 69 MB /dev/shm buffer per launched rank and never
+    unlinks it (killed ranks cannot): the test launches would leave ~1.5 GB per suite run in
+    RAM-backed /dev/shm. Remove the buffers this session created."""
+    shm = Path("/dev/shm")
+    pattern = "deepspeed_allreduce_buffer_*"
+    before = set(shm.glob(pattern)) if shm.is_dir() else set()
+    yield
+    if shm.is_dir():
+        for leaked in set(shm.glob(pattern)) - before:
+            leaked.unlink(missing_ok=True)
