@@ -216,7 +216,9 @@ def _plain_model_and_kept(model_path: str, kept_path: str):
     from .modeling import load_model
 
     if kept_path.endswith(".safetensors"):
-        kept = _kept_from_masks(kept_path)
+        from .export import kept_from_masks
+
+        kept = kept_from_masks(kept_path)
     else:
         try:
             kept = json.loads(Path(kept_path).read_text())
@@ -228,28 +230,3 @@ def _plain_model_and_kept(model_path: str, kept_path: str):
 
     read_kept_record(kept)  # before the (slow) model load
     return load_model(model_path), kept
-
-
-def _kept_from_masks(path: str) -> dict:
-    """Binary unit masks over the ORIGINAL model (`hidden`, `kv_group.<layer>`, `ffn_neuron.<layer>`,
-    as `UnitMasks.state_dict()` names them) -> the kept-units record."""
-    from safetensors.torch import load_file
-
-    from .checkpoint import CheckpointError
-
-    try:
-        masks = load_file(path)
-    except Exception as err:
-        raise ConfigError(f"cannot read --kept {path}: {str(err).splitlines()[0]}") from None
-    layers = sum(1 for key in masks if key.startswith("kv_group."))
-    names = ["hidden"] + [f"{kind}.{i}" for i in range(layers) for kind in ("kv_group", "ffn_neuron")]
-    if not layers or any(name not in masks for name in names):
-        raise CheckpointError(f"--kept {path}: expected masks hidden, kv_group.<i>, ffn_neuron.<i> for every layer")
-    if any(not bool(((m == 0) | (m == 1)).all()) for m in masks.values()):
-        raise CheckpointError(f"--kept {path}: masks must be binary (0/1) to be exported; finish the decay first")
-
-    def kept(name: str) -> list[int]:
-        return masks[name].nonzero().flatten().tolist()
-
-    return {"groups": [kept(f"kv_group.{i}") for i in range(layers)],
-            "neurons": [kept(f"ffn_neuron.{i}") for i in range(layers)], "hidden": kept("hidden")}

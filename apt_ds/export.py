@@ -149,9 +149,7 @@ def stock_loadable(shape: ModelShape) -> bool:
 def export_run(run_dir: Path, out: Path, dtype: str = "fp32", overwrite: bool = False,
                model_path: str | Path | None = None, max_shard_size: str | int = DEFAULT_SHARD_SIZE) -> dict:
     run_dir, out = Path(run_dir), Path(out)
-    if dtype not in DTYPES:
-        raise ConfigError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    _check_shard_size(max_shard_size)
+    _check_options(dtype, max_shard_size)
     recorded_base = read_meta(run_dir / "checkpoint").get("run_info", {}).get("model")
     bases = [Path(p) for p in (model_path, recorded_base) if p is not None and str(p) not in TINY_MODELS]
     check_export_out(out, overwrite, protected=[run_dir, *bases])
@@ -225,9 +223,11 @@ def write_export(model, shape: ModelShape, out: Path, dtype: torch.dtype, tokeni
     return report
 
 
-def _check_shard_size(max_shard_size) -> None:
+def _check_options(dtype: str, max_shard_size) -> None:
     from huggingface_hub.serialization._base import parse_size_to_int
 
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     try:
         size = max_shard_size if isinstance(max_shard_size, int) else parse_size_to_int(max_shard_size)
         if size <= 0:
@@ -295,6 +295,27 @@ def _summary(shape: ModelShape) -> dict:
             "layers": [dict(layer.__dict__) for layer in shape.layers]}
 
 
+def kept_from_masks(path: str) -> dict:
+    """Binary unit masks over the ORIGINAL model (`hidden`, `kv_group.<layer>`, `ffn_neuron.<layer>`,
+    as `UnitMasks.state_dict()` names them) -> the kept-units record."""
+    try:
+        masks = load_file(path)
+    except Exception as err:
+        raise ConfigError(f"cannot read --kept {path}: {str(err).splitlines()[0]}") from None
+    layers = sum(1 for key in masks if key.startswith("kv_group."))
+    names = ["hidden"] + [f"{kind}.{i}" for i in range(layers) for kind in ("kv_group", "ffn_neuron")]
+    if not layers or any(name not in masks for name in names):
+        raise CheckpointError(f"--kept {path}: expected masks hidden, kv_group.<i>, ffn_neuron.<i> for every layer")
+    if any(not bool(((m == 0) | (m == 1)).all()) for m in masks.values()):
+        raise CheckpointError(f"--kept {path}: masks must be binary (0/1) to be exported; finish the decay first")
+
+    def kept(name: str) -> list[int]:
+        return masks[name].nonzero().flatten().tolist()
+
+    return {"groups": [kept(f"kv_group.{i}") for i in range(layers)],
+            "neurons": [kept(f"ffn_neuron.{i}") for i in range(layers)], "hidden": kept("hidden")}
+
+
 def read_kept_record(kept) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
     """(groups per layer, neurons per layer, hidden) index tensors of a kept-units record, checked
     for form and duplicates (a unit listed twice would be copied twice)."""
@@ -321,9 +342,7 @@ def export_pruned(model, kept: dict, out: Path, dtype: str = "fp32", tokenizer_d
     in a run's checkpoint/apt_state.json): the binary masks of the run, stated as the units
     they keep. Needs neither DeepSpeed nor a run directory."""
     out = Path(out)
-    if dtype not in DTYPES:
-        raise ConfigError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    _check_shard_size(max_shard_size)
+    _check_options(dtype, max_shard_size)
     check_export_out(out, overwrite, protected=[tokenizer_dir] if tokenizer_dir else [])
     from .shrink import shrink_model
     from .units import check_llama_model
