@@ -1,0 +1,120 @@
+"""Report of benchmarks/quality.py: the markdown results table and the two figures
+(accuracy vs density; density, total rank and loss over steps)."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+
+def _fmt(value, spec=".3f", missing="–"):
+    return missing if value is None else format(value, spec)
+
+
+def _first_share(row: dict, key: str):
+    shares = row.get(key)
+    return next(iter(shares.values())) if shares else None
+
+
+def markdown(summary: dict, method_order: list[str]) -> str:
+    lines = []
+    for task, rows in summary["tasks"].items():
+        lines += [f"\n#### {task} ({len(rows)} runs)\n",
+                  "| method | density | params (M) | accuracy | acc / LoRA | AUC | predicted share of first label | train s | time / LoRA | CPU / LoRA | peak RSS MB | peak / LoRA "
+                  "| RSS at last event / LoRA | recovery peak / LoRA | export MB | size / dense | decode tok/s | decode / dense "
+                  "| FLOPs/tok / dense |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for method in method_order:
+            if method not in rows:
+                continue
+            r = rows[method]
+            sp = r.get("speed", {})
+            lines.append(
+                f"| {method} | {_fmt(r.get('density'))} | {_fmt(r.get('total_params', 0) / 1e6, '.1f')} | {_fmt(r.get('accuracy'))} "
+                f"| {_fmt(r.get('acc_vs_lora'))} | {_fmt(r.get('auc'))} | {_fmt(_first_share(r, 'predicted_share'))} "
+                f"| {_fmt(r.get('train_time_s'), '.0f')} | {_fmt(r.get('train_time_s_vs_lora'), '.2f')} "
+                f"| {_fmt(r.get('train_cpu_s_vs_lora'), '.2f')} "
+                f"| {_fmt(r.get('peak_rss_mb'), '.0f')} | {_fmt(r.get('peak_rss_mb_vs_lora'), '.3f')} "
+                f"| {_fmt(r.get('rss_after_last_event_mb_vs_lora'), '.3f')} "
+                f"| {_fmt(r.get('peak_rss_after_last_event_mb_vs_lora'), '.3f')} "
+                f"| {_fmt((r.get('export_bytes') or 0) / 2**20 if r.get('export_bytes') else None, '.0f')} "
+                f"| {_fmt(r.get('export_bytes_vs_lora'), '.3f')} | {_fmt(sp.get('decode_tokens_per_s'), '.1f')} "
+                f"| {_fmt(r.get('decode_speed_vs_dense'), '.2f')} | {_fmt(r.get('flops_per_token_vs_lora'), '.3f')} |"
+            )
+        share = next((_first_share(r, "gold_share") for r in rows.values() if r.get("gold_share")), None)
+        if share is not None:
+            first = next(iter(next(r for r in rows.values() if r.get("gold_share"))["gold_share"]))
+            lines.append(f"\nTest rows labelled '{first}': {share:.3f}; a one-label model scores {max(share, 1 - share):.3f}.")
+        t = summary.get("targets", {}).get(task)
+        if t:
+            lines.append("\nTargets: " + ", ".join(f"{k}: {'PASS' if v else 'MISS'}" for k, v in t.items()))
+    return "\n".join(lines) + "\n"
+
+
+def plots(summary: dict, out: Path, img_dir: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[quality] matplotlib missing: no plots (pip install matplotlib)", flush=True)
+        return
+    from apt_ds.metrics import read_metrics
+
+    img_dir.mkdir(parents=True, exist_ok=True)
+    tasks = list(summary["tasks"])
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.4), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        rows = summary["tasks"][task]
+        for kind, label, style in (("apt", "APT non-uniform", "o-"), ("apt_uniform", "APT uniform", "s--"), ("ptt", "prune-then-tune", "^:")):
+            pts = sorted((r["density"], r["accuracy"]) for m, r in rows.items()
+                         if m.startswith(kind.split("_")[0] + "_") and (m.endswith("_uniform") == kind.endswith("uniform"))
+                         and not m.endswith("_nodistill"))
+            if pts:
+                ax.plot(*zip(*pts), style, label=label)
+        for method, row in rows.items():
+            if method.endswith("_nodistill"):
+                ax.plot([row["density"]], [row["accuracy"]], "rx", markersize=8,
+                        label="APT w/o distillation" if method == "apt_0.7_nodistill" or "apt_0.7_nodistill" not in rows else None)
+        if "lora" in rows:
+            ax.plot([rows["lora"]["density"]], [rows["lora"]["accuracy"]], "k*", markersize=11, label="LoRA (dense)")
+        if "zero_shot" in rows:
+            ax.axhline(rows["zero_shot"]["accuracy"], color="gray", lw=0.8, ls="--", label="zero-shot")
+        share = next((_first_share(r, "gold_share") for r in rows.values() if r.get("gold_share")), None)
+        if share is not None:
+            ax.axhline(max(share, 1 - share), color="tab:red", lw=0.8, ls=":", label="majority label")
+        ax.set_title(task)
+        ax.set_xlabel("density (block params kept)")
+        ax.set_ylabel("accuracy")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(img_dir / "quality_accuracy.png", dpi=90)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(len(tasks), 3, figsize=(12, 3.0 * len(tasks)), squeeze=False)
+    for row_axes, task in zip(axes, tasks):
+        for method in ("lora", "apt_0.7", "apt_0.5", "apt_0.7_uniform", "apt_0.5_uniform", "ptt_0.7"):
+            path = out / task / method / "metrics.jsonl"
+            if not path.is_file():
+                continue
+            recs = [r for r in read_metrics(path) if "loss" in r]
+            steps = [r["step"] for r in recs]
+            style = "--" if method.endswith("uniform") else "-"
+            # prune-then-tune logs density vs its (already pruned) start: rescale to the original
+            scale = summary["tasks"][task].get(method, {}).get("density", 1.0) if method.startswith("ptt") else 1.0
+            row_axes[0].plot(steps, [r["density"] * scale for r in recs], style, label=method)
+            row_axes[1].plot(steps, [r["total_rank"] for r in recs], style, label=method)
+            loss = [r["task_loss"] for r in recs]
+            smooth = [statistics.mean(loss[max(0, i - 4) : i + 1]) for i in range(len(loss))]
+            row_axes[2].plot(steps, smooth, style, label=method)
+        for ax, title in zip(row_axes, ("block density", "total adapter rank", "task loss (5-step mean; APT's total\nloss adds distillation)")):
+            ax.set_title(f"{task}: {title}", fontsize=9)
+            ax.set_xlabel("optimizer step")
+            ax.grid(alpha=0.3)
+        row_axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(img_dir / "quality_curves.png", dpi=80)
+    plt.close(fig)
+    print(f"[quality] plots: {img_dir / 'quality_accuracy.png'}, {img_dir / 'quality_curves.png'}", flush=True)
