@@ -27,7 +27,7 @@ from .adapters import merge_adapters
 from .config import APTConfig, TrainConfig
 from .pruner import AdaptivePruner, KeepDecision
 from .state import APTModel
-from .trainer import APTrainer
+from .trainer import APTrainer, supervised_forward
 from .units import ModelShape
 
 
@@ -68,7 +68,9 @@ def one_shot_prune(model, calibration_batches: Iterable[dict], target_density: f
     try:
         state.salience.enabled = True
         for batch in calibration_batches:
-            loss = model(**batch).loss
+            # logits only where a label is supervised: the same loss and gradient as
+            # model(**batch).loss without the (positions x vocabulary) tensor LoRA runs never build
+            _, loss, _ = supervised_forward(model, batch)
             loss.backward()
             loss_sum += float(loss.detach())
             batches_seen += 1
