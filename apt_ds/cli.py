@@ -18,18 +18,13 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, FileExistsError)
 def _user_errors() -> tuple:
     from .checkpoint import CheckpointError
     from .data import DataError
+    from .ds_config import DeepSpeedConfigError
     from .modeling import ModelLoadError
     from .pruner import PruningError
     from .units import UnsupportedModelError
 
-    errors = [*USER_ERRORS, CheckpointError, DataError, ModelLoadError, PruningError, UnsupportedModelError]
-    try:
-        from .zero import DeepSpeedConfigError
-
-        errors.append(DeepSpeedConfigError)
-    except ImportError:
-        pass
-    return tuple(errors)
+    return (*USER_ERRORS, CheckpointError, DataError, ModelLoadError, PruningError, UnsupportedModelError,
+            DeepSpeedConfigError)
 
 
 SCALED_DEFAULTS = {  # fields whose default is derived from --steps (see APTConfig.for_steps / resolve_configs)

@@ -53,7 +53,7 @@ def _rebuild(run_dir: Path, checkpoint: Path, meta: dict, model_path):
     apt = APTConfig.from_dict(meta["apt_config"])
     base = str(model_path) if model_path is not None else info["model"]
     if base in TINY_MODELS:
-        from .data import load_tokenizer
+        from .tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(run_dir / info.get("tokenizer", "tokenizer"))
         model = build_tiny_llama(vocab_size=len(tokenizer), seed=meta["train_config"]["seed"], variant=base)

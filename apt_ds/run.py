@@ -18,10 +18,9 @@ from .backend import LocalBackend
 from .checkpoint import CheckpointError, read_meta
 from .cli import check_out_dir, prepare_out_dir
 from .config import APTConfig, ConfigError, TrainConfig
-from .data import (
-    batches, collate, demo_data_path, load_records, load_tokenizer, tokenize_dataset, train_sentencepiece_tokenizer,
-)
+from .data import batches, collate, demo_data_path, load_records, tokenize_dataset
 from .modeling import TINY_MODELS, build_tiny_llama, load_model, model_fingerprint, same_model
+from .tokenizer import load_tokenizer, train_sentencepiece_tokenizer
 from .trainer import APTrainer
 
 TOKENIZER_DIR = "tokenizer"

@@ -52,8 +52,8 @@ def ensure_hf_model(model: str | Path, cache_dir: str | Path) -> Path:
         raise SystemExit(f"error: {cache_dir} holds a conversion of {recorded}, not {model}; pass another --hf-cache")
     if not model.is_file():
         raise SystemExit(f"error: model {model} not found: pass --model (a .gguf or an HF LLaMA directory)")
-    from apt_ds.data import load_tokenizer
     from apt_ds.modeling import load_model
+    from apt_ds.tokenizer import load_tokenizer
 
     started = time.perf_counter()
     print(f"[convert] dequantizing {model} -> {cache_dir} (one time)", file=sys.stderr, flush=True)

@@ -39,7 +39,8 @@ def main(argv=None) -> None:
     from tqdm.auto import tqdm
 
     from apt_ds.config import APTConfig, TrainConfig
-    from apt_ds.data import batches, load_records, load_tokenizer, tokenize_dataset
+    from apt_ds.data import batches, load_records, tokenize_dataset
+    from apt_ds.tokenizer import load_tokenizer
     from apt_ds.trainer import APTrainer
 
     torch.set_num_threads(1)

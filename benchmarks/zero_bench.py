@@ -115,7 +115,7 @@ def worker_memory(spec: dict) -> dict:
     """(a): RSS at each phase; the model built plainly or under deepspeed.zero.Init."""
     import torch
 
-    from apt_ds.zero import resolve_config
+    from apt_ds.ds_config import resolve_config
 
     torch.set_num_threads(1)
     backend = _backend("zero3.json")

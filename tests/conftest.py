@@ -1,7 +1,8 @@
-"""Tiny random LLaMA models for tests (no hub access needed)."""
+"""Tiny random LLaMA models and a small trained tokenizer for tests (no hub access needed)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,18 @@ def random_batch(vocab: int = 97, batch: int = 4, length: int = 12, seed: int = 
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch, length), generator=generator)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    """The tiny model's kind of tokenizer (test_data.py and test_tokenizer.py), trained on the demo set."""
+    from apt_ds.data import demo_data_path, format_prompt
+    from apt_ds.tokenizer import train_sentencepiece_tokenizer
+
+    rows = [json.loads(line) for line in demo_data_path().read_text().splitlines()]
+    texts = [format_prompt(r["instruction"], r["input"]) + r["output"] for r in rows]
+    texts += ["the quick brown fox jumps over the lazy dog", "Question: is it? Answer: yes"]
+    return train_sentencepiece_tokenizer(texts, tmp_path_factory.mktemp("tok"), vocab_size=512)
 
 
 @pytest.fixture(scope="module")

@@ -256,9 +256,9 @@ def test_resume_without_checkpoint_is_refused(tmp_path, capsys):
 def test_export_from_plain_model_and_kept_units(runs, tmp_path):
     """A plain model + the kept-unit record export without a run directory or DeepSpeed, and the
     result computes what the model masked to those units computes."""
-    from apt_ds.data import load_tokenizer
     from apt_ds.masks import UnitMasks
     from apt_ds.modeling import build_tiny_llama
+    from apt_ds.tokenizer import load_tokenizer
     from apt_ds.units import ModelShape
 
     meta = json.loads((runs / "nonuniform" / "checkpoint" / "apt_state.json").read_text())

@@ -96,9 +96,10 @@ def test_zero2_two_ranks_identical_masks_and_export_matches(two_rank_zero2):
 
 def exported_eval_loss(out: Path, export_dir: Path, count: int = EVAL_EXAMPLES) -> float:
     """Token-mean loss of the exported model on the run's eval examples (one process, no DeepSpeed)."""
-    from apt_ds.data import collate, demo_data_path, load_records, load_tokenizer, tokenize_dataset
+    from apt_ds.data import collate, demo_data_path, load_records, tokenize_dataset
     from apt_ds.export import export_run
     from apt_ds.modeling import load_pretrained
+    from apt_ds.tokenizer import load_tokenizer
 
     export_run(out, export_dir)
     model = load_pretrained(export_dir)

@@ -252,8 +252,8 @@ def test_moved_run_exports_with_model_override(tmp_path, capsys):
     ("DUPLICATE", "twice"),
 ])
 def test_bad_kept_records_give_one_line(run, tmp_path, capsys, kept, message):
-    from apt_ds.data import load_tokenizer
     from apt_ds.modeling import build_tiny_llama
+    from apt_ds.tokenizer import load_tokenizer
 
     meta = json.loads((run / "checkpoint" / "apt_state.json").read_text())
     plain = tmp_path / "plain"
@@ -272,9 +272,9 @@ def test_bad_kept_records_give_one_line(run, tmp_path, capsys, kept, message):
 def test_plain_model_with_saved_binary_masks(run, tmp_path, capsys):
     """--kept may be binary masks over the original model (.safetensors): the same export as the
     kept-index record; fractional masks are refused."""
-    from apt_ds.data import load_tokenizer
     from apt_ds.masks import UnitMasks
     from apt_ds.modeling import build_tiny_llama
+    from apt_ds.tokenizer import load_tokenizer
     from apt_ds.units import ModelShape
 
     meta = json.loads((run / "checkpoint" / "apt_state.json").read_text())
