@@ -79,7 +79,8 @@ def run_worker(spec_path: Path) -> None:
     spec = read_json(spec_path)
     torch.set_num_threads(spec["threads"])
     from apt_ds.config import APTConfig, TrainConfig
-    from apt_ds.data import batches, load_records, load_tokenizer, tokenize_dataset
+    from apt_ds.data import batches, load_records, tokenize_dataset
+    from apt_ds.tokenizer import load_tokenizer
     from apt_ds.evaluate import parameter_bytes
     from apt_ds.export import compact_model, export_run, weight_files, write_export
     from apt_ds.modeling import load_model
@@ -251,6 +252,33 @@ def measure_speed(exports: dict[str, Path], rounds: int, threads: int, prompt_le
     return out
 
 
+def run_workers(pending: list[tuple[str, Path, Path]], jobs: int, timings: dict, wall_start: float) -> None:
+    """Run the worker subprocesses, `jobs` at a time, in list order (LoRA next to APT 0.7,
+    so the two runs whose ratios matter most share the machine's load)."""
+    running: dict[str, tuple[subprocess.Popen, float, Path]] = {}
+    queue = list(pending)
+    while queue or running:
+        while queue and len(running) < jobs:
+            name, spec_path, run_dir = queue.pop(0)
+            print(f"[quality] {name}: start (elapsed {time.perf_counter() - wall_start:.0f} s, "
+                  f"load {os.getloadavg()[0]:.2f})", flush=True)
+            running[name] = (subprocess.Popen([sys.executable, __file__, "--worker", str(spec_path)]), time.perf_counter(), run_dir)
+        time.sleep(1.0)
+        for name, (proc, started, run_dir) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            del running[name]
+            timings[name] = time.perf_counter() - started
+            if proc.returncode != 0:
+                for other, *_ in running.values():
+                    other.terminate()
+                raise SystemExit(f"worker {name} failed with exit code {proc.returncode}")
+            res = read_json(run_dir / "result.json")
+            print(f"[quality] {name}: done in {timings[name]:.0f} s: acc {res['accuracy']:.3f}, "
+                  f"density {res['density']:.3f}, train {res.get('train_time_s', 0) or 0:.0f} s, "
+                  f"peak {res.get('peak_rss_mb', 0) or 0:.0f} MB", flush=True)
+
+
 def run_all(args) -> None:
     wall_start = time.perf_counter()
     out = Path(args.out)
@@ -258,7 +286,8 @@ def run_all(args) -> None:
     hf_dir = ensure_hf_model(args.model, args.hf_cache)
     print(f"[quality] command: {command_line()}", flush=True)
     print(f"[quality] hardware: {hardware()}", flush=True)
-    timings = {}
+    timings: dict[str, float] = {}
+    pending = []
     for task in args.tasks:
         for method in args.methods:
             run_dir = out / task / method
@@ -277,17 +306,8 @@ def run_all(args) -> None:
                     continue
                 print(f"[quality] {task}/{method}: the saved result used other settings; running again", flush=True)
             write_json(spec_path, spec)
-            started = time.perf_counter()
-            print(f"[quality] {task}/{method}: start (elapsed {time.perf_counter() - wall_start:.0f} s, "
-                  f"load {os.getloadavg()[0]:.2f})", flush=True)
-            proc = subprocess.run([sys.executable, __file__, "--worker", str(spec_path)])
-            timings[f"{task}/{method}"] = time.perf_counter() - started
-            if proc.returncode != 0:
-                raise SystemExit(f"worker {task}/{method} failed with exit code {proc.returncode}")
-            res = read_json(run_dir / "result.json")
-            print(f"[quality] {task}/{method}: done in {timings[f'{task}/{method}']:.0f} s: acc {res['accuracy']:.3f}, "
-                  f"density {res['density']:.3f}, train {res.get('train_time_s', 0):.0f} s, "
-                  f"peak {res.get('peak_rss_mb', 0) or 0:.0f} MB", flush=True)
+            pending.append((f"{task}/{method}", spec_path, run_dir))
+    run_workers(pending, args.jobs, timings, wall_start)
 
     speed = {}
     previous = out / "results.json"
@@ -407,6 +427,8 @@ def main(argv=None) -> None:
     parser.add_argument("--rank", type=int, default=8, help="initial adapter rank (LoRA's rank)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run (1: stable timings on a shared machine)")
+    parser.add_argument("--jobs", type=int, default=2,
+                        help="training runs at once (default 2: one per core at --threads 1; 1 for an otherwise idle machine)")
     parser.add_argument("--eval-examples", type=int, default=None, help="test rows scored (default: per task, see TASKS)")
     parser.add_argument("--eval-batch-size", type=int, default=16)
     parser.add_argument("--check-rows", type=int, default=16, help="rows on which the fast scorer is checked against label_accuracy")
@@ -424,6 +446,8 @@ def main(argv=None) -> None:
     if args.worker:
         run_worker(args.worker)
         return
+    if args.jobs < 1 or args.threads < 1:
+        parser.error(f"--jobs and --threads must be >= 1 (got --jobs {args.jobs}, --threads {args.threads})")
     if args.smoke:
         args.steps, args.eval_examples, args.calibration_batches, args.speed_rounds, args.check_rows = 8, 16, 2, 1, 8
     args.out = args.out or ("bench_out/quality_smoke" if args.smoke else "bench_out/quality")
