@@ -1,0 +1,66 @@
+"""benchmarks/quality.py end to end on the tiny model: parallel workers, every method kind,
+the aggregated table and targets. The real benchmark needs SmolLM2 and an hour; this keeps
+the script from rotting when apt_ds changes under it (an import moved, a result key renamed)."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from apt_ds.modeling import build_tiny_llama
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _write_task(task_dir: Path, rows: int, seed: int) -> None:
+    rng = random.Random(seed)
+    words = "the quick brown fox jumps over the lazy dog is it".split()
+    task_dir.mkdir(parents=True)
+    (task_dir / "task.json").write_text(json.dumps({"name": "sst2", "labels": ["no", "yes"]}))
+    for split, n in (("train", rows), ("test", rows // 2)):
+        lines = []
+        for _ in range(n):
+            text = " ".join(rng.choice(words) for _ in range(rng.randint(3, 12)))
+            lines.append(json.dumps({"instruction": "Answer yes or no.", "input": text, "output": rng.choice(["no", "yes"])}))
+        (task_dir / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_quality_benchmark_runs_every_method_on_the_tiny_model(tmp_path, tokenizer):
+    model_dir = tmp_path / "tiny"
+    build_tiny_llama(vocab_size=len(tokenizer), seed=0).save_pretrained(str(model_dir))
+    tokenizer.save_pretrained(str(model_dir))
+    _write_task(tmp_path / "tasks" / "sst2", rows=40, seed=0)
+    out = tmp_path / "out"
+    methods = ["zero_shot", "lora", "apt_0.7", "ptt_0.7", "apt_0.5_uniform"]
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--model", str(model_dir), "--tasks-dir", str(tmp_path / "tasks"),
+           "--tasks", "sst2", "--methods", *methods, "--steps", "8", "--max-seq-len", "32", "--eval-examples", "12",
+           "--calibration-batches", "2", "--check-rows", "4", "--speed-rounds", "1", "--new-tokens", "4", "--prompt-len", "8",
+           "--jobs", "2", "--out", str(out), "--img-dir", str(out / "img")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    summary = json.loads((out / "results.json").read_text())
+    rows = summary["tasks"]["sst2"]
+    assert sorted(rows) == sorted(methods)
+    for method, row in rows.items():
+        assert 0.0 <= row["accuracy"] <= 1.0, method
+    assert rows["lora"]["density"] == pytest.approx(1.0)
+    for method, target in (("apt_0.7", 0.7), ("ptt_0.7", 0.7), ("apt_0.5_uniform", 0.5)):
+        assert rows[method]["density"] < 0.95, method  # something was pruned and exported
+        assert abs(rows[method]["density"] - target) < 0.15, (method, rows[method]["density"])
+        assert rows[method]["export_bytes_vs_lora"] < 1.0
+        assert rows[method]["speed"]["decode_tokens_per_s"] > 0
+    assert rows["apt_0.5_uniform"]["stock_loadable"] is True
+    assert set(summary["targets"]["sst2"]) >= {"apt0.7_acc_ge_90pct_lora", "apt0.7_acc_gt_ptt0.7", "apt0.7_peak_le_1.1x_lora"}
+    assert "| apt_0.7 |" in (out / "results.md").read_text()
+    assert set(summary["timings_s"]) == {f"sst2/{m}" for m in methods}
+
+    # same settings again: every result is reused, nothing retrains
+    again = subprocess.run(cmd + ["--skip-speed"], capture_output=True, text=True, cwd=ROOT)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("have a result with these settings, skipping") == len(methods)
