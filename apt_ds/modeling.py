@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from .units import LayerShape, UnsupportedModelError
+
+logger = logging.getLogger(__name__)
 
 TINY_MODEL = "tiny"  # --model value for the built-in demo model
 # Built-in random models (no download): --model value -> LlamaConfig overrides of TINY_CONFIG.
@@ -39,8 +42,13 @@ def build_tiny_llama(vocab_size: int, seed: int = 0, variant: str = TINY_MODEL, 
     return LlamaForCausalLM(LlamaConfig(**values))
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
-    """A causal LM from a local HF directory, a .gguf file, or an apt_ds export."""
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, mmap: bool = True):
+    """A causal LM from a local HF directory, a .gguf file, or an apt_ds export.
+
+    mmap=False reads a HF directory's weights into process memory instead of mapping the
+    file. Pruning needs that: transformers keeps the checkpoint mapped for the life of the
+    process, and the mapped pages stay resident after the weights were sliced into smaller
+    copies, so memory would not drop as units are removed."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
@@ -62,9 +70,21 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
         raise UnsupportedModelError(f"{path}: model_type {config.get('model_type')!r} is not supported (LLaMA only)")
     try:
         AutoConfig.from_pretrained(str(path))
-        return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        return _from_pretrained(AutoModelForCausalLM, path, dtype, mmap)
     except Exception as err:
         raise ModelLoadError(f"cannot load model from {path}: {str(err).splitlines()[0]}") from None
+
+
+def _from_pretrained(auto_class, path: Path, dtype: torch.dtype, mmap: bool):
+    if mmap:
+        return auto_class.from_pretrained(str(path), dtype=dtype)
+    try:
+        return auto_class.from_pretrained(str(path), dtype=dtype, disable_mmap=True)
+    except TypeError as err:  # transformers before disable_mmap: mapped, and say what that costs
+        if "disable_mmap" not in str(err):
+            raise
+        logger.warning("this transformers version cannot load without mmap: memory will not drop as units are pruned")
+        return auto_class.from_pretrained(str(path), dtype=dtype)
 
 
 def model_fingerprint(model) -> dict:

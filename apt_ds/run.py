@@ -52,9 +52,11 @@ def make_backend(args, train: TrainConfig):
     return backend, train
 
 
-def _tokenizer_and_model(args, out: Path, texts: list[str], seed: int, staging: Path):
+def _tokenizer_and_model(args, out: Path, texts: list[str], seed: int, staging: Path, prunes: bool):
     """Load (or, for the tiny model, train) the tokenizer and load the model; writes nothing
-    into --out: a trained tokenizer goes to `staging` until the run directory is prepared."""
+    into --out: a trained tokenizer goes to `staging` until the run directory is prepared.
+    A run that prunes reads the weights into memory rather than mapping the file: mapped
+    pages would stay resident after pruning (apt_ds.modeling.load_model)."""
     if args.model in TINY_MODELS:
         saved = out / TOKENIZER_DIR
         if args.resume and (saved / "tokenizer_config.json").is_file():
@@ -62,7 +64,7 @@ def _tokenizer_and_model(args, out: Path, texts: list[str], seed: int, staging: 
         else:  # deterministic: every rank trains the same tokenizer (no shared write needed)
             tokenizer = train_sentencepiece_tokenizer(texts, staging, vocab_size=512)
         return tokenizer, build_tiny_llama(vocab_size=len(tokenizer), seed=seed, variant=args.model)
-    return load_tokenizer(args.model), load_model(args.model)
+    return load_tokenizer(args.model), load_model(args.model, mmap=not prunes)
 
 
 def _texts_for_tokenizer(records) -> list[str]:
@@ -114,7 +116,8 @@ def run_training(args, apt: APTConfig, train: TrainConfig) -> dict:
     data_path = args.data or str(demo_data_path())
     records = load_records(data_path)
     with tempfile.TemporaryDirectory(prefix="apt-tokenizer-") as staging:
-        tokenizer, model = _tokenizer_and_model(args, out, _texts_for_tokenizer(records), train.seed, Path(staging))
+        tokenizer, model = _tokenizer_and_model(args, out, _texts_for_tokenizer(records), train.seed, Path(staging),
+                                                apt.prune)
         examples = tokenize_dataset(records, tokenizer, train.max_seq_len, pack=not args.no_pack, source=data_path)
         pad_id = tokenizer.pad_token_id or 0
         eval_batches = _eval_batches(args, tokenizer, train, backend, pad_id)

@@ -24,6 +24,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .config import APTConfig, TrainConfig
 from .distill import SelfDistiller
 from .edits import merge_changes
+from .heap import release_free_heap
 from .metrics import MetricsWriter, memory_mb
 from .pruner import AdaptivePruner, GradualMasker
 from .schedule import SparsityScheduler
@@ -280,6 +281,8 @@ class APTrainer:
             raise RuntimeError(f"shapes or ranks differ across ranks after the pruning event at step {step}")
         if self.apt_config.distill:
             self._snapshot_teacher()
+        if decision.removes_anything():
+            release_free_heap()  # the removed units' memory, or RSS would not drop (apt_ds.heap)
         record = {"event": True, "event_time_s": time.perf_counter() - started, "decision": decision.fingerprint()[:16]}
         if self.eval_batches:
             record["eval_loss"] = self.evaluate()

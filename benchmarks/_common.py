@@ -280,16 +280,12 @@ def vm_hwm_mb() -> float:
 
 
 def load_for_training(hf_dir: str | Path):
-    """A plain HF LLaMA directory loaded like `apt_ds.modeling.load_model` does, except that
-    the safetensors file is READ into anonymous memory (transformers' `disable_mmap=True`).
+    """The model as `apt-ds train` loads it for a pruning run: weights read into memory, not
+    mapped (`apt_ds.modeling.load_model(mmap=False)`; mapped pages would stay resident
+    however much is pruned). Every method loads it the same way."""
+    from apt_ds.modeling import load_model
 
-    With the default (mmap), transformers 5.23 keeps the checkpoint file mapped for the life
-    of the process: its pages stay in RSS after APT slices the weights into smaller copies,
-    so physical pruning cannot lower the process's memory (measured: see docs/BENCHMARKS.md)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, disable_mmap=True)
+    return load_model(hf_dir, mmap=False)
 
 
 def malloc_trim() -> bool:

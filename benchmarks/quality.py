@@ -50,8 +50,8 @@ from _quality_report import markdown, plots  # noqa: E402
 # optimizer steps and test rows scored (each task's whole test split). BoolQ gets 6x SST-2's
 # steps: with 96 steps no method learned it (LoRA's AUC 0.49 at 96 tokens, 0.52 at 192 tokens,
 # 0.50 at LR 5e-4); with 288 steps LoRA reached AUC 0.56 (docs/BENCHMARKS.md).
-TASKS = {"sst2": {"max_seq_len": 64, "steps": 48, "eval_examples": 262},
-         "boolq": {"max_seq_len": 96, "steps": 288, "eval_examples": 981}}
+TASKS = {"sst2": {"max_seq_len": 64, "steps": 48, "eval_examples": None},
+         "boolq": {"max_seq_len": 96, "steps": 288, "eval_examples": None}}
 METHOD_ORDER = ["zero_shot", "lora", "apt_0.7", "ptt_0.7", "apt_0.5", "apt_0.7_uniform", "apt_0.5_uniform", "ptt_0.5"]
 # ablations, run only when named in --methods: APT without self-distillation
 EXTRA_METHODS = ["apt_0.7_nodistill", "apt_0.5_nodistill"]
@@ -67,11 +67,12 @@ def method_spec(name: str) -> dict:
 # ============================================================== worker (one method, one task)
 
 
-def _rows(path: Path, n: int) -> list[dict]:
+def _rows(path: Path, n: int | None) -> list[dict]:
+    """The first n rows (all when n is None)."""
     from apt_ds.data import load_records
 
     records = load_records(path)
-    return [dict(records[i]) for i in range(min(n, len(records)))]
+    return [dict(records[i]) for i in range(len(records) if n is None else min(n, len(records)))]
 
 
 def run_worker(spec_path: Path) -> None:
@@ -95,10 +96,11 @@ def run_worker(spec_path: Path) -> None:
     task = read_json(task_dir / "task.json")
     labels, seq = task["labels"], spec["max_seq_len"]
     method = method_spec(spec["method"])
-    result = {"task": spec["task"], "method": spec["method"], **method, "max_seq_len": seq, "seed": spec["seed"],
+    result = {"task": spec["task"], "method": spec["method"], **method, "max_seq_len": seq, "seed": spec["seed"], "spec": spec,
               "git_commit": git_commit(), "hardware": hardware()}
     tokenizer = load_tokenizer(spec["hf_dir"])
     test_rows = _rows(task_dir / "test.jsonl", spec["eval_examples"])
+    result["eval_rows"] = len(test_rows)
     started = time.perf_counter()
     model = load_for_training(spec["hf_dir"])  # no mmap: pruned weights can actually be freed
     result["load_time_s"] = time.perf_counter() - started
@@ -126,7 +128,7 @@ def run_worker(spec_path: Path) -> None:
     pad_id = tokenizer.pad_token_id or 0
     last_event_step = apt.pruning_end_step
     holder: dict = {}
-    trim = spec.get("malloc_trim", True)
+    trim = spec.get("malloc_trim", True)  # before training only: after pruning events apt_ds trims itself
     memory = {"reset_ok": None, "post_event_reset_step": None}
 
     def stream():
@@ -135,10 +137,7 @@ def run_worker(spec_path: Path) -> None:
             trainer = holder.get("trainer")
             if trainer is not None and memory["post_event_reset_step"] is None and trainer.step >= last_event_step:
                 gc.collect()
-                memory["rss_after_last_event_untrimmed_mb"] = rss_mb()
                 memory["peak_before_last_event_mb"] = vm_hwm_mb()
-                if trim:
-                    malloc_trim()
                 memory["rss_after_last_event_mb"] = rss_mb()
                 reset_peak_rss()
                 memory["post_event_reset_step"] = trainer.step
@@ -178,8 +177,7 @@ def run_worker(spec_path: Path) -> None:
     result["peak_rss_mb"] = max(vm_hwm_mb(), memory.get("peak_before_last_event_mb", 0.0))
     result["peak_rss_after_last_event_mb"] = vm_hwm_mb() if memory["post_event_reset_step"] is not None else None
     result["rss_after_last_event_mb"] = memory.get("rss_after_last_event_mb")
-    result["rss_after_last_event_untrimmed_mb"] = memory.get("rss_after_last_event_untrimmed_mb")
-    result["malloc_trim_at_last_event"] = trim
+    result["malloc_trim_before_training"] = trim
     result["memory_method"] = {"peak_reset_supported": memory["reset_ok"], "post_event_reset_step": memory["post_event_reset_step"],
                                "last_event_step": last_event_step}
     result["apt_config"], result["train_config"] = trainer.apt_config.to_dict(), train.to_dict()
@@ -213,6 +211,8 @@ def run_worker(spec_path: Path) -> None:
     started = time.perf_counter()
     result.update(fast_label_report(model, tokenizer, test_rows, labels, seq, spec["eval_batch_size"]))
     result["eval_time_s"] = time.perf_counter() - started
+    # the one-forward scorer calls model.model and lm_head directly: check it on this (pruned) export too
+    result["scorer_check"] = check_fast_scorer(model, tokenizer, test_rows[: spec["check_rows"]], labels, seq)
     write_json(run_dir / "result.json", result)
 
 
@@ -253,9 +253,17 @@ def measure_speed(exports: dict[str, Path], rounds: int, threads: int, prompt_le
     return out
 
 
+def paired_first(pending: list[tuple[str, Path, Path]]) -> list[tuple[str, Path, Path]]:
+    """Queue order: per task, LoRA and APT 0.7 first so that, two jobs at a time, the pair whose
+    ratios are the targets starts together and shares the machine's load; the rest follow."""
+    first = ("lora", "apt_0.7")
+    rank = {name: (name.split("/")[0], 0 if name.split("/")[1] in first else 1) for name, *_ in pending}
+    tasks = list(dict.fromkeys(name.split("/")[0] for name, *_ in pending))
+    return sorted(pending, key=lambda item: (tasks.index(rank[item[0]][0]), rank[item[0]][1]))
+
+
 def run_workers(pending: list[tuple[str, Path, Path]], jobs: int, timings: dict, wall_start: float) -> None:
-    """Run the worker subprocesses, `jobs` at a time, in list order (LoRA next to APT 0.7,
-    so the two runs whose ratios matter most share the machine's load)."""
+    """Run the worker subprocesses, `jobs` at a time, in list order."""
     running: dict[str, tuple[subprocess.Popen, float, Path]] = {}
     queue = list(pending)
     while queue or running:
@@ -288,7 +296,7 @@ def run_all(args) -> None:
     print(f"[quality] command: {command_line()}", flush=True)
     print(f"[quality] hardware: {hardware()}", flush=True)
     timings: dict[str, float] = {}
-    pending = []
+    pending, reused, specs = [], [], {}
     for task in args.tasks:
         for method in args.methods:
             run_dir = out / task / method
@@ -298,17 +306,19 @@ def run_all(args) -> None:
                 "rank": args.rank, "seed": args.seed, "threads": args.threads, "max_seq_len": args.max_seq_len or TASKS[task]["max_seq_len"],
                 "eval_examples": args.eval_examples or TASKS[task]["eval_examples"], "eval_batch_size": args.eval_batch_size,
                 "calibration_batches": args.calibration_batches, "check_rows": args.check_rows,
-                "malloc_trim": not args.no_malloc_trim,
+                "malloc_trim": not args.no_malloc_trim, "git_commit": git_commit(),  # other code: run again
             }
+            specs[(task, method)] = spec
             spec_path = out / task / f"{method}.spec.json"
             if (run_dir / "result.json").is_file() and not args.overwrite:
-                if spec_path.is_file() and read_json(spec_path) == spec:  # same settings: reuse it
+                if read_json(run_dir / "result.json").get("spec") == spec:  # same settings: reuse it
+                    reused.append(f"{task}/{method}")
                     print(f"[quality] {task}/{method}: have a result with these settings, skipping", flush=True)
                     continue
                 print(f"[quality] {task}/{method}: the saved result used other settings; running again", flush=True)
             write_json(spec_path, spec)
             pending.append((f"{task}/{method}", spec_path, run_dir))
-    run_workers(pending, args.jobs, timings, wall_start)
+    run_workers(paired_first(pending), args.jobs, timings, wall_start)
 
     speed = {}
     previous = out / "results.json"
@@ -324,8 +334,10 @@ def run_all(args) -> None:
             started = time.perf_counter()
             speed[task] = measure_speed(exports, args.speed_rounds, args.threads, args.prompt_len, args.new_tokens)
             print(f"[quality] {task}: decode speed measured in {time.perf_counter() - started:.0f} s", flush=True)
-    summary = aggregate(args, out, speed)
+    summary = aggregate(args, out, speed, specs)
     summary["timings_s"] = timings
+    summary["reused_runs"] = reused
+    summary["from_scratch"] = not reused and not args.reuse_speed  # only such a run times "the whole benchmark"
     summary["wall_time_s"] = time.perf_counter() - wall_start
     if args.reuse_speed and previous.is_file():  # a re-report: keep the measuring run's timings
         old = read_json(previous)
@@ -346,15 +358,19 @@ def run_all(args) -> None:
           f"(sum over all runs incl. earlier invocations: {summary['sum_of_run_times_s'] / 60:.1f} min)", flush=True)
 
 
-def aggregate(args, out: Path, speed: dict) -> dict:
+def aggregate(args, out: Path, speed: dict, specs: dict) -> dict:
     summary = {"config": {k: v for k, v in vars(args).items() if k not in ("worker",)}, "tasks": {}, "hardware": hardware()}
     run_seconds = 0.0
     for task in args.tasks:
         rows = {}
-        for method in METHOD_ORDER + EXTRA_METHODS:  # every finished run, not only this invocation's
+        for method in [m for m in METHOD_ORDER + EXTRA_METHODS if m in args.methods]:
             path = out / task / method / "result.json"
             if path.is_file():
-                rows[method] = read_json(path)
+                row = read_json(path)
+                if row.get("spec") != specs[(task, method)]:  # never mix settings in one table
+                    print(f"[quality] {task}/{method}: result has other settings, left out of the table", flush=True)
+                    continue
+                rows[method] = row
                 run_seconds += sum(rows[method].get(k, 0) or 0 for k in ("load_time_s", "train_time_s", "export_time_s", "eval_time_s"))
         lora = rows.get("lora")
         for method, row in rows.items():
@@ -438,7 +454,7 @@ def main(argv=None) -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--no-malloc-trim", action="store_true",
-                        help="do not call glibc malloc_trim(0) before training and at the last pruning event")
+                        help="do not call glibc malloc_trim(0) before training (after pruning events apt_ds itself trims)")
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--reuse-speed", action="store_true", help="take decode speeds from an existing OUT/results.json (re-report only)")
     parser.add_argument("--overwrite", action="store_true", help="rerun methods that already have a result.json")

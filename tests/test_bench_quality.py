@@ -44,6 +44,8 @@ def test_quality_benchmark_runs_every_method_on_the_tiny_model(tmp_path, tokeniz
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
+    starts = [line.split(":")[0].split()[-1] for line in proc.stdout.splitlines() if line.endswith(")") and ": start (" in line]
+    assert starts[:2] == ["sst2/lora", "sst2/apt_0.7"]  # the target pair starts together
     summary = json.loads((out / "results.json").read_text())
     rows = summary["tasks"]["sst2"]
     assert sorted(rows) == sorted(methods)
@@ -56,6 +58,14 @@ def test_quality_benchmark_runs_every_method_on_the_tiny_model(tmp_path, tokeniz
         assert rows[method]["export_bytes_vs_lora"] < 1.0
         assert rows[method]["speed"]["decode_tokens_per_s"] > 0
     assert rows["apt_0.5_uniform"]["stock_loadable"] is True
+    for method in ("lora", "apt_0.7"):  # the recovery-phase window was measured from the last event on
+        memory = rows[method]["memory_method"]
+        assert memory["peak_reset_supported"] is True
+        assert memory["post_event_reset_step"] == memory["last_event_step"]
+        assert rows[method]["peak_rss_after_last_event_mb"] > 0
+    for method, row in rows.items():  # the fast scorer agreed with label_accuracy on every model, pruned too
+        assert row["eval_rows"] == 12
+        assert row["scorer_check"]["rows"] == 4
     assert set(summary["targets"]["sst2"]) >= {"apt0.7_acc_ge_90pct_lora", "apt0.7_acc_gt_ptt0.7", "apt0.7_peak_le_1.1x_lora"}
     assert "| apt_0.7 |" in (out / "results.md").read_text()
     assert set(summary["timings_s"]) == {f"sst2/{m}" for m in methods}
@@ -64,3 +74,15 @@ def test_quality_benchmark_runs_every_method_on_the_tiny_model(tmp_path, tokeniz
     again = subprocess.run(cmd + ["--skip-speed"], capture_output=True, text=True, cwd=ROOT)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("have a result with these settings, skipping") == len(methods)
+
+    # a result whose recorded settings differ (e.g. a run interrupted before it was redone) is
+    # neither reused nor shown next to the others
+    stale = out / "sst2" / "ptt_0.7" / "result.json"
+    row = json.loads(stale.read_text())
+    row["spec"]["steps"] = 99
+    stale.write_text(json.dumps(row))
+    table_only = subprocess.run(cmd + ["--skip-speed", "--methods", "lora", "ptt_0.7", "--steps", "8", "--jobs", "1"],
+                                capture_output=True, text=True, cwd=ROOT)
+    assert table_only.returncode == 0, table_only.stderr[-3000:]
+    assert "sst2/ptt_0.7: the saved result used other settings; running again" in table_only.stdout
+    assert json.loads(stale.read_text())["spec"]["steps"] == 8

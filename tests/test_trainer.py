@@ -11,6 +11,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from apt_ds import APTConfig, APTrainer, TrainConfig
+from apt_ds import trainer as trainer_module
 from apt_ds.backend import LocalBackend
 from apt_ds.distill import TRANSFORM_ATTR
 from apt_ds.metrics import read_metrics
@@ -74,8 +75,10 @@ def full_run(tmp_path_factory):
     model = tiny_llama("gqa")
     initial_sizes = _base_weight_sizes(model)
     apt, train = _configs()
-    optimizer_steps = []
+    optimizer_steps, heap_releases = [], []
     handle = register_optimizer_step_post_hook(lambda opt, args, kwargs: optimizer_steps.append(1))
+    release = trainer_module.release_free_heap
+    trainer_module.release_free_heap = lambda: heap_releases.append(1) or release()
     try:
         trainer = APTrainer(model, apt, train, out_dir=out, progress=False)
         initial_rank = trainer.state.total_rank()
@@ -83,8 +86,10 @@ def full_run(tmp_path_factory):
         final = trainer.train(batches)
     finally:
         handle.remove()
+        trainer_module.release_free_heap = release
     return dict(trainer=trainer, model=model, out=out, final=final, initial_sizes=initial_sizes,
-                initial_rank=initial_rank, micro_batches=batches.served, optimizer_steps=len(optimizer_steps))
+                initial_rank=initial_rank, micro_batches=batches.served, optimizer_steps=len(optimizer_steps),
+                heap_releases=len(heap_releases))
 
 
 def test_training_reaches_target_density_with_smaller_model(full_run):
@@ -123,6 +128,9 @@ def test_events_metrics_and_distillation(full_run):
     assert events == schedule.event_steps
     # density falls at events only, and monotonically
     densities = [r["density"] for r in steps]
+    # every event that removed units gave the freed heap back to the OS (apt_ds.heap)
+    shrinking_events = sum(1 for before, r in zip([1.0] + densities, steps) if r.get("event") and r["density"] < before)
+    assert shrinking_events > 0 and full_run["heap_releases"] == shrinking_events
     assert all(a >= b for a, b in zip(densities, densities[1:]))
     assert densities[0] == 1.0 and densities[-1] <= 0.5
     for r in steps:  # never below the schedule's target for that step by more than a unit's worth
