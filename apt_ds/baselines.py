@@ -25,6 +25,7 @@ from typing import Iterable, Iterator
 
 from .adapters import merge_adapters
 from .config import APTConfig, TrainConfig
+from .heap import release_free_heap
 from .pruner import AdaptivePruner, KeepDecision
 from .state import APTModel
 from .trainer import APTrainer, supervised_forward
@@ -83,6 +84,7 @@ def one_shot_prune(model, calibration_batches: Iterable[dict], target_density: f
         decision = AdaptivePruner(config).decide(state.shape, s.group_scores, s.neuron_scores, s.hidden_scores, target)
         if decision.removes_anything():
             state.shrink(decision, gather=lambda params: contextlib.nullcontext())
+            release_free_heap()  # as APT does after its events (apt_ds.heap)
     finally:
         state.masks.remove()
         state.salience.remove()
