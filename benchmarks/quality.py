@@ -254,12 +254,17 @@ def measure_speed(exports: dict[str, Path], rounds: int, threads: int, prompt_le
 
 
 def paired_first(pending: list[tuple[str, Path, Path]]) -> list[tuple[str, Path, Path]]:
-    """Queue order: per task, LoRA and APT 0.7 first so that, two jobs at a time, the pair whose
-    ratios are the targets starts together and shares the machine's load; the rest follow."""
+    """Queue order: every task's LoRA and APT 0.7 first, pair by pair, then the rest per task.
+    Two jobs at a time, each pair whose ratios are the targets then starts together (the two
+    runs of a pair take about equally long) and shares the machine's load."""
     first = ("lora", "apt_0.7")
-    rank = {name: (name.split("/")[0], 0 if name.split("/")[1] in first else 1) for name, *_ in pending}
     tasks = list(dict.fromkeys(name.split("/")[0] for name, *_ in pending))
-    return sorted(pending, key=lambda item: (tasks.index(rank[item[0]][0]), rank[item[0]][1]))
+
+    def key(item):
+        task, method = item[0].split("/")
+        return (0 if method in first else 1, tasks.index(task))
+
+    return sorted(pending, key=key)  # stable: table order within each group
 
 
 def run_workers(pending: list[tuple[str, Path, Path]], jobs: int, timings: dict, wall_start: float) -> None:

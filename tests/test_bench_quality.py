@@ -86,3 +86,15 @@ def test_quality_benchmark_runs_every_method_on_the_tiny_model(tmp_path, tokeniz
     assert table_only.returncode == 0, table_only.stderr[-3000:]
     assert "sst2/ptt_0.7: the saved result used other settings; running again" in table_only.stdout
     assert json.loads(stale.read_text())["spec"]["steps"] == 8
+
+
+def test_every_tasks_target_pair_is_queued_first_and_together():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from quality import paired_first
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    names = [f"{t}/{m}" for t in ("boolq", "sst2") for m in ("zero_shot", "lora", "apt_0.7", "ptt_0.7", "apt_0.5")]
+    order = [name for name, *_ in paired_first([(name, Path("."), Path(".")) for name in names])]
+    assert order[:4] == ["boolq/lora", "boolq/apt_0.7", "sst2/lora", "sst2/apt_0.7"]
+    assert order[4:] == ["boolq/zero_shot", "boolq/ptt_0.7", "boolq/apt_0.5", "sst2/zero_shot", "sst2/ptt_0.7", "sst2/apt_0.5"]
