@@ -1,8 +1,9 @@
 """Prune-then-tune: the standard baseline APT is compared with.
 
 1. One-shot structured pruning of the pretrained model: score every unit (KV group, FFN
-   neuron, hidden channel) by the first-order Taylor criterion |X * dL/dX| on a few
-   calibration batches, keep the best units under the exact parameter budget (the same
+   neuron, hidden channel) by first-order salience on a few calibration batches — per
+   channel the product of summed magnitudes (sum |X|) * (sum |dL/dX|), the activation form of
+   the weight salience |W * dL/dW| (not Molchanov's |sum X * dL/dX|) — keep the best units under the exact parameter budget (the same
    `AdaptivePruner` ranking APT uses, uniform or not), and physically remove the rest.
 2. Plain LoRA fine-tuning of the shrunk model (`APTConfig.as_lora()`: the same adapters as
    APT, no pruning, no rank growth, no distillation).

@@ -10,17 +10,17 @@ order, seed, adapters (q_proj/v_proj, rank 8), steps and learning rate:
   apt_<d>_uniform   APT to density d, the same shape in every layer (stock LlamaConfig export)
 
 Every training run is a fresh subprocess (`--worker`), so its memory readings are its own.
-The model is read into anonymous memory (transformers' disable_mmap=True; apt_ds's loader
-mmaps the checkpoint, which then stays resident however much is pruned). Peak RSS = Linux VmHWM reset (/proc/self/clear_refs) after the model is loaded and the data
+The model is loaded as `apt-ds train` loads it for a pruning run (`load_model(mmap=False)`:
+a mapped checkpoint would stay resident however much is pruned). Peak RSS = Linux VmHWM reset (/proc/self/clear_refs) after the model is loaded and the data
 tokenized, read when training ends; "after the last pruning event" = VmHWM reset again at
 the first micro-batch after the last event step (the same step number for LoRA) and read at
 the end, i.e. the peak of the recovery phase at the final shapes. The run is then exported
 (`apt_ds.export`: adapters merged, pruned units removed), reloaded from disk and evaluated
-(highest-likelihood label, exact match, on the first N test rows: same rows for every method).
+(highest-likelihood label, exact match, on each task's whole test split by default).
 Finally, in this process, every export's greedy decode speed (batch 1) is measured side by
 side with the dense LoRA-merged export, in interleaved rounds (median).
 
-    python benchmarks/quality.py                       # full run (~1 h on 2 loaded CPU cores)
+    python benchmarks/quality.py                       # full run (74 min on 2 cores, --jobs 2)
     python benchmarks/quality.py --smoke               # pipeline check: few steps, few rows
 """
 
@@ -61,7 +61,9 @@ def method_spec(name: str) -> dict:
     if name in ("zero_shot", "lora"):
         return {"kind": name, "density": 1.0, "uniform": False}
     kind, density, *rest = name.split("_")
-    return {"kind": kind, "density": float(density), "uniform": "uniform" in rest, "distill": "nodistill" not in rest}
+    # prune-then-tune's LoRA phase never distils
+    return {"kind": kind, "density": float(density), "uniform": "uniform" in rest,
+            "distill": kind == "apt" and "nodistill" not in rest}
 
 
 # ============================================================== worker (one method, one task)

@@ -8,6 +8,7 @@ import torch
 
 from apt_ds import APTConfig, TrainConfig
 from apt_ds.adapters import APTAdapter
+from apt_ds import baselines
 from apt_ds.baselines import one_shot_prune, prune_then_tune
 from apt_ds.units import ModelShape
 
@@ -32,11 +33,14 @@ def _stream(start: int = 0):
 
 @pytest.mark.parametrize("kind", ["gqa", "gqa_tied"])
 @pytest.mark.parametrize("uniform", [False, True])
-def test_one_shot_prune_hits_target_and_leaves_plain_llama(kind, uniform):
+def test_one_shot_prune_hits_target_and_leaves_plain_llama(kind, uniform, monkeypatch):
     model = tiny_llama(kind, hidden_size=96, intermediate_size=128) if kind == "gqa" else tiny_llama(kind)
     original = ModelShape.from_model(model)
     target = 0.6
+    releases = []
+    monkeypatch.setattr(baselines, "release_free_heap", lambda: releases.append(1) or True)
     result = one_shot_prune(model, _calibration(), target, APTConfig(uniform=uniform))
+    assert releases == [1]  # the shrink's freed heap goes back to the OS, as after APT's events
     shape = ModelShape.from_model(model)
     assert shape == result.shape
     kept = shape.block_params()
