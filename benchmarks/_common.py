@@ -277,23 +277,3 @@ def vm_hwm_mb() -> float:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
     return float("nan")
-
-
-def load_for_training(hf_dir: str | Path):
-    """The model as `apt-ds train` loads it for a pruning run: weights read into memory, not
-    mapped (`apt_ds.modeling.load_model(mmap=False)`; mapped pages would stay resident
-    however much is pruned). Every method loads it the same way."""
-    from apt_ds.modeling import load_model
-
-    return load_model(hf_dir, mmap=False)
-
-
-def malloc_trim() -> bool:
-    """Return free heap pages to the OS (glibc). PyTorch's CPU allocator sits on malloc: tensors
-    freed after a shape change leave holes that glibc keeps in RSS until trimmed."""
-    import ctypes
-
-    try:
-        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
-    except (OSError, AttributeError):
-        return False

@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import DEFAULT_GGUF, command_line, ensure_hf_model, hardware, load_for_training, write_json  # noqa: E402
+from _common import DEFAULT_GGUF, command_line, ensure_hf_model, hardware, write_json  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -40,6 +40,7 @@ def main(argv=None) -> None:
 
     from apt_ds.config import APTConfig, TrainConfig
     from apt_ds.data import batches, load_records, tokenize_dataset
+    from apt_ds.modeling import load_model
     from apt_ds.tokenizer import load_tokenizer
     from apt_ds.trainer import APTrainer
 
@@ -51,7 +52,7 @@ def main(argv=None) -> None:
     apt = APTConfig.for_steps(args.steps, target_density=args.density, adapter_rank=8, adapter_alpha=16.0)
     train = TrainConfig(steps=args.steps, micro_batch_size=args.micro_batch_size, lr=2e-3,
                         warmup_steps=max(1, args.steps // 10), max_seq_len=args.max_seq_len, seed=0, log_every=1)
-    trainers = {name: APTrainer(load_for_training(hf_dir), config, train, progress=False)
+    trainers = {name: APTrainer(load_model(hf_dir, mmap=False), config, train, progress=False)
                 for name, config in (("apt", apt), ("lora", apt.as_lora()))}
     pad_id = tokenizer.pad_token_id or 0
     streams = {name: batches(examples, args.micro_batch_size, train.seed, pad_id=pad_id) for name in trainers}

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _common import (  # noqa: E402
-    DEFAULT_GGUF, check_fast_scorer, command_line, ensure_hf_model, fast_label_report, git_commit, hardware, load_for_training, malloc_trim, read_json, reset_peak_rss, rss_mb,
+    DEFAULT_GGUF, check_fast_scorer, command_line, ensure_hf_model, fast_label_report, git_commit, hardware, read_json, reset_peak_rss, rss_mb,
     vm_hwm_mb, write_json,
 )
 from _quality_report import markdown, plots  # noqa: E402
@@ -84,10 +84,11 @@ def run_worker(spec_path: Path) -> None:
     torch.set_num_threads(spec["threads"])
     from apt_ds.config import APTConfig, TrainConfig
     from apt_ds.data import batches, load_records, tokenize_dataset
-    from apt_ds.tokenizer import load_tokenizer
     from apt_ds.evaluate import parameter_bytes
     from apt_ds.export import compact_model, export_run, weight_files, write_export
+    from apt_ds.heap import release_free_heap
     from apt_ds.modeling import load_model
+    from apt_ds.tokenizer import load_tokenizer
     from apt_ds.trainer import APTrainer
     from apt_ds.units import ModelShape
 
@@ -99,12 +100,12 @@ def run_worker(spec_path: Path) -> None:
     labels, seq = task["labels"], spec["max_seq_len"]
     method = method_spec(spec["method"])
     result = {"task": spec["task"], "method": spec["method"], **method, "max_seq_len": seq, "seed": spec["seed"], "spec": spec,
-              "git_commit": git_commit(), "hardware": hardware()}
+              "git_commit": spec["git_commit"], "hardware": hardware()}
     tokenizer = load_tokenizer(spec["hf_dir"])
     test_rows = _rows(task_dir / "test.jsonl", spec["eval_examples"])
     result["eval_rows"] = len(test_rows)
     started = time.perf_counter()
-    model = load_for_training(spec["hf_dir"])  # no mmap: pruned weights can actually be freed
+    model = load_model(spec["hf_dir"], mmap=False)  # as `apt-ds train` loads for pruning: freed weights leave RSS
     result["load_time_s"] = time.perf_counter() - started
     original = ModelShape.from_model(model)
 
@@ -148,9 +149,10 @@ def run_worker(spec_path: Path) -> None:
     tokenizer.save_pretrained(str(run_dir / "tokenizer"))
     run_info = {"model": str(Path(spec["hf_dir"]).resolve()), "tokenizer": "tokenizer", "method": spec["method"],
                 "data": str(task_dir / "train.jsonl")}
-    gc.collect()
     if trim:
-        malloc_trim()
+        release_free_heap()  # collects too
+    else:
+        gc.collect()
     result["rss_before_train_mb"] = rss_mb()
     memory["reset_ok"] = reset_peak_rss()
     cpu_started = time.process_time()  # user + sys CPU of this process: robust to other tenants' load
@@ -303,7 +305,8 @@ def run_all(args) -> None:
     print(f"[quality] command: {command_line()}", flush=True)
     print(f"[quality] hardware: {hardware()}", flush=True)
     timings: dict[str, float] = {}
-    pending, reused, specs = [], [], {}
+    pending, reused = [], []
+    commit = git_commit()
     for task in args.tasks:
         for method in args.methods:
             run_dir = out / task / method
@@ -313,9 +316,8 @@ def run_all(args) -> None:
                 "rank": args.rank, "seed": args.seed, "threads": args.threads, "max_seq_len": args.max_seq_len or TASKS[task]["max_seq_len"],
                 "eval_examples": args.eval_examples or TASKS[task]["eval_examples"], "eval_batch_size": args.eval_batch_size,
                 "calibration_batches": args.calibration_batches, "check_rows": args.check_rows,
-                "malloc_trim": not args.no_malloc_trim, "git_commit": git_commit(),  # other code: run again
+                "malloc_trim": not args.no_malloc_trim, "git_commit": commit,  # other code: run again
             }
-            specs[(task, method)] = spec
             spec_path = out / task / f"{method}.spec.json"
             if (run_dir / "result.json").is_file() and not args.overwrite:
                 if read_json(run_dir / "result.json").get("spec") == spec:  # same settings: reuse it
@@ -341,7 +343,7 @@ def run_all(args) -> None:
             started = time.perf_counter()
             speed[task] = measure_speed(exports, args.speed_rounds, args.threads, args.prompt_len, args.new_tokens)
             print(f"[quality] {task}: decode speed measured in {time.perf_counter() - started:.0f} s", flush=True)
-    summary = aggregate(args, out, speed, specs)
+    summary = aggregate(args, out, speed)
     summary["timings_s"] = timings
     summary["reused_runs"] = reused
     summary["from_scratch"] = not reused and not args.reuse_speed  # only such a run times "the whole benchmark"
@@ -365,7 +367,7 @@ def run_all(args) -> None:
           f"(sum over all runs incl. earlier invocations: {summary['sum_of_run_times_s'] / 60:.1f} min)", flush=True)
 
 
-def aggregate(args, out: Path, speed: dict, specs: dict) -> dict:
+def aggregate(args, out: Path, speed: dict) -> dict:
     summary = {"config": {k: v for k, v in vars(args).items() if k not in ("worker",)}, "tasks": {}, "hardware": hardware()}
     run_seconds = 0.0
     for task in args.tasks:
@@ -373,11 +375,7 @@ def aggregate(args, out: Path, speed: dict, specs: dict) -> dict:
         for method in [m for m in METHOD_ORDER + EXTRA_METHODS if m in args.methods]:
             path = out / task / method / "result.json"
             if path.is_file():
-                row = read_json(path)
-                if row.get("spec") != specs[(task, method)]:  # never mix settings in one table
-                    print(f"[quality] {task}/{method}: result has other settings, left out of the table", flush=True)
-                    continue
-                rows[method] = row
+                rows[method] = read_json(path)  # run_all reran every result whose settings differed
                 run_seconds += sum(rows[method].get(k, 0) or 0 for k in ("load_time_s", "train_time_s", "export_time_s", "eval_time_s"))
         lora = rows.get("lora")
         for method, row in rows.items():
