@@ -92,6 +92,10 @@ class APTConfig(_JsonConfig):
     salience_beta: float = _help("EMA factor for salience and adapter importance", default=0.85)
     use_kurtosis: bool = _help("add sqrt(kurtosis) outlier term to group/neuron salience", default=True)
     distill: bool = _help("self-distillation from the last pruning event's snapshot", default=True)
+    distill_every: int = _help(
+        "teacher pass on every k-th step of the pruning phase, counted from its start; the steps between train on "
+        "the task loss alone (1: every step, as in the paper; the teacher forward costs about half a training step)",
+        default=4)
     distill_kl_weight: float = _help("weight of the logit KL term inside the distillation loss", default=0.1)
     distill_mse_weight: float = _help("weight of the hidden-state MSE term", default=0.9)
     distill_temperature: float = _help("softmax temperature of the KL term", default=2.0 / 3.0)
@@ -122,6 +126,7 @@ class APTConfig(_JsonConfig):
         _require(self.rank_budget_multiple >= 1.0, c, "rank_budget_multiple", ">= 1", self.rank_budget_multiple)
         _require(self.rank_cap >= self.adapter_rank, c, "rank_cap", f">= adapter_rank ({self.adapter_rank})", self.rank_cap)
         _require(0.0 <= self.salience_beta < 1.0, c, "salience_beta", "in [0, 1)", self.salience_beta)
+        _require(self.distill_every >= 1, c, "distill_every", ">= 1", self.distill_every)
         for name in ("distill_kl_weight", "distill_mse_weight"):
             _require(getattr(self, name) >= 0, c, name, ">= 0", getattr(self, name))
         _require(self.distill_temperature > 0, c, "distill_temperature", "> 0", self.distill_temperature)

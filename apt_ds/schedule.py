@@ -61,8 +61,12 @@ class SparsityScheduler:
         """mu rises linearly 0 -> 1 over the pruning phase and is 0 after the last event.
 
         After t1 the teacher would have the student's own shapes, so distilling from it only
-        holds the student back; the recovery phase trains on the task loss alone."""
+        holds the student back; the recovery phase trains on the task loss alone. Only every
+        `distill_every`-th step of the phase distils (mu 0 on the others): the teacher's forward
+        pass made a SmolLM2 step 1.55x as expensive (docs/BENCHMARKS.md)."""
         if not (self.config.distill and self.config.prune) or step >= self.end:
+            return 0.0
+        if (step - self.start) % self.config.distill_every:
             return 0.0
         return self.progress(step)
 

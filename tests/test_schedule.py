@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from apt_ds.config import APTConfig
+from apt_ds.config import APTConfig, ConfigError
 from apt_ds.schedule import SALIENCE_WARMUP_STEPS, SparsityScheduler
 
 
@@ -67,7 +67,7 @@ def test_decay_window_is_clipped_to_the_previous_event_and_start():
 
 
 def test_distill_weight_is_linear():
-    s = _sched()
+    s = _sched(distill_every=1)
     assert s.distill_weight(0) == 0.0 and s.distill_weight(10) == 0.0
     assert s.distill_weight(30) == pytest.approx(0.5)
     assert s.distill_weight(20) == pytest.approx(0.25)
@@ -78,6 +78,16 @@ def test_distill_weight_is_linear():
     diffs = {round(b - a, 12) for a, b in zip(mids, mids[1:])}
     assert diffs == {0.025}
     assert _sched(distill=False).distill_weight(30) == 0.0
+
+
+def test_distill_every_kth_step_of_the_pruning_phase():
+    every_step, every_fourth = _sched(distill_every=1), _sched(distill_every=4)
+    weights = {t: every_fourth.distill_weight(t) for t in range(0, 70)}
+    distilling = [t for t, mu in weights.items() if mu > 0]
+    assert distilling == list(range(14, 50, 4))  # t0 = 10 has mu 0; counted from t0, none after t1
+    assert all(weights[t] == every_step.distill_weight(t) for t in distilling)  # same mu where it distils
+    with pytest.raises(ConfigError, match="distill_every"):
+        APTConfig(distill_every=0)
 
 
 def test_tuning_budget_and_salience_window():

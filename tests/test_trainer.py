@@ -138,6 +138,11 @@ def test_events_metrics_and_distillation(full_run):
     # distillation was active during the pruning phase and produced a real loss
     active = [r for r in steps if r["mu"] > 0]
     assert active and all(r["distill_loss"] > 0 for r in active)
+    # ... on every distill_every-th step only (a record's step counts the step it completed); the
+    # steps between run no teacher pass at all
+    assert trainer.apt_config.distill_every > 1
+    assert [r["step"] for r in active] == [s + 1 for s in range(STEPS) if schedule.distill_weight(s) > 0]
+    assert all(r["distill_loss"] == 0.0 for r in steps if r["mu"] == 0)
     for r in active:
         assert r["loss"] == pytest.approx((1 - r["mu"]) * r["task_loss"] + r["mu"] * r["distill_loss"], rel=1e-5)
     ranks = [r["total_rank"] for r in steps]
