@@ -1,18 +1,20 @@
 """APT vs LoRA training cost per phase on SmolLM2-135M, paired step by step in one process.
 
-Two trainers (APT at --density, and LoRA with the same adapters, data, steps and LR) hold
-their own copy of the model; their optimizer steps alternate, so both see the same machine
-load. Reported: CPU seconds (process time, one torch thread) of each trainer per phase —
-warm-up (before the first pruning event), pruning (events, teacher pass, salience), recovery
-(the final shape, no teacher) — and the ratios. Pruning-event time (shrink + optimizer
-rebuild) is included in the step it follows.
+LoRA and one APT trainer per --distill-every value (APT at --density; the same adapters, data,
+steps and LR) each hold their own copy of the model; their optimizer steps alternate, so all
+see the same machine load. Reported: CPU seconds (process time, one torch thread) of each
+trainer per phase — warm-up (before the pruning phase), pruning (events, teacher passes,
+salience), recovery (the final shape, no teacher) — and each APT's ratio to LoRA.
+Pruning-event time (shrink + optimizer rebuild) is included in the step it follows.
 
-    python benchmarks/prepare_tasks.py && python benchmarks/phase_cost.py --json bench_out/phase_cost.json
+    python benchmarks/prepare_tasks.py
+    python benchmarks/phase_cost.py --distill-every 4 1 --json bench_out/phase_cost.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -21,6 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _common import DEFAULT_GGUF, command_line, ensure_hf_model, hardware, write_json  # noqa: E402
+
+from apt_ds.config import APTConfig, TrainConfig  # noqa: E402
+
+APT_DEFAULT_DISTILL_EVERY = APTConfig().distill_every
 
 
 def main(argv=None) -> None:
@@ -32,13 +38,14 @@ def main(argv=None) -> None:
     parser.add_argument("--density", type=float, default=0.7)
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--max-seq-len", type=int, default=64)
+    parser.add_argument("--distill-every", type=int, nargs="+", default=[APT_DEFAULT_DISTILL_EVERY],
+                        help="one APT trainer per value of APTConfig.distill_every (teacher pass every k-th pruning step)")
     parser.add_argument("--json", type=Path, default=Path("bench_out/phase_cost.json"))
     args = parser.parse_args(argv)
 
     import torch
     from tqdm.auto import tqdm
 
-    from apt_ds.config import APTConfig, TrainConfig
     from apt_ds.data import batches, load_records, tokenize_dataset
     from apt_ds.modeling import load_model
     from apt_ds.tokenizer import load_tokenizer
@@ -49,11 +56,14 @@ def main(argv=None) -> None:
     tokenizer = load_tokenizer(hf_dir)
     records = load_records(Path(args.task) / "train.jsonl")
     examples = tokenize_dataset(records, tokenizer, args.max_seq_len, pack=False)
+    if any(k < 1 for k in args.distill_every):
+        parser.error(f"--distill-every values must be >= 1, got {args.distill_every}")
     apt = APTConfig.for_steps(args.steps, target_density=args.density, adapter_rank=8, adapter_alpha=16.0)
+    configs = {"lora": apt.as_lora()}
+    configs.update({f"apt_every{k}": dataclasses.replace(apt, distill_every=k) for k in dict.fromkeys(args.distill_every)})
     train = TrainConfig(steps=args.steps, micro_batch_size=args.micro_batch_size, lr=2e-3,
                         warmup_steps=max(1, args.steps // 10), max_seq_len=args.max_seq_len, seed=0, log_every=1)
-    trainers = {name: APTrainer(load_model(hf_dir, mmap=False), config, train, progress=False)
-                for name, config in (("apt", apt), ("lora", apt.as_lora()))}
+    trainers = {name: APTrainer(load_model(hf_dir, mmap=False), config, train, progress=False) for name, config in configs.items()}
     pad_id = tokenizer.pad_token_id or 0
     streams = {name: batches(examples, args.micro_batch_size, train.seed, pad_id=pad_id) for name in trainers}
     cpu: dict[str, list[float]] = {name: [] for name in trainers}
@@ -67,11 +77,17 @@ def main(argv=None) -> None:
               "recovery": (apt.pruning_end_step, args.steps), "total": (0, args.steps)}
     result = {"command": command_line(), "hardware": hardware(), "steps": args.steps, "density": args.density,
               "task": args.task, "max_seq_len": args.max_seq_len, "micro_batch_size": args.micro_batch_size,
-              "final_density": trainers["apt"].state.density(), "cpu_s_per_step": cpu, "phases": {}}
+              "final_density": {name: t.state.density() for name, t in trainers.items()}, "cpu_s_per_step": cpu, "phases": {}}
     for phase, (lo, hi) in phases.items():
-        apt_s, lora_s = sum(cpu["apt"][lo:hi]), sum(cpu["lora"][lo:hi])
-        result["phases"][phase] = {"steps": hi - lo, "apt_cpu_s": apt_s, "lora_cpu_s": lora_s, "apt_over_lora": apt_s / lora_s}
-        print(f"[phase_cost] {phase:9s} steps {lo:3d}-{hi:3d}: APT {apt_s:7.1f} s, LoRA {lora_s:7.1f} s, ratio {apt_s / lora_s:.3f}")
+        lora_s = sum(cpu["lora"][lo:hi])
+        result["phases"][phase] = {"steps": hi - lo, "lora_cpu_s": lora_s}
+        for name in configs:
+            if name == "lora":
+                continue
+            apt_s = sum(cpu[name][lo:hi])
+            result["phases"][phase].update({f"{name}_cpu_s": apt_s, f"{name}_over_lora": apt_s / lora_s})
+            print(f"[phase_cost] {phase:9s} steps {lo:3d}-{hi:3d}: {name} {apt_s:7.1f} s, LoRA {lora_s:7.1f} s, "
+                  f"ratio {apt_s / lora_s:.3f}")
     write_json(args.json, result)
 
 

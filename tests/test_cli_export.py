@@ -361,3 +361,27 @@ def test_torn_metrics_line_and_changed_data_on_resume(tmp_path, capsys):
     (out / "checkpoint" / "apt_state.json").write_text(json.dumps(state))
     assert train_main([*steps, "--data", str(other), "--resume", "--out", str(out)]) == 2
     assert "trained on --data" in capsys.readouterr().err
+
+
+def test_pruning_runs_read_weights_into_memory(runs, tmp_path, monkeypatch):
+    """`apt-ds train` loads a model directory unmapped when it prunes (mapped pages would stay
+    resident after units are removed) and mapped for LoRA, which never frees weights."""
+    import apt_ds.run as run
+    from conftest import tiny_llama
+
+    model_dir = tmp_path / "model"
+    tiny_llama("gqa", vocab=512).save_pretrained(str(model_dir))
+    for item in (runs / "nonuniform" / "tokenizer").iterdir():
+        (model_dir / item.name).write_bytes(item.read_bytes())
+    calls = []
+    real_load = run.load_model
+
+    def spy(path, *args, **kwargs):
+        calls.append(kwargs.get("mmap", True))
+        return real_load(path, *args, **kwargs)
+
+    monkeypatch.setattr(run, "load_model", spy)
+    for method in ("apt", "lora"):
+        argv = [*FAST, "--method", method, "--model", str(model_dir), "--out", str(tmp_path / method)]
+        assert train_main(argv) == 0
+    assert calls == [False, True]
