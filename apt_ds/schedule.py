@@ -62,8 +62,9 @@ class SparsityScheduler:
 
         After t1 the teacher would have the student's own shapes, so distilling from it only
         holds the student back; the recovery phase trains on the task loss alone. Only every
-        `distill_every`-th step of the phase distils (mu 0 on the others): the teacher's forward
-        pass made a SmolLM2 step 1.55x as expensive (docs/BENCHMARKS.md)."""
+        `distill_every`-th step of the phase distils (mu 0 on the others): with a teacher pass on
+        every step, SmolLM2's pruning phase cost 1.38x LoRA's CPU time, 1.05x with one on every
+        4th step (benchmarks/phase_cost.py, docs/BENCHMARKS.md)."""
         if not (self.config.distill and self.config.prune) or step >= self.end:
             return 0.0
         if (step - self.start) % self.config.distill_every:
