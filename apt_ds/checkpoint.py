@@ -96,7 +96,8 @@ def load_checkpoint(trainer, directory: Path) -> None:
     if meta["original_shape"] != state.original_shape.to_dict():
         raise CheckpointError(f"checkpoint {directory} was made from a different model (original shapes differ)")
     if meta["apt_config"] != trainer.apt_config.to_dict():
-        changed = sorted(k for k in meta["apt_config"] if meta["apt_config"][k] != trainer.apt_config.to_dict().get(k))
+        saved, current = meta["apt_config"], trainer.apt_config.to_dict()
+        changed = sorted(k for k in set(saved) | set(current) if saved.get(k, "<absent>") != current.get(k, "<absent>"))
         raise CheckpointError(f"checkpoint {directory} used a different APT config (fields {changed}); resume with the same one")
     gather = trainer.backend.gathered
     def rebuild():

@@ -33,6 +33,7 @@ SCALED_DEFAULTS = {  # fields whose default is derived from --steps (see APTConf
     "num_pruning_events": "about one per 3 steps of the pruning phase, at most 16",
     "mask_decay_window": "the spacing between events - 1",
     "mask_decay_step": "1 / mask-decay-window",
+    "distill_every": "4, or less when the pruning phase has under 16 steps",
     "warmup_steps": "5%% of --steps, at least 1",
     "checkpoint_every": "10%% of --steps, at least 10",
 }

@@ -159,7 +159,11 @@ class APTConfig(_JsonConfig):
         events = overrides.get("num_pruning_events", min(16, span, max(1, span // 3)))
         spacing = span / max(1, events)
         window = overrides.get("mask_decay_window", max(0, int(spacing) - 1))
+        # A teacher pass every 4th step, but at least ~4 of them in a short pruning phase
+        # (a phase of 3 steps with distill_every=4 would never distil).
+        distill_every = overrides.get("distill_every", max(1, min(4, span // 4)))
         defaults = dict(
+            distill_every=distill_every,
             pruning_start_step=start,
             pruning_end_step=end,
             num_pruning_events=events,

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import DEFAULT_GGUF, command_line, ensure_hf_model, hardware, write_json  # noqa: E402
+from _common import DEFAULT_GGUF, command_line, ensure_hf_model, git_commit, hardware, write_json  # noqa: E402
 
 from apt_ds.config import APTConfig, TrainConfig  # noqa: E402
 
@@ -42,6 +42,8 @@ def main(argv=None) -> None:
                         help="one APT trainer per value of APTConfig.distill_every (teacher pass every k-th pruning step)")
     parser.add_argument("--json", type=Path, default=Path("bench_out/phase_cost.json"))
     args = parser.parse_args(argv)
+    if any(k < 1 for k in args.distill_every):
+        parser.error(f"--distill-every values must be >= 1, got {args.distill_every}")
 
     import torch
     from tqdm.auto import tqdm
@@ -56,8 +58,6 @@ def main(argv=None) -> None:
     tokenizer = load_tokenizer(hf_dir)
     records = load_records(Path(args.task) / "train.jsonl")
     examples = tokenize_dataset(records, tokenizer, args.max_seq_len, pack=False)
-    if any(k < 1 for k in args.distill_every):
-        parser.error(f"--distill-every values must be >= 1, got {args.distill_every}")
     apt = APTConfig.for_steps(args.steps, target_density=args.density, adapter_rank=8, adapter_alpha=16.0)
     configs = {"lora": apt.as_lora()}
     configs.update({f"apt_every{k}": dataclasses.replace(apt, distill_every=k) for k in dict.fromkeys(args.distill_every)})
@@ -75,7 +75,7 @@ def main(argv=None) -> None:
             cpu[name].append(time.process_time() - started)
     phases = {"warm-up": (0, apt.pruning_start_step), "pruning": (apt.pruning_start_step, apt.pruning_end_step),
               "recovery": (apt.pruning_end_step, args.steps), "total": (0, args.steps)}
-    result = {"command": command_line(), "hardware": hardware(), "steps": args.steps, "density": args.density,
+    result = {"command": command_line(), "git_commit": git_commit(), "hardware": hardware(), "steps": args.steps, "density": args.density,
               "task": args.task, "max_seq_len": args.max_seq_len, "micro_batch_size": args.micro_batch_size,
               "final_density": {name: t.state.density() for name, t in trainers.items()}, "cpu_s_per_step": cpu, "phases": {}}
     for phase, (lo, hi) in phases.items():

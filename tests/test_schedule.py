@@ -90,6 +90,15 @@ def test_distill_every_kth_step_of_the_pruning_phase():
         APTConfig(distill_every=0)
 
 
+@pytest.mark.parametrize("steps, every", [(8, 1), (40, 4), (48, 4), (288, 4)])
+def test_scaled_default_distils_even_in_a_short_pruning_phase(steps, every):
+    config = APTConfig.for_steps(steps)
+    s = SparsityScheduler(config)
+    assert config.distill_every == every
+    assert sum(s.distill_weight(t) > 0 for t in range(steps)) >= 2
+    assert APTConfig.for_steps(steps, distill_every=3).distill_every == 3
+
+
 def test_tuning_budget_and_salience_window():
     s = _sched(rank_budget_multiple=4.0)
     assert s.tuning_budget_multiple(0) == 1.0

@@ -349,3 +349,19 @@ def test_supervised_forward_matches_full_causal_lm_loss_and_gradient(response_on
     assert kept < full_kept if response_only else kept == full_kept - 1
     for name, grad in full_grads.items():
         torch.testing.assert_close(sup_grads[name], grad, atol=1e-6, rtol=1e-4)
+
+
+def test_resume_names_config_fields_the_checkpoint_lacks(full_run, tmp_path):
+    """A checkpoint written before a config field existed is refused with that field named."""
+    import shutil
+
+    from apt_ds.checkpoint import CheckpointError
+
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(full_run["out"] / "checkpoint", checkpoint)
+    meta = json.loads((checkpoint / "apt_state.json").read_text())
+    del meta["apt_config"]["distill_every"]
+    (checkpoint / "apt_state.json").write_text(json.dumps(meta))
+    apt, train = _configs()
+    with pytest.raises(CheckpointError, match=r"\['distill_every'\]"):
+        APTrainer(tiny_llama("gqa"), apt, train, progress=False).resume(checkpoint)

@@ -282,7 +282,7 @@ def test_emulated_slurm_launch(tmp_path):
     procs = [subprocess.Popen(cmd, cwd=ROOT, env={**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
     try:
-        logs = [p.communicate(timeout=120)[0] for p in procs]
+        logs = [p.communicate(timeout=600)[0] for p in procs]
     finally:
         for p in procs:
             p.kill()
