@@ -46,6 +46,8 @@ from _common import (  # noqa: E402
 )
 from _quality_report import markdown, plots  # noqa: E402
 
+from apt_ds.config import ADAPTER_TARGETS, APTConfig  # noqa: E402
+
 # Per task: sequence length (BoolQ prompts are cut from the left: the question survives),
 # optimizer steps and test rows scored (each task's whole test split). BoolQ gets 6x SST-2's
 # steps: with 96 steps no method learned it (LoRA's AUC 0.49 at 96 tokens, 0.52 at 192 tokens,
@@ -82,7 +84,7 @@ def run_worker(spec_path: Path) -> None:
 
     spec = read_json(spec_path)
     torch.set_num_threads(spec["threads"])
-    from apt_ds.config import APTConfig, TrainConfig
+    from apt_ds.config import TrainConfig
     from apt_ds.data import batches, load_records, tokenize_dataset
     from apt_ds.evaluate import parameter_bytes
     from apt_ds.export import compact_model, export_run, weight_files, write_export
@@ -123,7 +125,8 @@ def run_worker(spec_path: Path) -> None:
     steps = spec["steps"]
     apt = APTConfig.for_steps(steps, target_density=method["density"], uniform=method["uniform"],
                               distill=method.get("distill", True),
-                              adapter_rank=spec["rank"], adapter_alpha=2.0 * spec["rank"])
+                              adapter_rank=spec["rank"], adapter_alpha=2.0 * spec["rank"],
+                              adapter_targets=tuple(spec["adapter_targets"]))
     train = TrainConfig(steps=steps, micro_batch_size=spec["micro_batch_size"], lr=spec["lr"],
                         warmup_steps=max(1, steps // 10), max_seq_len=seq, seed=spec["seed"], log_every=1)
     records = load_records(task_dir / "train.jsonl")
@@ -314,7 +317,7 @@ def run_all(args) -> None:
             spec = {
                 "task": task, "method": method, "run_dir": str(run_dir), "task_dir": str(Path(args.tasks_dir) / task),
                 "hf_dir": str(hf_dir), "steps": args.steps or TASKS[task]["steps"], "micro_batch_size": args.micro_batch_size, "lr": args.lr,
-                "rank": args.rank, "seed": args.seed, "threads": args.threads, "max_seq_len": args.max_seq_len or TASKS[task]["max_seq_len"],
+                "rank": args.rank, "adapter_targets": args.adapter_targets, "seed": args.seed, "threads": args.threads, "max_seq_len": args.max_seq_len or TASKS[task]["max_seq_len"],
                 "eval_examples": args.eval_examples or TASKS[task]["eval_examples"], "eval_batch_size": args.eval_batch_size,
                 "calibration_batches": args.calibration_batches, "check_rows": args.check_rows,
                 "malloc_trim": not args.no_malloc_trim, "git_commit": commit,  # other code: run again
@@ -454,6 +457,8 @@ def main(argv=None) -> None:
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--rank", type=int, default=8, help="initial adapter rank (LoRA's rank)")
+    parser.add_argument("--adapter-targets", nargs="+", default=list(APTConfig().adapter_targets), choices=ADAPTER_TARGETS,
+                        help="projections that get adapters, in every trained method (default: q_proj v_proj)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run (1: stable timings on a shared machine)")
     parser.add_argument("--jobs", type=int, default=2,
