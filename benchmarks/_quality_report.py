@@ -1,10 +1,34 @@
-"""Report of benchmarks/quality.py: the markdown results table and the two figures
-(accuracy vs density; density, total rank and loss over steps)."""
+"""Report of benchmarks/quality.py: the issue's targets per task, the markdown results table
+and the two figures (accuracy vs density; density, total rank and loss over steps)."""
 
 from __future__ import annotations
 
 import statistics
 from pathlib import Path
+
+
+ONE_LABEL_SHARE = 0.99  # a model answering one label on this share of the test rows or more learned only a prior
+
+
+def targets(rows: dict) -> dict:
+    lora, apt, ptt = rows.get("lora"), rows.get("apt_0.7"), rows.get("ptt_0.7")
+    if not (lora and apt):
+        return {}
+    out = {
+        "apt0.7_acc_ge_90pct_lora": apt["accuracy"] >= 0.9 * lora["accuracy"],
+        "apt0.7_time_le_lora": apt["train_time_s"] <= lora["train_time_s"],
+        "apt0.7_cpu_time_le_lora": apt.get("train_cpu_s", 1e18) <= lora.get("train_cpu_s", 0),
+        "apt0.7_post_event_peak_lt_lora": (apt.get("peak_rss_after_last_event_mb") or 1e18) < (lora.get("peak_rss_after_last_event_mb") or 0),
+        "apt0.7_peak_le_1.1x_lora": apt["peak_rss_mb"] <= 1.1 * lora["peak_rss_mb"],
+    }
+    if ptt:
+        out["apt0.7_acc_gt_ptt0.7"] = apt["accuracy"] > ptt["accuracy"]
+    if lora.get("auc") is not None:  # without it the accuracy targets compare label priors, not learning
+        out["task_learned_by_lora_auc_gt_0.55"] = lora["auc"] > 0.55
+    shares = (apt.get("predicted_share") or {}).values()
+    if shares:  # a model that gives one answer to (nearly) every row passes the accuracy targets by the label prior
+        out["apt0.7_answers_both_labels"] = max(shares) < ONE_LABEL_SHARE
+    return out
 
 
 def _fmt(value, spec=".3f", missing="–"):

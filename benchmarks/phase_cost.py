@@ -24,10 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _common import DEFAULT_GGUF, command_line, ensure_hf_model, git_commit, hardware, write_json  # noqa: E402
 
-from apt_ds.config import APTConfig, TrainConfig  # noqa: E402
-
-APT_DEFAULT_DISTILL_EVERY = APTConfig().distill_every
-
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -38,16 +34,18 @@ def main(argv=None) -> None:
     parser.add_argument("--density", type=float, default=0.7)
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--max-seq-len", type=int, default=64)
-    parser.add_argument("--distill-every", type=int, nargs="+", default=[APT_DEFAULT_DISTILL_EVERY],
-                        help="one APT trainer per value of APTConfig.distill_every (teacher pass every k-th pruning step)")
+    parser.add_argument("--distill-every", type=int, nargs="+", default=None,
+                        help="one APT trainer per value of APTConfig.distill_every (teacher pass every k-th pruning step; "
+                             "default: APTConfig.for_steps' value for --steps)")
     parser.add_argument("--json", type=Path, default=Path("bench_out/phase_cost.json"))
     args = parser.parse_args(argv)
-    if any(k < 1 for k in args.distill_every):
+    if any(k < 1 for k in args.distill_every or []):
         parser.error(f"--distill-every values must be >= 1, got {args.distill_every}")
 
     import torch
     from tqdm.auto import tqdm
 
+    from apt_ds.config import APTConfig, TrainConfig
     from apt_ds.data import batches, load_records, tokenize_dataset
     from apt_ds.modeling import load_model
     from apt_ds.tokenizer import load_tokenizer
@@ -59,8 +57,9 @@ def main(argv=None) -> None:
     records = load_records(Path(args.task) / "train.jsonl")
     examples = tokenize_dataset(records, tokenizer, args.max_seq_len, pack=False)
     apt = APTConfig.for_steps(args.steps, target_density=args.density, adapter_rank=8, adapter_alpha=16.0)
-    configs = {"lora": apt.as_lora()}
-    configs.update({f"apt_every{k}": dataclasses.replace(apt, distill_every=k) for k in dict.fromkeys(args.distill_every)})
+    apt_configs = {f"apt_every{k}": dataclasses.replace(apt, distill_every=k)
+                   for k in dict.fromkeys(args.distill_every or [apt.distill_every])}
+    configs = {"lora": apt.as_lora(), **apt_configs}
     train = TrainConfig(steps=args.steps, micro_batch_size=args.micro_batch_size, lr=2e-3,
                         warmup_steps=max(1, args.steps // 10), max_seq_len=args.max_seq_len, seed=0, log_every=1)
     trainers = {name: APTrainer(load_model(hf_dir, mmap=False), config, train, progress=False) for name, config in configs.items()}
@@ -81,9 +80,7 @@ def main(argv=None) -> None:
     for phase, (lo, hi) in phases.items():
         lora_s = sum(cpu["lora"][lo:hi])
         result["phases"][phase] = {"steps": hi - lo, "lora_cpu_s": lora_s}
-        for name in configs:
-            if name == "lora":
-                continue
+        for name in apt_configs:
             apt_s = sum(cpu[name][lo:hi])
             result["phases"][phase].update({f"{name}_cpu_s": apt_s, f"{name}_over_lora": apt_s / lora_s})
             print(f"[phase_cost] {phase:9s} steps {lo:3d}-{hi:3d}: {name} {apt_s:7.1f} s, LoRA {lora_s:7.1f} s, "

@@ -44,7 +44,7 @@ from _common import (  # noqa: E402
     DEFAULT_GGUF, check_fast_scorer, command_line, ensure_hf_model, fast_label_report, git_commit, hardware, read_json, reset_peak_rss, rss_mb,
     vm_hwm_mb, write_json,
 )
-from _quality_report import markdown, plots  # noqa: E402
+from _quality_report import markdown, plots, targets  # noqa: E402
 
 from apt_ds.config import ADAPTER_TARGETS, APTConfig  # noqa: E402
 
@@ -416,30 +416,6 @@ def _shape_from_config(cfg: dict):
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         layers = tuple(LayerShape(kv, heads // kv, head_dim, cfg["intermediate_size"]) for _ in range(cfg["num_hidden_layers"]))
     return ModelShape(cfg["hidden_size"], layers, cfg["vocab_size"], bool(cfg.get("tie_word_embeddings")))
-
-
-ONE_LABEL_SHARE = 0.99  # a model answering one label on this share of the test rows or more learned only a prior
-
-
-def targets(rows: dict) -> dict:
-    lora, apt, ptt = rows.get("lora"), rows.get("apt_0.7"), rows.get("ptt_0.7")
-    if not (lora and apt):
-        return {}
-    out = {
-        "apt0.7_acc_ge_90pct_lora": apt["accuracy"] >= 0.9 * lora["accuracy"],
-        "apt0.7_time_le_lora": apt["train_time_s"] <= lora["train_time_s"],
-        "apt0.7_cpu_time_le_lora": apt.get("train_cpu_s", 1e18) <= lora.get("train_cpu_s", 0),
-        "apt0.7_post_event_peak_lt_lora": (apt.get("peak_rss_after_last_event_mb") or 1e18) < (lora.get("peak_rss_after_last_event_mb") or 0),
-        "apt0.7_peak_le_1.1x_lora": apt["peak_rss_mb"] <= 1.1 * lora["peak_rss_mb"],
-    }
-    if ptt:
-        out["apt0.7_acc_gt_ptt0.7"] = apt["accuracy"] > ptt["accuracy"]
-    if lora.get("auc") is not None:  # without it the accuracy targets compare label priors, not learning
-        out["task_learned_by_lora_auc_gt_0.55"] = lora["auc"] > 0.55
-    shares = (apt.get("predicted_share") or {}).values()
-    if shares:  # a model that gives one answer to (nearly) every row passes the accuracy targets by the label prior
-        out["apt0.7_answers_both_labels"] = max(shares) < ONE_LABEL_SHARE
-    return out
 
 
 def main(argv=None) -> None:

@@ -40,7 +40,7 @@ def test_quality_benchmark_runs_every_method_on_the_tiny_model(tmp_path, tokeniz
     cmd = [sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--model", str(model_dir), "--tasks-dir", str(tmp_path / "tasks"),
            "--tasks", "sst2", "--methods", *methods, "--steps", "8", "--max-seq-len", "32", "--eval-examples", "12",
            "--calibration-batches", "2", "--check-rows", "4", "--speed-rounds", "1", "--new-tokens", "4", "--prompt-len", "8",
-           "--jobs", "2", "--out", str(out), "--img-dir", str(out / "img")]
+           "--adapter-targets", "q_proj", "v_proj", "o_proj", "--jobs", "2", "--out", str(out), "--img-dir", str(out / "img")]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -52,6 +52,8 @@ def test_quality_benchmark_runs_every_method_on_the_tiny_model(tmp_path, tokeniz
     for method, row in rows.items():
         assert 0.0 <= row["accuracy"] <= 1.0, method
     assert rows["lora"]["density"] == pytest.approx(1.0)
+    for method in ("lora", "apt_0.7", "ptt_0.7"):  # --adapter-targets reaches every trained method
+        assert rows[method]["apt_config"]["adapter_targets"] == ["q_proj", "v_proj", "o_proj"], method
     for method, target in (("apt_0.7", 0.7), ("ptt_0.7", 0.7), ("apt_0.5_uniform", 0.5)):
         assert rows[method]["density"] < 0.95, method  # something was pruned and exported
         assert abs(rows[method]["density"] - target) < 0.15, (method, rows[method]["density"])
@@ -98,3 +100,16 @@ def test_every_tasks_target_pair_is_queued_first_and_together():
     order = [name for name, *_ in paired_first([(name, Path("."), Path(".")) for name in names])]
     assert order[:4] == ["boolq/lora", "boolq/apt_0.7", "sst2/lora", "sst2/apt_0.7"]
     assert order[4:] == ["boolq/zero_shot", "boolq/ptt_0.7", "boolq/apt_0.5", "sst2/zero_shot", "sst2/ptt_0.7", "sst2/apt_0.5"]
+
+
+def test_targets_flag_a_model_that_answers_one_label():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from _quality_report import targets
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    lora = {"accuracy": 0.63, "train_time_s": 10.0, "peak_rss_mb": 100.0, "predicted_share": {"no": 0.03, "yes": 0.97}}
+    always_yes = {**lora, "accuracy": 0.62, "predicted_share": {"no": 0.0, "yes": 1.0}}
+    assert targets({"lora": lora, "apt_0.7": always_yes})["apt0.7_acc_ge_90pct_lora"]  # the prior alone passes it
+    assert targets({"lora": lora, "apt_0.7": always_yes})["apt0.7_answers_both_labels"] is False
+    assert targets({"lora": lora, "apt_0.7": lora})["apt0.7_answers_both_labels"] is True
