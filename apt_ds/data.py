@@ -133,6 +133,15 @@ def split_record(row: dict) -> tuple[str | None, str] | None:
     return None
 
 
+def prompt_and_answer(row: dict) -> tuple[str, str]:
+    """(prompt, answer) of a labelled row, either format; the evaluator scores answers after
+    exactly the prompt training saw. ValueError for plain-text or unusable rows."""
+    pair = split_record(row)
+    if pair is None or pair[0] is None:
+        raise ValueError(f"an evaluation row needs 'instruction'/'output' or 'prompt'/'completion' fields, got {sorted(row)}")
+    return pair
+
+
 def _special_ids(tokenizer) -> tuple[list[int], list[int]]:
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []

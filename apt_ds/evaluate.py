@@ -15,12 +15,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .data import IGNORE_INDEX, collate, encode_prompt_response, format_prompt
+from .data import IGNORE_INDEX, collate, encode_prompt_response, prompt_and_answer
 
 
 @torch.no_grad()
 def label_accuracy(model, tokenizer, rows: list[dict], labels: list[str], max_seq_len: int = 256, batch_size: int = 8) -> float:
-    """Fraction of rows (instruction/input/output) whose most likely label equals `output`."""
+    """Fraction of labelled rows (instruction/input/output or prompt/completion) whose most
+    likely label equals the row's answer."""
     model.eval()
     pad_id = tokenizer.pad_token_id or 0
     correct = 0
@@ -28,7 +29,7 @@ def label_accuracy(model, tokenizer, rows: list[dict], labels: list[str], max_se
         chunk = rows[start : start + batch_size]
         scores = torch.stack([_label_logprob(model, tokenizer, chunk, label, max_seq_len, pad_id) for label in labels], 1)
         predicted = scores.argmax(1)
-        gold = torch.tensor([labels.index(row["output"]) for row in chunk])
+        gold = torch.tensor([labels.index(prompt_and_answer(row)[1]) for row in chunk])
         correct += int((predicted == gold).sum())
     return correct / max(1, len(rows))
 
@@ -36,8 +37,7 @@ def label_accuracy(model, tokenizer, rows: list[dict], labels: list[str], max_se
 def _label_logprob(model, tokenizer, rows, label: str, max_seq_len: int, pad_id: int) -> torch.Tensor:
     examples = []
     for row in rows:
-        prompt = format_prompt(row.get("instruction", ""), row.get("input", ""))
-        example = encode_prompt_response(tokenizer, prompt, label, max_seq_len)
+        example = encode_prompt_response(tokenizer, prompt_and_answer(row)[0], label, max_seq_len)
         # Score the label tokens only, not the EOS that training appends.
         labels = list(example["labels"])
         if tokenizer.eos_token_id is not None and labels and labels[-1] == tokenizer.eos_token_id:

@@ -171,7 +171,7 @@ def fast_label_scores(model, tokenizer, rows: list[dict], labels: list[str], max
     import torch
     import torch.nn.functional as F
 
-    from apt_ds.data import collate, encode_prompt_response, format_prompt
+    from apt_ds.data import collate, encode_prompt_response, prompt_and_answer
 
     ids = label_token_ids(tokenizer, labels)
     if ids is None:
@@ -185,8 +185,7 @@ def fast_label_scores(model, tokenizer, rows: list[dict], labels: list[str], max
             chunk = rows[start : start + batch_size]
             examples, last = [], []
             for row in chunk:
-                prompt = format_prompt(row.get("instruction", ""), row.get("input", ""))
-                ex = encode_prompt_response(tokenizer, prompt, labels[0], max_seq_len)
+                ex = encode_prompt_response(tokenizer, prompt_and_answer(row)[0], labels[0], max_seq_len)
                 prefix = ex["input_ids"][:-suffix]
                 examples.append({"input_ids": prefix, "labels": prefix})
                 last.append(len(prefix) - 1)
@@ -205,9 +204,10 @@ def fast_label_report(model, tokenizer, rows: list[dict], labels: list[str], max
     gold label renormalised over the labels."""
     import torch
 
+    from apt_ds.data import prompt_and_answer
     from apt_ds.evaluate import label_accuracy
 
-    gold = torch.tensor([labels.index(row["output"]) for row in rows])
+    gold = torch.tensor([labels.index(prompt_and_answer(row)[1]) for row in rows])
     gold_share = {label: float((gold == i).float().mean()) for i, label in enumerate(labels)}
     scores = fast_label_scores(model, tokenizer, rows, labels, max_seq_len, batch_size)
     if scores is None:
@@ -219,8 +219,28 @@ def fast_label_report(model, tokenizer, rows: list[dict], labels: list[str], max
               "predicted_share": {label: float((predicted == i).float().mean()) for i, label in enumerate(labels)},
               "gold_nll": float(-renormalised[torch.arange(len(rows)), gold].mean())}
     if len(labels) == 2:
-        report["auc"] = roc_auc(scores[:, 1] - scores[:, 0], gold == 1)
+        margin = scores[:, 1] - scores[:, 0]
+        report["auc"] = roc_auc(margin, gold == 1)
+        report["best_threshold_accuracy"] = best_threshold_accuracy(margin, gold == 1)
     return report
+
+
+def best_threshold_accuracy(score, positive) -> float:
+    """Accuracy of "positive iff score > t" at the best t, chosen on these same rows: a ceiling
+    on what shifting the model's label prior could score. When it is near the majority
+    share, no decision rule on this model's scores beats answering the majority label."""
+    import torch
+
+    order = torch.argsort(score.double(), descending=True)
+    ranked = positive[order].double()
+    # predicting the top k as positive: true positives cumsum(k), true negatives (negatives - false positives)
+    tp = torch.cat([torch.zeros(1, dtype=torch.float64), ranked.cumsum(0)])
+    fp = torch.arange(len(ranked) + 1, dtype=torch.float64) - tp
+    tn = (len(ranked) - ranked.sum()) - fp
+    cut_ok = torch.ones(len(ranked) + 1, dtype=torch.bool)  # a threshold cannot split tied scores
+    sorted_scores = score.double()[order]
+    cut_ok[1:-1] = sorted_scores[:-1] != sorted_scores[1:]
+    return float(((tp + tn)[cut_ok]).max() / max(1, len(ranked)))
 
 
 def roc_auc(score, positive) -> float | None:
@@ -237,6 +257,7 @@ def check_fast_scorer(model, tokenizer, rows: list[dict], labels: list[str], max
     """Compare fast_label_scores with the per-label scores label_accuracy computes."""
     import torch
 
+    from apt_ds.data import prompt_and_answer
     from apt_ds.evaluate import _label_logprob, label_accuracy
 
     fast = fast_label_scores(model, tokenizer, rows, labels, max_seq_len, batch_size=len(rows))
@@ -249,7 +270,7 @@ def check_fast_scorer(model, tokenizer, rows: list[dict], labels: list[str], max
     diff = float((fast - slow).abs().max())
     same_pred = bool((fast.argmax(1) == slow.argmax(1)).all())
     acc = label_accuracy(model, tokenizer, rows, labels, max_seq_len=max_seq_len, batch_size=8)
-    gold = torch.tensor([labels.index(row["output"]) for row in rows])
+    gold = torch.tensor([labels.index(prompt_and_answer(row)[1]) for row in rows])
     fast_acc = int((fast.argmax(1) == gold).sum()) / len(rows)
     if not same_pred or diff > 1e-3 or abs(acc - fast_acc) > 1e-12:
         raise RuntimeError(f"fast scorer disagrees with label_accuracy: max |diff| {diff}, same predictions {same_pred}, "

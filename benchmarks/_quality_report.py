@@ -44,10 +44,10 @@ def markdown(summary: dict, method_order: list[str]) -> str:
     lines = []
     for task, rows in summary["tasks"].items():
         lines += [f"\n#### {task} ({len(rows)} runs)\n",
-                  "| method | density | params (M) | accuracy | acc / LoRA | AUC | predicted share of first label | train s | time / LoRA | CPU / LoRA | peak RSS MB | peak / LoRA "
+                  "| method | density | params (M) | accuracy | acc / LoRA | AUC | best-threshold acc | predicted share of first label | train s | time / LoRA | CPU / LoRA | peak RSS MB | peak / LoRA "
                   "| RSS at last event / LoRA | recovery peak / LoRA | export MB | size / dense | decode tok/s | decode / dense "
                   "| FLOPs/tok / dense |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for method in method_order:
             if method not in rows:
                 continue
@@ -55,7 +55,7 @@ def markdown(summary: dict, method_order: list[str]) -> str:
             sp = r.get("speed", {})
             lines.append(
                 f"| {method} | {_fmt(r.get('density'))} | {_fmt(r.get('total_params', 0) / 1e6, '.1f')} | {_fmt(r.get('accuracy'))} "
-                f"| {_fmt(r.get('acc_vs_lora'))} | {_fmt(r.get('auc'))} | {_fmt(_first_share(r, 'predicted_share'))} "
+                f"| {_fmt(r.get('acc_vs_lora'))} | {_fmt(r.get('auc'))} | {_fmt(r.get('best_threshold_accuracy'))} | {_fmt(_first_share(r, 'predicted_share'))} "
                 f"| {_fmt(r.get('train_time_s'), '.0f')} | {_fmt(r.get('train_time_s_vs_lora'), '.2f')} "
                 f"| {_fmt(r.get('train_cpu_s_vs_lora'), '.2f')} "
                 f"| {_fmt(r.get('peak_rss_mb'), '.0f')} | {_fmt(r.get('peak_rss_mb_vs_lora'), '.3f')} "

