@@ -137,8 +137,9 @@ def prompt_and_answer(row: dict) -> tuple[str, str]:
     """(prompt, answer) of a labelled row, either format; the evaluator scores answers after
     exactly the prompt training saw. ValueError for plain-text or unusable rows."""
     pair = split_record(row)
-    if pair is None or pair[0] is None:
-        raise ValueError(f"an evaluation row needs 'instruction'/'output' or 'prompt'/'completion' fields, got {sorted(row)}")
+    if pair is None or not pair[0]:  # no prompt: nothing to score an answer after
+        raise ValueError(f"an evaluation row needs 'instruction'/'output' or non-empty 'prompt'/'completion' fields, "
+                         f"got {sorted(k for k, v in row.items() if v)}")
     return pair
 
 

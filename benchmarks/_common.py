@@ -225,11 +225,15 @@ def fast_label_report(model, tokenizer, rows: list[dict], labels: list[str], max
     return report
 
 
-def best_threshold_accuracy(score, positive) -> float:
+def best_threshold_accuracy(score, positive) -> float | None:
     """Accuracy of "positive iff score > t" at the best t, chosen on these same rows: a ceiling
     on what shifting the model's label prior could score. When it is near the majority
-    share, no decision rule on this model's scores beats answering the majority label."""
+    share, no decision rule on this model's scores beats answering the majority label.
+    None without rows (like roc_auc)."""
     import torch
+
+    if not len(score):
+        return None
 
     order = torch.argsort(score.double(), descending=True)
     ranked = positive[order].double()

@@ -43,7 +43,8 @@ def _first_share(row: dict, key: str):
 def markdown(summary: dict, method_order: list[str]) -> str:
     lines = []
     for task, rows in summary["tasks"].items():
-        lines += [f"\n#### {task} ({len(rows)} runs)\n",
+        styles = sorted({r.get("prompt_style", "alpaca") for r in rows.values()})
+        lines += [f"\n#### {task} ({len(rows)} runs; {'/'.join(styles)} prompts)\n",
                   "| method | density | params (M) | accuracy | acc / LoRA | AUC | best-threshold acc | predicted share of first label | train s | time / LoRA | CPU / LoRA | peak RSS MB | peak / LoRA "
                   "| RSS at last event / LoRA | recovery peak / LoRA | export MB | size / dense | decode tok/s | decode / dense "
                   "| FLOPs/tok / dense |",
@@ -72,6 +73,40 @@ def markdown(summary: dict, method_order: list[str]) -> str:
         t = summary.get("targets", {}).get(task)
         if t:
             lines.append("\nTargets: " + ", ".join(f"{k}: {'PASS' if v else 'MISS'}" for k, v in t.items()))
+    return "\n".join(lines) + "\n"
+
+
+def phase_split(out: Path, summary: dict) -> str:
+    """Per task, summed step_time_s of APT 0.7 and LoRA in the phases of APT 0.7's schedule
+    (pruning events' own time is not in step_time_s): where APT pays and where it saves."""
+    from apt_ds.metrics import read_metrics
+    from apt_ds.schedule import SALIENCE_WARMUP_STEPS
+
+    lines = []
+    for task, rows in summary["tasks"].items():
+        paths = {m: out / task / m / "metrics.jsonl" for m in ("apt_0.7", "lora")}
+        if "apt_0.7" not in rows or not all(p.is_file() for p in paths.values()):
+            continue
+        start, end = rows["apt_0.7"]["apt_config"]["pruning_start_step"], rows["apt_0.7"]["apt_config"]["pruning_end_step"]
+        warm = max(0, start - SALIENCE_WARMUP_STEPS)
+        # metrics' "step" counts steps done: step index i is logged as i + 1
+        phases = (("before salience", 1, warm), ("salience warm-up", warm + 1, start),
+                  ("pruning: teacher passes, salience, events", start + 1, end), ("recovery: final shape, no teacher", end + 1, 10**9))
+        seconds = {m: [r for r in read_metrics(p) if "step_time_s" in r] for m, p in paths.items()}
+        lines += [f"\n#### {task}: step time per phase of APT 0.7's schedule (summed step_time_s)\n",
+                  "| phase (steps) | APT 0.7 s | LoRA s | APT / LoRA |", "|---|---|---|---|"]
+        totals = {m: 0.0 for m in paths}
+        for name, first, last in phases:
+            if last < first:
+                continue
+            sums = {m: sum(r["step_time_s"] for r in recs if first <= r["step"] <= last) for m, recs in seconds.items()}
+            for m in totals:
+                totals[m] += sums[m]
+            shown_last = max(r["step"] for r in seconds["apt_0.7"]) if last == 10**9 else last
+            lines.append(f"| {name} ({first}–{shown_last}) | {sums['apt_0.7']:.1f} | {sums['lora']:.1f} "
+                         f"| {_fmt(sums['apt_0.7'] / sums['lora'] if sums['lora'] else None, '.2f')} |")
+        lines.append(f"| total | {totals['apt_0.7']:.1f} | {totals['lora']:.1f} "
+                     f"| {_fmt(totals['apt_0.7'] / totals['lora'] if totals['lora'] else None, '.2f')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -57,7 +57,8 @@ def run_worker(spec_path: Path) -> None:
     labels, seq = task["labels"], spec["max_seq_len"]
     method = method_spec(spec["method"])
     result = {"task": spec["task"], "method": spec["method"], **method, "max_seq_len": seq, "seed": spec["seed"], "spec": spec,
-              "git_commit": spec["git_commit"], "hardware": hardware()}
+              "git_commit": spec["git_commit"], "hardware": hardware(),
+              "prompt_style": task.get("prompt_style", "alpaca")}  # prepare_tasks.py before compact prompts wrote none
     tokenizer = load_tokenizer(spec["hf_dir"])
     test_rows = _rows(task_dir / "test.jsonl", spec["eval_examples"])
     result["eval_rows"] = len(test_rows)

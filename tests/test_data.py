@@ -207,6 +207,7 @@ def test_prepare_tasks_sst2_split(tmp_path):
     # the default compact style: the same split and labels, the input then the cue line as the prompt
     _script("prepare_tasks").main(["--out", str(tmp_path / "compact"), "--tasks", "sst2"])
     compact = data.load_records(tmp_path / "compact" / "sst2" / "test.jsonl")
+    assert json.loads((tmp_path / "compact" / "sst2" / "task.json").read_text())["prompt_style"] == "compact"
     assert compact["completion"] == test["output"]
     assert compact["prompt"] == [f"{text}\nSentiment (positive or negative):\n" for text in test["input"]]
 
@@ -215,8 +216,9 @@ def test_prompt_and_answer_reads_both_labelled_formats_and_refuses_plain_text():
     alpaca = {"instruction": "Answer yes or no.", "input": "is it?", "output": "yes"}
     assert data.prompt_and_answer(alpaca) == (data.format_prompt("Answer yes or no.", "is it?"), "yes")
     assert data.prompt_and_answer({"prompt": "is it?\nAnswer:\n", "completion": "no"}) == ("is it?\nAnswer:\n", "no")
-    with pytest.raises(ValueError, match="'prompt'/'completion'"):
-        data.prompt_and_answer({"text": "just text"})
+    for unusable in ({"text": "just text"}, {"prompt": "", "completion": "yes"}):
+        with pytest.raises(ValueError, match="'prompt'/'completion'"):
+            data.prompt_and_answer(unusable)
 
 
 def test_label_accuracy_scores_prompt_completion_rows_like_the_alpaca_rows_they_spell(tokenizer):
