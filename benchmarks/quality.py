@@ -161,7 +161,8 @@ def run_all(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     hf_dir = ensure_hf_model(args.model, args.hf_cache)
     print(f"[quality] command: {command_line()}", flush=True)
-    print(f"[quality] hardware: {hardware()}", flush=True)
+    hardware_start = hardware()
+    print(f"[quality] hardware: {hardware_start}", flush=True)
     timings: dict[str, float] = {}
     pending, reused = [], []
     commit = git_commit()
@@ -216,7 +217,7 @@ def run_all(args) -> None:
         summary["measuring_run_wall_time_s"] = summary["wall_time_s"]
         summary["measuring_run_command"] = command_line()
     summary["command"] = command_line()
-    summary["hardware_end"] = hardware()
+    summary["hardware"], summary["hardware_end"] = hardware_start, hardware()  # load average before and after
     write_json(out / "results.json", summary)
     table = markdown(summary, METHOD_ORDER + EXTRA_METHODS) + phase_split(out, summary)
     (out / "results.md").write_text(table)
