@@ -90,9 +90,10 @@ def phase_split(out: Path, summary: dict) -> str:
         start, end = rows["apt_0.7"]["apt_config"]["pruning_start_step"], rows["apt_0.7"]["apt_config"]["pruning_end_step"]
         warm = max(0, start - SALIENCE_WARMUP_STEPS)
         # metrics' "step" counts steps done: step index i is logged as i + 1
-        phases = (("before salience", 1, warm), ("salience warm-up", warm + 1, start),
-                  ("pruning: teacher passes, salience, events", start + 1, end), ("recovery: final shape, no teacher", end + 1, 10**9))
         seconds = {m: [r for r in read_metrics(p) if "step_time_s" in r] for m, p in paths.items()}
+        final = max(r["step"] for r in seconds["apt_0.7"])
+        phases = (("before salience", 1, warm), ("salience warm-up", warm + 1, start),
+                  ("pruning: teacher passes, salience, events", start + 1, end), ("recovery: final shape, no teacher", end + 1, final))
         lines += [f"\n#### {task}: step time per phase of APT 0.7's schedule (summed step_time_s)\n",
                   "| phase (steps) | APT 0.7 s | LoRA s | APT / LoRA |", "|---|---|---|---|"]
         totals = {m: 0.0 for m in paths}
@@ -102,8 +103,7 @@ def phase_split(out: Path, summary: dict) -> str:
             sums = {m: sum(r["step_time_s"] for r in recs if first <= r["step"] <= last) for m, recs in seconds.items()}
             for m in totals:
                 totals[m] += sums[m]
-            shown_last = max(r["step"] for r in seconds["apt_0.7"]) if last == 10**9 else last
-            lines.append(f"| {name} ({first}–{shown_last}) | {sums['apt_0.7']:.1f} | {sums['lora']:.1f} "
+            lines.append(f"| {name} ({first}–{last}) | {sums['apt_0.7']:.1f} | {sums['lora']:.1f} "
                          f"| {_fmt(sums['apt_0.7'] / sums['lora'] if sums['lora'] else None, '.2f')} |")
         lines.append(f"| total | {totals['apt_0.7']:.1f} | {totals['lora']:.1f} "
                      f"| {_fmt(totals['apt_0.7'] / totals['lora'] if totals['lora'] else None, '.2f')} |")
