@@ -29,7 +29,8 @@ class TrainingBackend:
     rank: int = 0
     module: torch.nn.Module
 
-    def attach(self, model: torch.nn.Module, lr: float, lr_lambda: LrLambda, weight_decay: float, grad_accum_steps: int) -> None:
+    def attach(self, model: torch.nn.Module, lr: float, lr_lambda: LrLambda, weight_decay: float, grad_accum_steps: int,
+               max_grad_norm: float = 0.0) -> None:
         raise NotImplementedError
 
     def forward(self, **batch):
@@ -44,7 +45,13 @@ class TrainingBackend:
         raise NotImplementedError
 
     def step(self) -> None:
-        """Optimizer + LR-scheduler step at the end of a gradient-accumulation cycle."""
+        """Optimizer + LR-scheduler step at the end of a gradient-accumulation cycle; clips the
+        global gradient norm to `max_grad_norm` first (0: no clipping)."""
+        raise NotImplementedError
+
+    @property
+    def grad_norm(self) -> float | None:
+        """Global gradient norm of the last step, before clipping (None before the first step)."""
         raise NotImplementedError
 
     @property
@@ -95,10 +102,14 @@ class TrainingBackend:
 class LocalBackend(TrainingBackend):
     """One process, torch.optim.AdamW + LambdaLR; the reference the DeepSpeed seam must match."""
 
-    def attach(self, model, lr, lr_lambda, weight_decay, grad_accum_steps):
+    def attach(self, model, lr, lr_lambda, weight_decay, grad_accum_steps, max_grad_norm=0.0):
+        if max_grad_norm < 0:
+            raise ValueError(f"max_grad_norm must be >= 0 (0: no clipping), got {max_grad_norm}")
         self.module = model
         self._lr, self._lr_lambda, self._weight_decay = lr, lr_lambda, weight_decay
         self.grad_accum_steps = grad_accum_steps
+        self.max_grad_norm = max_grad_norm
+        self._grad_norm = None
         self._build_optimizer(step=0)
 
     def _trainable(self) -> dict[str, torch.nn.Parameter]:
@@ -119,6 +130,10 @@ class LocalBackend(TrainingBackend):
         (loss / self.grad_accum_steps).backward()
 
     def step(self):
+        # clip_grad_norm_ with an infinite bound only measures (clip coefficient clamped to 1).
+        bound = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        self._grad_norm = float(torch.nn.utils.clip_grad_norm_(params, bound))
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -127,6 +142,10 @@ class LocalBackend(TrainingBackend):
     @property
     def lr(self):
         return self.optimizer.param_groups[0]["lr"]
+
+    @property
+    def grad_norm(self):
+        return self._grad_norm
 
     @property
     def optimizer_steps(self):

@@ -9,8 +9,10 @@ trainer owns and refuses contradictions, `launcher_env` gives the variables that
 Decisions (measured with deepspeed 0.19.8, torch 2.13 CPU, gloo):
 - "auto" is accepted for `bf16.enabled` (bf16 if the accelerator supports it), `fp16.enabled`
   (off), the three batch sizes (set from the trainer) and the ZeRO bucket sizes (from the
-  model's hidden size). Careful: DeepSpeed itself silently reads `"bf16": {"enabled": "auto"}`
-  as False; only `resolve_config` resolves it. Any other "auto" is refused.
+  model's hidden size), and for `gradient_clipping` (the trainer's max_grad_norm, which a
+  number in the JSON may only repeat). Careful: DeepSpeed itself silently reads
+  `"bf16": {"enabled": "auto"}` as False; only `resolve_config` resolves it. Any other "auto"
+  is refused.
 - ZeRO stages 1, 2 and 3 are supported; stage 0 is refused (its optimizer keeps no fp32
   masters to carry across a shape change).
 - An "optimizer" or "scheduler" section is dropped with a warning: the backend always steps a
@@ -64,7 +66,7 @@ def _is_auto(value) -> bool:
 
 
 def resolve_config(user: dict, *, grad_accum_steps: int, world_size: int, micro_batch_size: int | None = None,
-                   bf16_supported: bool = True, hidden_size: int | None = None, source: str = "<dict>") -> dict:
+                   max_grad_norm: float = 0.0, bf16_supported: bool = True, hidden_size: int | None = None, source: str = "<dict>") -> dict:
     """Fill "auto" values and batch sizes; refuse contradictions. Pure function of its inputs.
 
     "auto" bucket sizes follow the Hugging Face integration: reduce_bucket_size = hidden²,
@@ -80,6 +82,11 @@ def resolve_config(user: dict, *, grad_accum_steps: int, world_size: int, micro_
                            "lr / weight decay / schedule from the APT config", source, section,
                            json.dumps(cfg.pop(section)))
     _resolve_batch_sizes(cfg, grad_accum_steps, world_size, micro_batch_size, fail)
+    clipping = cfg.get("gradient_clipping")
+    if clipping is not None and not _is_auto(clipping) and _as_float(clipping) != float(max_grad_norm):
+        fail(f"gradient_clipping={clipping} contradicts the trainer's max_grad_norm={max_grad_norm} "
+             f"(use \"auto\", omit it, or set --max-grad-norm)")
+    cfg["gradient_clipping"] = float(max_grad_norm)
     for key in ("bf16", "bfloat16", "fp16"):
         section = cfg.get(key)
         if isinstance(section, dict) and _is_auto(section.get("enabled")):
@@ -91,6 +98,13 @@ def resolve_config(user: dict, *, grad_accum_steps: int, world_size: int, micro_
     if leftover:
         fail(f"\"auto\" is not supported for {', '.join(leftover)}; give a value")
     return cfg
+
+
+def _as_float(value) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def _resolve_batch_sizes(cfg: dict, gas: int, world_size: int, micro_batch_size: int | None, fail) -> None:

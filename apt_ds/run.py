@@ -77,7 +77,7 @@ def _texts_for_tokenizer(records) -> list[str]:
 PROBE_FILE = "eval_probe.safetensors"
 # The split of the global batch (micro batch, gradient accumulation, ranks) may change on resume:
 # data order and loss normalisation depend only on the global batch.
-RESUME_MUST_MATCH = ("steps", "lr", "warmup_steps", "weight_decay", "max_seq_len", "seed")
+RESUME_MUST_MATCH = ("steps", "lr", "warmup_steps", "weight_decay", "max_grad_norm", "max_seq_len", "seed")
 
 
 def global_batch_size(train: dict | TrainConfig, world_size: int) -> int:
@@ -124,6 +124,8 @@ def run_training(args, apt: APTConfig, train: TrainConfig) -> dict:
         fingerprint = model_fingerprint(model)
         if meta is not None:
             check_resumable(meta, args, train, fingerprint, data_path, backend.world_size)
+        if hasattr(backend, "resolved_config"):  # DeepSpeed JSON vs the trainer's settings
+            backend.resolved_config(model, train.grad_accum_steps, train.max_grad_norm)
         backend.barrier()
         prepare_out_dir(out, args.resume, args.overwrite, backend.is_main())
         if backend.is_main() and not args.resume:

@@ -97,7 +97,8 @@ class APTrainer:
         self.consumed_micro_batches = 0
         self.teacher_ready = False
         self.history: list[dict] = []
-        self.backend.attach(model, train.lr, warmup_cosine(train.warmup_steps, train.steps), train.weight_decay, train.grad_accum_steps)
+        self.backend.attach(model, train.lr, warmup_cosine(train.warmup_steps, train.steps), train.weight_decay,
+                            train.grad_accum_steps, max_grad_norm=train.max_grad_norm)
         self.metrics = MetricsWriter(self.out_dir / "metrics.jsonl" if self.out_dir and self.backend.is_main() else None)
 
     # ---- public ----------------------------------------------------------------------------
@@ -198,7 +199,8 @@ class APTrainer:
         distill_mean = kl_total / float(totals[0]) + mse_total / float(totals[1])
         return {
             "step": self.step, "loss": (1 - mu) * task_mean + mu * distill_mean, "task_loss": task_mean,
-            "distill_loss": distill_mean, "mu": mu, "lr": lr, "step_time_s": time.perf_counter() - started,
+            "distill_loss": distill_mean, "mu": mu, "lr": lr, "grad_norm": self.backend.grad_norm,
+            "step_time_s": time.perf_counter() - started,
         }
 
     def _losses(self, batch: dict, mu: float):

@@ -60,11 +60,7 @@ import torch
 from .backend import LrLambda, TrainingBackend
 from .ds_config import DeepSpeedConfigError, launcher_env, load_ds_config, resolve_config
 from .edits import Grow, ShapeChange, apply_edits
-
-ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
-CHECKPOINT_FORMAT = 1
-TENSOR_FILE = "trainable.safetensors"
-META_FILE = "optimizer.json"
+from .zero_checkpoint import ADAM_MOMENTS, CHECKPOINT_FORMAT, META_FILE, TENSOR_FILE, read_checkpoint_meta
 
 
 def _flat_fp32_partitions(zero_optimizer) -> list[torch.Tensor]:
@@ -125,18 +121,11 @@ class DeepSpeedBackend(TrainingBackend):
         return out
 
     # ---- engine ------------------------------------------------------------------------------
-    def attach(self, model, lr: float, lr_lambda: LrLambda, weight_decay: float, grad_accum_steps: int) -> None:
-        from deepspeed.accelerator import get_accelerator
-
-        if grad_accum_steps < 1:
-            raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
+    def attach(self, model, lr: float, lr_lambda: LrLambda, weight_decay: float, grad_accum_steps: int,
+               max_grad_norm: float = 0.0) -> None:
+        self.ds_config = self.resolved_config(model, grad_accum_steps, max_grad_norm)
         self._lr, self._lr_lambda, self._weight_decay = lr, lr_lambda, weight_decay
         self.grad_accum_steps = grad_accum_steps
-        self.ds_config = resolve_config(self.user_config, grad_accum_steps=grad_accum_steps, world_size=self.world_size,
-                                        micro_batch_size=self.micro_batch_size,
-                                        bf16_supported=get_accelerator().is_bf16_supported(),
-                                        hidden_size=getattr(getattr(model, "config", None), "hidden_size", None),
-                                        source=self.config_source)
         self.zero_stage = self.ds_config["zero_optimization"]["stage"]
         bf16 = self.ds_config.get("bf16", self.ds_config.get("bfloat16", {})).get("enabled", False)
         fp16 = self.ds_config.get("fp16", {}).get("enabled", False)
@@ -144,6 +133,21 @@ class DeepSpeedBackend(TrainingBackend):
         self.module = model
         self._steps, self._micro = 0, 0
         self._build_engine(step=0)
+
+    def resolved_config(self, model, grad_accum_steps: int, max_grad_norm: float) -> dict:
+        """The DeepSpeed config this model and these settings would run with; raises
+        DeepSpeedConfigError on contradictions. Callable before `attach`, to validate early."""
+        from deepspeed.accelerator import get_accelerator
+
+        if grad_accum_steps < 1:
+            raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
+        if max_grad_norm < 0:
+            raise ValueError(f"max_grad_norm must be >= 0 (0: no clipping), got {max_grad_norm}")
+        return resolve_config(self.user_config, grad_accum_steps=grad_accum_steps, world_size=self.world_size,
+                              micro_batch_size=self.micro_batch_size, max_grad_norm=max_grad_norm,
+                              bf16_supported=get_accelerator().is_bf16_supported(),
+                              hidden_size=getattr(getattr(model, "config", None), "hidden_size", None),
+                              source=self.config_source)
 
     def _trainable(self) -> dict[str, torch.nn.Parameter]:
         return {n: p for n, p in self.module.named_parameters() if p.requires_grad}
@@ -204,6 +208,14 @@ class DeepSpeedBackend(TrainingBackend):
     @property
     def optimizer_steps(self) -> int:
         return self._steps
+
+    @property
+    def grad_norm(self) -> float | None:
+        """DeepSpeed's global norm of the last step (ZeRO reduces it over ranks; before clipping)."""
+        if self._steps == 0 or self.engine is None:
+            return None
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
 
     @property
     def skipped_steps(self) -> int:
@@ -423,41 +435,11 @@ class DeepSpeedBackend(TrainingBackend):
         from safetensors import safe_open
 
         directory = Path(directory)
-        tensor_path, meta_path = directory / TENSOR_FILE, directory / META_FILE
+        tensor_path = directory / TENSOR_FILE
         meta: dict = {}
 
         def validate() -> None:
-            if not meta_path.is_file() or not tensor_path.is_file():
-                legacy = " (a pickled DeepSpeed checkpoint from an older apt_ds: not loadable)" \
-                    if (directory / "deepspeed").is_dir() else ""
-                raise FileNotFoundError(f"no apt_ds checkpoint in {directory}: {META_FILE} or {TENSOR_FILE} "
-                                        f"missing{legacy}")
-            try:
-                meta.update(json.loads(meta_path.read_text()))
-            except json.JSONDecodeError as err:
-                raise ValueError(f"corrupt {meta_path}: {err}") from None
-            if meta.get("format") != CHECKPOINT_FORMAT or meta.get("backend") != "deepspeed":
-                raise ValueError(f"{meta_path}: not a DeepSpeedBackend checkpoint of format {CHECKPOINT_FORMAT}")
-            saved, model = meta["shapes"], self._shapes()
-            for name in model:
-                if name not in saved:
-                    raise ValueError(f"checkpoint {directory} has no state for trainable parameter {name} "
-                                     f"(shape {model[name]})")
-                if saved[name] != model[name]:
-                    raise ValueError(f"checkpoint {directory}: trainable parameter {name} has shape {saved[name]} "
-                                     f"in the checkpoint but {model[name]} in the model")
-            extra = sorted(set(saved) - set(model))
-            if extra:
-                raise ValueError(f"checkpoint {directory} has state for {extra[0]} (and {len(extra) - 1} more), "
-                                 f"which is not a trainable parameter of the model")
-            keys = ["master"] + (list(ADAM_MOMENTS) if meta["adam_step"] is not None else [])
-            with safe_open(str(tensor_path), framework="pt") as handle:
-                stored = {key: list(handle.get_slice(key).get_shape()) for key in handle.keys()}
-            for name in model:
-                for key in keys:
-                    if stored.get(f"{key}/{name}") != model[name]:
-                        raise ValueError(f"{tensor_path}: {key}/{name} is missing or has shape "
-                                         f"{stored.get(f'{key}/{name}')}, expected {model[name]}")
+            meta.update(read_checkpoint_meta(directory, self._shapes()))
 
         self._on_all_ranks(validate)
         adam_step = meta["adam_step"]

@@ -16,7 +16,7 @@ from apt_ds.metrics import read_metrics
 from apt_ds.modeling import load_pretrained
 
 FAST = ["--steps", "8", "--max-seq-len", "32", "--micro-batch-size", "2", "--warmup-steps", "1"]
-METRIC_FIELDS = {"step", "loss", "task_loss", "distill_loss", "density", "block_params", "adapter_params",
+METRIC_FIELDS = {"step", "loss", "task_loss", "distill_loss", "grad_norm", "density", "block_params", "adapter_params",
                  "total_rank", "lr", "step_time_s", "peak_rss_mb", "world_size"}
 
 

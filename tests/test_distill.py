@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from apt_ds.adapters import add_adapters
 from apt_ds.config import APTConfig
-from apt_ds.distill import TRANSFORM_ATTR, SelfDistiller, attach_transform, student_adapters
+from apt_ds.distill import (TRANSFORM_ATTR, SelfDistiller, attach_transform, relative_squared_error,
+                             student_adapters)
 from apt_ds.masks import UnitMasks
 from apt_ds.salience import SalienceCollector
 from apt_ds.units import ModelShape
@@ -127,9 +128,27 @@ def test_distill_loss_formula():
         t_p = F.softmax(teacher.logits / T, -1)
         kl = (t_p * (F.log_softmax(teacher.logits / T, -1) - F.log_softmax(student.logits / T, -1))).sum(-1)
         kl = kl[valid].mean() * T**2
-        mse = (transform(student.hidden_states[2]) - teacher.hidden_states[2]).pow(2).mean(-1)[valid].mean()
+        t_h = teacher.hidden_states[2]
+        mse = ((transform(student.hidden_states[2]) - t_h).pow(2).mean(-1) / t_h.pow(2).mean(-1))[valid].mean()
     torch.testing.assert_close(got, 0.3 * kl + 0.7 * mse, rtol=1e-5, atol=1e-8)
     assert float(kl) > 0 and float(mse) > 0
+
+
+def test_hidden_state_error_is_relative_to_each_teacher_token():
+    """A 1000x "massive activation" token with the same relative error as the others weighs
+    the same; with a plain MSE it would carry ~10^6 times their weight."""
+    gen = torch.Generator().manual_seed(0)
+    teacher = torch.randn(2, 5, 16, generator=gen)
+    teacher[:, 0] *= 1000.0
+    student = teacher * 1.1  # 10% error on every token
+    per_token = relative_squared_error(student, teacher)
+    assert per_token.shape == (2, 5)
+    torch.testing.assert_close(per_token, torch.full((2, 5), 0.01))
+    plain = (student - teacher).pow(2).mean(-1)
+    assert float(plain[:, 0].mean() / plain[:, 1:].mean()) > 1e5
+    moved = student.clone()
+    moved[:, 2] += 0.5 * teacher[:, 2].pow(2).mean(-1, keepdim=True).sqrt()  # error of half the token's RMS
+    assert float(relative_squared_error(moved, teacher)[0, 2]) > float(per_token[0, 2]) + 0.1
 
 
 def test_sample_layers_one_per_block():

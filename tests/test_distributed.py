@@ -197,17 +197,20 @@ def test_two_emulated_nodes(tmp_path):
     check_identical_and_pruned(out, 2)
 
 
-@pytest.mark.parametrize("problem", ["missing_json", "bad_json", "indivisible_batch"])
+@pytest.mark.parametrize("problem", ["missing_json", "bad_json", "indivisible_batch", "contradicting_clipping"])
 def test_bad_distributed_input(tmp_path, problem):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
+    clipping = tmp_path / "clip.json"
+    clipping.write_text(json.dumps({**json.loads(Path(ds_config(tmp_path, 2)).read_text()), "gradient_clipping": 0.5}))
     extra = {
         "missing_json": ["--deepspeed", str(tmp_path / "nope.json")],
         "bad_json": ["--deepspeed", str(bad)],
         "indivisible_batch": ["--deepspeed", ds_config(tmp_path, 2), "--global-batch-size", "3"],
+        "contradicting_clipping": ["--deepspeed", str(clipping), "--max-grad-norm", "1.0"],
     }[problem]
     result = launch(2, [*extra, *COMMON, "--out", str(tmp_path / "run")], timeout=300)
     assert result.returncode != 0
     errors = [line for line in (result.stdout + result.stderr).splitlines() if "error:" in line]
     assert errors, result.stderr[-2000:]
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert not (tmp_path / "run").exists()  # refused before anything was written

@@ -31,13 +31,24 @@ def test_resolve_sets_batch_sizes_from_trainer():
     ({"train_micro_batch_size_per_gpu": 8}, {"micro_batch_size": 4}, "train_micro_batch_size_per_gpu=8 contradicts"),
     ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 1}, {}, r"train_batch_size=10 != micro 1"),
     ({"train_batch_size": 12}, {}, "not divisible"),
-    ({"gradient_clipping": "auto"}, {}, r"\"auto\" is not supported for gradient_clipping"),
+    ({"gradient_clipping": 0.5}, {}, r"gradient_clipping=0.5 contradicts the trainer.s max_grad_norm=0.0"),
+    ({"gradient_clipping": "big"}, {}, r"gradient_clipping=big contradicts"),
+    ({"zero_optimization": {"stage": 2, "round_robin_gradients": "auto"}}, {}, r"\"auto\" is not supported for zero_optimization.round_robin_gradients"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, {}, "both enabled"),
 ])
 def test_resolve_refuses_contradictions(user, kw, message):
     user = {"zero_optimization": {"stage": 2}, **user}
     with pytest.raises(DeepSpeedConfigError, match=message):
         _resolve(user, **kw)
+
+
+def test_gradient_clipping_comes_from_the_trainer():
+    for user_value in (None, "auto", 1.0):
+        user = {"zero_optimization": {"stage": 2}}
+        if user_value is not None:
+            user["gradient_clipping"] = user_value
+        assert _resolve(user, max_grad_norm=1.0)["gradient_clipping"] == 1.0
+    assert _resolve({"zero_optimization": {"stage": 2}})["gradient_clipping"] == 0.0  # 0: DeepSpeed does not clip
 
 
 def test_resolve_refuses_stage0_and_forced_ds_cpu_adam():

@@ -26,7 +26,7 @@ from apt_ds.units import ModelShape
 from conftest import random_batch, tiny_llama
 
 STEPS = 40
-METRIC_FIELDS = ("step", "loss", "task_loss", "distill_loss", "density", "block_params", "adapter_params",
+METRIC_FIELDS = ("step", "loss", "task_loss", "distill_loss", "grad_norm", "density", "block_params", "adapter_params",
                  "total_rank", "lr", "step_time_s", "peak_rss_mb")
 
 
@@ -160,6 +160,30 @@ def test_gradient_accumulation_and_lr_schedule_across_rebuilds(full_run):
     for record in steps:  # lr used at step s is the schedule at s-1, before and after every rebuild
         assert record["lr"] == pytest.approx(train.lr * factor(record["step"] - 1), rel=1e-9), record["step"]
     assert trainer.backend.lr == pytest.approx(train.lr * factor(STEPS), rel=1e-9)
+
+
+# ---- gradient clipping (LocalBackend directly) -----------------------------------------------------
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, 1e-3])
+def test_local_backend_clips_the_global_gradient_norm(max_grad_norm):
+    torch.set_num_threads(1)
+    model = tiny_llama("gqa")
+    APTModel(model, APTConfig(adapter_targets=("q_proj", "v_proj"), adapter_rank=4, distill=False), seed=0)
+    backend = LocalBackend()
+    backend.attach(model, 1e-2, lambda step: 1.0, 0.0, 1, max_grad_norm=max_grad_norm)
+    assert backend.grad_norm is None
+    seen = []  # the global norm of the gradients the optimizer actually steps with
+    hook = backend.optimizer.register_step_pre_hook(lambda opt, args, kwargs: seen.append(float(torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(p.grad) for g in opt.param_groups for p in g["params"] if p.grad is not None])))))
+    try:
+        backend.backward(model(**random_batch(seed=1)).loss)
+        unclipped = float(torch.linalg.vector_norm(torch.stack(
+            [torch.linalg.vector_norm(p.grad) for p in model.parameters() if p.grad is not None])))
+        backend.step()
+    finally:
+        hook.remove()
+    assert backend.grad_norm == pytest.approx(unclipped, rel=1e-5) and unclipped > 1e-2
+    assert seen[0] == pytest.approx(max_grad_norm if max_grad_norm else unclipped, rel=1e-4)
 
 
 # ---- optimizer state across a shape change (LocalBackend directly) ----------------------------------

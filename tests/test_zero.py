@@ -21,14 +21,17 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from apt_ds.ds_config import DeepSpeedConfigError, load_ds_config
 from apt_ds.zero import DeepSpeedBackend
+from apt_ds.zero_checkpoint import META_FILE, TENSOR_FILE, read_checkpoint_meta
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "multirank" / "zero_checks.py"
 CONFIGS = ROOT / "ds_configs"
 LR = 1e-2
+CLIP_NORM = 0.02  # mirrors zero_checks.CLIP_NORM
 
 
 def lr_at(step: int) -> float:  # mirrors zero_checks.lr_lambda
@@ -58,6 +61,42 @@ def test_invalid_json_names_file_and_position(tmp_path):
     top.write_text("[1, 2]")
     with pytest.raises(DeepSpeedConfigError, match="top level must be a JSON object"):
         load_ds_config(top)
+
+
+def _write_checkpoint(directory: Path, shapes: dict, adam_step=1.0) -> None:
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    keys = ("master", "exp_avg", "exp_avg_sq") if adam_step is not None else ("master",)
+    save_file({f"{k}/{n}": torch.zeros(s) for n, s in shapes.items() for k in keys}, str(directory / TENSOR_FILE))
+    (directory / META_FILE).write_text(json.dumps({"format": 1, "backend": "deepspeed", "optimizer_steps": 3,
+                                                   "adam_step": adam_step, "shapes": shapes}))
+
+
+def test_checkpoint_validation_names_each_problem(tmp_path):
+    shapes = {"a.lora_A": [4, 8], "a.lora_B": [8, 4]}
+    good = tmp_path / "good"
+    _write_checkpoint(good, shapes)
+    assert read_checkpoint_meta(good, shapes)["optimizer_steps"] == 3
+    with pytest.raises(FileNotFoundError, match="no apt_ds checkpoint"):
+        read_checkpoint_meta(tmp_path / "absent", shapes)
+    with pytest.raises(ValueError, match="has shape \\[8, 4\\] in the checkpoint but \\[8, 5\\]"):
+        read_checkpoint_meta(good, {**shapes, "a.lora_B": [8, 5]})
+    with pytest.raises(ValueError, match="no state for trainable parameter b.lora_A"):
+        read_checkpoint_meta(good, {**shapes, "b.lora_A": [2, 2]})
+    with pytest.raises(ValueError, match="has state for a.lora_B"):
+        read_checkpoint_meta(good, {"a.lora_A": [4, 8]})
+    damaged = tmp_path / "damaged"
+    _write_checkpoint(damaged, shapes)
+    (damaged / TENSOR_FILE).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(ValueError, match="corrupt .*trainable.safetensors"):
+        read_checkpoint_meta(damaged, shapes)
+    (damaged / META_FILE).write_text("{")
+    with pytest.raises(ValueError, match="corrupt .*optimizer.json"):
+        read_checkpoint_meta(damaged, shapes)
+    (damaged / META_FILE).write_text(json.dumps({"format": 1, "backend": "deepspeed"}))  # no shapes
+    with pytest.raises(ValueError, match="not a DeepSpeedBackend checkpoint"):
+        read_checkpoint_meta(damaged, shapes)
 
 
 # ---- multi-rank runs ---------------------------------------------------------------------------
@@ -114,6 +153,17 @@ def test_ds_matches_local_reference(two_ranks):
     _close(two_ranks["baseline"]["losses"], two_ranks["baseline_local"]["losses"], 1e-6)
     assert two_ranks["baseline"]["optimizer_steps"] == 6
     assert two_ranks["baseline"]["lr"] == pytest.approx(lr_at(6))
+
+
+def test_gradient_clipping_matches_local_reference(two_ranks):
+    """DeepSpeed's gradient_clipping (from max_grad_norm) clips like torch's clip_grad_norm_,
+    before and after a shrink rebuilds the engine, and reports the same pre-clip norms."""
+    clipped, local = two_ranks["clip"], two_ranks["clip_local"]
+    assert all(norm > CLIP_NORM for norm in local["grad_norms"])  # clipping was active every step
+    _close(clipped["grad_norms"], local["grad_norms"], 1e-5)
+    _close(clipped["losses"], local["losses"], 1e-6)
+    # Adam is nearly blind to a constant gradient scale, so the effect is small, but well above the tolerance.
+    assert max(abs(a - b) for a, b in zip(clipped["losses"], two_ranks["shrink"]["losses"])) > 1e-5
 
 
 def test_rebuild_without_change_is_exact(two_ranks):

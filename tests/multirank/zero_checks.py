@@ -32,6 +32,7 @@ from apt_ds.zero import DeepSpeedBackend  # noqa: E402
 
 GLOBAL_BATCH, SEQ, VOCAB = 4, 16, 128
 LR, WD = 1e-2, 0.01
+CLIP_NORM = 0.02  # below the scenario's gradient norms, so every step is clipped
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -94,11 +95,11 @@ class Runner:
         return float(self.backend.all_reduce_sum(total) / (self.world * self.gas))
 
 
-def make_backend(kind: str, ds_config: dict, model, gas: int, micro: int | None):
+def make_backend(kind: str, ds_config: dict, model, gas: int, micro: int | None, max_grad_norm: float = 0.0):
     backend = LocalBackend() if kind == "local" else DeepSpeedBackend(ds_config, micro_batch_size=micro)
     if kind == "local":
         backend.rank, backend.world_size = 0, 1
-    backend.attach(model, LR, lr_lambda, WD, gas)
+    backend.attach(model, LR, lr_lambda, WD, gas, max_grad_norm=max_grad_norm)
     return backend
 
 
@@ -171,12 +172,12 @@ def adam_probe(backend, name: str) -> dict:
 
 
 # ---- scenarios ------------------------------------------------------------------------------
-def scenario(kind, ds_config, gas, micro, steps=6, event=None, event_at=3, probe=None):
+def scenario(kind, ds_config, gas, micro, steps=6, event=None, event_at=3, probe=None, max_grad_norm=0.0):
     """Train `steps` steps; after step `event_at` apply `event` ("rebuild", "grow", "shrink")."""
     model = make_model()
-    backend = make_backend(kind, ds_config, model, gas, micro)
+    backend = make_backend(kind, ds_config, model, gas, micro, max_grad_norm)
     runner = Runner(backend, model, gas)
-    rec = {"losses": []}
+    rec = {"losses": [], "grad_norms": []}
     for step in range(steps):
         if event and step == event_at:
             if probe:
@@ -194,6 +195,7 @@ def scenario(kind, ds_config, gas, micro, steps=6, event=None, event_at=3, probe
             if probe:
                 rec["probe_after"] = adam_probe(backend, probe)
         rec["losses"].append(runner.train_step(step))
+        rec["grad_norms"].append(backend.grad_norm)
     rec["lr"] = backend.lr
     rec["optimizer_steps"] = backend.optimizer_steps
     rec["step_s"] = sorted(runner.step_times)[len(runner.step_times) // 2]
@@ -438,6 +440,7 @@ def main():
         "rebuild": lambda: both("rebuild", event="rebuild"),
         "grow": lambda: both("grow", event="grow", probe=probe),
         "shrink": lambda: both("shrink", event="shrink", probe=probe),
+        "clip": lambda: both("clip", event="shrink", max_grad_norm=CLIP_NORM),
         "gas": gas,
         "grads": grads,
         "save": lambda: out.update(save_load=run_save_load(ds_config, Path(args.out).parent / "ckpt", 1, None)),

@@ -1,0 +1,62 @@
+"""The on-disk format of `DeepSpeedBackend` checkpoints, and its validation before loading.
+
+A checkpoint directory holds `trainable.safetensors` (`master/<name>`, `exp_avg/<name>`,
+`exp_avg_sq/<name>`: full, unpartitioned fp32 tensors) and `optimizer.json` (optimizer steps,
+Adam step, ZeRO stage and world size at save time, parameter shapes). Nothing is pickled.
+Validation is a pure function of the files and the model's trainable shapes, so every rank
+can run it and agree before any collective starts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+CHECKPOINT_FORMAT = 1
+TENSOR_FILE = "trainable.safetensors"
+META_FILE = "optimizer.json"
+
+
+def read_checkpoint_meta(directory: Path, model_shapes: dict[str, list[int]]) -> dict:
+    """The checkpoint's `optimizer.json`, after checking that it and the tensor file hold exactly
+    the state of `model_shapes` (name -> full shape). FileNotFoundError if files are missing,
+    ValueError naming the first problem otherwise (corrupt files, other shapes, extra state)."""
+    from safetensors import safe_open
+
+    directory = Path(directory)
+    tensor_path, meta_path = directory / TENSOR_FILE, directory / META_FILE
+    if not meta_path.is_file() or not tensor_path.is_file():
+        legacy = " (a pickled DeepSpeed checkpoint from an older apt_ds: not loadable)" \
+            if (directory / "deepspeed").is_dir() else ""
+        raise FileNotFoundError(f"no apt_ds checkpoint in {directory}: {META_FILE} or {TENSOR_FILE} missing{legacy}")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"corrupt {meta_path}: {err}") from None
+    if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT or meta.get("backend") != "deepspeed" \
+            or not isinstance(meta.get("shapes"), dict) or "adam_step" not in meta or "optimizer_steps" not in meta:
+        raise ValueError(f"{meta_path}: not a DeepSpeedBackend checkpoint of format {CHECKPOINT_FORMAT}")
+    saved = meta["shapes"]
+    for name, shape in model_shapes.items():
+        if name not in saved:
+            raise ValueError(f"checkpoint {directory} has no state for trainable parameter {name} (shape {shape})")
+        if saved[name] != shape:
+            raise ValueError(f"checkpoint {directory}: trainable parameter {name} has shape {saved[name]} "
+                             f"in the checkpoint but {shape} in the model")
+    extra = sorted(set(saved) - set(model_shapes))
+    if extra:
+        raise ValueError(f"checkpoint {directory} has state for {extra[0]} (and {len(extra) - 1} more), "
+                         f"which is not a trainable parameter of the model")
+    keys = ["master"] + (list(ADAM_MOMENTS) if meta["adam_step"] is not None else [])
+    try:
+        with safe_open(str(tensor_path), framework="pt") as handle:
+            stored = {key: list(handle.get_slice(key).get_shape()) for key in handle.keys()}
+    except Exception as err:  # safetensors raises its own error type for a damaged header
+        raise ValueError(f"corrupt {tensor_path}: {err}") from None
+    for name, shape in model_shapes.items():
+        for key in keys:
+            if stored.get(f"{key}/{name}") != shape:
+                raise ValueError(f"{tensor_path}: {key}/{name} is missing or has shape "
+                                 f"{stored.get(f'{key}/{name}')}, expected {shape}")
+    return meta
