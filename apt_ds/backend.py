@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -22,6 +23,11 @@ from .edits import ShapeChange, apply_edits
 LrLambda = Callable[[int], float]
 
 
+def check_max_grad_norm(max_grad_norm: float) -> None:
+    if not (max_grad_norm >= 0 and math.isfinite(max_grad_norm)):
+        raise ValueError(f"max_grad_norm must be a finite number >= 0 (0: no clipping), got {max_grad_norm}")
+
+
 class TrainingBackend:
     """Contract used by APTrainer. Subclasses must implement every method."""
 
@@ -30,11 +36,15 @@ class TrainingBackend:
     module: torch.nn.Module
 
     def attach(self, model: torch.nn.Module, lr: float, lr_lambda: LrLambda, weight_decay: float, grad_accum_steps: int,
-               max_grad_norm: float = 0.0) -> None:
+               *, max_grad_norm: float) -> None:
         raise NotImplementedError
 
     def forward(self, **batch):
         raise NotImplementedError
+
+    def validate(self, model: torch.nn.Module, grad_accum_steps: int, max_grad_norm: float) -> None:
+        """Refuse settings `attach` would refuse, before anything is written (no-op by default)."""
+        check_max_grad_norm(max_grad_norm)
 
     def forward_no_grad(self, **batch):
         with torch.no_grad():
@@ -102,9 +112,8 @@ class TrainingBackend:
 class LocalBackend(TrainingBackend):
     """One process, torch.optim.AdamW + LambdaLR; the reference the DeepSpeed seam must match."""
 
-    def attach(self, model, lr, lr_lambda, weight_decay, grad_accum_steps, max_grad_norm=0.0):
-        if max_grad_norm < 0:
-            raise ValueError(f"max_grad_norm must be >= 0 (0: no clipping), got {max_grad_norm}")
+    def attach(self, model, lr, lr_lambda, weight_decay, grad_accum_steps, *, max_grad_norm):
+        check_max_grad_norm(max_grad_norm)
         self.module = model
         self._lr, self._lr_lambda, self._weight_decay = lr, lr_lambda, weight_decay
         self.grad_accum_steps = grad_accum_steps
@@ -130,10 +139,12 @@ class LocalBackend(TrainingBackend):
         (loss / self.grad_accum_steps).backward()
 
     def step(self):
-        # clip_grad_norm_ with an infinite bound only measures (clip coefficient clamped to 1).
-        bound = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        self._grad_norm = float(torch.nn.utils.clip_grad_norm_(params, bound))
+        if self.max_grad_norm > 0:
+            self._grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
+        else:  # measure only: a clip coefficient of inf/inf would turn the gradients into NaN
+            grads = [p.grad for p in params if p.grad is not None]
+            self._grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -97,7 +97,8 @@ class APTConfig(_JsonConfig):
         "the task loss alone (1: every step, as in the paper; the teacher forward costs about half a training step)",
         default=4)
     distill_kl_weight: float = _help("weight of the logit KL term inside the distillation loss", default=0.1)
-    distill_mse_weight: float = _help("weight of the hidden-state MSE term", default=0.9)
+    distill_mse_weight: float = _help(
+        "weight of the hidden-state MSE term (per token, relative to the teacher's mean square)", default=0.9)
     distill_temperature: float = _help("softmax temperature of the KL term", default=2.0 / 3.0)
     distill_num_blocks: int = _help("layer blocks; one layer is sampled per block for the MSE", default=4)
     transform_rank: int = _help("adapter rank of the distillation transformation layer", default=8)

@@ -42,7 +42,8 @@ def relative_squared_error(student_h: torch.Tensor, teacher_h: torch.Tensor) -> 
     first position of layers 15-25, against ~1-10 elsewhere). A plain MSE is then decided by
     that one token (distillation losses of 2,000 swamped the task loss in the benchmark), and
     the token's size says nothing about its importance: the next layer's RMSNorm divides it
-    away. Dividing by the teacher's RMS compares every token in the units the next layer sees.
+    away. Dividing by the teacher's mean square (RMS squared) compares every token in the units
+    the next layer sees.
     The teacher runs under no_grad, so the scale carries no gradient."""
     scale = teacher_h.pow(2).mean(-1).clamp_min(1e-12)
     return (student_h - teacher_h).pow(2).mean(-1) / scale

@@ -10,7 +10,8 @@ Decisions (measured with deepspeed 0.19.8, torch 2.13 CPU, gloo):
 - "auto" is accepted for `bf16.enabled` (bf16 if the accelerator supports it), `fp16.enabled`
   (off), the three batch sizes (set from the trainer) and the ZeRO bucket sizes (from the
   model's hidden size), and for `gradient_clipping` (the trainer's max_grad_norm, which a
-  number in the JSON may only repeat). Careful: DeepSpeed itself silently reads
+  number in the JSON may only repeat; always written, 0 included, because DeepSpeed's own
+  default is to clip at 1.0). Careful: DeepSpeed itself silently reads
   `"bf16": {"enabled": "auto"}` as False; only `resolve_config` resolves it. Any other "auto"
   is refused.
 - ZeRO stages 1, 2 and 3 are supported; stage 0 is refused (its optimizer keeps no fp32
@@ -82,11 +83,7 @@ def resolve_config(user: dict, *, grad_accum_steps: int, world_size: int, micro_
                            "lr / weight decay / schedule from the APT config", source, section,
                            json.dumps(cfg.pop(section)))
     _resolve_batch_sizes(cfg, grad_accum_steps, world_size, micro_batch_size, fail)
-    clipping = cfg.get("gradient_clipping")
-    if clipping is not None and not _is_auto(clipping) and _as_float(clipping) != float(max_grad_norm):
-        fail(f"gradient_clipping={clipping} contradicts the trainer's max_grad_norm={max_grad_norm} "
-             f"(use \"auto\", omit it, or set --max-grad-norm)")
-    cfg["gradient_clipping"] = float(max_grad_norm)
+    _resolve_clipping(cfg, max_grad_norm, fail)
     for key in ("bf16", "bfloat16", "fp16"):
         section = cfg.get(key)
         if isinstance(section, dict) and _is_auto(section.get("enabled")):
@@ -100,11 +97,20 @@ def resolve_config(user: dict, *, grad_accum_steps: int, world_size: int, micro_
     return cfg
 
 
-def _as_float(value) -> float | None:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None
+def _resolve_clipping(cfg: dict, max_grad_norm: float, fail) -> None:
+    """The trainer owns the clipping bound; the JSON may only repeat it. Always written, 0 too:
+    DeepSpeed's own default is 1.0, so leaving the key out would clip where the trainer does not."""
+    clipping = cfg.get("gradient_clipping")
+    if clipping is not None and not _is_auto(clipping):
+        if isinstance(clipping, bool) or not isinstance(clipping, (int, float)):
+            fail(f"gradient_clipping={clipping!r} is not a number (use \"auto\", omit it, or set --max-grad-norm)")
+        if float(clipping) != float(max_grad_norm):
+            fail(f"gradient_clipping={clipping} contradicts the trainer's max_grad_norm={max_grad_norm} "
+                 f"(use \"auto\", omit it, or set --max-grad-norm)")
+    if max_grad_norm > 0 and cfg.get("zero_optimization", {}).get("compute_grad_norm") is False:
+        fail(f"zero_optimization.compute_grad_norm=false cannot clip gradients (max_grad_norm={max_grad_norm}); "
+             f"remove it or pass --max-grad-norm 0")
+    cfg["gradient_clipping"] = float(max_grad_norm)
 
 
 def _resolve_batch_sizes(cfg: dict, gas: int, world_size: int, micro_batch_size: int | None, fail) -> None:

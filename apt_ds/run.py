@@ -94,10 +94,14 @@ def check_resumable(meta: dict, args, train: TrainConfig, fingerprint: dict, dat
             f"--resume must keep the global batch ({before} = micro {saved_train['micro_batch_size']} x accumulation "
             f"{saved_train['grad_accum_steps']} x {saved_world} ranks), got {now}; set --micro-batch-size/--grad-accum-steps "
             f"(or --global-batch-size {before}) for {world_size} ranks")
+    if "max_grad_norm" not in saved_train:
+        # Runs from before max_grad_norm existed: DeepSpeed clipped at its default 1.0, one process did not.
+        saved_train = {**saved_train, "max_grad_norm": 1.0 if meta["run_info"].get("deepspeed") else 0.0}
     changed = [k for k in RESUME_MUST_MATCH if saved_train.get(k) != getattr(train, k)]
     if changed:
         details = ", ".join(f"{k}: {saved_train.get(k)} -> {getattr(train, k)}" for k in changed)
-        raise CheckpointError(f"--resume must use the run's training settings; changed: {details}")
+        flags = " ".join(f"--{k.replace('_', '-')} {saved_train.get(k)}" for k in changed)
+        raise CheckpointError(f"--resume must use the run's training settings; changed: {details} (pass {flags})")
     info = meta["run_info"]
     if info.get("data") != data_path:
         raise CheckpointError(f"--resume: the run was trained on --data {info.get('data')}, not {data_path}")
@@ -124,8 +128,7 @@ def run_training(args, apt: APTConfig, train: TrainConfig) -> dict:
         fingerprint = model_fingerprint(model)
         if meta is not None:
             check_resumable(meta, args, train, fingerprint, data_path, backend.world_size)
-        if hasattr(backend, "resolved_config"):  # DeepSpeed JSON vs the trainer's settings
-            backend.resolved_config(model, train.grad_accum_steps, train.max_grad_norm)
+        backend.validate(model, train.grad_accum_steps, train.max_grad_norm)  # e.g. DeepSpeed JSON vs TrainConfig
         backend.barrier()
         prepare_out_dir(out, args.resume, args.overwrite, backend.is_main())
         if backend.is_main() and not args.resume:

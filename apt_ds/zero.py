@@ -57,7 +57,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from .backend import LrLambda, TrainingBackend
+from .backend import LrLambda, TrainingBackend, check_max_grad_norm
 from .ds_config import DeepSpeedConfigError, launcher_env, load_ds_config, resolve_config
 from .edits import Grow, ShapeChange, apply_edits
 from .zero_checkpoint import ADAM_MOMENTS, CHECKPOINT_FORMAT, META_FILE, TENSOR_FILE, read_checkpoint_meta
@@ -122,7 +122,7 @@ class DeepSpeedBackend(TrainingBackend):
 
     # ---- engine ------------------------------------------------------------------------------
     def attach(self, model, lr: float, lr_lambda: LrLambda, weight_decay: float, grad_accum_steps: int,
-               max_grad_norm: float = 0.0) -> None:
+               *, max_grad_norm: float) -> None:
         self.ds_config = self.resolved_config(model, grad_accum_steps, max_grad_norm)
         self._lr, self._lr_lambda, self._weight_decay = lr, lr_lambda, weight_decay
         self.grad_accum_steps = grad_accum_steps
@@ -141,13 +141,15 @@ class DeepSpeedBackend(TrainingBackend):
 
         if grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
-        if max_grad_norm < 0:
-            raise ValueError(f"max_grad_norm must be >= 0 (0: no clipping), got {max_grad_norm}")
+        check_max_grad_norm(max_grad_norm)
         return resolve_config(self.user_config, grad_accum_steps=grad_accum_steps, world_size=self.world_size,
                               micro_batch_size=self.micro_batch_size, max_grad_norm=max_grad_norm,
                               bf16_supported=get_accelerator().is_bf16_supported(),
                               hidden_size=getattr(getattr(model, "config", None), "hidden_size", None),
                               source=self.config_source)
+
+    def validate(self, model, grad_accum_steps: int, max_grad_norm: float) -> None:
+        self.resolved_config(model, grad_accum_steps, max_grad_norm)
 
     def _trainable(self) -> dict[str, torch.nn.Parameter]:
         return {n: p for n, p in self.module.named_parameters() if p.requires_grad}
@@ -211,7 +213,8 @@ class DeepSpeedBackend(TrainingBackend):
 
     @property
     def grad_norm(self) -> float | None:
-        """DeepSpeed's global norm of the last step (ZeRO reduces it over ranks; before clipping)."""
+        """DeepSpeed's global norm of the last step (ZeRO reduces it over ranks; before clipping).
+        None before the first step and until the first step after an engine rebuild."""
         if self._steps == 0 or self.engine is None:
             return None
         norm = self.engine.get_global_grad_norm()

@@ -22,7 +22,7 @@ def read_checkpoint_meta(directory: Path, model_shapes: dict[str, list[int]]) ->
     """The checkpoint's `optimizer.json`, after checking that it and the tensor file hold exactly
     the state of `model_shapes` (name -> full shape). FileNotFoundError if files are missing,
     ValueError naming the first problem otherwise (corrupt files, other shapes, extra state)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     directory = Path(directory)
     tensor_path, meta_path = directory / TENSOR_FILE, directory / META_FILE
@@ -52,7 +52,7 @@ def read_checkpoint_meta(directory: Path, model_shapes: dict[str, list[int]]) ->
     try:
         with safe_open(str(tensor_path), framework="pt") as handle:
             stored = {key: list(handle.get_slice(key).get_shape()) for key in handle.keys()}
-    except Exception as err:  # safetensors raises its own error type for a damaged header
+    except SafetensorError as err:  # a damaged header; OSError (e.g. permissions) passes as it is
         raise ValueError(f"corrupt {tensor_path}: {err}") from None
     for name, shape in model_shapes.items():
         for key in keys:

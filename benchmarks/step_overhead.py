@@ -83,7 +83,7 @@ def main() -> None:
         state = APTModel(model, config)
         state.salience.enabled = True
         backend = LocalBackend()
-        backend.attach(model, 1e-4, lambda s: 1.0, 0.0, 1)
+        backend.attach(model, 1e-4, lambda s: 1.0, 0.0, 1, max_grad_norm=1.0)
         return state, AdaptiveTuner(config), backend
 
     dense, shrunk = apt_setup(), apt_setup()

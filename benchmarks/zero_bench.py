@@ -133,7 +133,7 @@ def worker_memory(spec: dict) -> dict:
                                    hidden_size=MODEL["hidden_size"])
     model = _lora_model(zero_init)
     phases["model_built"] = _mem()
-    backend.attach(model, 1e-4, lambda s: 1.0, 0.0, 1)
+    backend.attach(model, 1e-4, lambda s: 1.0, 0.0, 1, max_grad_norm=1.0)
     phases["engine_ready"] = _mem()
     times = [_step(backend, backend.rank, s) for s in range(spec["steps"])]
     phases["after_steps"] = _mem()
@@ -153,7 +153,7 @@ def worker_rebuild(spec: dict) -> dict:
     torch.set_num_threads(1)
     backend = _backend(spec["config"])
     model = _lora_model()
-    backend.attach(model, 1e-4, lambda s: 1.0, 0.0, 1)
+    backend.attach(model, 1e-4, lambda s: 1.0, 0.0, 1, max_grad_norm=1.0)
     step = 0
     for _ in range(2):  # warm-up (ZeRO-3 records its fetch trace in the second step)
         _step(backend, backend.rank, step)
@@ -196,7 +196,7 @@ def worker_apt_vs_lora(spec: dict) -> dict:
     torch.set_num_threads(1)
     lora_backend = _backend(spec["config"], spec["fp32"])
     lora_model = _lora_model()
-    lora_backend.attach(lora_model, 1e-4, lambda s: 1.0, 0.0, 1)
+    lora_backend.attach(lora_model, 1e-4, lambda s: 1.0, 0.0, 1, max_grad_norm=1.0)
 
     apt_backend = _backend(spec["config"], spec["fp32"])
     config = APTConfig()
@@ -204,7 +204,7 @@ def worker_apt_vs_lora(spec: dict) -> dict:
     state = APTModel(apt_model, config, reduce_sum=apt_backend.all_reduce_sum, world_size=apt_backend.world_size)
     state.salience.enabled = True
     tuner = AdaptiveTuner(config)
-    apt_backend.attach(apt_model, 1e-4, lambda s: 1.0, 0.0, 1)
+    apt_backend.attach(apt_model, 1e-4, lambda s: 1.0, 0.0, 1, max_grad_norm=1.0)
     rank = apt_backend.rank
 
     parts: dict[str, list[float]] = {"forward_backward": [], "salience_end_step": [], "tuner_accumulate": [],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -138,6 +139,21 @@ def test_resume_with_changed_training_settings_is_refused(runs, capsys):
     assert "seed: 0 -> 5" in capsys.readouterr().err
 
 
+def test_resume_of_a_run_from_before_gradient_clipping(runs, tmp_path, capsys):
+    """A checkpoint without max_grad_norm was trained unclipped on one process: resuming asks
+    for --max-grad-norm 0 instead of silently clipping the rest of the run."""
+    old = tmp_path / "old"
+    shutil.copytree(runs / "nonuniform", old)
+    state = old / "checkpoint" / "apt_state.json"
+    meta = json.loads(state.read_text())
+    del meta["train_config"]["max_grad_norm"]
+    state.write_text(json.dumps(meta))
+    assert train_main([*FAST, "--target-density", "0.6", "--resume", "--out", str(old)]) == 2
+    assert "max_grad_norm: 0.0 -> 1.0 (pass --max-grad-norm 0.0)" in capsys.readouterr().err
+    assert train_main([*FAST, "--target-density", "0.6", "--max-grad-norm", "0", "--resume", "--out", str(old)]) == 0
+    assert "already finished" in capsys.readouterr().out
+
+
 def test_resume_with_another_split_of_the_global_batch(tmp_path, monkeypatch, capsys):
     """Crash after the step-4 checkpoint, resume with micro 1 x accumulation 2 instead of micro 2:
     same global batch, so the same data and the same decisions as the uninterrupted run. A
@@ -234,7 +250,6 @@ def test_sixty_step_default_schedule(tmp_path):
 
 
 def test_resume_from_a_different_model_is_refused(runs, tmp_path, capsys):
-    import shutil
 
     from conftest import tiny_llama
 
@@ -292,7 +307,6 @@ def test_export_from_plain_model_and_kept_units(runs, tmp_path):
 
 
 def test_checkpoint_whose_shapes_contradict_its_config(runs, tmp_path, capsys):
-    import shutil
 
     broken = tmp_path / "broken"
     shutil.copytree(runs / "nonuniform", broken)
@@ -321,7 +335,6 @@ def test_export_needs_no_deepspeed(runs, tmp_path):
 @pytest.mark.parametrize("uniform", [False, True])
 def test_mha_model_directory_run_exports_exactly(runs, tmp_path, uniform):
     """An MHA LLaMA given as a local HF directory: train, export, same logits as training time."""
-    import shutil
 
     from conftest import tiny_llama
 

@@ -151,6 +151,17 @@ def test_hidden_state_error_is_relative_to_each_teacher_token():
     assert float(relative_squared_error(moved, teacher)[0, 2]) > float(per_token[0, 2]) + 0.1
 
 
+def test_zero_teacher_token_at_a_padded_position_stays_finite():
+    teacher = torch.randn(1, 4, 8)
+    teacher[0, 3] = 0.0  # a padded position can be all zeros
+    student = (3e4 * torch.randn(1, 4, 8)).requires_grad_()  # massive-activation sized
+    valid = torch.tensor([[True, True, True, False]])
+    loss = (relative_squared_error(student, teacher) * valid.float()).sum()
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(student.grad).all()
+    assert float(student.grad[0, 3].abs().max()) == 0.0
+
+
 def test_sample_layers_one_per_block():
     cfg = APTConfig(distill_num_blocks=4)
     distiller = SelfDistiller(cfg, num_layers=10, seed=3)

@@ -213,4 +213,7 @@ def test_bad_distributed_input(tmp_path, problem):
     assert result.returncode != 0
     errors = [line for line in (result.stdout + result.stderr).splitlines() if "error:" in line]
     assert errors, result.stderr[-2000:]
+    expected = {"missing_json": "file not found", "bad_json": "invalid JSON", "indivisible_batch": "not divisible",
+                "contradicting_clipping": "gradient_clipping=0.5 contradicts the trainer's max_grad_norm=1.0"}[problem]
+    assert any(expected in line for line in errors), errors
     assert not (tmp_path / "run").exists()  # refused before anything was written

@@ -32,7 +32,10 @@ def test_resolve_sets_batch_sizes_from_trainer():
     ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 1}, {}, r"train_batch_size=10 != micro 1"),
     ({"train_batch_size": 12}, {}, "not divisible"),
     ({"gradient_clipping": 0.5}, {}, r"gradient_clipping=0.5 contradicts the trainer.s max_grad_norm=0.0"),
-    ({"gradient_clipping": "big"}, {}, r"gradient_clipping=big contradicts"),
+    ({"gradient_clipping": "big"}, {}, r"gradient_clipping='big' is not a number"),
+    ({"gradient_clipping": True}, {"max_grad_norm": 1.0}, r"gradient_clipping=True is not a number"),
+    ({"zero_optimization": {"stage": 2, "compute_grad_norm": False}}, {"max_grad_norm": 1.0},
+     r"compute_grad_norm=false cannot clip gradients \(max_grad_norm=1.0\)"),
     ({"zero_optimization": {"stage": 2, "round_robin_gradients": "auto"}}, {}, r"\"auto\" is not supported for zero_optimization.round_robin_gradients"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, {}, "both enabled"),
 ])
@@ -48,7 +51,10 @@ def test_gradient_clipping_comes_from_the_trainer():
         if user_value is not None:
             user["gradient_clipping"] = user_value
         assert _resolve(user, max_grad_norm=1.0)["gradient_clipping"] == 1.0
-    assert _resolve({"zero_optimization": {"stage": 2}})["gradient_clipping"] == 0.0  # 0: DeepSpeed does not clip
+    # 0 is written too: DeepSpeed's own default (key absent) is to clip at 1.0.
+    assert _resolve({"zero_optimization": {"stage": 2}})["gradient_clipping"] == 0.0
+    no_norm = {"zero_optimization": {"stage": 2, "compute_grad_norm": False}}
+    assert _resolve(no_norm, max_grad_norm=0.0)["gradient_clipping"] == 0.0
 
 
 def test_resolve_refuses_stage0_and_forced_ds_cpu_adam():

@@ -103,6 +103,11 @@ def make_backend(kind: str, ds_config: dict, model, gas: int, micro: int | None,
     return backend
 
 
+def _torch_optimizer(backend) -> torch.optim.Optimizer:
+    """The torch AdamW that steps (DeepSpeed's inner one over flat fp32 partitions); it changes at a rebuild."""
+    return backend.optimizer if isinstance(backend, LocalBackend) else backend._basic_optimizer
+
+
 def close(backend) -> None:
     if isinstance(backend, DeepSpeedBackend):
         backend.close()
@@ -177,7 +182,7 @@ def scenario(kind, ds_config, gas, micro, steps=6, event=None, event_at=3, probe
     model = make_model()
     backend = make_backend(kind, ds_config, model, gas, micro, max_grad_norm)
     runner = Runner(backend, model, gas)
-    rec = {"losses": [], "grad_norms": []}
+    rec = {"losses": [], "grad_norms": [], "stepped_norms": []}
     for step in range(steps):
         if event and step == event_at:
             if probe:
@@ -194,8 +199,14 @@ def scenario(kind, ds_config, gas, micro, steps=6, event=None, event_at=3, probe
             rec["lr_after_event"] = backend.lr
             if probe:
                 rec["probe_after"] = adam_probe(backend, probe)
+        stepped = []  # sums of squares of the gradients the torch optimizer steps with (after clipping)
+        handle = _torch_optimizer(backend).register_step_pre_hook(lambda opt, args, kwargs: stepped.append(sum(
+            float(p.grad.double().pow(2).sum()) for g in opt.param_groups for p in g["params"] if p.grad is not None)))
         rec["losses"].append(runner.train_step(step))
+        handle.remove()
         rec["grad_norms"].append(backend.grad_norm)
+        # partitions are disjoint across ranks (ZeRO), so the global norm is the root of the summed squares
+        rec["stepped_norms"].append(float(backend.all_reduce_sum(torch.tensor(sum(stepped), dtype=torch.float64))) ** 0.5)
     rec["lr"] = backend.lr
     rec["optimizer_steps"] = backend.optimizer_steps
     rec["step_s"] = sorted(runner.step_times)[len(runner.step_times) // 2]
@@ -408,10 +419,10 @@ def main():
     out: dict = {}
     probe = "model.layers.1.self_attn.q_proj.lora_B"
 
-    def both(key, **kw):
-        rec, backend, *_ = scenario("ds", ds_config, 1, args.micro, **kw)
+    def both(key, gas=1, **kw):
+        rec, backend, *_ = scenario("ds", ds_config, gas, args.micro, **kw)
         close(backend)
-        ref, *_ = scenario("local", ds_config, 1, None, **kw)
+        ref, *_ = scenario("local", ds_config, gas, None, **kw)
         out[key], out[key + "_local"] = rec, ref
 
     def gas():
@@ -440,7 +451,7 @@ def main():
         "rebuild": lambda: both("rebuild", event="rebuild"),
         "grow": lambda: both("grow", event="grow", probe=probe),
         "shrink": lambda: both("shrink", event="shrink", probe=probe),
-        "clip": lambda: both("clip", event="shrink", max_grad_norm=CLIP_NORM),
+        "clip": lambda: both("clip", gas=2, event="shrink", max_grad_norm=CLIP_NORM),
         "gas": gas,
         "grads": grads,
         "save": lambda: out.update(save_load=run_save_load(ds_config, Path(args.out).parent / "ckpt", 1, None)),
@@ -458,6 +469,7 @@ def main():
             run()
             out["section_s"][name] = round(time.perf_counter() - t0, 2)
     out["world_size"] = int(os.environ.get("WORLD_SIZE", "1"))
+    out["clip_norm"] = CLIP_NORM
     if int(os.environ.get("RANK", "0")) == 0:
         Path(args.out).write_text(json.dumps(out, indent=1))
 
