@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,8 +31,20 @@ def _help(text: str, **kwargs) -> Any:
     return field(metadata={"help": text}, **kwargs)
 
 
+_SCALAR_TYPES = {"float": (int, float), "int": (int,), "bool": (bool,), "tuple": (tuple, list)}
+
+
 class _JsonConfig:
     """JSON round-trip shared by the config dataclasses."""
+
+    def _check_types(self) -> None:
+        """One-line errors for wrongly typed values (e.g. "lr": "x" in a --config file), before
+        range checks compare them; bools are refused where numbers are expected."""
+        for f in dataclasses.fields(self):
+            kinds = _SCALAR_TYPES.get(f.type if isinstance(f.type, str) else getattr(f.type, "__name__", ""))
+            value = getattr(self, f.name)
+            if kinds and (not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool))):
+                raise ConfigError(f"{type(self).__name__}.{f.name} must be of type {f.type}, got {value!r}")
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -105,6 +118,7 @@ class APTConfig(_JsonConfig):
 
     def __post_init__(self) -> None:
         c = "APTConfig"
+        self._check_types()
         _require(0.0 < self.target_density <= 1.0, c, "target_density", "in (0, 1]", self.target_density)
         _require(self.pruning_start_step >= 0, c, "pruning_start_step", ">= 0", self.pruning_start_step)
         _require(
@@ -197,13 +211,15 @@ class TrainConfig(_JsonConfig):
 
     def __post_init__(self) -> None:
         c = "TrainConfig"
+        self._check_types()
         _require(self.steps >= 1, c, "steps", ">= 1", self.steps)
         _require(self.micro_batch_size >= 1, c, "micro_batch_size", ">= 1", self.micro_batch_size)
         _require(self.grad_accum_steps >= 1, c, "grad_accum_steps", ">= 1", self.grad_accum_steps)
         _require(self.lr > 0, c, "lr", "> 0", self.lr)
         _require(self.warmup_steps >= 0, c, "warmup_steps", ">= 0", self.warmup_steps)
         _require(self.weight_decay >= 0, c, "weight_decay", ">= 0", self.weight_decay)
-        _require(self.max_grad_norm >= 0, c, "max_grad_norm", ">= 0 (0: no clipping)", self.max_grad_norm)
+        _require(self.max_grad_norm >= 0 and math.isfinite(self.max_grad_norm), c, "max_grad_norm",
+                 "a finite number >= 0 (0: no clipping)", self.max_grad_norm)
         _require(self.max_seq_len >= 2, c, "max_seq_len", ">= 2", self.max_seq_len)
         _require(self.log_every >= 1, c, "log_every", ">= 1", self.log_every)
         _require(self.checkpoint_every >= 0, c, "checkpoint_every", ">= 0", self.checkpoint_every)

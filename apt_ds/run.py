@@ -85,6 +85,19 @@ def global_batch_size(train: dict | TrainConfig, world_size: int) -> int:
     return values["micro_batch_size"] * values["grad_accum_steps"] * world_size
 
 
+def _clipping_before_max_grad_norm(run_info: dict) -> float:
+    """What a run saved before max_grad_norm existed clipped at: nothing on one process; under
+    DeepSpeed its JSON's gradient_clipping, else DeepSpeed's default 1.0."""
+    path = run_info.get("deepspeed")
+    if not path:
+        return 0.0
+    try:
+        value = json.loads(Path(path).read_text()).get("gradient_clipping", 1.0)
+    except (OSError, ValueError, AttributeError):  # the JSON is gone or changed: assume the default
+        return 1.0
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 1.0
+
+
 def check_resumable(meta: dict, args, train: TrainConfig, fingerprint: dict, data_path: str, world_size: int) -> None:
     saved_train = meta["train_config"]
     saved_world = meta["run_info"].get("world_size", 1)
@@ -95,8 +108,7 @@ def check_resumable(meta: dict, args, train: TrainConfig, fingerprint: dict, dat
             f"{saved_train['grad_accum_steps']} x {saved_world} ranks), got {now}; set --micro-batch-size/--grad-accum-steps "
             f"(or --global-batch-size {before}) for {world_size} ranks")
     if "max_grad_norm" not in saved_train:
-        # Runs from before max_grad_norm existed: DeepSpeed clipped at its default 1.0, one process did not.
-        saved_train = {**saved_train, "max_grad_norm": 1.0 if meta["run_info"].get("deepspeed") else 0.0}
+        saved_train = {**saved_train, "max_grad_norm": _clipping_before_max_grad_norm(meta["run_info"])}
     changed = [k for k in RESUME_MUST_MATCH if saved_train.get(k) != getattr(train, k)]
     if changed:
         details = ", ".join(f"{k}: {saved_train.get(k)} -> {getattr(train, k)}" for k in changed)

@@ -154,6 +154,19 @@ def test_resume_of_a_run_from_before_gradient_clipping(runs, tmp_path, capsys):
     assert "already finished" in capsys.readouterr().out
 
 
+def test_clipping_of_deepspeed_runs_from_before_max_grad_norm(tmp_path):
+    from apt_ds.run import _clipping_before_max_grad_norm
+
+    own = tmp_path / "ds.json"
+    own.write_text(json.dumps({"zero_optimization": {"stage": 2}, "gradient_clipping": 0.3}))
+    default = tmp_path / "default.json"
+    default.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    assert _clipping_before_max_grad_norm({"deepspeed": str(own)}) == 0.3
+    assert _clipping_before_max_grad_norm({"deepspeed": str(default)}) == 1.0  # DeepSpeed's default
+    assert _clipping_before_max_grad_norm({"deepspeed": str(tmp_path / "gone.json")}) == 1.0
+    assert _clipping_before_max_grad_norm({"deepspeed": None}) == 0.0
+
+
 def test_resume_with_another_split_of_the_global_batch(tmp_path, monkeypatch, capsys):
     """Crash after the step-4 checkpoint, resume with micro 1 x accumulation 2 instead of micro 2:
     same global batch, so the same data and the same decisions as the uninterrupted run. A

@@ -51,6 +51,12 @@ def test_apt_config_rejects_invalid_values_naming_the_field(kwargs, field):
         (dict(micro_batch_size=0), "micro_batch_size"),
         (dict(lr=0.0), "lr"),
         (dict(max_seq_len=1), "max_seq_len"),
+        (dict(max_grad_norm=-1.0), "max_grad_norm"),
+        (dict(max_grad_norm=float("inf")), "max_grad_norm"),
+        (dict(max_grad_norm=float("nan")), "max_grad_norm"),
+        (dict(lr="x"), "TrainConfig.lr must be of type float, got 'x'"),
+        (dict(steps=None), "TrainConfig.steps must be of type int"),
+        (dict(steps=True), "TrainConfig.steps must be of type int"),
     ],
 )
 def test_train_config_rejects_invalid_values_naming_the_field(kwargs, field):
