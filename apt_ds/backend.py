@@ -105,6 +105,9 @@ class TrainingBackend:
     def barrier(self) -> None:
         pass
 
+    def shutdown(self) -> None:
+        """Called once when the run is over (DeepSpeed: tear the process group down cleanly)."""
+
     def is_main(self) -> bool:
         return self.rank == 0
 

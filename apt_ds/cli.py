@@ -9,7 +9,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from .config import APTConfig, ConfigError, TrainConfig
+from .config import APTConfig, ConfigError, TrainConfig, check_field_types
 
 # One-line errors for everything a user can get wrong; anything else is a bug and keeps its traceback.
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, FileExistsError)
@@ -100,6 +100,8 @@ def resolve_configs(args) -> tuple[APTConfig, TrainConfig]:
     unknown = sorted(set(file_values) - apt_names - train_names)
     if unknown:
         raise ConfigError(f"--config {args.config}: unknown field(s) {unknown}")
+    check_field_types(TrainConfig, {k: v for k, v in file_values.items() if k in train_names})
+    check_field_types(APTConfig, {k: v for k, v in file_values.items() if k in apt_names})
     cli = {k: v for k, v in vars(args).items() if v is not None}
     merged = {**file_values, **{k: v for k, v in cli.items() if k in apt_names | train_names}}
     train_values = {k: v for k, v in merged.items() if k in train_names}

@@ -34,17 +34,21 @@ def _help(text: str, **kwargs) -> Any:
 _SCALAR_TYPES = {"float": (int, float), "int": (int,), "bool": (bool,), "tuple": (tuple, list)}
 
 
+def check_field_types(cls, values: dict) -> None:
+    """One-line errors for wrongly typed values (e.g. "lr": "x" in a --config file), before
+    range checks or schedule arithmetic use them; bools are refused where numbers are expected."""
+    types = {f.name: f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "") for f in dataclasses.fields(cls)}
+    for name, value in values.items():
+        kinds = _SCALAR_TYPES.get(types.get(name, ""))
+        if kinds and (not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool))):
+            raise ConfigError(f"{cls.__name__}.{name} must be of type {types[name]}, got {value!r}")
+
+
 class _JsonConfig:
     """JSON round-trip shared by the config dataclasses."""
 
     def _check_types(self) -> None:
-        """One-line errors for wrongly typed values (e.g. "lr": "x" in a --config file), before
-        range checks compare them; bools are refused where numbers are expected."""
-        for f in dataclasses.fields(self):
-            kinds = _SCALAR_TYPES.get(f.type if isinstance(f.type, str) else getattr(f.type, "__name__", ""))
-            value = getattr(self, f.name)
-            if kinds and (not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool))):
-                raise ConfigError(f"{type(self).__name__}.{f.name} must be of type {f.type}, got {value!r}")
+        check_field_types(type(self), {f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)

@@ -123,6 +123,12 @@ def check_resumable(meta: dict, args, train: TrainConfig, fingerprint: dict, dat
 
 def run_training(args, apt: APTConfig, train: TrainConfig) -> dict:
     backend, train = make_backend(args, train)
+    result = _run_on(backend, args, apt, train)
+    backend.shutdown()  # only after success: a rank that failed has nobody to wait for
+    return result
+
+
+def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
     out = Path(args.out)
     check_out_dir(out, args.resume, args.overwrite)  # fail early; nothing is touched yet
     if getattr(args, "save_eval_probe", False) and not args.eval_data:

@@ -59,6 +59,20 @@ def test_bad_arguments_give_one_line(tmp_path, capsys, argv, message):
     assert err.startswith("error:") and message in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.parametrize("values, message", [
+    ({"steps": "x"}, "TrainConfig.steps must be of type int, got 'x'"),
+    ({"pruning_start_step": "5"}, "APTConfig.pruning_start_step must be of type int, got '5'"),
+    ({"lr": None}, "TrainConfig.lr must be of type float, got None"),
+])
+def test_mistyped_config_file_values_give_one_line(tmp_path, capsys, values, message):
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps(values))
+    assert train_main([*FAST, "--config", str(config), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "r").exists()
+
+
 def test_data_without_usable_rows(tmp_path, capsys):
     data = tmp_path / "bad.jsonl"
     data.write_text('{"foo": 1}\n{"bar": 2}\n')

@@ -472,6 +472,9 @@ def main():
     out["clip_norm"] = CLIP_NORM
     if int(os.environ.get("RANK", "0")) == 0:
         Path(args.out).write_text(json.dumps(out, indent=1))
+    if torch.distributed.is_initialized():  # a clean teardown: see DeepSpeedBackend.shutdown
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
