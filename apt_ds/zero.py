@@ -448,12 +448,8 @@ class DeepSpeedBackend(TrainingBackend):
 
         directory = Path(directory)
         tensor_path = directory / TENSOR_FILE
-        meta: dict = {}
-
-        def validate() -> None:
-            meta.update(read_checkpoint_meta(directory, self._shapes()))
-
-        self._on_all_ranks(validate)
+        meta: dict = {}  # filled on every rank; _on_all_ranks raises everywhere if any rank fails
+        self._on_all_ranks(lambda: meta.update(read_checkpoint_meta(directory, self._shapes())))
         adam_step = meta["adam_step"]
         # A fresh Adam state (step 0, zero moments) behaves exactly like the lazy one.
         self._init_adam_state(torch.tensor(float(adam_step or 0.0), dtype=torch.float32))
