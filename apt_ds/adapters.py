@@ -27,8 +27,13 @@ class APTAdapter(nn.Linear):
     use_teacher: bool
 
     @classmethod
-    def wrap(cls, linear: nn.Linear, rank: int, alpha: float, generator: torch.Generator | None = None) -> "APTAdapter":
-        """Turn `linear` into an adapter in place (weights frozen, B = 0: same function)."""
+    def wrap(cls, linear: nn.Linear, rank: int, alpha: float, generator: torch.Generator | None = None,
+             device: torch.device | str | None = None) -> "APTAdapter":
+        """Turn `linear` into an adapter in place (weights frozen, B = 0: same function).
+
+        A and B are fp32 whatever the base dtype (the trainable masters; DeepSpeed keeps its own
+        fp32 masters and casts the model copy to its precision). `device`: where A and B live
+        (default: the weight's; give it when the weight is a ZeRO-3 partition)."""
         if type(linear) is not nn.Linear:
             raise TypeError(f"can only wrap a plain nn.Linear, got {type(linear).__name__}")
         linear.__class__ = cls
@@ -38,12 +43,11 @@ class APTAdapter(nn.Linear):
             adapter.bias.requires_grad_(False)
         adapter.scaling = alpha / rank
         adapter.use_teacher = False
-        dtype = torch.float32 if not adapter.weight.is_floating_point() else adapter.weight.dtype
-        device = adapter.weight.device if adapter.weight.device.type != "meta" else "cpu"
-        a = torch.empty(rank, adapter.in_features, dtype=dtype, device=device)
-        _init_lora_a(a, generator)
+        if device is None:
+            device = adapter.weight.device if adapter.weight.device.type != "meta" else "cpu"
+        a = _init_lora_a(torch.empty(rank, adapter.in_features, dtype=torch.float32), generator).to(device)
         adapter.lora_A = nn.Parameter(a)
-        adapter.lora_B = nn.Parameter(torch.zeros(adapter.out_features, rank, dtype=dtype, device=device))
+        adapter.lora_B = nn.Parameter(torch.zeros(adapter.out_features, rank, dtype=torch.float32, device=device))
         adapter.register_buffer("teacher_A", a.detach().clone())
         adapter.register_buffer("teacher_B", torch.zeros_like(adapter.lora_B.detach()))
         return adapter
@@ -74,14 +78,14 @@ class APTAdapter(nn.Linear):
             raise ValueError(f"grow_rank to {new_rank} < current rank {old}")
         if new_rank == old:
             return {}
-        extra_a = torch.empty(new_rank - old, self.in_features, dtype=self.lora_A.dtype, device=self.lora_A.device)
-        _init_lora_a(extra_a, generator)
+        extra_a = _init_lora_a(torch.empty(new_rank - old, self.in_features, dtype=torch.float32), generator)
+        extra_a = extra_a.to(self.lora_A.device, self.lora_A.dtype)
         self.lora_A = nn.Parameter(torch.cat([self.lora_A.detach(), extra_a], 0))
         extra_b = torch.zeros(self.out_features, new_rank - old, dtype=self.lora_B.dtype, device=self.lora_B.device)
         self.lora_B = nn.Parameter(torch.cat([self.lora_B.detach(), extra_b], 1))
         # The teacher snapshot keeps its own rank; pad it the same way (zeros in B: same function).
-        self.teacher_A = torch.cat([self.teacher_A, extra_a], 0)
-        self.teacher_B = torch.cat([self.teacher_B, torch.zeros_like(extra_b)], 1)
+        self.teacher_A = torch.cat([self.teacher_A, extra_a.to(self.teacher_A.device, self.teacher_A.dtype)], 0)
+        self.teacher_B = torch.cat([self.teacher_B, torch.zeros_like(extra_b, dtype=self.teacher_B.dtype, device=self.teacher_B.device)], 1)
         return {"lora_A": [Grow(0, new_rank)], "lora_B": [Grow(1, new_rank)]}
 
     @torch.no_grad()
@@ -89,12 +93,12 @@ class APTAdapter(nn.Linear):
         """Slice A's input columns / B's output rows to the kept units (frozen weight: caller)."""
         change: ShapeChange = {}
         if in_index is not None:
-            self.lora_A = nn.Parameter(self.lora_A.detach().index_select(1, in_index).contiguous())
-            self.teacher_A = self.teacher_A.index_select(1, in_index).contiguous()
+            self.lora_A = nn.Parameter(self.lora_A.detach().index_select(1, in_index.to(self.lora_A.device)).contiguous())
+            self.teacher_A = self.teacher_A.index_select(1, in_index.to(self.teacher_A.device)).contiguous()
             change["lora_A"] = [Keep(1, in_index)]
         if out_index is not None:
-            self.lora_B = nn.Parameter(self.lora_B.detach().index_select(0, out_index).contiguous())
-            self.teacher_B = self.teacher_B.index_select(0, out_index).contiguous()
+            self.lora_B = nn.Parameter(self.lora_B.detach().index_select(0, out_index.to(self.lora_B.device)).contiguous())
+            self.teacher_B = self.teacher_B.index_select(0, out_index.to(self.teacher_B.device)).contiguous()
             change["lora_B"] = [Keep(0, out_index)]
         return change
 
@@ -125,15 +129,18 @@ class APTAdapter(nn.Linear):
         return f"{super().extra_repr()}, rank={self.rank}, scaling={self.scaling:.4g}"
 
 
-def _init_lora_a(tensor: torch.Tensor, generator: torch.Generator | None) -> None:
+def _init_lora_a(tensor: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Fill a host tensor (the generator is a CPU one: the same values on every device)."""
     # PEFT's default: kaiming_uniform_(a=sqrt(5)) -> U(-1/sqrt(in), 1/sqrt(in)).
     bound = 1.0 / math.sqrt(tensor.shape[1])
     with torch.no_grad():
         tensor.uniform_(-bound, bound, generator=generator)
+    return tensor
 
 
-def add_adapters(model, targets, rank: int, alpha: float, seed: int = 0) -> dict[str, APTAdapter]:
-    """Freeze the model and wrap every targeted projection of every layer."""
+def add_adapters(model, targets, rank: int, alpha: float, seed: int = 0,
+                 device: torch.device | str | None = None) -> dict[str, APTAdapter]:
+    """Freeze the model and wrap every targeted projection of every layer (adapters on `device`)."""
     for param in model.parameters():
         param.requires_grad_(False)
     generator = torch.Generator().manual_seed(seed)
@@ -141,7 +148,7 @@ def add_adapters(model, targets, rank: int, alpha: float, seed: int = 0) -> dict
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
         if leaf in targets and isinstance(module, nn.Linear) and ".layers." in f".{name}":
-            adapters[name] = APTAdapter.wrap(module, rank, alpha, generator)
+            adapters[name] = APTAdapter.wrap(module, rank, alpha, generator, device=device)
     if not adapters:
         raise ValueError(f"no Linear named {list(targets)} found inside model layers")
     return adapters

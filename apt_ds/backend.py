@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .edits import ShapeChange, apply_edits
+from .shrink import LOCAL_ACCESS, ParamAccess
 
 LrLambda = Callable[[int], float]
 
@@ -33,7 +34,12 @@ class TrainingBackend:
 
     world_size: int = 1
     rank: int = 0
+    device: torch.device = torch.device("cpu")
     module: torch.nn.Module
+
+    def place(self, model: torch.nn.Module) -> None:
+        """Put `model` on this backend's device before adapters, masks and the engine are made."""
+        model.to(self.device)
 
     def attach(self, model: torch.nn.Module, lr: float, lr_lambda: LrLambda, weight_decay: float, grad_accum_steps: int,
                *, max_grad_norm: float) -> None:
@@ -90,6 +96,10 @@ class TrainingBackend:
         """Context in which full tensors of `params` can be read and replaced on every rank."""
         return contextlib.nullcontext()
 
+    def param_access(self) -> ParamAccess:
+        """How shape changes read and re-home parameters (apt_ds.shrink.ParamAccess)."""
+        return LOCAL_ACCESS
+
     def apply_shape_change(self, change_fn: Callable[[], ShapeChange], carry_state: bool = True) -> None:
         """Run `change_fn` (which replaces parameters and returns their edits), then rebuild
         the optimizer carrying masters, Adam moments, step count and LR schedule
@@ -114,6 +124,9 @@ class TrainingBackend:
 
 class LocalBackend(TrainingBackend):
     """One process, torch.optim.AdamW + LambdaLR; the reference the DeepSpeed seam must match."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
 
     def attach(self, model, lr, lr_lambda, weight_decay, grad_accum_steps, *, max_grad_norm):
         check_max_grad_norm(max_grad_norm)
@@ -234,6 +247,6 @@ class LocalBackend(TrainingBackend):
             if f"exp_avg/{name}" in tensors:
                 self.optimizer.state[param] = {
                     "step": torch.tensor(meta["adam_steps"].get(name, 0.0)),
-                    "exp_avg": tensors[f"exp_avg/{name}"].clone(),
-                    "exp_avg_sq": tensors[f"exp_avg_sq/{name}"].clone(),
+                    "exp_avg": tensors[f"exp_avg/{name}"].to(param.device, copy=True),
+                    "exp_avg_sq": tensors[f"exp_avg_sq/{name}"].to(param.device, copy=True),
                 }

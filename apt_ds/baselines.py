@@ -18,7 +18,6 @@ the returned model is a plain `LlamaForCausalLM` (layers possibly of different s
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,7 +83,7 @@ def one_shot_prune(model, calibration_batches: Iterable[dict], target_density: f
         target = target_density * state.original_shape.budget_params(config.count_embeddings)
         decision = AdaptivePruner(config).decide(state.shape, s.group_scores, s.neuron_scores, s.hidden_scores, target)
         if decision.removes_anything():
-            state.shrink(decision, gather=lambda params: contextlib.nullcontext())
+            state.shrink(decision)
             release_free_heap()  # as APT does after its events (apt_ds.heap)
     finally:
         state.masks.remove()

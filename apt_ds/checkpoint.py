@@ -31,7 +31,7 @@ def save_checkpoint(trainer, directory: Path) -> None:
     backend.barrier()
     backend.save(tmp / "engine")  # collective: every rank writes its shard
     # Full fp32 trainable tensors (collective under ZeRO-3): export reads these, no DeepSpeed needed.
-    trainable = {n: backend.full_param(n, p).float().contiguous() for n, p in state.model.named_parameters() if p.requires_grad}
+    trainable = {n: backend.full_param(n, p).float().cpu().contiguous() for n, p in state.model.named_parameters() if p.requires_grad}
     if backend.is_main():
         save_file(trainable, str(tmp / "trainable.safetensors"))
         meta = {
@@ -56,8 +56,8 @@ def save_checkpoint(trainer, directory: Path) -> None:
                   str(tmp / "salience.safetensors"))
         teacher = {}
         for name, adapter in state.adapters.items():
-            teacher[f"{name}.teacher_A"] = adapter.teacher_A.contiguous()
-            teacher[f"{name}.teacher_B"] = adapter.teacher_B.contiguous()
+            teacher[f"{name}.teacher_A"] = adapter.teacher_A.cpu().contiguous()
+            teacher[f"{name}.teacher_B"] = adapter.teacher_B.cpu().contiguous()
         save_file(teacher, str(tmp / "teacher.safetensors"))
         rng = {"distill": trainer.distiller.generator.get_state(), "growth": trainer.growth_generator.get_state()}
         save_file(rng, str(tmp / "rng.safetensors"))
@@ -99,9 +99,10 @@ def load_checkpoint(trainer, directory: Path) -> None:
         saved, current = meta["apt_config"], trainer.apt_config.to_dict()
         changed = sorted(k for k in set(saved) | set(current) if saved.get(k, "<absent>") != current.get(k, "<absent>"))
         raise CheckpointError(f"checkpoint {directory} used a different APT config (fields {changed}); resume with the same one")
-    gather = trainer.backend.gathered
+    access = trainer.backend.param_access()
+
     def rebuild():
-        state.restore_architecture(meta["kept"], meta["ranks"], gather)
+        state.restore_architecture(meta["kept"], meta["ranks"], access)
         return {}
 
     trainer.backend.apply_shape_change(rebuild, carry_state=False)
@@ -117,7 +118,8 @@ def load_checkpoint(trainer, directory: Path) -> None:
     state.salience.load_state_dict(salience)
     teacher = _load_tensors(directory / "teacher.safetensors")
     for name, adapter in state.adapters.items():
-        adapter.teacher_A, adapter.teacher_B = teacher[f"{name}.teacher_A"], teacher[f"{name}.teacher_B"]
+        adapter.teacher_A = teacher[f"{name}.teacher_A"].to(adapter.teacher_A.device)
+        adapter.teacher_B = teacher[f"{name}.teacher_B"].to(adapter.teacher_B.device)
     rng = _load_tensors(directory / "rng.safetensors")
     trainer.distiller.generator.set_state(rng["distill"])
     trainer.growth_generator.set_state(rng["growth"])

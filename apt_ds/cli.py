@@ -54,7 +54,8 @@ def _add_dataclass_args(parser: argparse.ArgumentParser, cls, title: str) -> Non
         elif isinstance(f.default, tuple):
             group.add_argument(flag, dest=f.name, nargs="+", default=None, help=help_text)
         else:
-            group.add_argument(flag, dest=f.name, type=type(f.default), default=None, help=help_text)
+            group.add_argument(flag, dest=f.name, type=type(f.default), default=None, help=help_text,
+                               choices=f.metadata.get("choices"))
 
 
 def build_train_parser() -> argparse.ArgumentParser:

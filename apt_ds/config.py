@@ -26,12 +26,13 @@ def _require(condition: bool, cls: str, name: str, allowed: str, value: Any) -> 
         raise ConfigError(f"{cls}.{name} must be {allowed}, got {value!r}")
 
 
-def _help(text: str, **kwargs) -> Any:
-    """A dataclass field carrying its help text (PEFT style); the CLI reads it."""
-    return field(metadata={"help": text}, **kwargs)
+def _help(text: str, choices: tuple | None = None, **kwargs) -> Any:
+    """A dataclass field carrying its help text (PEFT style) and allowed values; the CLI reads both."""
+    return field(metadata={"help": text, "choices": choices}, **kwargs)
 
 
-_SCALAR_TYPES = {"float": (int, float), "int": (int,), "bool": (bool,), "tuple": (tuple, list)}
+_SCALAR_TYPES = {"float": (int, float), "int": (int,), "bool": (bool,), "tuple": (tuple, list), "str": (str,)}
+BASE_DTYPES = ("auto", "bf16", "fp16", "fp32")
 
 
 def check_field_types(cls, values: dict) -> None:
@@ -212,6 +213,13 @@ class TrainConfig(_JsonConfig):
     seed: int = _help("random seed (model init of adapters, data order, layer sampling)", default=0)
     log_every: int = _help("write a metrics line every N steps", default=1)
     checkpoint_every: int = _help("save a resumable checkpoint every N steps (0: only at the end)", default=0)
+    device: str = _help("where one process without DeepSpeed trains: auto (cuda when available, else cpu), cpu, "
+                        "cuda or cuda:N; under DeepSpeed each rank uses its accelerator device", default="auto")
+    base_dtype: str = _help("dtype of the frozen base weights: auto (bf16 on GPUs, fp32 on CPU), bf16, fp16 (GPU "
+                            "only) or fp32; adapters always keep fp32 masters. Under DeepSpeed, bf16/fp16 become the "
+                            "JSON's precision section", choices=BASE_DTYPES, default="auto")
+    gradient_checkpointing: bool = _help("recompute each decoder layer's activations in backward instead of keeping "
+                                         "them (less memory, ~30% more compute); salience is unchanged", default=False)
 
     def __post_init__(self) -> None:
         c = "TrainConfig"
@@ -227,3 +235,10 @@ class TrainConfig(_JsonConfig):
         _require(self.max_seq_len >= 2, c, "max_seq_len", ">= 2", self.max_seq_len)
         _require(self.log_every >= 1, c, "log_every", ">= 1", self.log_every)
         _require(self.checkpoint_every >= 0, c, "checkpoint_every", ">= 0", self.checkpoint_every)
+        _require(self.base_dtype in BASE_DTYPES, c, "base_dtype", f"one of {', '.join(BASE_DTYPES)}", self.base_dtype)
+        _require(_is_device_name(self.device), c, "device", "auto, cpu, cuda or cuda:N", self.device)
+
+
+def _is_device_name(name: str) -> bool:
+    kind, _, index = name.partition(":")
+    return (name in ("auto", "cpu", "cuda")) or (kind == "cuda" and index.isdigit())

@@ -24,13 +24,15 @@ from .config import APTConfig
 TRANSFORM_ATTR = "apt_distill_transform"  # submodule name; export drops it
 
 
-def attach_transform(model, hidden: int, rank: int, alpha: float, seed: int) -> APTAdapter:
-    """Identity Linear + trainable adapter, registered on the model so one engine owns it."""
-    reference = model.model.embed_tokens.weight
-    linear = nn.Linear(hidden, hidden, bias=False, dtype=reference.dtype if reference.numel() else torch.float32)
+def attach_transform(model, hidden: int, rank: int, alpha: float, seed: int,
+                     device: torch.device | str = "cpu") -> APTAdapter:
+    """Identity Linear (in the base weights' dtype) + trainable adapter, on `device`,
+    registered on the model so one engine owns it."""
+    reference = model.model.embed_tokens.weight  # a ZeRO-3 partition keeps the dtype
+    linear = nn.Linear(hidden, hidden, bias=False, dtype=reference.dtype, device=device)
     with torch.no_grad():
-        linear.weight.copy_(torch.eye(hidden, dtype=linear.weight.dtype))
-    transform = APTAdapter.wrap(linear, rank, alpha, torch.Generator().manual_seed(seed))
+        linear.weight.copy_(torch.eye(hidden, dtype=linear.weight.dtype, device=device))
+    transform = APTAdapter.wrap(linear, rank, alpha, torch.Generator().manual_seed(seed), device=device)
     setattr(model, TRANSFORM_ATTR, transform)
     return transform
 
@@ -97,7 +99,8 @@ class SelfDistiller:
 
         Sums, so the caller can divide by token counts of the whole (multi-rank) step. Logits are
         gathered at the KL positions first: the (positions x vocab) softmax temporaries cover only
-        the distilled tokens."""
+        the distilled tokens (boolean indexing costs one device sync, on distillation steps only;
+        masking instead would make the vocabulary-sized temporaries up to batch-size times larger)."""
         cfg = self.config
         temperature = cfg.distill_temperature
         positions = valid if kl_positions is None else kl_positions

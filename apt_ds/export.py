@@ -8,7 +8,6 @@ export leaves no directory that loads.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -109,7 +108,7 @@ def fold_masks(model, state: APTModel) -> None:
     masks.remove()
     state.salience.remove()
     if decision.removes_anything():
-        state.shrink(decision, gather=lambda params: contextlib.nullcontext())
+        state.shrink(decision)
 
 
 def compact_model(model, state: APTModel):

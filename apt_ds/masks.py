@@ -19,36 +19,38 @@ from .units import ModelShape
 
 
 class UnitMasks:
-    def __init__(self, shape: ModelShape):
+    def __init__(self, shape: ModelShape, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)  # the model's: hooks multiply activations by masks
         self.reset(shape)
         self.enabled = True  # False while the distillation teacher runs
         self._handles: list = []
 
     def reset(self, shape: ModelShape) -> None:
         self.shape = shape
-        self.kv_group = [torch.ones(layer.num_kv_groups) for layer in shape.layers]
-        self.ffn_neuron = [torch.ones(layer.ffn) for layer in shape.layers]
-        self.hidden = torch.ones(shape.hidden)
+        self.kv_group = [torch.ones(layer.num_kv_groups, device=self.device) for layer in shape.layers]
+        self.ffn_neuron = [torch.ones(layer.ffn, device=self.device) for layer in shape.layers]
+        self.hidden = torch.ones(shape.hidden, device=self.device)
         self.refresh()
 
     def refresh(self) -> None:
-        """Recompute which masks are not all-ones; call after editing mask tensors."""
+        """Recompute which masks are not all-ones; call after editing mask tensors (a host
+        read of every mask: at pruning decisions only, never inside a step)."""
         self._hidden_active = bool((self.hidden != 1).any())
         self._group_active = [bool((m != 1).any()) for m in self.kv_group]
         self._neuron_active = [bool((m != 1).any()) for m in self.ffn_neuron]
 
     # ---- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
-        state = {"hidden": self.hidden.clone()}
+        state = {"hidden": self.hidden.to("cpu", copy=True)}
         for i, (g, f) in enumerate(zip(self.kv_group, self.ffn_neuron)):
-            state[f"kv_group.{i}"] = g.clone()
-            state[f"ffn_neuron.{i}"] = f.clone()
+            state[f"kv_group.{i}"] = g.to("cpu", copy=True)
+            state[f"ffn_neuron.{i}"] = f.to("cpu", copy=True)
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.hidden = state["hidden"].float().clone()
-        self.kv_group = [state[f"kv_group.{i}"].float().clone() for i in range(len(self.kv_group))]
-        self.ffn_neuron = [state[f"ffn_neuron.{i}"].float().clone() for i in range(len(self.ffn_neuron))]
+        self.hidden = state["hidden"].float().to(self.device, copy=True)
+        self.kv_group = [state[f"kv_group.{i}"].float().to(self.device, copy=True) for i in range(len(self.kv_group))]
+        self.ffn_neuron = [state[f"ffn_neuron.{i}"].float().to(self.device, copy=True) for i in range(len(self.ffn_neuron))]
         self.refresh()
 
     def is_binary(self) -> bool:

@@ -91,15 +91,35 @@ def model_fingerprint(model) -> dict:
     """Identifies the base model of a run: its config, and a checksum over every weight tensor
     (|w| summed over a strided sample of ~4k entries per tensor: cheap even at 70B, and any
     retrained layer changes it)."""
-    config = {k: v for k, v in model.config.to_dict().items() if k not in ("_name_or_path", "transformers_version", "dtype", "torch_dtype")}
-    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
     embedding = model.get_input_embeddings().weight.detach()
-    sums = []
     with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            flat = param.detach().reshape(-1)
-            sample = flat[:: max(1, flat.numel() // 4096)]
-            sums.append(f"{name}:{float(sample.double().abs().sum()):.6e}")
+        tensors = ((name, param.detach()) for name, param in sorted(model.named_parameters()))
+        return _fingerprint(model.config, tensors, embedding)
+
+
+def file_fingerprint(directory: str | Path) -> dict:
+    """`model_fingerprint(load_model(directory))`, read from the safetensors files one tensor at
+    a time (a partitioned ZeRO-3 model has no full tensors to read, and the fingerprint must
+    not depend on the dtype the weights are trained in)."""
+    from transformers import AutoConfig
+
+    from .weights import SafetensorsWeights
+
+    config = AutoConfig.from_pretrained(str(directory))
+    weights = SafetensorsWeights(directory)
+    names = [n for n in weights.names() if not (config.tie_word_embeddings and n == "lm_head.weight")]
+    embedding = weights.get("model.embed_tokens.weight")
+    return _fingerprint(config, ((name, weights.get(name)) for name in sorted(names)), embedding)
+
+
+def _fingerprint(config, named_tensors, embedding: torch.Tensor) -> dict:
+    values = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version", "dtype", "torch_dtype")}
+    digest = hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    sums = []
+    for name, tensor in named_tensors:
+        flat = tensor.reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 4096)]
+        sums.append(f"{name}:{float(sample.double().abs().sum()):.6e}")
     weights = hashlib.sha256("|".join(sums).encode()).hexdigest()[:16]
     return {"config_sha": digest, "embedding_sum": round(float(embedding.double().abs().sum()), 3), "weights_sha": weights}
 

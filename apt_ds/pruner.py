@@ -71,6 +71,11 @@ class AdaptivePruner:
         self.config = config
 
     def decide(self, shape: ModelShape, group_scores, neuron_scores, hidden_scores, target_params: float) -> KeepDecision:
+        """Decided on the host in float64 (sorting and a binary search over O(units) values: one
+        copy of the device scores per decision, never inside a step)."""
+        group_scores = [g.detach().double().cpu() for g in group_scores]
+        neuron_scores = [n.detach().double().cpu() for n in neuron_scores]
+        hidden_scores = hidden_scores.detach().double().cpu()
         if self.config.uniform:
             return self._decide_uniform(shape, group_scores, neuron_scores, hidden_scores, target_params)
         return self._decide_ranked(shape, group_scores, neuron_scores, hidden_scores, target_params)
@@ -191,7 +196,7 @@ class GradualMasker:
         def move(mask: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
             up = (mask + self.step_size).clamp(max=1.0)
             down = (mask - self.step_size).clamp(min=0.0)
-            return torch.where(keep, up, down)
+            return torch.where(keep.to(mask.device), up, down)
 
         masks.kv_group = [move(m, k) for m, k in zip(masks.kv_group, decision.groups)]
         masks.ffn_neuron = [move(m, k) for m, k in zip(masks.ffn_neuron, decision.neurons)]
@@ -200,7 +205,7 @@ class GradualMasker:
 
     @staticmethod
     def snap(masks: UnitMasks, decision: KeepDecision) -> None:
-        masks.kv_group = [k.float() for k in decision.groups]
-        masks.ffn_neuron = [k.float() for k in decision.neurons]
-        masks.hidden = decision.hidden.float()
+        masks.kv_group = [k.float().to(masks.device) for k in decision.groups]
+        masks.ffn_neuron = [k.float().to(masks.device) for k in decision.neurons]
+        masks.hidden = decision.hidden.float().to(masks.device)
         masks.refresh()

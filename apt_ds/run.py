@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -19,15 +20,32 @@ from .checkpoint import CheckpointError, read_meta
 from .cli import check_out_dir, prepare_out_dir
 from .config import APTConfig, ConfigError, TrainConfig
 from .data import batches, collate, demo_data_path, load_records, tokenize_dataset
-from .modeling import TINY_MODELS, build_tiny_llama, load_model, model_fingerprint, same_model
+from .modeling import TINY_MODELS, build_tiny_llama, file_fingerprint, load_model, model_fingerprint, same_model
+from .placement import configure_cpu_threads, resolve_base_dtype, resolve_device
 from .tokenizer import load_tokenizer, train_sentencepiece_tokenizer
 from .trainer import APTrainer
+
+logger = logging.getLogger(__name__)
 
 TOKENIZER_DIR = "tokenizer"
 RUN_FILE = "run.json"
 
 
 def make_backend(args, train: TrainConfig):
+    """The backend and the training config it implies; on CPU also the threads per rank."""
+    backend, train = _make_backend(args, train)
+    resolve_base_dtype(train.base_dtype, backend.device)  # e.g. fp16 asked on a CPU: refused here
+    if backend.device.type == "cpu":
+        configure_cpu_threads()
+    return backend, train
+
+
+def base_dtype_of(backend, train: TrainConfig):
+    """The dtype the frozen base weights are loaded in: the engine's precision under DeepSpeed."""
+    return getattr(backend, "param_dtype", None) or resolve_base_dtype(train.base_dtype, backend.device)
+
+
+def _make_backend(args, train: TrainConfig):
     if not args.deepspeed:
         if int(os.environ.get("WORLD_SIZE", 1)) > 1:
             raise ConfigError("several ranks were launched but --deepspeed was not given; pass a ds_configs/*.json")
@@ -36,10 +54,10 @@ def make_backend(args, train: TrainConfig):
                 raise ConfigError(f"--global-batch-size {args.global_batch_size} is not divisible by "
                                   f"grad_accum_steps ({train.grad_accum_steps})")
             train = dataclasses.replace(train, micro_batch_size=args.global_batch_size // train.grad_accum_steps)
-        return LocalBackend(), train
+        return LocalBackend(resolve_device(train.device)), train
     from .zero import DeepSpeedBackend
 
-    backend = DeepSpeedBackend(args.deepspeed, micro_batch_size=train.micro_batch_size)
+    backend = DeepSpeedBackend(args.deepspeed, micro_batch_size=train.micro_batch_size, base_dtype=train.base_dtype)
     if args.global_batch_size:
         per_step = backend.world_size * train.grad_accum_steps
         if args.global_batch_size % per_step:
@@ -52,19 +70,53 @@ def make_backend(args, train: TrainConfig):
     return backend, train
 
 
-def _tokenizer_and_model(args, out: Path, texts: list[str], seed: int, staging: Path, prunes: bool):
-    """Load (or, for the tiny model, train) the tokenizer and load the model; writes nothing
-    into --out: a trained tokenizer goes to `staging` until the run directory is prepared.
-    A run that prunes reads the weights into memory rather than mapping the file: mapped
-    pages would stay resident after pruning (apt_ds.modeling.load_model)."""
+def _tokenizer_and_model(args, out: Path, texts: list[str], train: TrainConfig, staging: Path, prunes: bool, backend):
+    """Load (or, for the tiny model, train) the tokenizer and load the model in the base dtype;
+    returns (tokenizer, model, fingerprint). Writes nothing into --out: a trained tokenizer goes
+    to `staging` until the run directory is prepared.
+    Under ZeRO-3 the model is partitioned from the first byte (apt_ds.zero_init). Otherwise a
+    run that prunes reads the weights into memory rather than mapping the file: mapped pages
+    would stay resident after pruning (apt_ds.modeling.load_model)."""
+    dtype = base_dtype_of(backend, train)
     if args.model in TINY_MODELS:
         saved = out / TOKENIZER_DIR
         if args.resume and (saved / "tokenizer_config.json").is_file():
             tokenizer = load_tokenizer(saved)
         else:  # deterministic: every rank trains the same tokenizer (no shared write needed)
             tokenizer = train_sentencepiece_tokenizer(texts, staging, vocab_size=512)
-        return tokenizer, build_tiny_llama(vocab_size=len(tokenizer), seed=seed, variant=args.model)
-    return load_tokenizer(args.model), load_model(args.model, mmap=not prunes)
+        model = build_tiny_llama(vocab_size=len(tokenizer), seed=train.seed, variant=args.model)
+        fingerprint = model_fingerprint(model)
+        if _partitions_weights(backend):  # tiny: its full state dict is the source of the partitions
+            return tokenizer, _partitioned(backend, model.config, model.state_dict(), dtype, train), fingerprint
+        return tokenizer, model.to(dtype), fingerprint
+    tokenizer = load_tokenizer(args.model)
+    path = Path(args.model)
+    if path.is_dir():
+        fingerprint = file_fingerprint(path)  # tensor by tensor: the same for every base dtype
+        if _partitions_weights(backend):
+            from transformers import AutoConfig
+
+            from .weights import SafetensorsWeights
+
+            config = AutoConfig.from_pretrained(str(path))
+            return tokenizer, _partitioned(backend, config, SafetensorsWeights(path), dtype, train), fingerprint
+        return tokenizer, load_model(path, dtype=dtype, mmap=not prunes), fingerprint
+    if _partitions_weights(backend):
+        logger.warning("%s: a GGUF file is loaded whole on every rank before ZeRO-3 partitions it; convert it to a "
+                       "safetensors directory to load partitions only", path)
+    model = load_model(path, dtype=dtype)
+    return tokenizer, model, model_fingerprint(model)
+
+
+def _partitions_weights(backend) -> bool:
+    return getattr(backend, "zero_stage_requested", 0) == 3
+
+
+def _partitioned(backend, config, source, dtype, train: TrainConfig):
+    from .zero_init import build_partitioned_llama
+
+    ds_config = backend.resolved_config(config, train.grad_accum_steps, train.max_grad_norm)
+    return build_partitioned_llama(config, source, ds_config, dtype, backend.device)
 
 
 def _texts_for_tokenizer(records) -> list[str]:
@@ -138,12 +190,11 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
     data_path = args.data or str(demo_data_path())
     records = load_records(data_path)
     with tempfile.TemporaryDirectory(prefix="apt-tokenizer-") as staging:
-        tokenizer, model = _tokenizer_and_model(args, out, _texts_for_tokenizer(records), train.seed, Path(staging),
-                                                apt.prune)
+        tokenizer, model, fingerprint = _tokenizer_and_model(args, out, _texts_for_tokenizer(records), train,
+                                                             Path(staging), apt.prune, backend)
         examples = tokenize_dataset(records, tokenizer, train.max_seq_len, pack=not args.no_pack, source=data_path)
         pad_id = tokenizer.pad_token_id or 0
         eval_batches = _eval_batches(args, tokenizer, train, backend, pad_id)
-        fingerprint = model_fingerprint(model)
         if meta is not None:
             check_resumable(meta, args, train, fingerprint, data_path, backend.world_size)
         backend.validate(model, train.grad_accum_steps, train.max_grad_norm)  # e.g. DeepSpeed JSON vs TrainConfig

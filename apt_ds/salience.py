@@ -1,6 +1,8 @@
 """Salience of every prunable unit, collected by hooks during ordinary training steps.
 
 Per channel j and optimizer step: S_j = (sum_{b,t} |X_btj|) * (sum_{b,t} |dL/dX_btj|).
+Accumulators and scores are fp32 tensors on the model's device: a step adds to them without
+any host round trip; only pruning decisions read the scores on the host.
 Both factors are summed over micro-batches and across data-parallel ranks BEFORE the
 product, so scores do not depend on how the global batch is split. Sites:
 - KV groups: input of o_proj (channels of the group's query heads, summed);
@@ -28,13 +30,13 @@ Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 class _Site:
-    """Running sums for one hook site (one channel vector)."""
+    """Running sums for one hook site (one channel vector), fp32 on the activations' device."""
 
-    def __init__(self, channels: int, with_mean: bool = False):
-        self.act_abs = torch.zeros(channels, dtype=torch.float64)
-        self.grad_abs = torch.zeros(channels, dtype=torch.float64)
-        self.act_sum = torch.zeros(channels, dtype=torch.float64) if with_mean else None
-        self.power_sums: torch.Tensor | None = None  # (4, channels) of the site's weight
+    def __init__(self, channels: int, device: torch.device, with_mean: bool = False):
+        self.act_abs = torch.zeros(channels, dtype=torch.float32, device=device)
+        self.grad_abs = torch.zeros(channels, dtype=torch.float32, device=device)
+        self.act_sum = torch.zeros(channels, dtype=torch.float32, device=device) if with_mean else None
+        self.power_sums: torch.Tensor | None = None  # (4, channels) float64 of the site's weight
         self.stale_weights = True  # power sums must be (re)computed at the next forward
         self.weights_change = False  # an adapter on the site's module: W changes every step
 
@@ -43,14 +45,14 @@ class _Site:
         detached = x.detach()
         # abs().sum() rather than vector_norm(ord=1): the latter was 4-10x slower on CPU (measured
         # on (4, 64, 576..1536) activations), which alone cost ~7% of a SmolLM2 training step.
-        self.act_abs += detached.abs().sum(dims).double()
+        self.act_abs += detached.abs().sum(dims, dtype=torch.float32)
         if self.act_sum is not None:
-            self.act_sum += detached.sum(dims).double()
+            self.act_sum += detached.sum(dims, dtype=torch.float32)
         if x.requires_grad:
             x.register_hook(self._on_grad)
 
     def _on_grad(self, grad: torch.Tensor) -> None:
-        self.grad_abs += grad.detach().abs().sum(tuple(range(grad.dim() - 1))).double()
+        self.grad_abs += grad.detach().abs().sum(tuple(range(grad.dim() - 1)), dtype=torch.float32)
 
     def zero(self) -> None:
         for t in (self.act_abs, self.grad_abs, self.act_sum):
@@ -59,7 +61,9 @@ class _Site:
 
 
 def column_power_sums(weight: torch.Tensor) -> torch.Tensor:
-    """P[k-1, j] = sum_i W_ij^k for k = 1..4 (float64), the kurtosis sufficient statistics."""
+    """P[k-1, j] = sum_i W_ij^k for k = 1..4, the kurtosis sufficient statistics. float64: the
+    central fourth moment is a difference of raw moments, which cancel badly in fp32; these
+    are (4, channels) vectors computed once per shape, so the cost is nothing even on a GPU."""
     w = weight.detach().double()
     w2 = w * w
     return torch.stack([w.sum(0), w2.sum(0), (w2 * w).sum(0), (w2 * w2).sum(0)])
@@ -83,8 +87,10 @@ def unit_kurtosis(mean_x: torch.Tensor, power_sums: torch.Tensor, rows: int, uni
 class SalienceCollector:
     """Hooks + EMA of unit scores. `reduce_sum` sums a tensor across data-parallel ranks."""
 
-    def __init__(self, shape: ModelShape, beta: float, use_kurtosis: bool, reduce_sum: Reduce | None = None, world_size: int = 1):
+    def __init__(self, shape: ModelShape, beta: float, use_kurtosis: bool, reduce_sum: Reduce | None = None,
+                 world_size: int = 1, device: torch.device | str = "cpu"):
         self.beta, self.use_kurtosis = beta, use_kurtosis
+        self.device = torch.device(device)
         self.reduce_sum = reduce_sum or (lambda t: t)
         self.world_size = world_size
         self.enabled = True
@@ -94,10 +100,11 @@ class SalienceCollector:
     def reset(self, shape: ModelShape) -> None:
         """New shapes (after a shrink): fresh accumulators; EMA vectors are sliced by `keep`."""
         self.shape = shape
-        self.attn_sites = [_Site(l.num_q_heads * l.head_dim, with_mean=True) for l in shape.layers]
-        self.ffn_sites = [_Site(l.ffn, with_mean=True) for l in shape.layers]
-        self.hidden_sites = [_Site(shape.hidden) for _ in range(2 * len(shape.layers))]
-        self.tokens = torch.zeros(1, dtype=torch.float64)
+        device = self.device
+        self.attn_sites = [_Site(l.num_q_heads * l.head_dim, device, with_mean=True) for l in shape.layers]
+        self.ffn_sites = [_Site(l.ffn, device, with_mean=True) for l in shape.layers]
+        self.hidden_sites = [_Site(shape.hidden, device) for _ in range(2 * len(shape.layers))]
+        self.tokens = torch.zeros(1, dtype=torch.float32, device=device)  # exact up to 2**24 tokens per step
         if not hasattr(self, "group_scores") or self.group_scores is None:
             self.group_scores = self.neuron_scores = self.hidden_scores = None
 
@@ -117,7 +124,9 @@ class SalienceCollector:
         self._handles = []
 
     def _collecting(self) -> bool:
-        return self.enabled and torch.is_grad_enabled()
+        # Inside backward, a forward is gradient checkpointing's recomputation: its activations
+        # were already counted in the real forward, whose tensors receive the gradients.
+        return self.enabled and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
 
     # Hooks look their site up at call time: a shrink replaces the site lists.
     def _input_hook(self, kind: str, index: int):
@@ -174,10 +183,12 @@ class SalienceCollector:
 
     def _unit_scores(self, site: _Site, width: int) -> torch.Tensor:
         score = self._channel_scores(site).reshape(-1, width).sum(-1)
-        if self.use_kurtosis and site.power_sums is not None and self.tokens.item() > 0:
-            mean_x = site.act_sum / self.tokens
+        if self.use_kurtosis and site.power_sums is not None:
+            # No host check of the token count (a device sync per layer): with no tokens the
+            # mean is 0, its variance 0, and unit_kurtosis gives 0.
+            mean_x = site.act_sum.double() / self.tokens.double().clamp_min(1)
             kurt = unit_kurtosis(mean_x, site.power_sums, rows=self.shape.hidden, unit_width=width)
-            score = score + kurt.clamp_min(0).sqrt()
+            score = score + kurt.clamp_min(0).sqrt().to(score.dtype)
         return score
 
     def _update_ema(self, groups, neurons, hidden) -> None:
@@ -197,17 +208,17 @@ class SalienceCollector:
     def keep(self, new_shape: ModelShape, group_index, neuron_index, hidden_index) -> None:
         """Removed units drop out of the EMA vectors; accumulators restart at the new shapes."""
         if self.group_scores is not None:
-            self.group_scores = [s[i] for s, i in zip(self.group_scores, group_index)]
-            self.neuron_scores = [s[i] for s, i in zip(self.neuron_scores, neuron_index)]
-            self.hidden_scores = self.hidden_scores[hidden_index]
+            self.group_scores = [s[i.to(s.device)] for s, i in zip(self.group_scores, group_index)]
+            self.neuron_scores = [s[i.to(s.device)] for s, i in zip(self.neuron_scores, neuron_index)]
+            self.hidden_scores = self.hidden_scores[hidden_index.to(self.hidden_scores.device)]
         self.reset(new_shape)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         if self.group_scores is None:
             return {}
-        state = {"hidden": self.hidden_scores}
+        state = {"hidden": self.hidden_scores.cpu()}
         for i, (g, n) in enumerate(zip(self.group_scores, self.neuron_scores)):
-            state[f"group.{i}"], state[f"neuron.{i}"] = g, n
+            state[f"group.{i}"], state[f"neuron.{i}"] = g.cpu(), n.cpu()
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -215,9 +226,9 @@ class SalienceCollector:
             self.group_scores = self.neuron_scores = self.hidden_scores = None
             return
         layers = len(self.shape.layers)
-        self.hidden_scores = state["hidden"].double()
-        self.group_scores = [state[f"group.{i}"].double() for i in range(layers)]
-        self.neuron_scores = [state[f"neuron.{i}"].double() for i in range(layers)]
+        self.hidden_scores = state["hidden"].float().to(self.device)
+        self.group_scores = [state[f"group.{i}"].float().to(self.device) for i in range(layers)]
+        self.neuron_scores = [state[f"neuron.{i}"].float().to(self.device) for i in range(layers)]
 
 
 def _effective_weight(module) -> torch.Tensor:

@@ -10,6 +10,7 @@ size (`num_key_value_groups`) and `head_dim` stay the same, and LLaMA reshapes w
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
@@ -19,11 +20,31 @@ from .adapters import APTAdapter
 from .edits import ShapeChange
 from .units import ModelShape
 
-Gather = Callable[[Iterable[nn.Parameter]], contextlib.AbstractContextManager]
+
+@dataclass(frozen=True)
+class ParamAccess:
+    """How shape-changing code reads and re-homes parameters that may be ZeRO-3 partitions.
+
+    `read(params)`: a context in which the full tensors of `params` can be read on every rank
+    (a collective; nothing is written back on exit, so parameters about to be replaced are
+    never broadcast). `adopt(module)`: partition the plain parameters just put into `module`
+    at once, so a shrink holds about one module in full, never the model."""
+
+    read: Callable[[Iterable[nn.Parameter]], contextlib.AbstractContextManager]
+    adopt: Callable[[nn.Module], None]
 
 
-def _no_gather(params):
-    return contextlib.nullcontext()
+LOCAL_ACCESS = ParamAccess(read=lambda params: contextlib.nullcontext(), adopt=lambda module: None)
+
+
+def replace_module_params(access: ParamAccess, module: nn.Module, edit: Callable[[], object],
+                          read: Iterable[nn.Parameter] | None = None):
+    """Run `edit` (which replaces parameters of `module`) with `read` (default: the module's own
+    parameters) readable, then partition the new ones; returns what `edit` returns."""
+    with access.read(list(module.parameters(recurse=False)) if read is None else list(read)):
+        result = edit()
+    access.adopt(module)
+    return result
 
 
 def _full_or_index(index: torch.Tensor | None, size: int) -> torch.Tensor | None:
@@ -41,12 +62,13 @@ def slice_linear(module: nn.Linear, out_index, in_index, prefix: str) -> ShapeCh
         return {}
     weight = module.weight.detach()
     if out_index is not None:
-        weight = weight.index_select(0, out_index)
+        weight = weight.index_select(0, out_index.to(weight.device))
     if in_index is not None:
-        weight = weight.index_select(1, in_index)
+        weight = weight.index_select(1, in_index.to(weight.device))
     module.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
     if module.bias is not None and out_index is not None:
-        module.bias = nn.Parameter(module.bias.detach().index_select(0, out_index).contiguous(), requires_grad=False)
+        bias = module.bias.detach()
+        module.bias = nn.Parameter(bias.index_select(0, out_index.to(bias.device)).contiguous(), requires_grad=False)
     module.out_features, module.in_features = weight.shape
     change: ShapeChange = {}
     if isinstance(module, APTAdapter):
@@ -55,11 +77,12 @@ def slice_linear(module: nn.Linear, out_index, in_index, prefix: str) -> ShapeCh
     return change
 
 
-def _slice_vector(module: nn.Module, attr: str, index) -> None:
+def _slice_param(module: nn.Module, attr: str, index, dim: int = 0) -> None:
+    """Keep `index` along `dim` of a frozen parameter (a norm weight, an embedding matrix)."""
     if index is None:
         return
-    old = getattr(module, attr)
-    setattr(module, attr, nn.Parameter(old.detach().index_select(0, index).contiguous(), requires_grad=False))
+    old = getattr(module, attr).detach()
+    setattr(module, attr, nn.Parameter(old.index_select(dim, index.to(old.device)).contiguous(), requires_grad=False))
 
 
 def group_channels(group_index: torch.Tensor, group_size: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,8 +97,10 @@ def group_channels(group_index: torch.Tensor, group_size: int, head_dim: int) ->
     return q_channels, kv_channels
 
 
-def shrink_model(model, shape: ModelShape, group_index, neuron_index, hidden_index, gather: Gather = _no_gather) -> tuple[ModelShape, ShapeChange]:
-    """Remove every unit not in the kept indices; returns the new shape and trainable edits."""
+def shrink_model(model, shape: ModelShape, group_index, neuron_index, hidden_index,
+                 access: ParamAccess = LOCAL_ACCESS) -> tuple[ModelShape, ShapeChange]:
+    """Remove every unit not in the kept indices; returns the new shape and trainable edits.
+    One module at a time: read it, slice it, partition its new parameters (`access`)."""
     hid = _full_or_index(hidden_index, shape.hidden)
     change: ShapeChange = {}
     inner = model.model
@@ -84,29 +109,32 @@ def shrink_model(model, shape: ModelShape, group_index, neuron_index, hidden_ind
         q_ch, kv_ch = group_channels(group_index[l], layer_shape.group_size, layer_shape.head_dim)
         neurons = neuron_index[l]
         prefix = f"model.layers.{l}"
-        with gather(list(layer.parameters())):
-            for name, out_i, in_i in (("q_proj", q_ch, hid), ("k_proj", kv_ch, hid), ("v_proj", kv_ch, hid), ("o_proj", hid, q_ch)):
-                change.update(slice_linear(getattr(attn, name), out_i, in_i, f"{prefix}.self_attn.{name}"))
-            for name, out_i, in_i in (("gate_proj", neurons, hid), ("up_proj", neurons, hid), ("down_proj", hid, neurons)):
-                change.update(slice_linear(getattr(mlp, name), out_i, in_i, f"{prefix}.mlp.{name}"))
-            _slice_vector(layer.input_layernorm, "weight", hid)
-            _slice_vector(layer.post_attention_layernorm, "weight", hid)
+        linears = [(attn, "self_attn", "q_proj", q_ch, hid), (attn, "self_attn", "k_proj", kv_ch, hid),
+                   (attn, "self_attn", "v_proj", kv_ch, hid), (attn, "self_attn", "o_proj", hid, q_ch),
+                   (mlp, "mlp", "gate_proj", neurons, hid), (mlp, "mlp", "up_proj", neurons, hid),
+                   (mlp, "mlp", "down_proj", hid, neurons)]
+        for owner, owner_name, name, out_i, in_i in linears:
+            linear = getattr(owner, name)
+            change.update(replace_module_params(
+                access, linear, lambda: slice_linear(linear, out_i, in_i, f"{prefix}.{owner_name}.{name}")))
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            replace_module_params(access, norm, lambda: _slice_param(norm, "weight", hid))
     if hid is not None:
-        tied = model.lm_head.weight is inner.embed_tokens.weight or shape.tied_embeddings
-        with gather([inner.embed_tokens.weight, inner.norm.weight, model.lm_head.weight]):
-            embed = inner.embed_tokens.weight.detach().index_select(1, hid).contiguous()
-            inner.embed_tokens.weight = nn.Parameter(embed, requires_grad=False)
-            inner.embed_tokens.embedding_dim = embed.shape[1]
-            _slice_vector(inner.norm, "weight", hid)
-            if tied:
-                model.lm_head.weight = inner.embed_tokens.weight
-            else:
-                head = model.lm_head.weight.detach().index_select(1, hid).contiguous()
-                model.lm_head.weight = nn.Parameter(head, requires_grad=False)
-            model.lm_head.in_features = embed.shape[1]
+        _shrink_embeddings(model, hid, access, tied=model.lm_head.weight is inner.embed_tokens.weight or shape.tied_embeddings)
     new_shape = _kept_shape(shape, group_index, neuron_index, hidden_index)
     write_shape_to_config(model.config, new_shape)
     return new_shape, change
+
+
+def _shrink_embeddings(model, hid: torch.Tensor, access: ParamAccess, tied: bool) -> None:
+    inner = model.model
+    replace_module_params(access, inner.embed_tokens, lambda: _slice_param(inner.embed_tokens, "weight", hid, dim=1))
+    replace_module_params(access, inner.norm, lambda: _slice_param(inner.norm, "weight", hid))
+    if tied:
+        model.lm_head.weight = inner.embed_tokens.weight
+    else:
+        replace_module_params(access, model.lm_head, lambda: _slice_param(model.lm_head, "weight", hid, dim=1))
+    inner.embed_tokens.embedding_dim = model.lm_head.in_features = len(hid)
 
 
 def _kept_shape(shape: ModelShape, group_index, neuron_index, hidden_index) -> ModelShape:

@@ -7,8 +7,6 @@ architecture be rebuilt from the original checkpoint: which ORIGINAL unit indice
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from .adapters import add_adapters, find_adapters
@@ -18,25 +16,30 @@ from .edits import ShapeChange
 from .masks import UnitMasks
 from .pruner import KeepDecision
 from .salience import SalienceCollector
-from .shrink import Gather, shrink_model, slice_linear
+from .shrink import LOCAL_ACCESS, ParamAccess, replace_module_params, shrink_model, slice_linear
 from .units import ModelShape, check_llama_model
 
 
 class APTModel:
-    def __init__(self, model, config: APTConfig, seed: int = 0, reduce_sum=None, world_size: int = 1):
+    def __init__(self, model, config: APTConfig, seed: int = 0, reduce_sum=None, world_size: int = 1,
+                 device: torch.device | str | None = None):
+        """`device`: where adapters, masks and salience live (default: the model's; give it for
+        a ZeRO-3 partitioned model)."""
         check_llama_model(model)
         self.model, self.config = model, config
+        self.device = torch.device(device) if device is not None else model.get_input_embeddings().weight.device
         self.original_shape = ModelShape.from_model(model)
         self.shape = self.original_shape
         self.kept_groups = [torch.arange(l.num_kv_groups) for l in self.shape.layers]
         self.kept_neurons = [torch.arange(l.ffn) for l in self.shape.layers]
         self.kept_hidden = torch.arange(self.shape.hidden)
-        add_adapters(model, config.adapter_targets, config.adapter_rank, config.adapter_alpha, seed=seed)
+        add_adapters(model, config.adapter_targets, config.adapter_rank, config.adapter_alpha, seed=seed, device=self.device)
         if config.distill and config.prune:
-            attach_transform(model, self.shape.hidden, config.transform_rank, config.adapter_alpha, seed)
-        self.masks = UnitMasks(self.shape)
+            attach_transform(model, self.shape.hidden, config.transform_rank, config.adapter_alpha, seed, self.device)
+        self.masks = UnitMasks(self.shape, self.device)
         self.masks.install(model)
-        self.salience = SalienceCollector(self.shape, config.salience_beta, config.use_kurtosis, reduce_sum, world_size)
+        self.salience = SalienceCollector(self.shape, config.salience_beta, config.use_kurtosis, reduce_sum, world_size,
+                                          device=self.device)
         self.salience.install(model)
         self.salience.enabled = False
 
@@ -60,14 +63,14 @@ class APTModel:
         return {name: a.rank for name, a in sorted(self.adapters.items())}
 
     # ---- shape changes -------------------------------------------------------------------
-    def shrink(self, decision: KeepDecision, gather: Gather) -> ShapeChange:
+    def shrink(self, decision: KeepDecision, access: ParamAccess = LOCAL_ACCESS) -> ShapeChange:
         """Physically remove what `decision` drops; keep every record consistent."""
         groups, neurons, hidden = decision.indices()
-        new_shape, change = shrink_model(self.model, self.shape, groups, neurons, hidden, gather)
+        new_shape, change = shrink_model(self.model, self.shape, groups, neurons, hidden, access)
         transform = getattr(self.model, TRANSFORM_ATTR, None)
         if transform is not None and len(hidden) != self.shape.hidden:
-            with gather(list(transform.parameters())):
-                change.update(slice_linear(transform, hidden, hidden, TRANSFORM_ATTR))
+            change.update(replace_module_params(access, transform,
+                                                lambda: slice_linear(transform, hidden, hidden, TRANSFORM_ATTR)))
         self.kept_groups = [k[i] for k, i in zip(self.kept_groups, groups)]
         self.kept_neurons = [k[i] for k, i in zip(self.kept_neurons, neurons)]
         self.kept_hidden = self.kept_hidden[hidden]
@@ -76,7 +79,7 @@ class APTModel:
         self.shape = new_shape
         return change
 
-    def restore_architecture(self, kept: dict, ranks: dict[str, int], gather: Gather = lambda p: contextlib.nullcontext()) -> None:
+    def restore_architecture(self, kept: dict, ranks: dict[str, int], access: ParamAccess = LOCAL_ACCESS) -> None:
         """Resume: shrink the original model to saved ORIGINAL indices and grow saved ranks."""
         groups = [torch.tensor(g, dtype=torch.long) for g in kept["groups"]]
         neurons = [torch.tensor(n, dtype=torch.long) for n in kept["neurons"]]
@@ -87,14 +90,21 @@ class APTModel:
             torch.zeros(self.shape.hidden, dtype=torch.bool).index_fill_(0, hidden, True),
             0,
         )
-        self.shrink(flags, gather)
+        self.shrink(flags, access)
         adapters = self.adapters
         unknown = sorted(set(ranks) - set(adapters))
         if unknown:
             raise ValueError(f"checkpoint has adapters {unknown[:3]} that this model/config does not have")
         for name in sorted(ranks):  # same order on every rank: gathering is collective
-            with gather(list(adapters[name].parameters())):
-                adapters[name].grow_rank(ranks[name])
+            self.grow_rank(name, ranks[name], access)
+
+    def grow_rank(self, name: str, rank: int, access: ParamAccess = LOCAL_ACCESS,
+                  generator: torch.Generator | None = None) -> ShapeChange:
+        """Grow one adapter's rank (read, grow, re-partition); returns the edits of A and B."""
+        adapter = self.adapters[name]
+        edits = replace_module_params(access, adapter, lambda: adapter.grow_rank(rank, generator),
+                                      read=[adapter.lora_A, adapter.lora_B])  # not the frozen weight
+        return {f"{name}.{param}": param_edits for param, param_edits in edits.items()}
 
     def kept_record(self) -> dict:
         return {

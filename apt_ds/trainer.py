@@ -26,6 +26,7 @@ from .distill import SelfDistiller
 from .edits import merge_changes
 from .heap import release_free_heap
 from .metrics import MetricsWriter, memory_mb
+from .placement import move_batch
 from .pruner import AdaptivePruner, GradualMasker
 from .schedule import SparsityScheduler
 from .state import APTModel
@@ -47,19 +48,28 @@ def _supervised_tokens(batch: dict) -> int:
     return int((batch["labels"][:, 1:] != -100).sum())
 
 
-def supervised_forward(forward, batch: dict, **kwargs):
+def supervised_positions(labels: torch.Tensor) -> torch.Tensor:
+    """Positions whose next token is supervised in some row of the batch (read them on the host:
+    on a GPU `nonzero` waits for the device)."""
+    return (labels[:, 1:] != -100).any(0).nonzero().squeeze(1)
+
+
+def supervised_forward(forward, batch: dict, positions: torch.Tensor | None = None, **kwargs):
     """Forward that projects onto the vocabulary only at positions predicting a supervised label.
 
     Instruction data supervises a few response tokens per row; the (positions x vocab) logits,
     their softmax and their gradient are then a large share of a small model's step (SmolLM2:
     a 49k vocabulary). Positions are the union over the batch (a 1D `logits_to_keep`, which
     every supported transformers version accepts), so the gradient is exactly that of the full
-    causal-LM loss. Returns (model output whose logits are (batch, kept, vocab), mean task loss,
-    boolean (batch, kept) mask of the supervised entries).
+    causal-LM loss. `positions`: `supervised_positions(labels)` computed ahead (on the host).
+    Returns (model output whose logits are (batch, kept, vocab), mean task loss, boolean
+    (batch, kept) mask of the supervised entries).
     """
     labels = batch["labels"]
     targets = labels[:, 1:]  # position i predicts token i + 1
-    positions = (targets != -100).any(0).nonzero().squeeze(1)
+    if positions is None:
+        positions = supervised_positions(labels)
+    positions = positions.to(labels.device, non_blocking=True)
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     out = forward(**inputs, logits_to_keep=positions, **kwargs)
     kept_targets = targets[:, positions]
@@ -86,7 +96,15 @@ class APTrainer:
         self.progress = progress
         self.run_info = run_info or {}
         torch.manual_seed(train.seed)
-        self.state = APTModel(model, apt, seed=train.seed, reduce_sum=self.backend.all_reduce_sum, world_size=self.backend.world_size)
+        self.device = self.backend.device
+        self.backend.place(model)  # before adapters and masks are made: they follow the model's device
+        if train.gradient_checkpointing:
+            # Non-reentrant: the first forward runs with gradients, so salience hooks see it once
+            # (apt_ds.salience skips the recomputation) and its tensors receive the gradients.
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.train()
+        self.state = APTModel(model, apt, seed=train.seed, reduce_sum=self.backend.all_reduce_sum,
+                              world_size=self.backend.world_size, device=self.device)
         self.model = model
         self.schedule = SparsityScheduler(apt)
         self.pruner = AdaptivePruner(apt)
@@ -155,7 +173,8 @@ class APTrainer:
         was_enabled = self.state.salience.enabled
         self.state.salience.enabled = False
         for batch in self.eval_batches:
-            _, loss, supervised = supervised_forward(self.backend.forward_no_grad, batch)
+            positions = supervised_positions(batch["labels"])
+            _, loss, supervised = supervised_forward(self.backend.forward_no_grad, move_batch(batch, self.device), positions)
             tokens = int(supervised.sum())
             if tokens:
                 totals += torch.tensor([float(loss) * tokens, float(tokens)], dtype=torch.float64)
@@ -176,25 +195,28 @@ class APTrainer:
         # Normalise by the GLOBAL token counts of this step, so that the gradient (and hence
         # salience) is the same however the global batch is split over ranks/micro-batches:
         # each micro-batch's mean loss is turned into its token sum / global token count.
+        # Counts and logit positions come from the host batches; the only per-step device sync
+        # besides the logged metrics is this 2-number all-reduce, needed to scale the losses.
         counts = torch.tensor([[_supervised_tokens(b), _valid_tokens(b)] for b in micro_batches], dtype=torch.float64)
         totals = self.backend.all_reduce_sum(counts.sum(0).clone()).clamp_min(1.0)
-        sums = torch.zeros(3, dtype=torch.float64)  # token sums: task loss, distill KL, distill MSE
-        for batch, (n_task, n_valid) in zip(micro_batches, counts):
-            task_loss, kl_sum, mse_sum = self._losses(batch, mu)
+        positions = [supervised_positions(b["labels"]) for b in micro_batches]
+        sums = torch.zeros(3, dtype=torch.float32, device=self.device)  # token sums: task loss, distill KL, distill MSE
+        for batch, batch_positions, (n_task, n_valid) in zip(micro_batches, positions, counts):
+            task_loss, kl_sum, mse_sum = self._losses(move_batch(batch, self.device), batch_positions, mu)
             task_loss = torch.nan_to_num(task_loss)  # a micro-batch without supervised tokens
             scaled = task_loss * float(n_task * world * gas / totals[0])
             if mu > 0:
                 distill = kl_sum * float(world * gas / totals[0]) + mse_sum * float(world * gas / totals[1])
                 scaled = (1 - mu) * scaled + mu * distill
             self.backend.backward(scaled)
-            sums += torch.tensor([float(task_loss.detach()) * n_task, float(kl_sum.detach()), float(mse_sum.detach())], dtype=torch.float64)
+            sums += torch.stack([task_loss.detach().float() * float(n_task), kl_sum.detach().float(), mse_sum.detach().float()])
         if collect:
             self.state.salience.end_step()
             if self.apt_config.grow_ranks:
                 self.tuner.accumulate(self.state.adapters, self.backend.full_param, self.backend.full_grad)
         lr = self.backend.lr
         self.backend.step()
-        task_sum, kl_total, mse_total = self.backend.all_reduce_sum(sums).tolist()
+        task_sum, kl_total, mse_total = self.backend.all_reduce_sum(sums).double().tolist()  # the metrics: one read
         task_mean = task_sum / float(totals[0])
         distill_mean = kl_total / float(totals[0]) + mse_total / float(totals[1])
         return {
@@ -203,15 +225,16 @@ class APTrainer:
             "step_time_s": time.perf_counter() - started,
         }
 
-    def _losses(self, batch: dict, mu: float):
-        """(mean task loss, distill KL token sum, distill MSE token sum) of one micro-batch."""
+    def _losses(self, batch: dict, positions: torch.Tensor, mu: float):
+        """(mean task loss, distill KL token sum, distill MSE token sum) of one micro-batch on the device."""
         if mu <= 0:
-            _, loss, _ = supervised_forward(self.backend.forward, batch)
-            return loss, torch.zeros(()), torch.zeros(())
+            _, loss, _ = supervised_forward(self.backend.forward, batch, positions)
+            zero = torch.zeros((), device=loss.device)
+            return loss, zero, zero
         layers = self.distiller.sample_layers()
         with self.distiller.teacher_mode(self.model, [self.state.masks, self.state.salience]):
-            teacher, _, _ = supervised_forward(self.backend.forward_no_grad, batch, output_hidden_states=True)
-        student, loss, supervised = supervised_forward(self.backend.forward, batch, output_hidden_states=True)
+            teacher, _, _ = supervised_forward(self.backend.forward_no_grad, batch, positions, output_hidden_states=True)
+        student, loss, supervised = supervised_forward(self.backend.forward, batch, positions, output_hidden_states=True)
         valid = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()
         # The logit KL is taken where the task loss is: positions that predict a supervised label
         # (the response of instruction data; every real token of text data).
@@ -226,8 +249,9 @@ class APTrainer:
         self.state.salience.enabled = False
         try:
             inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+            inputs = move_batch(inputs, self.device)
             logits = self.backend.forward_no_grad(**inputs, use_cache=False).logits.float()
-            ids = batch["input_ids"][:1, : int(batch["attention_mask"][0].sum())]
+            ids = inputs["input_ids"][:1, : int(batch["attention_mask"][0].sum())]
             step_logits = []  # each greedy step's next-token logits: informative even when argmax repeats
             for _ in range(new_tokens):  # no KV cache: the plain forward the engine runs in training
                 last = self.backend.forward_no_grad(input_ids=ids, use_cache=False).logits[0, -1].float()
@@ -235,8 +259,8 @@ class APTrainer:
                 ids = torch.cat([ids, last.argmax().view(1, 1)], 1)
         finally:
             self.state.salience.enabled = was_enabled
-        return {**{k: v.contiguous() for k, v in inputs.items()}, "logits": logits.contiguous(), "greedy": ids.contiguous(),
-                "greedy_logits": torch.stack(step_logits).contiguous()}
+        probe = {**inputs, "logits": logits, "greedy": ids, "greedy_logits": torch.stack(step_logits)}
+        return {k: v.cpu().contiguous() for k, v in probe.items()}
 
     # ---- pruning events ------------------------------------------------------------------
     def _after_step(self) -> dict:
@@ -264,17 +288,15 @@ class APTrainer:
         if len(set(prints)) != 1:
             raise RuntimeError(f"pruning decisions differ across ranks at step {step}: {prints}")
         self.masker.snap(self.state.masks, decision)
-        gather = self.backend.gathered
+        access = self.backend.param_access()
 
         def change_fn():
-            change = self.state.shrink(decision, gather) if decision.removes_anything() else {}
+            change = self.state.shrink(decision, access) if decision.removes_anything() else {}
             growth = {}
             if self.apt_config.grow_ranks:
-                adapters = self.state.adapters
-                plan = self.tuner.plan_growth(adapters, self.schedule.tuning_budget_multiple(step))
-                for name in sorted(plan):
-                    with gather(list(adapters[name].parameters())):
-                        growth.update(self.tuner.grow({name: adapters[name]}, {name: plan[name]}, self.growth_generator))
+                plan = self.tuner.plan_growth(self.state.adapters, self.schedule.tuning_budget_multiple(step))
+                for name in sorted(plan):  # same order on every rank: ZeRO-3 reads are collective
+                    growth.update(self.state.grow_rank(name, plan[name], access, self.growth_generator))
             return merge_changes(change, growth)
 
         self.backend.apply_shape_change(change_fn)

@@ -23,7 +23,9 @@ ReadTensor = Callable[[str, torch.nn.Parameter], "torch.Tensor | None"]
 class AdaptiveTuner:
     def __init__(self, config: APTConfig):
         self.config = config
-        self.importance: dict[str, float] = {}
+        # Tensors on the adapters' device while training (no host sync per step); plain floats
+        # once read for a decision or a checkpoint.
+        self.importance: dict[str, torch.Tensor | float] = {}
         self.initial_params: int | None = None
 
     def accumulate(self, adapters: dict[str, APTAdapter], read_param: ReadTensor, read_grad: ReadTensor) -> None:
@@ -35,7 +37,7 @@ class AdaptiveTuner:
             if grad is None:
                 continue
             weight = read_param(f"{name}.lora_A", adapter.lora_A)
-            score = float((weight.float() * grad.float()).sum(1).abs().mean())
+            score = (weight.float() * grad.float().to(weight.device)).sum(1).abs().mean()
             old = self.importance.get(name)
             self.importance[name] = score if old is None else beta * old + (1 - beta) * score
 
@@ -49,7 +51,8 @@ class AdaptiveTuner:
         candidates = [n for n in sorted(adapters) if adapters[n].rank < cap]
         if deficit <= 0 or not candidates:
             return {}
-        candidates.sort(key=lambda n: self.importance.get(n, 0.0), reverse=True)
+        importance = self.importance_values()
+        candidates.sort(key=lambda n: importance.get(n, 0.0), reverse=True)
         chosen = candidates[: math.ceil(len(candidates) / 2)]
 
         def ranks_for(factor: float) -> dict[str, int]:
@@ -74,8 +77,16 @@ class AdaptiveTuner:
                 change[f"{name}.{param}"] = edits
         return change
 
+    def importance_values(self) -> dict[str, float]:
+        """Importance as Python floats (one host read of the device EMA values)."""
+        if not self.importance:
+            return {}
+        names = sorted(self.importance)
+        values = torch.stack([torch.as_tensor(self.importance[n], dtype=torch.float64).cpu() for n in names]).tolist()
+        return dict(zip(names, values))
+
     def state_dict(self) -> dict:
-        return {"importance": dict(self.importance), "initial_params": self.initial_params}
+        return {"importance": self.importance_values(), "initial_params": self.initial_params}
 
     def load_state_dict(self, state: dict) -> None:
         self.importance = dict(state.get("importance", {}))

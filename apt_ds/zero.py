@@ -58,8 +58,11 @@ from typing import Callable, Iterable
 import torch
 
 from .backend import LrLambda, TrainingBackend, check_max_grad_norm
-from .ds_config import DeepSpeedConfigError, launcher_env, load_ds_config, resolve_config
+from .ds_config import DeepSpeedConfigError, engine_dtype, launcher_env, load_ds_config, resolve_config, resolve_precision
+from .placement import DTYPES
 from .edits import Grow, ShapeChange, apply_edits
+from .placement import rank_device
+from .shrink import ParamAccess
 from .zero_checkpoint import ADAM_MOMENTS, CHECKPOINT_FORMAT, META_FILE, TENSOR_FILE, read_checkpoint_meta
 
 
@@ -71,6 +74,16 @@ def _flat_fp32_partitions(zero_optimizer) -> list[torch.Tensor]:
     raise RuntimeError(f"unsupported DeepSpeed optimizer {type(zero_optimizer).__name__}")
 
 
+@torch.no_grad()
+def _copy_rank_slice(partition: torch.Tensor, full: torch.Tensor, rank: int) -> None:
+    """partition[:] = flat(full)[rank * n : (rank + 1) * n], zero where DeepSpeed padded."""
+    size = partition.numel()
+    piece = full.reshape(-1)[size * rank : size * (rank + 1)]
+    flat = partition.data.view(-1)
+    flat[: piece.numel()].copy_(piece.to(flat.dtype))
+    flat[piece.numel():].zero_()
+
+
 class DeepSpeedBackend(TrainingBackend):
     """`TrainingBackend` on a DeepSpeed ZeRO-1/2/3 engine. See the module docstring.
 
@@ -79,24 +92,55 @@ class DeepSpeedBackend(TrainingBackend):
     torch.distributed (a 1-rank group on 127.0.0.1 when not started by a launcher).
     """
 
-    def __init__(self, config: dict | str | os.PathLike, micro_batch_size: int | None = None):
+    def __init__(self, config: dict | str | os.PathLike, micro_batch_size: int | None = None, base_dtype: str = "auto"):
         self.user_config, self.config_source = load_ds_config(config)
         if micro_batch_size is not None and micro_batch_size < 1:
             raise DeepSpeedConfigError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         self.micro_batch_size = micro_batch_size
+        self.base_dtype = base_dtype
         self.engine = None
         self.ds_config: dict | None = None
         self._init_distributed()
+        self.param_dtype = DTYPES[self._precision()]
+
+    def _precision(self) -> str:
+        from deepspeed.accelerator import get_accelerator
+
+        return resolve_precision(self.user_config, self.base_dtype, on_cpu=self.device.type == "cpu",
+                                 bf16_supported=get_accelerator().is_bf16_supported(), source=self.config_source)
+
+    @property
+    def zero_stage_requested(self) -> int:
+        """The JSON's ZeRO stage (validated later by resolve_config)."""
+        return (self.user_config.get("zero_optimization") or {}).get("stage", 0)
 
     # ---- process group ---------------------------------------------------------------------
     def _init_distributed(self) -> None:
         import deepspeed
         import torch.distributed as dist
 
+        from deepspeed.accelerator import get_accelerator
+
         if not dist.is_initialized():
             os.environ.update(launcher_env(os.environ))  # OpenMPI / Slurm / plain python -> RANK, WORLD_SIZE
+            # Before the process group: NCCL binds each rank to the device current at its first use.
+            get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", 0)))
             deepspeed.init_distributed(verbose=False)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.device = rank_device()
+
+    def place(self, model) -> None:
+        """Everything that is not a ZeRO-3 partition onto this rank's device (a model created
+        under zero.Init is never moved as a whole: its partitions already live where they belong)."""
+        if not any(hasattr(p, "ds_id") for p in model.parameters()):
+            model.to(self.device)
+            return
+        for module in model.modules():
+            for name, param in module.named_parameters(recurse=False):
+                if not hasattr(param, "ds_id"):
+                    param.data = param.data.to(self.device)
+            for name, buffer in module.named_buffers(recurse=False):
+                module._buffers[name] = buffer.to(self.device)
 
     def barrier(self) -> None:
         torch.distributed.barrier()
@@ -127,16 +171,15 @@ class DeepSpeedBackend(TrainingBackend):
         self._lr, self._lr_lambda, self._weight_decay = lr, lr_lambda, weight_decay
         self.grad_accum_steps = grad_accum_steps
         self.zero_stage = self.ds_config["zero_optimization"]["stage"]
-        bf16 = self.ds_config.get("bf16", self.ds_config.get("bfloat16", {})).get("enabled", False)
-        fp16 = self.ds_config.get("fp16", {}).get("enabled", False)
-        self.param_dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
+        self.param_dtype = DTYPES[engine_dtype(self.ds_config)]
         self.module = model
         self._steps, self._micro = 0, 0
+        self._cast_plain_params()  # adapters of a zero.Init model: DeepSpeed casts only unpartitioned models
         self._build_engine(step=0)
 
     def resolved_config(self, model, grad_accum_steps: int, max_grad_norm: float) -> dict:
-        """The DeepSpeed config this model and these settings would run with; raises
-        DeepSpeedConfigError on contradictions. Callable before `attach`, to validate early."""
+        """The DeepSpeed config this model (or model config) and these settings would run with;
+        raises DeepSpeedConfigError on contradictions. Callable before `attach`, to validate early."""
         from deepspeed.accelerator import get_accelerator
 
         if grad_accum_steps < 1:
@@ -145,8 +188,8 @@ class DeepSpeedBackend(TrainingBackend):
         return resolve_config(self.user_config, grad_accum_steps=grad_accum_steps, world_size=self.world_size,
                               micro_batch_size=self.micro_batch_size, max_grad_norm=max_grad_norm,
                               bf16_supported=get_accelerator().is_bf16_supported(),
-                              hidden_size=getattr(getattr(model, "config", None), "hidden_size", None),
-                              source=self.config_source)
+                              hidden_size=getattr(getattr(model, "config", model), "hidden_size", None),
+                              source=self.config_source, base_dtype=self.base_dtype, on_cpu=self.device.type == "cpu")
 
     def validate(self, model, grad_accum_steps: int, max_grad_norm: float) -> None:
         self.resolved_config(model, grad_accum_steps, max_grad_norm)
@@ -255,6 +298,23 @@ class DeepSpeedBackend(TrainingBackend):
         import deepspeed
 
         return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=modifier_rank)
+
+    def param_access(self) -> ParamAccess:
+        """Shape changes read gathered tensors without writing them back (the old parameters are
+        discarded, so broadcasting them would be waste) and partition new ones at once."""
+        return ParamAccess(read=lambda params: self.gathered(params, modifier_rank=None), adopt=self.partition_new_params)
+
+    def partition_new_params(self, module) -> None:
+        """ZeRO-3: partition the plain parameters just put into `module` (in the engine's dtype),
+        so a shape change never holds more than one module in full. Other stages: nothing."""
+        new = [p for p in module.parameters(recurse=False) if not hasattr(p, "ds_id")]
+        anchor = next((p for p in self.module.parameters() if hasattr(p, "ds_id")), None)
+        if not new or anchor is None:  # nothing partitioned yet: deepspeed.initialize will do it
+            return
+        for param in new:
+            if param.is_floating_point() and param.dtype != self.param_dtype:
+                param.data = param.data.to(self.param_dtype)
+        anchor.convert_to_zero_parameters(param_list=new)  # the Init that partitioned the model
 
     # ---- shape changes -----------------------------------------------------------------------
     def _adam_step(self) -> torch.Tensor | None:
@@ -373,12 +433,31 @@ class DeepSpeedBackend(TrainingBackend):
         otherwise does only at its next step."""
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
+        if self.zero_stage == 3:
+            self._set_zero3_state(param, master, moments, model_copy)
+            return
         safe_set_full_fp32_param(param, master)
         for key, value in moments.items():
             safe_set_full_optimizer_state(param, value, key)
         if model_copy:
-            with torch.no_grad(), self.gathered([param], modifier_rank=0):
+            with torch.no_grad():
                 param.data.copy_(master.view(param.shape))
+
+    def _set_zero3_state(self, param, master: torch.Tensor, moments: dict[str, torch.Tensor], model_copy: bool) -> None:
+        """ZeRO-3: copy this rank's slice of each full tensor into its partitions, locally.
+        DeepSpeed's `set_full_hp_param` narrows the unpadded tensor by the padded partition size,
+        which fails on the last rank whenever numel is not a multiple of the world size (a
+        shrunk hidden size or a grown rank makes such shapes routinely)."""
+        optimizer = self.engine.optimizer
+        rank = optimizer._get_param_partition_rank(param)
+        for key, value in (("master", master), *moments.items()):
+            partition, group = optimizer._get_fp32_opt_state_partition(
+                param, release_swap_buffers=False, optim_state_key=None if key == "master" else key)
+            _copy_rank_slice(partition, value, rank)
+            if optimizer._swappable_optimizer_subgroup(group):
+                optimizer._optimizer_states_and_gradient_swap_out(group)
+        if model_copy:  # the model's own partition (bf16/fp16 or fp32), without a gather
+            _copy_rank_slice(param.ds_tensor, master, rank)
 
     def _restore(self, snap, adam_step, change: ShapeChange) -> None:
         from deepspeed.utils import safe_get_full_fp32_param

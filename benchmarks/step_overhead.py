@@ -96,7 +96,7 @@ def main() -> None:
     s = state.salience
     decision = AdaptivePruner(config).decide(before, s.group_scores, s.neuron_scores, s.hidden_scores,
                                              0.5 * before.block_params())
-    backend.apply_shape_change(lambda: state.shrink(decision, backend.gathered))
+    backend.apply_shape_change(lambda: state.shrink(decision, backend.param_access()))
     apt_step(*shrunk, batch)
 
     # Interleaved, so drifts in machine load hit all three alike.

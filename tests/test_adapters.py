@@ -116,11 +116,13 @@ def test_merged_weight_equals_w_plus_s_b_a():
     assert not torch.allclose(adapter.merged_weight(), adapter.weight)
 
 
-def test_merged_weight_dtype_follows_base():
+def test_bf16_base_keeps_fp32_adapters_and_merges_into_bf16():
     torch.manual_seed(0)
     linear = nn.Linear(16, 8, bias=False).to(torch.bfloat16)
     adapter = APTAdapter.wrap(linear, 2, 4.0)
-    assert adapter.lora_A.dtype == torch.bfloat16
+    assert adapter.weight.dtype == torch.bfloat16
+    assert adapter.lora_A.dtype == adapter.lora_B.dtype == torch.float32  # the trained masters
+    assert adapter(torch.randn(3, 16, dtype=torch.bfloat16)).dtype == torch.bfloat16
     _randomize_b(adapter)
     merged = adapter.merged_weight()
     assert merged.dtype == torch.bfloat16

@@ -78,7 +78,7 @@ def test_scores_follow_the_definition():
     collector.end_step()
 
     def channel(t):
-        return (t.detach().abs().sum((0, 1)) * t.grad.abs().sum((0, 1))).double()
+        return (t.detach().abs().sum((0, 1)) * t.grad.abs().sum((0, 1))).float()  # scores are fp32 on the model device
 
     hidden = 0
     for l, layer in enumerate(shape.layers):

@@ -222,7 +222,7 @@ def test_adam_state_and_lr_carried_across_shrink_and_growth():
     grow = {"model.layers.1.self_attn.q_proj": 7, "model.layers.1.self_attn.o_proj": 6}
 
     def change_fn():
-        change = state.shrink(decision, backend.gathered)
+        change = state.shrink(decision, backend.param_access())
         growth = tuner.grow(state.adapters, grow, torch.Generator().manual_seed(0))
         return {**change, **{k: change.get(k, []) + v for k, v in growth.items()}}
 
