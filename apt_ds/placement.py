@@ -83,6 +83,33 @@ def configure_cpu_threads(environ: Mapping[str, str] = os.environ) -> int | None
     return threads
 
 
+def available_bytes(device: torch.device, environ: Mapping[str, str] = os.environ) -> int:
+    """Memory this rank can expect to use on `device`: the GPU's free memory, or the host's
+    available memory shared among the ranks of this node (they all load at once)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    import psutil
+
+    return int(psutil.virtual_memory().available) // local_ranks(environ)
+
+
+def check_fits(weight_bytes: int, device: torch.device, what: str, hint: str, environ: Mapping[str, str] = os.environ) -> None:
+    """Refuse a load that cannot fit before the OOM killer ends it: `weight_bytes` is what this
+    rank will hold of the weights alone (activations and optimizer state come on top)."""
+    available = available_bytes(device, environ)
+    if weight_bytes > available:
+        raise ConfigError(f"{what} needs {_size(weight_bytes)} per rank for its weights alone, but only "
+                          f"{_size(available)} is available on {device.type}; {hint}")
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
+
+
 def move_batch(batch: dict, device: torch.device) -> dict:
     """The batch's tensors on `device` (asynchronous from pinned host memory on GPUs)."""
     if device.type == "cpu":

@@ -13,6 +13,7 @@ import os
 import tempfile
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 
 from .backend import LocalBackend
@@ -21,7 +22,7 @@ from .cli import check_out_dir, prepare_out_dir
 from .config import APTConfig, ConfigError, TrainConfig
 from .data import batches, collate, demo_data_path, load_records, tokenize_dataset
 from .modeling import TINY_MODELS, build_tiny_llama, file_fingerprint, load_model, model_fingerprint, same_model
-from .placement import configure_cpu_threads, resolve_base_dtype, resolve_device
+from .placement import check_fits, configure_cpu_threads, resolve_base_dtype, resolve_device
 from .tokenizer import load_tokenizer, train_sentencepiece_tokenizer
 from .trainer import APTrainer
 
@@ -92,11 +93,12 @@ def _tokenizer_and_model(args, out: Path, texts: list[str], train: TrainConfig, 
     tokenizer = load_tokenizer(args.model)
     path = Path(args.model)
     if path.is_dir():
+        from .weights import SafetensorsWeights
+
         fingerprint = file_fingerprint(path)  # tensor by tensor: the same for every base dtype
+        _check_model_fits(SafetensorsWeights(path), dtype, backend, path)
         if _partitions_weights(backend):
             from transformers import AutoConfig
-
-            from .weights import SafetensorsWeights
 
             config = AutoConfig.from_pretrained(str(path))
             return tokenizer, _partitioned(backend, config, SafetensorsWeights(path), dtype, train), fingerprint
@@ -106,6 +108,18 @@ def _tokenizer_and_model(args, out: Path, texts: list[str], train: TrainConfig, 
                        "safetensors directory to load partitions only", path)
     model = load_model(path, dtype=dtype)
     return tokenizer, model, model_fingerprint(model)
+
+
+def _check_model_fits(weights, dtype, backend, path: Path) -> None:
+    """A clear error instead of the OOM killer when the base weights alone cannot fit."""
+    partitions = backend.world_size if _partitions_weights(backend) else 1
+    per_rank = weights.numel() * dtype.itemsize // partitions
+    hint = ("use more ranks" if partitions > 1 else "use ZeRO-3 (--deepspeed ds_configs/zero3.json) over several ranks")
+    if dtype == torch.float32:
+        hint += ", or --base-dtype bf16"
+    count = weights.numel()
+    count_text = f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
+    check_fits(per_rank, backend.device, f"--model {path} ({count_text} parameters in {str(dtype).replace('torch.', '')})", hint)
 
 
 def _partitions_weights(backend) -> bool:

@@ -80,6 +80,16 @@ def supervised_forward(forward, batch: dict, positions: torch.Tensor | None = No
     return out, loss, mask
 
 
+def enable_activation_checkpointing(model) -> None:
+    """Recompute each decoder layer in backward, non-reentrant (transformers >= 5 renamed the API)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.train()  # transformers checkpoints only in training mode (LLaMA has no dropout to switch on)
+
+
 def _valid_tokens(batch: dict) -> int:
     mask = batch.get("attention_mask")
     return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
@@ -101,8 +111,7 @@ class APTrainer:
         if train.gradient_checkpointing:
             # Non-reentrant: the first forward runs with gradients, so salience hooks see it once
             # (apt_ds.salience skips the recomputation) and its tensors receive the gradients.
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            model.train()
+            enable_activation_checkpointing(model)
         self.state = APTModel(model, apt, seed=train.seed, reduce_sum=self.backend.all_reduce_sum,
                               world_size=self.backend.world_size, device=self.device)
         self.model = model

@@ -84,6 +84,10 @@ class SafetensorsWeights:
             total += math.prod(piece.get_shape()) * _dtype_size(piece.get_dtype())
         return total
 
+    def numel(self) -> int:
+        """Elements of every tensor."""
+        return sum(math.prod(self._slice(name).get_shape()) for name in self._file_of)
+
     def get(self, name: str) -> torch.Tensor:
         """The whole tensor (a private copy)."""
         self._slice(name)  # a clear error for an unknown name
