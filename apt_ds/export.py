@@ -21,10 +21,11 @@ from .adapters import merge_adapters
 from .checkpoint import CheckpointError, read_meta
 from .config import APTConfig, ConfigError
 from .distill import TRANSFORM_ATTR
-from .modeling import TINY_MODELS, ModelLoadError, build_tiny_llama, load_model, model_fingerprint, same_model
+from .modeling import TINY_MODELS, ModelLoadError, build_tiny_llama, file_fingerprint, load_model, model_fingerprint, same_model
 from .pruner import KeepDecision
 from .state import APTModel
 from .units import ModelShape, UnsupportedModelError
+from .weights import WeightsError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_SHARD_SIZE = "5GB"  # as transformers' save_pretrained
@@ -122,8 +123,8 @@ def compact_model(model, state: APTModel):
     return model.eval()
 
 
-def _config_dict(model, shape: ModelShape) -> dict:
-    config = model.config.to_dict()
+def _config_dict(model_config, shape: ModelShape) -> dict:
+    config = model_config.to_dict()
     for key in ("apt_layer_shapes", "_name_or_path", "transformers_version", "quantization_config"):
         config.pop(key, None)
     config["architectures"] = ["LlamaForCausalLM"]
@@ -146,18 +147,96 @@ def stock_loadable(shape: ModelShape) -> bool:
 
 
 def export_run(run_dir: Path, out: Path, dtype: str = "fp32", overwrite: bool = False,
-               model_path: str | Path | None = None, max_shard_size: str | int = DEFAULT_SHARD_SIZE) -> dict:
+               model_path: str | Path | None = None, max_shard_size: str | int = DEFAULT_SHARD_SIZE,
+               streaming: bool | None = None) -> dict:
+    """Export a run. A base model that is a safetensors directory is streamed tensor by tensor
+    (apt_ds.streaming_export: memory for about one shard); the built-in tiny models and GGUF
+    files are rebuilt in memory. `streaming=False` forces the in-memory path (same output)."""
     run_dir, out = Path(run_dir), Path(out)
     _check_options(dtype, max_shard_size)
     recorded_base = read_meta(run_dir / "checkpoint").get("run_info", {}).get("model")
     bases = [Path(p) for p in (model_path, recorded_base) if p is not None and str(p) not in TINY_MODELS]
     check_export_out(out, overwrite, protected=[run_dir, *bases])
+    base = str(model_path) if model_path is not None else recorded_base
+    if streaming is not False and base is not None and base not in TINY_MODELS and Path(base).is_dir():
+        return _export_streaming(run_dir, out, Path(base), dtype, max_shard_size)
     model, state, meta = rebuild_trained_model(run_dir, model_path)
     original = ModelShape.from_dict(meta["original_shape"])
     model = compact_model(model, state)
     extra = {"original": _summary(original), "run": str(run_dir.resolve()), "step": meta["step"], "finished": meta["finished"]}
     return write_export(model, state.shape, out, DTYPES[dtype], tokenizer_dir=run_dir / meta["run_info"].get("tokenizer", "tokenizer"),
                         extra_report=extra, max_shard_size=max_shard_size)
+
+
+def _export_streaming(run_dir: Path, out: Path, base: Path, dtype: str, max_shard_size) -> dict:
+    from huggingface_hub.serialization._base import parse_size_to_int
+    from safetensors import SafetensorError, safe_open
+
+    from .streaming_export import RunTensors, exported_config, generation_config, stream_weights
+
+    checkpoint = run_dir / "checkpoint"
+    meta = read_meta(checkpoint)
+    try:
+        weights = _checked_base(run_dir, base, meta)
+    except WeightsError as err:
+        raise CheckpointError(f"{run_dir}: cannot read its base model: {err}") from None
+    try:
+        masks = load_file(str(checkpoint / "masks.safetensors"))
+        handle = safe_open(str(checkpoint / "trainable.safetensors"), framework="pt")
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{run_dir}: cannot read checkpoint tensors: {str(err).splitlines()[0]}") from None
+    try:
+        _check_trained_tensors(run_dir, meta, masks, set(handle.keys()))
+        tensors = RunTensors(weights, meta, handle, masks)
+        missing = [name for name in tensors.names() if name not in weights]
+        if missing:
+            raise CheckpointError(f"{run_dir}: the base model {base} has no tensor {missing[0]} "
+                                  f"({len(missing)} missing); is it the model this run was trained from?")
+        config = exported_config(base, tensors.final_shape)
+        size = max_shard_size if isinstance(max_shard_size, int) else parse_size_to_int(max_shard_size)
+        extra = {"original": _summary(ModelShape.from_dict(meta["original_shape"])), "run": str(run_dir.resolve()),
+                 "step": meta["step"], "finished": meta["finished"]}
+        return write_export_dir(out, tensors.final_shape, lambda directory: stream_weights(tensors, directory, DTYPES[dtype], size),
+                                config, generation_config(base, config), DTYPES[dtype],
+                                tokenizer_dir=run_dir / meta["run_info"].get("tokenizer", "tokenizer"), extra_report=extra)
+    except (KeyError, IndexError, ValueError, TypeError, RuntimeError) as err:
+        if isinstance(err, (CheckpointError, ConfigError)):
+            raise
+        detail = f"missing field {err}" if isinstance(err, KeyError) else str(err).splitlines()[0]
+        raise CheckpointError(f"{run_dir}: checkpoint is inconsistent ({type(err).__name__}: {detail})") from None
+
+
+def _checked_base(run_dir: Path, base: Path, meta: dict):
+    """The base model's weights, after checking it is the model the run was trained from."""
+    from transformers import AutoConfig
+
+    from .weights import SafetensorsWeights
+
+    if not (base / "config.json").is_file():
+        raise CheckpointError(f"{run_dir}: its base model {base} has no config.json; pass --model PATH to the base model")
+    weights = SafetensorsWeights(base)
+    recorded = meta["run_info"].get("model_fingerprint")
+    if recorded is not None and not same_model(recorded, file_fingerprint(base)):
+        raise CheckpointError(f"{run_dir}: model {base} is not the base model this run was trained from")
+    if ModelShape.from_config(AutoConfig.from_pretrained(str(base))).to_dict() != meta["original_shape"]:
+        raise CheckpointError(f"{run_dir}: model {base} does not match the checkpoint's original shapes")
+    return weights
+
+
+def _check_trained_tensors(run_dir: Path, meta: dict, masks: dict, trained: set[str]) -> None:
+    """Every adapter of the run has trained A and B, and the masks fit the run's shapes
+    (exporting untrained adapters silently would be a wrong model)."""
+    shape = ModelShape.from_dict(meta["shape"])
+    targets = meta["apt_config"]["adapter_targets"]
+    expected = [f"model.layers.{l}.{'self_attn' if t in ('q_proj', 'k_proj', 'v_proj', 'o_proj') else 'mlp'}.{t}.lora_{m}"
+                for l in range(len(shape.layers)) for t in targets for m in "AB"]
+    missing = [name for name in expected if name not in trained]
+    if missing:
+        raise CheckpointError(f"{run_dir}: checkpoint/trainable.safetensors lacks {len(missing)} trained tensors, e.g. {missing[0]}")
+    sizes = {"hidden": shape.hidden, **{f"kv_group.{l}": s.num_kv_groups for l, s in enumerate(shape.layers)},
+             **{f"ffn_neuron.{l}": s.ffn for l, s in enumerate(shape.layers)}}
+    if set(masks) != set(sizes) or any(masks[k].shape != (n,) for k, n in sizes.items()):
+        raise CheckpointError(f"{run_dir}: checkpoint/masks.safetensors does not match the checkpoint's shapes")
 
 
 def check_export_out(out: Path, overwrite: bool, protected: list[Path] = ()) -> None:
@@ -182,8 +261,23 @@ def check_export_out(out: Path, overwrite: bool, protected: list[Path] = ()) -> 
 
 def write_export(model, shape: ModelShape, out: Path, dtype: torch.dtype, tokenizer_dir: Path | None = None,
                  extra_report: dict | None = None, max_shard_size: str | int = DEFAULT_SHARD_SIZE) -> dict:
-    """Atomically write weights (safetensors shards + index when sharded), config, generation
-    config, tokenizer and report into `out`.
+    """Atomically write an in-memory model's weights (safetensors shards + index when sharded),
+    config, generation config, tokenizer and report into `out`."""
+    def save_weights(directory: Path) -> int:
+        state_dict = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items() if "rotary" not in k}
+        if shape.tied_embeddings:
+            state_dict.pop("lm_head.weight", None)
+        _save_shards(state_dict, directory, max_shard_size)
+        return sum(v.numel() for v in state_dict.values())
+
+    generation = model.generation_config.to_diff_dict() if model.generation_config is not None else {}
+    return write_export_dir(out, shape, save_weights, model.config, generation, dtype, tokenizer_dir, extra_report)
+
+
+def write_export_dir(out: Path, shape: ModelShape, save_weights, config, generation: dict, dtype: torch.dtype,
+                     tokenizer_dir: Path | None = None, extra_report: dict | None = None) -> dict:
+    """Atomically write an export: `save_weights(directory)` writes the weights and returns the
+    parameter count; then generation config, tokenizer, report and config.json.
 
     Everything goes into a hidden temporary sibling, config.json last, then one rename: a
     killed export leaves at most a `.NAME.tmp-*` directory, which the next export removes."""
@@ -192,20 +286,16 @@ def write_export(model, shape: ModelShape, out: Path, dtype: torch.dtype, tokeni
     _remove_stale_temporaries(out)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        state_dict = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items() if "rotary" not in k}
-        if shape.tied_embeddings:
-            state_dict.pop("lm_head.weight", None)
-        _save_shards(state_dict, tmp, max_shard_size)
-        generation = model.generation_config.to_diff_dict() if model.generation_config is not None else {}
+        exported_params = save_weights(tmp)
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=1))
         if tokenizer_dir is not None and tokenizer_dir.is_dir():
             for item in tokenizer_dir.iterdir():
                 if item.is_file() and _is_tokenizer_file(item.name):
                     shutil.copy2(item, tmp / item.name)
         report = {"final": _summary(shape), "uniform": shape.uniform, "stock_loadable": stock_loadable(shape),
-                  "exported_params": sum(v.numel() for v in state_dict.values()), **(extra_report or {})}
+                  "exported_params": exported_params, **(extra_report or {})}
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1))
-        config = _config_dict(model, shape)
+        config = _config_dict(config, shape)
         config["dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
         (tmp / "config.json").write_text(json.dumps(config, indent=1))
         _make_readable(tmp)

@@ -338,6 +338,7 @@ class APTrainer:
         record.update(self._sizes())
         record["density"] = self.state.density()
         record["world_size"] = self.backend.world_size
+        record["time"] = round(time.time(), 3)  # wall clock: lines up with external memory samples
         record.update(memory_mb())
         self.metrics.write(record)
         self.history.append(record)

@@ -25,8 +25,11 @@ Shape changes (`apply_shape_change`), the sequence that works on ZeRO-2 and ZeRO
    autograd Functions, which would otherwise keep the first engine's parameter coordinator
    alive and route every later backward through it;
 3. run `change_fn`. Under ZeRO-3 the unchanged parameters stay partitioned after destroy, and
-   `backend.gathered(params)` still works there (measured): gather, read, build NEW plain
-   `nn.Parameter`s. New float32 parameters are cast to bf16/fp16 when that is on;
+   `backend.gathered(params)` still works there (measured). `param_access()` gives shape
+   changes a read-only gather (parameters about to be replaced are never broadcast back) and
+   `partition_new_params`, which partitions a module's NEW parameters right after they are
+   made (through the zero.Init that partitioned the model), so one module at a time is ever
+   held in full. Remaining plain float32 parameters are cast to bf16/fp16 when that is on;
 4. check every rank produced the same shapes (a mismatch would hang DeepSpeed), re-run
    `deepspeed.initialize` (it broadcasts new parameters from rank 0), recreate the Adam state
    of each flat fp32 partition, then write back masters (grown entries take the new
@@ -59,9 +62,8 @@ import torch
 
 from .backend import LrLambda, TrainingBackend, check_max_grad_norm
 from .ds_config import DeepSpeedConfigError, engine_dtype, launcher_env, load_ds_config, resolve_config, resolve_precision
-from .placement import DTYPES
 from .edits import Grow, ShapeChange, apply_edits
-from .placement import rank_device
+from .placement import DTYPES, rank_device
 from .shrink import ParamAccess
 from .zero_checkpoint import ADAM_MOMENTS, CHECKPOINT_FORMAT, META_FILE, TENSOR_FILE, read_checkpoint_meta
 
