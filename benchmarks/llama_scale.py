@@ -128,7 +128,7 @@ def run_sampled(cmd: list[str], env: dict, log: Path, rank_processes: bool) -> l
         while process.poll() is None:
             now = time.time()
             try:
-                pids = [c.pid for c in parent.children(recursive=True) if "train.py" in " ".join(c.cmdline())] \
+                pids = [c.pid for c in parent.children(recursive=True) if _is_rank(c.cmdline())] \
                     if rank_processes else [process.pid]
             except psutil.Error:
                 pids = []
@@ -140,6 +140,12 @@ def run_sampled(cmd: list[str], env: dict, log: Path, rank_processes: bool) -> l
     if process.returncode != 0:
         raise SystemExit(f"{' '.join(cmd[:6])}... failed (exit {process.returncode}); see {log}")
     return samples
+
+
+def _is_rank(cmdline: list[str]) -> bool:
+    """A training rank (launch/train.py), not DeepSpeed's per-node launcher that starts them."""
+    joined = " ".join(cmdline)
+    return "launch/train.py" in joined and "deepspeed.launcher" not in joined
 
 
 def peak_by_rank(samples: list[dict], start: float, end: float) -> list[float]:
@@ -159,6 +165,8 @@ def phases(samples: list[dict], metrics: list[dict], started: float) -> dict:
     for m in steps:
         if m.get("event"):
             out[f"event_step_{m['step']}"] = peak_by_rank(samples, m["time"] - m["event_time_s"], m["time"])
+    out["per_step"] = {m["step"]: peak_by_rank(samples, m["time"] - m["step_time_s"] - m.get("event_time_s", 0.0), m["time"])
+                       for m in steps}
     out["whole_run"] = peak_by_rank(samples, started, time.time())
     return out
 
