@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from .config import APTConfig, ConfigError, TrainConfig, check_field_types
+from .run_dir import check_replaceable, move_aside
 
 # One-line errors for everything a user can get wrong; anything else is a bug and keeps its traceback.
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, FileExistsError)
@@ -75,7 +76,9 @@ def build_train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--method", choices=("apt", "lora"), default="apt", help="apt, or lora: the same adapters with no pruning, no rank growth, no distillation")
     parser.add_argument("--config", default=None, help="JSON file with APTConfig/TrainConfig fields (command-line flags override it)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
-    parser.add_argument("--overwrite", action="store_true", help="delete an existing --out before starting")
+    parser.add_argument("--overwrite", action="store_true", help="replace a previous run in --out (only an apt-ds run "
+                        "directory or an empty one; anything else is refused). The old run is kept aside until the new "
+                        "one has written its first checkpoint, and put back if the new one fails before that")
     parser.add_argument("--global-batch-size", type=int, default=None, help="sequences per optimizer step over all ranks (sets --micro-batch-size)")
     parser.add_argument("--no-pack", action="store_true", help="do not pack 'text' data into full blocks")
     parser.add_argument("--eval-examples", type=int, default=64, help="examples of --eval-data used per evaluation (default: 64)")
@@ -133,26 +136,32 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
         if not (out / "checkpoint" / "apt_state.json").is_file() and not (out / "checkpoint.old" / "apt_state.json").is_file():
             raise FileExistsError(f"--resume: {out} holds no checkpoint (expected {out / 'checkpoint' / 'apt_state.json'})")
         return
-    if out.exists() and any(out.iterdir()) and not overwrite:
+    if overwrite:
+        check_replaceable(out)  # only a previous run or an empty directory (apt_ds.run_dir)
+        return
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out} exists and is not a directory; remove it or choose another --out")
+    if out.exists() and any(out.iterdir()):
         what = "already holds a run" if (out / "run.json").exists() or (out / "checkpoint").exists() else "is not empty"
         raise FileExistsError(f"--out {out} {what}; pass --resume to continue it or --overwrite to replace it")
 
 
-def prepare_out_dir(out: Path, resume: bool, overwrite: bool, is_main: bool) -> None:
-    """After every input has been validated: clear (--overwrite) and create the run directory,
+def prepare_out_dir(out: Path, resume: bool, overwrite: bool, is_main: bool) -> Path | None:
+    """After every input has been validated: create the run directory (--overwrite: the previous
+    run is moved aside, and its new place returned, to be deleted after the first checkpoint),
     or recover a checkpoint that a crash left renamed to checkpoint.old."""
     if not is_main:  # every rank ran check_out_dir before anything was written
-        return
+        return None
     check_out_dir(out, resume, overwrite)
     if resume:
         current, old = out / "checkpoint", out / "checkpoint.old"
         if not (current / "apt_state.json").is_file() and (old / "apt_state.json").is_file():
             shutil.rmtree(current, ignore_errors=True)
             old.rename(current)
-        return
-    if out.exists() and overwrite:
-        shutil.rmtree(out)
+        return None
+    aside = move_aside(out) if overwrite else None
     out.mkdir(parents=True, exist_ok=True)
+    return aside
 
 
 def train_main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from safetensors.torch import save_file
 from .backend import LocalBackend
 from .checkpoint import CheckpointError, read_meta
 from .cli import check_out_dir, prepare_out_dir
+from .run_dir import RUN_FILE, discard, restore
 from .config import APTConfig, ConfigError, TrainConfig
 from .data import batches, collate, demo_data_path, load_records, tokenize_dataset
 from .modeling import TINY_MODELS, build_tiny_llama, file_fingerprint, load_model, model_fingerprint, same_model
@@ -29,7 +31,6 @@ from .trainer import APTrainer
 logger = logging.getLogger(__name__)
 
 TOKENIZER_DIR = "tokenizer"
-RUN_FILE = "run.json"
 
 
 def make_backend(args, train: TrainConfig):
@@ -212,18 +213,29 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
         if meta is not None:
             check_resumable(meta, args, train, fingerprint, data_path, backend.world_size)
         backend.validate(model, train.grad_accum_steps, train.max_grad_norm)  # e.g. DeepSpeed JSON vs TrainConfig
+        # Absolute: the run is exported/resumed from other working directories.
+        model_ref = args.model if args.model in TINY_MODELS else str(Path(args.model).resolve())
+        run_info = {"model": model_ref, "data": data_path, "tokenizer": TOKENIZER_DIR, "method": args.method,
+                    "deepspeed": args.deepspeed, "world_size": backend.world_size, "model_fingerprint": fingerprint}
         backend.barrier()
-        prepare_out_dir(out, args.resume, args.overwrite, backend.is_main())
-        if backend.is_main() and not args.resume:
+        replaced = prepare_out_dir(out, args.resume, args.overwrite, backend.is_main())
+        if backend.is_main() and not args.resume:  # run.json first: it marks the directory as a run
+            (out / RUN_FILE).write_text(json.dumps({**run_info, "apt_config": apt.to_dict(), "train_config": train.to_dict()}, indent=1))
             tokenizer.save_pretrained(str(out / TOKENIZER_DIR))
         backend.barrier()
-    # Absolute: the run is exported/resumed from other working directories.
-    model_ref = args.model if args.model in TINY_MODELS else str(Path(args.model).resolve())
-    run_info = {"model": model_ref, "data": data_path, "tokenizer": TOKENIZER_DIR, "method": args.method,
-                "deepspeed": args.deepspeed, "world_size": backend.world_size, "model_fingerprint": fingerprint}
-    if backend.is_main() and not args.resume:
-        (out / RUN_FILE).write_text(json.dumps({**run_info, "apt_config": apt.to_dict(), "train_config": train.to_dict()}, indent=1))
+    try:
+        return _train(backend, args, apt, train, out, meta, model, examples, eval_batches, pad_id, run_info, replaced)
+    except BaseException:
+        if replaced is not None and replaced.exists():
+            restore(out, replaced)  # the new run wrote no checkpoint: the previous one takes its place again
+            print(f"error: the new run failed before its first checkpoint; the previous run is back in {out}", file=sys.stderr)
+        raise
+
+
+def _train(backend, args, apt, train, out, meta, model, examples, eval_batches, pad_id, run_info, replaced) -> dict:
     trainer = APTrainer(model, apt, train, backend=backend, out_dir=out, eval_batches=eval_batches, run_info=run_info)
+    if replaced is not None:  # the previous run goes once the new one can be resumed
+        trainer.checkpoint_hooks.append(lambda: discard(replaced))
     start = 0
     if args.resume:
         if meta["finished"]:

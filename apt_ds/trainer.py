@@ -123,6 +123,7 @@ class APTrainer:
         self.growth_generator = torch.Generator().manual_seed(train.seed + 1)
         self.consumed_micro_batches = 0
         self.teacher_ready = False
+        self.checkpoint_hooks: list = []  # called once each, on the main rank, after the next checkpoint
         self.history: list[dict] = []
         self.backend.attach(model, train.lr, warmup_cosine(train.warmup_steps, train.steps), train.weight_decay,
                             train.grad_accum_steps, max_grad_norm=train.max_grad_norm)
@@ -174,6 +175,9 @@ class APTrainer:
 
     def save(self) -> None:
         save_checkpoint(self, self.out_dir / "checkpoint")
+        hooks, self.checkpoint_hooks = self.checkpoint_hooks, []
+        for hook in hooks if self.backend.is_main() else []:
+            hook()
 
     @torch.no_grad()
     def evaluate(self) -> float:
