@@ -150,7 +150,7 @@ class APTrainer:
             if self.step % cfg.log_every == 0 or record.get("event") or self.step == cfg.steps:
                 self._log(record)
             bar.update(1)
-            bar.set_postfix(loss=f"{record['loss']:.3f}", density=f"{record['density']:.2f}")
+            bar.set_postfix(self._progress_fields(record))
             if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < cfg.steps:
                 self.save()
         bar.close()
@@ -330,6 +330,15 @@ class APTrainer:
         self.teacher_ready = True
 
     # ---- metrics -------------------------------------------------------------------------
+    def _progress_fields(self, record: dict) -> dict:
+        """The task loss (comparable across steps) and, on distillation steps, the distillation
+        loss beside it: their weighted mix swings with mu and says little about progress."""
+        fields = {"task_loss": f"{record['task_loss']:.3f}"}
+        if record.get("mu", 0) > 0:
+            fields["distill"] = f"{record['distill_loss']:.3f}"
+        fields["density"] = f"{self.state.density():.2f}"  # also on steps --log-every does not log
+        return fields
+
     def _sizes(self) -> dict:
         return {
             "block_params": self.state.block_params(),

@@ -169,3 +169,4 @@ def test_host_reads_per_step_do_not_grow_with_layers_or_adapters():
     large = _host_reads_of_a_step(4, ("q_proj", "k_proj", "v_proj", "o_proj", "down_proj"))
     assert small == large  # per micro-batch and per step only: none per layer, site or adapter
     assert small <= 20
+

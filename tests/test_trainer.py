@@ -400,3 +400,17 @@ def test_resume_names_config_fields_the_checkpoint_lacks(full_run, tmp_path):
     apt, train = _configs()
     with pytest.raises(CheckpointError, match=r"\['distill_every'\]"):
         APTrainer(tiny_llama("gqa"), apt, train, progress=False).resume(checkpoint)
+
+
+def test_progress_bar_shows_task_loss_and_distillation_apart_on_unlogged_steps_too():
+    model = tiny_llama("gqa")
+    apt = APTConfig.for_steps(8, target_density=0.6, distill_every=1)
+    trainer = APTrainer(model, apt, TrainConfig(steps=8, log_every=3), progress=False)
+    fields = []
+    progress = trainer._progress_fields
+    trainer._progress_fields = lambda record: fields.append(progress(record)) or fields[-1]
+    trainer.train(iter(random_batch(seed=i) for i in range(100)))
+    assert len(fields) == 8 and all(set(f) >= {"task_loss", "density"} for f in fields)
+    distilled = [f for f in fields if "distill" in f]
+    assert distilled and len(distilled) < 8  # only on distillation steps
+    assert all("loss" not in f for f in fields)  # never the task/distillation mix
