@@ -128,8 +128,23 @@ class DeepSpeedBackend(TrainingBackend):
             # Before the process group: NCCL binds each rank to the device current at its first use.
             get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", 0)))
             deepspeed.init_distributed(verbose=False)
+            if get_accelerator().device_name() == "cpu":
+                self._release_shm_buffers()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = rank_device()
+
+    @staticmethod
+    def _release_shm_buffers() -> None:
+        """DeepSpeed's CPU all-reduce leaves a 69 MB /dev/shm file per rank: unlink ours once every
+        rank has mapped them all, and remove those of dead runs (apt_ds.shm)."""
+        import torch.distributed as dist
+
+        from .shm import remove_stale_buffers, unlink_own_buffer
+
+        dist.barrier()  # every rank is past DeepSpeed's init, which maps every rank's buffer
+        unlink_own_buffer(dist.get_rank())
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            remove_stale_buffers()
 
     def place(self, model) -> None:
         """Everything that is not a ZeRO-3 partition onto this rank's device (a model created
