@@ -161,14 +161,22 @@ def encode_prompt_response(tokenizer, prompt: str, response: str, max_seq_len: i
     return _join_prompt_response(tokenizer, prompt_ids, response_ids, max_seq_len)
 
 
-def _join_prompt_response(tokenizer, prompt_ids: list[int], response_ids: list[int], max_seq_len: int):
+def _join_prompt_response(tokenizer, prompt_ids: list[int], response_ids: list[int], max_seq_len: int,
+                          stats: "TruncationStats | None" = None):
     if not response_ids:
         return None
     bos, eos = _special_ids(tokenizer)
     target = list(response_ids) + eos
+    length = len(bos) + len(prompt_ids) + len(target)
     # Too long: drop prompt tokens from the left first, because the answer and the text
     # nearest to it (e.g. the question after a passage) are what the example teaches.
     room = max_seq_len - len(bos) - len(target)
+    if room < 1 and prompt_ids:  # the response alone fills the window: a prompt-less row teaches nonsense
+        if stats is not None:
+            stats.count("dropped", length)
+        return None
+    if stats is not None and room < len(prompt_ids):
+        stats.count("prompt_cut", length)
     prompt_ids = list(prompt_ids)[-room:] if room > 0 else []
     input_ids = (bos + prompt_ids + target)[:max_seq_len]
     labels = ([IGNORE_INDEX] * (len(bos) + len(prompt_ids)) + target)[:max_seq_len]
@@ -192,9 +200,37 @@ def pack_blocks(streams: Iterable[list[int]], max_seq_len: int) -> list[dict]:
     return [{"input_ids": block, "labels": list(block)} for block in blocks if len(block) >= 2]
 
 
-def tokenize_dataset(ds, tokenizer, max_seq_len: int, pack: bool, source: str = "dataset") -> list[dict]:
+class TruncationStats:
+    """What max_seq_len cost: rows whose prompt was cut from the left, rows dropped because their
+    response alone did not fit, unpacked text rows cut at the end, and the longest row seen."""
+
+    def __init__(self):
+        self.prompt_cut = self.dropped = self.text_cut = 0
+        self.longest = 0
+
+    def count(self, kind: str, length: int) -> None:
+        setattr(self, kind, getattr(self, kind) + 1)
+        self.longest = max(self.longest, length)
+
+    def to_dict(self) -> dict:
+        return {"prompt_cut": self.prompt_cut, "dropped": self.dropped, "text_cut": self.text_cut, "longest": self.longest}
+
+    def message(self, source: str, max_seq_len: int) -> str | None:
+        """One warning line, or None when nothing was cut."""
+        if not (self.prompt_cut or self.dropped or self.text_cut):
+            return None
+        parts = [f"{n} {what}" for n, what in ((self.prompt_cut, "rows had their prompt cut from the left"),
+                                              (self.dropped, "rows were dropped (the response alone exceeds it)"),
+                                              (self.text_cut, "text rows were cut at the end")) if n]
+        return (f"warning: {source}: --max-seq-len {max_seq_len}: {'; '.join(parts)}; the longest row has "
+                f"{self.longest} tokens")
+
+
+def tokenize_dataset(ds, tokenizer, max_seq_len: int, pack: bool, source: str = "dataset",
+                     stats: TruncationStats | None = None) -> list[dict]:
     """Examples {input_ids, labels} (python int lists). `pack` packs text rows only:
-    supervised rows keep one example each so their prompt/response boundary survives."""
+    supervised rows keep one example each so their prompt/response boundary survives.
+    `stats` (optional) counts what max_seq_len cut or dropped."""
     if max_seq_len < 2:
         raise DataError(f"{source}: max_seq_len must be >= 2, got {max_seq_len}")
     pairs = [pair for pair in (split_record(row) for row in ds) if pair is not None]
@@ -207,10 +243,13 @@ def tokenize_dataset(ds, tokenizer, max_seq_len: int, pack: bool, source: str = 
         examples = pack_blocks(text_streams, max_seq_len)
     else:
         examples = [{"input_ids": s[:max_seq_len], "labels": s[:max_seq_len]} for s in text_streams if len(s) >= 2]
+        for stream in text_streams:
+            if stats is not None and len(stream) > max_seq_len:
+                stats.count("text_cut", len(stream))
     prompt_ids = _encode(tokenizer, [prompt for prompt, _ in supervised])
     response_ids = _encode(tokenizer, [response for _, response in supervised])
     for p_ids, r_ids in zip(prompt_ids, response_ids):
-        example = _join_prompt_response(tokenizer, p_ids, r_ids, max_seq_len)
+        example = _join_prompt_response(tokenizer, p_ids, r_ids, max_seq_len, stats)
         if example is not None:
             examples.append(example)
     if not examples:

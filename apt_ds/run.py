@@ -22,7 +22,7 @@ from .checkpoint import CheckpointError, read_meta
 from .cli import check_out_dir, prepare_out_dir
 from .run_dir import RUN_FILE, discard, restore
 from .config import APTConfig, ConfigError, TrainConfig
-from .data import batches, collate, demo_data_path, load_records, tokenize_dataset
+from .data import TruncationStats, batches, collate, demo_data_path, load_records, tokenize_dataset
 from .modeling import TINY_MODELS, build_tiny_llama, file_fingerprint, load_model, model_fingerprint, same_model
 from .placement import check_fits, configure_cpu_threads, resolve_base_dtype, resolve_device
 from .tokenizer import load_tokenizer, train_sentencepiece_tokenizer
@@ -207,7 +207,12 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
     with tempfile.TemporaryDirectory(prefix="apt-tokenizer-") as staging:
         tokenizer, model, fingerprint = _tokenizer_and_model(args, out, _texts_for_tokenizer(records), train,
                                                              Path(staging), apt.prune, backend)
-        examples = tokenize_dataset(records, tokenizer, train.max_seq_len, pack=not args.no_pack, source=data_path)
+        truncation = TruncationStats()
+        examples = tokenize_dataset(records, tokenizer, train.max_seq_len, pack=not args.no_pack, source=data_path,
+                                    stats=truncation)
+        warning = truncation.message(data_path, train.max_seq_len)
+        if warning and backend.is_main():
+            print(warning, file=sys.stderr)
         pad_id = tokenizer.pad_token_id or 0
         eval_batches = _eval_batches(args, tokenizer, train, backend, pad_id)
         if meta is not None:
@@ -216,7 +221,8 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
         # Absolute: the run is exported/resumed from other working directories.
         model_ref = args.model if args.model in TINY_MODELS else str(Path(args.model).resolve())
         run_info = {"model": model_ref, "data": data_path, "tokenizer": TOKENIZER_DIR, "method": args.method,
-                    "deepspeed": args.deepspeed, "world_size": backend.world_size, "model_fingerprint": fingerprint}
+                    "deepspeed": args.deepspeed, "world_size": backend.world_size, "model_fingerprint": fingerprint,
+                    "truncation": truncation.to_dict()}
         backend.barrier()
         replaced = prepare_out_dir(out, args.resume, args.overwrite, backend.is_main())
         if backend.is_main() and not args.resume:  # run.json first: it marks the directory as a run

@@ -235,3 +235,19 @@ def test_label_accuracy_scores_prompt_completion_rows_like_the_alpaca_rows_they_
     # the gold label is read from 'completion': flipping every answer flips the accuracy
     flipped = [{**r, "completion": "yes" if r["completion"] == "no" else "no"} for r in spelled]
     assert label_accuracy(model, tokenizer, flipped, ["no", "yes"], max_seq_len=48, batch_size=4) == pytest.approx(1 - acc)
+
+
+def test_max_seq_len_never_makes_prompt_less_rows_and_counts_what_it_cut(tokenizer):
+    rows = [{"prompt": "word " * 40, "completion": "yes"},  # prompt cut from the left
+            {"prompt": "short", "completion": "answer " * 40},  # response alone too long: dropped
+            {"prompt": "a", "completion": "b"}]  # fits
+    stats = data.TruncationStats()
+    examples = data.tokenize_dataset(rows, tokenizer, max_seq_len=16, pack=False, source="rows", stats=stats)
+    assert len(examples) == 2
+    for example in examples:  # every row keeps a prompt and its end-of-sequence token
+        assert example["labels"][0] == data.IGNORE_INDEX and example["input_ids"][-1] == tokenizer.eos_token_id
+    assert stats.to_dict()["prompt_cut"] == 1 and stats.to_dict()["dropped"] == 1
+    assert stats.longest > 16
+    message = stats.message("rows", 16)
+    assert message.startswith("warning: rows: --max-seq-len 16: 1 rows had their prompt cut") and "\n" not in message
+    assert data.TruncationStats().message("rows", 16) is None
