@@ -27,8 +27,20 @@ def build_partitioned_llama(config, source, ds_config: dict, dtype: torch.dtype,
     from transformers import LlamaForCausalLM
     from transformers.initialization import no_init_weights
 
-    with no_init_weights(), deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=dtype):
+    from .ds_config import engine_dtype
+    from .placement import DTYPES
+
+    if DTYPES[engine_dtype(ds_config)] != dtype:
+        raise ValueError(f"the DeepSpeed config trains in {engine_dtype(ds_config)}, the weights were asked in {dtype}")
+    # dtype=None: zero.Init then takes the dtype from the config's bf16/fp16 sections. An explicit
+    # dtype is ignored by deepspeed 0.19 wherever the accelerator lacks fp16 (`dtype or float16 if
+    # fp16 else bfloat16 ...` binds as `(dtype or float16) if ...`): on a CPU without AVX512-FP16
+    # (an AMD EPYC here) an fp32 model came out in bf16.
+    with no_init_weights(), deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=None):
         model = LlamaForCausalLM(config)
+    made = {p.ds_tensor.dtype for p in model.parameters() if hasattr(p, "ds_tensor")}
+    if made != {dtype}:
+        raise RuntimeError(f"deepspeed.zero.Init partitioned the model in {made}, not {dtype}")
     if config.tie_word_embeddings:  # post_init's tying runs inside init_weights, skipped above
         model.lm_head.weight = model.model.embed_tokens.weight
     # zero.Init makes every tensor constructor produce `dtype`, RoPE's inverse frequencies too:

@@ -112,3 +112,34 @@ def test_losses_decisions_and_ranks_equal_one_process(ranks, model_dir, one_thre
         # relative on the last step of this run), so later steps are compared more loosely.
         torch.testing.assert_close(torch.tensor(result["losses"][:4]), torch.tensor(local_losses[:4]), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(local_losses), rtol=1e-3, atol=1e-6)
+
+
+DTYPE_SCRIPT = """
+import json, sys, torch
+from deepspeed.accelerator import get_accelerator
+from transformers import LlamaConfig, LlamaForCausalLM
+from apt_ds.zero import DeepSpeedBackend
+from apt_ds.zero_init import build_partitioned_llama
+
+# Like a CPU without AVX512-FP16 (an AMD EPYC): deepspeed 0.19's zero.Init then ignores an
+# explicit dtype and partitions in bf16.
+type(get_accelerator()).is_fp16_supported = lambda self: False
+config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=4, num_key_value_heads=2)
+backend = DeepSpeedBackend({"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}, base_dtype="fp32")
+ds_config = backend.resolved_config(config, 1, 1.0)
+state = LlamaForCausalLM(config).state_dict()
+model = build_partitioned_llama(config, state, ds_config, torch.float32, backend.device)
+print(json.dumps(sorted({str(p.ds_tensor.dtype) for p in model.parameters()})))
+backend.shutdown()
+"""
+
+
+def test_partitions_take_the_asked_dtype_where_the_accelerator_lacks_fp16(tmp_path):
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    result = subprocess.run([sys.executable, "-c", DTYPE_SCRIPT], capture_output=True, text=True, timeout=300, env=env,
+                            cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == ["torch.float32"]
