@@ -8,11 +8,13 @@ temporary sibling and renamed into place, so a crash never leaves a half-written
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 FORMAT_VERSION = 1
@@ -23,8 +25,41 @@ class CheckpointError(ValueError):
 
 
 def save_checkpoint(trainer, directory: Path) -> None:
-    backend, state = trainer.backend, trainer.state
+    """Write the checkpoint beside `directory` and rename it into place. A full disk leaves the
+    previous checkpoint as it was and raises a CheckpointError saying how much space was needed."""
     tmp = directory.with_name(directory.name + ".tmp")
+    try:
+        _save_and_rename(trainer, directory, tmp)
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(directory.parent).free
+        kept = f"the previous checkpoint (step {read_meta(directory)['step']}) is kept" if (directory / "apt_state.json").is_file() \
+            else "no earlier checkpoint exists"
+        raise CheckpointError(f"disk full while writing the step-{trainer.step} checkpoint in {directory.parent}: it needs "
+                              f"about {_mb(checkpoint_bytes(trainer))}, {_mb(free)} are free; {kept}. Free space, then "
+                              f"run again with --resume") from None
+
+
+def checkpoint_bytes(trainer) -> int:
+    """About what one checkpoint takes on disk: every trainable parameter in fp32 twice (the
+    export's copy and the engine's master) with its two Adam moments, plus masks, salience and
+    the teacher's adapters."""
+    state = trainer.state
+    # ds_numel: a ZeRO-3 parameter's full size (numel() is its empty placeholder's)
+    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in state.model.parameters() if p.requires_grad)
+    buffers = [*state.masks.state_dict().values(), *state.salience.state_dict().values()]
+    buffers += [t for adapter in state.adapters.values() for t in (adapter.teacher_A, adapter.teacher_B)]
+    return 16 * trainable + sum(t.numel() * t.element_size() for t in buffers)
+
+
+def _mb(size: int) -> str:
+    return f"{size / 2**20:,.1f} MB"
+
+
+def _save_and_rename(trainer, directory: Path, tmp: Path) -> None:
+    backend, state = trainer.backend, trainer.state
     if backend.is_main():
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -110,7 +145,7 @@ def load_checkpoint(trainer, directory: Path) -> None:
         raise CheckpointError(f"checkpoint {directory}: rebuilt shapes do not match the recorded ones")
     try:
         trainer.backend.load(directory / "engine")
-    except (OSError, ValueError, RuntimeError, KeyError) as err:
+    except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as err:
         raise CheckpointError(f"cannot load optimizer/engine state from {directory / 'engine'}: {err}") from None
     state.masks.load_state_dict(_load_tensors(directory / "masks.safetensors"))
     salience = _load_tensors(directory / "salience.safetensors")

@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from .config import APTConfig, ConfigError, TrainConfig, check_field_types
-from .run_dir import check_replaceable, move_aside
+from .run_dir import RunDirError, check_replaceable, is_run_dir, move_aside, recover_interrupted_overwrite
 
 # One-line errors for everything a user can get wrong; anything else is a bug and keeps its traceback.
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, FileExistsError)
@@ -26,6 +28,13 @@ def _user_errors() -> tuple:
 
     return (*USER_ERRORS, CheckpointError, DataError, ModelLoadError, PruningError, UnsupportedModelError,
             DeepSpeedConfigError)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line like every other error here (no usage block)."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
 SCALED_DEFAULTS = {  # fields whose default is derived from --steps (see APTConfig.for_steps / resolve_configs)
@@ -60,7 +69,7 @@ def _add_dataclass_args(parser: argparse.ArgumentParser, cls, title: str) -> Non
 
 
 def build_train_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="launch/train.py",
         description="Fine-tune a LLaMA model with APT: adapters are trained while attention KV groups, FFN neurons "
         "and hidden channels are pruned and physically removed; ends with a smaller model. "
@@ -99,6 +108,9 @@ def resolve_configs(args) -> tuple[APTConfig, TrainConfig]:
             file_values = json.loads(Path(args.config).read_text())
         except (OSError, json.JSONDecodeError) as err:
             raise ConfigError(f"cannot read --config {args.config}: {err}") from None
+        if not isinstance(file_values, dict):
+            raise ConfigError(f"--config {args.config} must hold a JSON object of APTConfig/TrainConfig fields, "
+                              f"e.g. {{\"steps\": 100}}; it holds a {type(file_values).__name__}")
     apt_names = {f.name for f in dataclasses.fields(APTConfig)}
     train_names = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = sorted(set(file_values) - apt_names - train_names)
@@ -127,23 +139,73 @@ def resolve_configs(args) -> tuple[APTConfig, TrainConfig]:
     return apt, train
 
 
+def check_inputs_early(args, train: TrainConfig) -> None:
+    """The checks that need neither a process group nor a model, run before either exists
+    (a launch costs minutes on a fresh machine): --out, the model path, the DeepSpeed JSON."""
+    if os.environ.get("RANK", "0") == "0":  # one rank repairs what a killed --overwrite left
+        note = recover_interrupted_overwrite(Path(args.out))
+        if note:
+            print(note, file=sys.stderr)
+    check_out_dir(Path(args.out), args.resume, args.overwrite)
+    from .modeling import TINY_MODELS, check_model_path
+
+    if args.model not in TINY_MODELS:
+        check_model_path(args.model, flag="--model")
+    if args.deepspeed:
+        from .ds_config import precheck_config
+
+        precheck_config(args.deepspeed, grad_accum_steps=train.grad_accum_steps, max_grad_norm=train.max_grad_norm,
+                        micro_batch_size=None if args.global_batch_size else train.micro_batch_size,
+                        base_dtype=train.base_dtype)
+
+
 SCHEDULE_FIELDS = ("pruning_start_step", "pruning_end_step", "num_pruning_events", "mask_decay_window", "mask_decay_step")
 
 
 def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse to clobber a previous run unless asked to (checks only; nothing is touched)."""
+    """Refuse to clobber a previous run unless asked to, and an --out that cannot be written
+    (checks only; nothing is left behind)."""
     if resume:
-        if not (out / "checkpoint" / "apt_state.json").is_file() and not (out / "checkpoint.old" / "apt_state.json").is_file():
+        if not has_checkpoint(out):
+            if is_run_dir(out):
+                raise FileExistsError(f"--resume: the run in {out} stopped before its first checkpoint, so there is "
+                                      f"nothing to resume; pass --overwrite instead of --resume to start it again")
             raise FileExistsError(f"--resume: {out} holds no checkpoint (expected {out / 'checkpoint' / 'apt_state.json'})")
+        check_writable(out)
         return
     if overwrite:
         check_replaceable(out)  # only a previous run or an empty directory (apt_ds.run_dir)
-        return
-    if out.exists() and not out.is_dir():
+    elif out.exists() and not out.is_dir():
         raise FileExistsError(f"--out {out} exists and is not a directory; remove it or choose another --out")
-    if out.exists() and any(out.iterdir()):
-        what = "already holds a run" if (out / "run.json").exists() or (out / "checkpoint").exists() else "is not empty"
-        raise FileExistsError(f"--out {out} {what}; pass --resume to continue it or --overwrite to replace it")
+    elif out.exists() and any(out.iterdir()):
+        if has_checkpoint(out):
+            raise FileExistsError(f"--out {out} already holds a run; pass --resume to continue it or --overwrite to replace it")
+        if is_run_dir(out):
+            raise FileExistsError(f"--out {out} holds a run that stopped before its first checkpoint (nothing to resume); "
+                                  f"pass --overwrite to start it again")
+        raise FileExistsError(f"--out {out} is not empty and holds no apt-ds run; choose another --out")
+    check_writable(out)
+
+
+def has_checkpoint(out: Path) -> bool:
+    return any((out / name / "apt_state.json").is_file() for name in ("checkpoint", "checkpoint.old"))
+
+
+def check_writable(out: Path) -> None:
+    """Try to create a file where the run will write (--out, or the nearest existing parent it
+    will be created in): root ignores permission bits, read-only mounts do not."""
+    existing = out
+    while not existing.exists():
+        if existing.is_symlink():
+            raise RunDirError(f"--out {out}: {existing} is a broken symbolic link")
+        existing = existing.parent
+    if not existing.is_dir():
+        raise RunDirError(f"--out {out}: {existing} is a file, not a directory")
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".apt-ds-write-test-"):
+            pass
+    except OSError as err:
+        raise RunDirError(f"--out {out}: cannot write in {existing} ({err.strerror or err}); choose another --out") from None
 
 
 def prepare_out_dir(out: Path, resume: bool, overwrite: bool, is_main: bool) -> Path | None:
@@ -167,9 +229,10 @@ def prepare_out_dir(out: Path, resume: bool, overwrite: bool, is_main: bool) -> 
 def train_main(argv: list[str] | None = None) -> int:
     args = build_train_parser().parse_args(argv)
     try:
+        apt, train = resolve_configs(args)
+        check_inputs_early(args, train)
         from .run import run_training
 
-        apt, train = resolve_configs(args)
         run_training(args, apt, train)
     except _user_errors() as err:
         print(f"error: {err}", file=sys.stderr)
@@ -178,7 +241,7 @@ def train_main(argv: list[str] | None = None) -> int:
 
 
 def build_export_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="launch/export.py",
         description="Export a run as a merged, physically smaller, dense model (safetensors + config + tokenizer).",
     )

@@ -13,6 +13,8 @@ Tokenizers themselves are loaded (or trained) by `apt_ds.tokenizer`.
 
 from __future__ import annotations
 
+import contextlib
+
 import io
 import json
 import random
@@ -83,9 +85,22 @@ def _load_json_file(path: Path) -> datasets.Dataset:
     if not path.read_text(encoding="utf-8", errors="replace").strip():
         raise DataError(f"data file {path.name} is empty")
     try:
-        return datasets.load_dataset("json", data_files=str(path), split="train")
+        with _quiet_datasets():
+            return datasets.load_dataset("json", data_files=str(path), split="train")
     except Exception as err:  # datasets wraps parser errors in a long generic chain
         raise DataError(f"data file {path.name} is not valid JSON records: {_json_problem(path, err)}") from None
+
+
+@contextlib.contextmanager
+def _quiet_datasets():
+    """No "Generating train split" bar on stderr (a cold cache prints it; ours is enough)."""
+    was_disabled = datasets.utils.are_progress_bars_disabled()
+    datasets.utils.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_disabled:
+            datasets.utils.enable_progress_bars()
 
 
 def _json_problem(path: Path, err: Exception) -> str:

@@ -85,6 +85,9 @@ def resolve_config(user: dict, *, grad_accum_steps: int, world_size: int, micro_
             logger.warning("DeepSpeed config %s: ignoring its %r section %s; apt_ds uses torch AdamW + LambdaLR with "
                            "lr / weight decay / schedule from the APT config", source, section,
                            json.dumps(cfg.pop(section)))
+    zero = cfg.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        fail(f"zero_optimization must be an object such as {{\"stage\": 3}}, got {zero!r}")
     _resolve_batch_sizes(cfg, grad_accum_steps, world_size, micro_batch_size, fail)
     _resolve_clipping(cfg, max_grad_norm, fail)
     _resolve_precision(cfg, base_dtype, bf16_supported and not on_cpu, fail)
@@ -93,6 +96,22 @@ def resolve_config(user: dict, *, grad_accum_steps: int, world_size: int, micro_
     if leftover:
         fail(f"\"auto\" is not supported for {', '.join(leftover)}; give a value")
     return cfg
+
+
+def precheck_config(config: str | os.PathLike, *, grad_accum_steps: int, micro_batch_size: int | None,
+                    max_grad_norm: float, base_dtype: str = "auto", environ: Mapping[str, str] = os.environ) -> None:
+    """Everything `resolve_config` can refuse before a process group or a model exists, so a bad
+    JSON (a ZeRO stage 7, a contradicting clipping value) costs seconds, not a distributed start.
+    The world size comes from the launcher's variables; values that need the model ("auto"
+    bucket sizes) are checked again, for real, when the engine is built."""
+    user, source = load_ds_config(config)
+    user = {k: v for k, v in user.items() if k not in ("optimizer", "scheduler")}  # warned about once, later
+    world_size = int({**environ, **launcher_env(environ, free_port=lambda: 0)}.get("WORLD_SIZE", 1))
+    resolve_config(user, grad_accum_steps=grad_accum_steps, world_size=world_size, micro_batch_size=micro_batch_size,
+                   max_grad_norm=max_grad_norm, hidden_size=_ANY_HIDDEN_SIZE, source=source, base_dtype=base_dtype)
+
+
+_ANY_HIDDEN_SIZE = 64  # stands in for the model's hidden size in precheck_config
 
 
 def engine_dtype(cfg: dict) -> str:
@@ -157,7 +176,11 @@ def _resolve_batch_sizes(cfg: dict, gas: int, world_size: int, micro_batch_size:
     """The trainer owns gas and (via the constructor) the micro batch; the JSON may only agree."""
     def given(key):
         value = cfg.get(key)
-        return None if value is None or _is_auto(value) else int(value)
+        if value is None or _is_auto(value):
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            fail(f"{key}={value!r} is not a positive integer (use \"auto\" or omit it)")
+        return value
 
     gas_user, micro_user, train_user = (given(k) for k in (
         "gradient_accumulation_steps", "train_micro_batch_size_per_gpu", "train_batch_size"))
@@ -180,9 +203,9 @@ def _resolve_batch_sizes(cfg: dict, gas: int, world_size: int, micro_batch_size:
 
 
 def _resolve_zero(cfg: dict, hidden_size: int | None, fail) -> None:
-    zero = cfg.setdefault("zero_optimization", {})
+    zero = cfg.setdefault("zero_optimization", {})  # an object: checked in resolve_config
     stage = zero.get("stage", 0)
-    if stage not in (1, 2, 3):
+    if isinstance(stage, bool) or stage not in (1, 2, 3):
         fail(f"zero_optimization.stage must be 1, 2 or 3 (got {stage!r}); shape changes carry ZeRO's fp32 masters")
     by_hidden = {"reduce_bucket_size": lambda h: h * h, "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
                  "stage3_param_persistence_threshold": lambda h: 10 * h}
@@ -192,6 +215,8 @@ def _resolve_zero(cfg: dict, hidden_size: int | None, fail) -> None:
                 fail(f"zero_optimization.{key} is \"auto\" but the model config has no hidden_size")
             zero[key] = rule(hidden_size)
     offload = zero.get("offload_optimizer") or {}
+    if not isinstance(offload, dict):
+        fail(f"zero_optimization.offload_optimizer must be an object such as {{\"device\": \"cpu\"}}, got {offload!r}")
     if offload.get("device", "none") not in ("none", None):
         if cfg.get("zero_force_ds_cpu_optimizer") is True:
             fail("offload_optimizer with the client torch AdamW needs \"zero_force_ds_cpu_optimizer\": false")

@@ -251,12 +251,14 @@ def check_export_out(out: Path, overwrite: bool, protected: list[Path] = ()) -> 
             raise FileExistsError(f"--out {out} is or contains the input {path}; choose another directory")
     if not out.exists() and not out.is_symlink():
         return
-    if not overwrite:
-        raise FileExistsError(f"--out {out} already exists; pass --overwrite to replace it")
     if not out.is_dir() or out.is_symlink():
         raise FileExistsError(f"--out {out} exists and is not a directory; remove it or choose another --out")
-    if not (out / REPORT_FILE).is_file() and any(out.iterdir()):
-        raise FileExistsError(f"--out {out} is not an apt_ds export (no {REPORT_FILE}); --overwrite only replaces exports")
+    is_export = (out / REPORT_FILE).is_file()
+    if not is_export and any(out.iterdir()):  # --overwrite would refuse it too: do not suggest it
+        raise FileExistsError(f"--out {out} exists and is not an apt_ds export (no {REPORT_FILE}); choose another --out")
+    if not overwrite:
+        what = "holds a previous export" if is_export else "exists (empty)"
+        raise FileExistsError(f"--out {out} {what}; pass --overwrite to replace it")
 
 
 def write_export(model, shape: ModelShape, out: Path, dtype: torch.dtype, tokenizer_dir: Path | None = None,

@@ -42,6 +42,30 @@ def build_tiny_llama(vocab_size: int, seed: int = 0, variant: str = TINY_MODEL, 
     return LlamaForCausalLM(LlamaConfig(**values))
 
 
+def check_model_path(path: str | Path, flag: str = "model path") -> dict:
+    """The cheap checks before anything heavy: the path exists and is a .gguf file or a LLaMA
+    (or apt_ds export) directory. Returns the directory's config.json ({} for a GGUF file)."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelLoadError(f"{flag} {path} does not exist (give a local HF directory, a .gguf file, "
+                             f"or one of {', '.join(TINY_MODELS)})")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"{flag} {path} is not a .gguf file; give a directory with config.json or a .gguf")
+        return {}
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{flag} {path} has no config.json: not a Hugging Face model directory")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"{flag} {path}: unreadable config.json ({err})") from None
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{flag} {path}: config.json is not a JSON object")
+    if not config.get("apt_layer_shapes") and config.get("model_type") != "llama":
+        raise UnsupportedModelError(f"{path}: model_type {config.get('model_type')!r} is not supported (LLaMA only)")
+    return config
+
+
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, mmap: bool = True):
     """A causal LM from a local HF directory, a .gguf file, or an apt_ds export.
 
@@ -52,22 +76,14 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, mmap: bool 
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
-    if not path.exists():
-        raise ModelLoadError(f"model path {path} does not exist (give a local HF directory or a .gguf file)")
+    config = check_model_path(path)
     if path.is_file():
-        if path.suffix != ".gguf":
-            raise ModelLoadError(f"model file {path} is not a .gguf file; give a directory with config.json or a .gguf")
         try:
             return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
         except Exception as err:  # transformers raises many types for bad GGUF
             raise ModelLoadError(f"cannot load GGUF {path}: {str(err).splitlines()[0]}") from None
-    if not (path / "config.json").is_file():
-        raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model directory")
-    config = json.loads((path / "config.json").read_text())
     if config.get("apt_layer_shapes"):
         return load_pretrained(path, dtype=dtype)
-    if config.get("model_type") != "llama":
-        raise UnsupportedModelError(f"{path}: model_type {config.get('model_type')!r} is not supported (LLaMA only)")
     try:
         AutoConfig.from_pretrained(str(path))
         return _from_pretrained(AutoModelForCausalLM, path, dtype, mmap)

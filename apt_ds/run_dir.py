@@ -78,3 +78,32 @@ def restore(out: Path, aside: Path | None) -> None:
 def discard(aside: Path | None) -> None:
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
+
+
+def recover_interrupted_overwrite(out: Path) -> str | None:
+    """A run started with --overwrite and killed (SIGKILL, power loss) left the previous run
+    aside as `.NAME.replaced-PID`. If the new run never wrote a checkpoint the previous one is
+    put back, else it is deleted as planned. Returns a line saying what was done, or None."""
+    done = None
+    for aside in sorted(out.parent.glob(f".{out.name}.replaced-*")):
+        pid = aside.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        if any((out / name / "apt_state.json").is_file() for name in ("checkpoint", "checkpoint.old")):
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            restore(out, aside)
+            done = f"note: an interrupted --overwrite had set aside the previous run; it is back in {out}"
+    return done
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True

@@ -143,17 +143,17 @@ class APTrainer:
         cfg = self.train_config
         for _ in range(self.consumed_micro_batches if skip_consumed else 0):
             next(batches)
-        bar = tqdm(total=cfg.steps, initial=self.step, disable=not (self.progress and self.backend.is_main()), desc="apt")
-        while self.step < cfg.steps:
-            record = self._train_step(batches)
-            record.update(self._after_step())
-            if self.step % cfg.log_every == 0 or record.get("event") or self.step == cfg.steps:
-                self._log(record)
-            bar.update(1)
-            bar.set_postfix(self._progress_fields(record))
-            if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < cfg.steps:
-                self.save()
-        bar.close()
+        # `with`: an error closes the bar first, so its message starts a line of its own
+        with tqdm(total=cfg.steps, initial=self.step, disable=not (self.progress and self.backend.is_main()), desc="apt") as bar:
+            while self.step < cfg.steps:
+                record = self._train_step(batches)
+                record.update(self._after_step())
+                if self.step % cfg.log_every == 0 or record.get("event") or self.step == cfg.steps:
+                    self._log(record)
+                bar.update(1)
+                bar.set_postfix(self._progress_fields(record))
+                if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < cfg.steps:
+                    self.save()
         final = {"step": self.step, "final": True, "density": self.state.density(), "world_size": self.backend.world_size,
                  **self._sizes(), **memory_mb()}
         if self.eval_batches:

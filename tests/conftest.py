@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -109,3 +110,13 @@ def _remove_leaked_deepspeed_shared_memory():
     if shm.is_dir():
         for leaked in set(shm.glob(pattern)) - before:
             leaked.unlink(missing_ok=True)
+
+
+def tree_digest(root: Path) -> str:
+    """Names, sizes and contents of everything under `root` (what must not change)."""
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        digest.update(str(path.relative_to(root)).encode())
+        if path.is_file():
+            digest.update(path.read_bytes())
+    return digest.hexdigest()

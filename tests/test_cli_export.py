@@ -122,7 +122,7 @@ def test_uniform_export_loads_with_stock_transformers(runs, tmp_path):
 def test_export_refuses_existing_out_and_missing_checkpoint(runs, tmp_path, capsys):
     (tmp_path / "taken").mkdir()
     assert export_main([str(runs / "nonuniform"), "--out", str(tmp_path / "taken")]) == 2
-    assert "already exists" in capsys.readouterr().err
+    assert "exists (empty); pass --overwrite to replace it" in capsys.readouterr().err
     assert export_main([str(tmp_path), "--out", str(tmp_path / "x")]) == 2
     assert "no checkpoint" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()

@@ -136,7 +136,7 @@ def test_overwrite_killed_between_renames_restores_the_previous_export(run, tmp_
     out.rename(tmp_path / ".e.old-abc")
     shutil.copytree(tmp_path / ".e.old-abc", tmp_path / ".e.tmp-abc")  # the complete new one, not renamed yet
     assert export_main([str(run), "--out", str(out)]) == 2
-    assert "already exists" in capsys.readouterr().err
+    assert "holds a previous export; pass --overwrite to replace it" in capsys.readouterr().err
     assert (out / "config.json").read_text() == before
     assert export_main([str(run), "--out", str(out), "--overwrite"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["e"]

@@ -3,7 +3,6 @@ survives until the new one has a checkpoint, and comes back when the new one fai
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 from pathlib import Path
 
@@ -11,18 +10,9 @@ import pytest
 
 from apt_ds import trainer as trainer_module
 from apt_ds.cli import train_main
+from conftest import tree_digest
 
 FAST = ["--steps", "8", "--max-seq-len", "32", "--micro-batch-size", "2", "--checkpoint-every", "4"]
-
-
-def tree_digest(root: Path) -> str:
-    """Names, sizes and contents of everything under `root` (what must not change)."""
-    digest = hashlib.sha256()
-    for path in sorted(root.rglob("*")):
-        digest.update(str(path.relative_to(root)).encode())
-        if path.is_file():
-            digest.update(path.read_bytes())
-    return digest.hexdigest()
 
 
 @pytest.fixture(scope="module")
