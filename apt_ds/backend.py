@@ -156,11 +156,12 @@ class LocalBackend(TrainingBackend):
 
     def step(self):
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        # Kept as a tensor: reading it here would stall the device before the optimizer step is queued.
         if self.max_grad_norm > 0:
-            self._grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
+            self._grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm).detach()
         else:  # measure only: a clip coefficient of inf/inf would turn the gradients into NaN
             grads = [p.grad for p in params if p.grad is not None]
-            self._grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+            self._grad_norm = torch.nn.utils.get_total_norm(grads).detach() if grads else torch.zeros(())
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -171,8 +172,8 @@ class LocalBackend(TrainingBackend):
         return self.optimizer.param_groups[0]["lr"]
 
     @property
-    def grad_norm(self):
-        return self._grad_norm
+    def grad_norm(self) -> float | None:
+        return None if self._grad_norm is None else float(self._grad_norm)
 
     @property
     def optimizer_steps(self):

@@ -25,9 +25,10 @@ def _user_errors() -> tuple:
     from .modeling import ModelLoadError
     from .pruner import PruningError
     from .units import UnsupportedModelError
+    from .weights import WeightsError
 
     return (*USER_ERRORS, CheckpointError, DataError, ModelLoadError, PruningError, UnsupportedModelError,
-            DeepSpeedConfigError)
+            DeepSpeedConfigError, WeightsError)
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -93,12 +93,16 @@ def _load_json_file(path: Path) -> datasets.Dataset:
 
 @contextlib.contextmanager
 def _quiet_datasets():
-    """No "Generating train split" bar on stderr (a cold cache prints it; ours is enough)."""
+    """No "Generating train split" bar (a cold cache prints it) and no logged parser error on
+    stderr: a bad file gets our one line, which says where the problem is."""
     was_disabled = datasets.utils.are_progress_bars_disabled()
+    verbosity = datasets.logging.get_verbosity()
     datasets.utils.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
         yield
     finally:
+        datasets.logging.set_verbosity(verbosity)
         if not was_disabled:
             datasets.utils.enable_progress_bars()
 

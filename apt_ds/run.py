@@ -37,6 +37,9 @@ def make_backend(args, train: TrainConfig):
     """The backend and the training config it implies; on CPU also the threads per rank."""
     backend, train = _make_backend(args, train)
     resolve_base_dtype(train.base_dtype, backend.device)  # e.g. fp16 asked on a CPU: refused here
+    if getattr(backend, "param_dtype", None) == torch.float16 and backend.device.type == "cpu":
+        raise ConfigError(f"DeepSpeed config {args.deepspeed}: fp16 is not supported on CPU (no fp16 kernels); "
+                          "set \"fp16\": {\"enabled\": false} or use bf16")
     if backend.device.type == "cpu":
         configure_cpu_threads()
     return backend, train
@@ -96,8 +99,8 @@ def _tokenizer_and_model(args, out: Path, texts: list[str], train: TrainConfig, 
     if path.is_dir():
         from .weights import SafetensorsWeights
 
-        fingerprint = file_fingerprint(path)  # tensor by tensor: the same for every base dtype
-        _check_model_fits(SafetensorsWeights(path), dtype, backend, path)
+        _check_model_fits(SafetensorsWeights(path), dtype, backend, path)  # from the headers, before any read
+        fingerprint = file_fingerprint(path)  # chunk by chunk: the same for every base dtype
         if _partitions_weights(backend):
             from transformers import AutoConfig
 
@@ -120,7 +123,10 @@ def _check_model_fits(weights, dtype, backend, path: Path) -> None:
         hint += ", or --base-dtype bf16"
     count = weights.numel()
     count_text = f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
-    check_fits(per_rank, backend.device, f"--model {path} ({count_text} parameters in {str(dtype).replace('torch.', '')})", hint)
+    what = f"--model {path} ({count_text} parameters in {str(dtype).replace('torch.', '')})"
+    check_fits(per_rank, backend.device, what, hint)
+    if backend.device.type != "cpu" and partitions == 1:  # every local rank reads it into host memory first
+        check_fits(per_rank, torch.device("cpu"), what + " read into host memory by each rank on this node", hint)
 
 
 def _partitions_weights(backend) -> bool:

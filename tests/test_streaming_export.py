@@ -108,6 +108,31 @@ def test_fingerprint_read_from_files_equals_the_loaded_models(runs):
         assert file_fingerprint(base) == model_fingerprint(load_model(base))
 
 
+def test_fingerprint_reads_chunks_and_keeps_its_values(runs, monkeypatch):
+    """Read in chunks (no whole tensor, no float64 copy of one), the fingerprint is the one that
+    whole-tensor sums gave, so runs recorded before still resume."""
+    import hashlib
+
+    from apt_ds import modeling
+    from apt_ds.weights import SafetensorsWeights
+
+    base = runs["gqa"].parent / "base_gqa"
+    model = load_model(base)
+    sums = []
+    for name, param in sorted(model.named_parameters()):
+        flat = param.detach().reshape(-1)
+        sums.append(f"{name}:{float(flat[:: max(1, flat.numel() // 4096)].double().abs().sum()):.6e}")
+    whole_tensor_sums = {"weights_sha": hashlib.sha256("|".join(sums).encode()).hexdigest()[:16],
+                         "embedding_sum": round(float(model.get_input_embeddings().weight.double().abs().sum()), 3)}
+    monkeypatch.setattr(modeling, "FINGERPRINT_CHUNK", 1000)  # many chunks per tensor, ragged ends
+    monkeypatch.setattr(SafetensorsWeights, "get", lambda *a: pytest.fail("a whole tensor was read"))
+    for fingerprint in (file_fingerprint(base), model_fingerprint(model)):
+        assert modeling.same_model(whole_tensor_sums, fingerprint)
+        assert fingerprint["weights_sha"] == whole_tensor_sums["weights_sha"]
+    moved = {**whole_tensor_sums, "embedding_sum": whole_tensor_sums["embedding_sum"] + 0.01}
+    assert not modeling.same_model(moved, file_fingerprint(base))
+
+
 def test_a_base_model_missing_a_tensor_is_named(runs, tmp_path, capsys):
     from apt_ds.cli import export_main
 
