@@ -123,7 +123,7 @@ def test_fingerprint_reads_chunks_and_keeps_its_values(runs, monkeypatch):
         flat = param.detach().reshape(-1)
         sums.append(f"{name}:{float(flat[:: max(1, flat.numel() // 4096)].double().abs().sum()):.6e}")
     whole_tensor_sums = {"weights_sha": hashlib.sha256("|".join(sums).encode()).hexdigest()[:16],
-                         "embedding_sum": round(float(model.get_input_embeddings().weight.double().abs().sum()), 3)}
+                         "embedding_sum": round(float(model.get_input_embeddings().weight.detach().double().abs().sum()), 3)}
     monkeypatch.setattr(modeling, "FINGERPRINT_CHUNK", 1000)  # many chunks per tensor, ragged ends
     monkeypatch.setattr(SafetensorsWeights, "get", lambda *a: pytest.fail("a whole tensor was read"))
     for fingerprint in (file_fingerprint(base), model_fingerprint(model)):
