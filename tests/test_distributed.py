@@ -147,17 +147,7 @@ def test_sigkill_then_resume_finishes_like_uninterrupted(two_rank_zero2, tmp_pat
     args = ["--deepspeed", ds_config(tmp_path, 2), *COMMON, "--micro-batch-size", "2", "--checkpoint-every", "4", "--out", str(out)]
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()), TRAIN, *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env(), cwd=REPO, start_new_session=True)
-    state = out / "checkpoint" / "apt_state.json"
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        try:
-            if json.loads(state.read_text())["step"] >= 4:  # the first checkpoint: 8 steps of margin before the end
-                break
-        except (OSError, ValueError, KeyError):  # not written yet, or being renamed into place
-            pass
-        if proc.poll() is not None:
-            pytest.fail("run ended before the checkpoint to kill after was written")
-        time.sleep(0.05)  # an idle machine runs 4 of these tiny steps in well under a second
+    _wait_for_checkpoint(proc, out, 4)  # the first checkpoint: 8 steps of margin before the end
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     from apt_ds.run import _checkpoint_dir
@@ -180,6 +170,58 @@ def test_sigkill_then_resume_finishes_like_uninterrupted(two_rank_zero2, tmp_pat
         assert resumed["kept"] == expected["kept"] and resumed["ranks"] == expected["ranks"]
         resumed_losses = {m["step"]: m["loss"] for m in metrics(run) if not m.get("final") and m["step"] > killed_at}
         assert resumed_losses and all(abs(resumed_losses[s] - reference_losses[s]) < 1e-4 for s in resumed_losses)
+
+
+def _wait_for_checkpoint(proc, out: Path, step: int) -> None:
+    state = out / "checkpoint" / "apt_state.json"
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        try:
+            if json.loads(state.read_text())["step"] >= step:
+                return
+        except (OSError, ValueError, KeyError):  # not written yet, or being renamed into place
+            pass
+        if proc.poll() is not None:
+            pytest.fail("run ended before the checkpoint to kill after was written")
+        time.sleep(0.05)
+    pytest.fail("no checkpoint within 600 s")
+
+
+def test_one_rank_killed_under_zero3_ends_the_run_and_it_resumes(tmp_path):
+    """SIGKILL of rank 1 alone, after the first checkpoint of a ZeRO-3 run: the launcher ends
+    rank 0 too (no hang), and --resume rebuilds the pruned shapes from the checkpoint one module
+    at a time under ZeRO-3 and finishes with the uninterrupted run's decisions and losses."""
+    import psutil
+
+    args = ["--deepspeed", ds_config(tmp_path, 3), *COMMON, "--micro-batch-size", "2", "--checkpoint-every", "4"]
+    reference = tmp_path / "reference"
+    result = launch(2, [*args, "--out", str(reference)])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()), TRAIN,
+           *args, "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env(), cwd=REPO, start_new_session=True)
+    try:
+        _wait_for_checkpoint(proc, out, 4)
+        rank1 = [c for c in psutil.Process(proc.pid).children(recursive=True) if "--local_rank=1" in c.cmdline()]
+        assert len(rank1) == 1
+        rank1[0].send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=120) != 0  # the launcher noticed and ended rank 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    from apt_ds.run import _checkpoint_dir
+
+    killed_at = json.loads((_checkpoint_dir(out) / "apt_state.json").read_text())["step"]
+    assert 4 <= killed_at < 12
+    result = launch(2, [*args, "--out", str(out), "--resume"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    resumed = check_identical_and_pruned(out, 2, since_step=killed_at)
+    expected = rank_records(reference)[0]
+    assert resumed["kept"] == expected["kept"] and resumed["ranks"] == expected["ranks"]
+    reference_losses = {m["step"]: m["loss"] for m in metrics(reference) if not m.get("final")}
+    resumed_losses = {m["step"]: m["loss"] for m in metrics(out) if not m.get("final") and m["step"] > killed_at}
+    assert resumed_losses and all(abs(resumed_losses[s] - reference_losses[s]) < 1e-4 for s in resumed_losses)
 
 
 def test_two_emulated_nodes(tmp_path):
