@@ -79,6 +79,7 @@ def home(tmp_path_factory):
                         "ds_auto.json": {"zero_optimization": {"stage": 2, "sub_group_size": "auto"}}}.items():
         _write_json(bad / name, value)
     (bad / "ds_not_json.json").write_text("{")
+    shutil.copy(root / "data.jsonl", bad / "other.jsonl")
     (bad / "empty.jsonl").write_text("")
     (bad / "no_fields.jsonl").write_text('{"foo": 1}\n')
     (bad / "torn.jsonl").write_text('{"text": "a"}\n{"text": \n')
@@ -111,7 +112,8 @@ CASES = [
     ("resume-user-files", train("--out", "mine", "--resume"), "holds no checkpoint"),
     # resume against a different or damaged run
     ("resume-changed-steps", ["train", *BASE[2:], "--steps", "12", "--out", "run", "--resume"], "changed: steps: 8 -> 12"),
-    ("resume-changed-data", ["train", *BASE[:-1], "bad/no_fields.jsonl", "--out", "torn_masks", "--resume"], "no usable rows"),
+    ("resume-changed-data", ["train", *BASE[:-1], "bad/other.jsonl", "--out", "torn_masks", "--resume"],
+     "the run was trained on --data data.jsonl, not bad/other.jsonl"),
     ("resume-other-model", train("--model", "tiny-mha", "--out", "torn_masks", "--resume"), "is not the model this run"),
     ("resume-torn-engine", train("--out", "torn_engine", "--resume"), "cannot load optimizer/engine state"),
     ("resume-torn-masks", train("--out", "torn_masks", "--resume"), "corrupt checkpoint file"),
