@@ -211,7 +211,7 @@ class TrainConfig(_JsonConfig):
     max_grad_norm: float = _help("clip the global gradient norm to this before each step (0: no clipping)", default=1.0)
     max_seq_len: int = _help("tokens per sequence: a longer instruction row loses prompt tokens from the left, one "
                              "whose response alone does not fit is dropped, an unpacked text row is cut at the end "
-                             "(counts are printed and recorded in run.json)", default=128)
+                             "(counts are printed and recorded in run.json)", default=256)
     seed: int = _help("random seed (model init of adapters, data order, layer sampling)", default=0)
     log_every: int = _help("write a metrics line every N steps", default=1)
     checkpoint_every: int = _help("save a resumable checkpoint every N steps (0: only at the end)", default=0)
