@@ -35,7 +35,7 @@ class SafetensorsWeights:
         for path in files:
             try:
                 handle = safe_open(str(path), framework="pt")
-            except (SafetensorError, OSError, RuntimeError) as err:  # RuntimeError: mmap refused (address space)
+            except (SafetensorError, OSError, RuntimeError, MemoryError) as err:  # mmap refused (ulimit -v)
                 raise WeightsError(f"cannot read {path}: {str(err).splitlines()[0]}") from None
             self._handles[path] = handle
             for name in handle.keys():

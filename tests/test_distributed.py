@@ -193,7 +193,8 @@ def test_one_rank_killed_under_zero3_ends_the_run_and_it_resumes(tmp_path):
     at a time under ZeRO-3 and finishes with the uninterrupted run's decisions and losses."""
     import psutil
 
-    args = ["--deepspeed", ds_config(tmp_path, 3), *COMMON, "--micro-batch-size", "2", "--checkpoint-every", "4"]
+    # Events at steps 5 and 8: the step-6 checkpoint is a pruned one, so resume rebuilds shapes.
+    args = ["--deepspeed", ds_config(tmp_path, 3), *COMMON, "--micro-batch-size", "2", "--checkpoint-every", "6"]
     reference = tmp_path / "reference"
     result = launch(2, [*args, "--out", str(reference)])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -202,7 +203,7 @@ def test_one_rank_killed_under_zero3_ends_the_run_and_it_resumes(tmp_path):
            *args, "--out", str(out)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env(), cwd=REPO, start_new_session=True)
     try:
-        _wait_for_checkpoint(proc, out, 4)
+        _wait_for_checkpoint(proc, out, 6)
         rank1 = [c for c in psutil.Process(proc.pid).children(recursive=True) if "--local_rank=1" in c.cmdline()]
         assert len(rank1) == 1
         rank1[0].send_signal(signal.SIGKILL)
@@ -213,7 +214,9 @@ def test_one_rank_killed_under_zero3_ends_the_run_and_it_resumes(tmp_path):
     from apt_ds.run import _checkpoint_dir
 
     killed_at = json.loads((_checkpoint_dir(out) / "apt_state.json").read_text())["step"]
-    assert 4 <= killed_at < 12
+    assert 6 <= killed_at < 12
+    saved = json.loads((_checkpoint_dir(out) / "apt_state.json").read_text())
+    assert saved["shape"] != saved["original_shape"]  # the checkpoint resumed from is a pruned one
     result = launch(2, [*args, "--out", str(out), "--resume"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     resumed = check_identical_and_pruned(out, 2, since_step=killed_at)

@@ -4,7 +4,11 @@ by tensor, into exactly the files the in-memory export writes, without building 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -152,3 +156,31 @@ def test_another_base_model_is_refused(runs, tmp_path):
         export_run(runs["gqa"], tmp_path / "e", model_path=runs["gqa"].parent / "base_gqa_tied")
     meta = json.loads((runs["gqa"] / "checkpoint" / "apt_state.json").read_text())
     assert meta["run_info"]["model_fingerprint"] == file_fingerprint(runs["gqa"].parent / "base_gqa")
+
+
+def test_a_model_that_cannot_be_mapped_is_one_line(tmp_path):
+    """Under an address-space limit (ulimit -v) safetensors cannot map a big file: one line, not
+    a MemoryError traceback. The 16 GiB file is sparse: it takes no disk."""
+    directory = tmp_path / "big"
+    directory.mkdir()
+    rows, cols = 1 << 20, 4096  # 16 GiB of fp32
+    header = json.dumps({"w": {"dtype": "F32", "shape": [rows, cols], "data_offsets": [0, rows * cols * 4]}}).encode()
+    with open(directory / "model.safetensors", "wb") as handle:
+        handle.write(struct.pack("<Q", len(header)) + header)
+        handle.truncate(8 + len(header) + rows * cols * 4)
+    script = (
+        "import resource, sys\n"
+        "from apt_ds.weights import SafetensorsWeights, WeightsError\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (12 << 30, 12 << 30))\n"
+        "try:\n"
+        "    SafetensorsWeights(sys.argv[1])\n"
+        "except WeightsError as err:\n"
+        "    print('refused:', err)\n"
+        "else:\n"
+        "    print('mapped')\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", script, str(directory)], capture_output=True, text=True, timeout=300,
+                            cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("refused: cannot read") and "model.safetensors" in result.stdout, result.stdout
