@@ -106,8 +106,10 @@ def _from_pretrained(auto_class, path: Path, dtype: torch.dtype, mmap: bool):
 
 def model_fingerprint(model) -> dict:
     """Identifies the base model of a run: its config, and a checksum over every weight tensor
-    (|w| summed over a strided sample of ~4k entries per tensor: cheap even at 70B, and any
-    retrained layer changes it)."""
+    (|w| summed over a strided sample of ~4k entries per tensor, so any retrained layer changes
+    it) and the embedding's |w| sum. Memory stays at one 16 MB chunk, but every byte is read once
+    (the embedding sum needs them all; from files a 70B model is 140 GB of reads, mostly from the
+    page cache that the ranks of a node share)."""
     with torch.no_grad():
         readers = ((name, _tensor_reader(param.detach())) for name, param in sorted(model.named_parameters()))
         return _fingerprint(model.config, readers, _tensor_reader(model.get_input_embeddings().weight.detach()))
