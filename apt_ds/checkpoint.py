@@ -30,16 +30,26 @@ def save_checkpoint(trainer, directory: Path) -> None:
     tmp = directory.with_name(directory.name + ".tmp")
     try:
         _save_and_rename(trainer, directory, tmp)
-    except OSError as err:
-        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+    except (OSError, SafetensorError, RuntimeError) as err:  # safetensors and torch.save wrap ENOSPC
+        if not is_disk_full(err):
             raise
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # the partial checkpoint would keep the disk full
         free = shutil.disk_usage(directory.parent).free
         kept = f"the previous checkpoint (step {read_meta(directory)['step']}) is kept" if (directory / "apt_state.json").is_file() \
             else "no earlier checkpoint exists"
         raise CheckpointError(f"disk full while writing the step-{trainer.step} checkpoint in {directory.parent}: it needs "
                               f"about {_mb(checkpoint_bytes(trainer))}, {_mb(free)} are free; {kept}. Free space, then "
                               f"run again with --resume") from None
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """ENOSPC / EDQUOT, whether raised as OSError or wrapped in a library's error text
+    (safetensors: "... (os error 28)", torch.save: "file write failed")."""
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(err)
+    return any(marker in text for marker in (f"os error {errno.ENOSPC}", f"os error {errno.EDQUOT}",
+                                              "No space left on device", "Disk quota exceeded"))
 
 
 def checkpoint_bytes(trainer) -> int:

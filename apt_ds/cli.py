@@ -107,7 +107,7 @@ def resolve_configs(args) -> tuple[APTConfig, TrainConfig]:
     if args.config:
         try:
             file_values = json.loads(Path(args.config).read_text())
-        except (OSError, json.JSONDecodeError) as err:
+        except (OSError, ValueError) as err:  # ValueError: bad JSON, or not UTF-8 text
             raise ConfigError(f"cannot read --config {args.config}: {err}") from None
         if not isinstance(file_values, dict):
             raise ConfigError(f"--config {args.config} must hold a JSON object of APTConfig/TrainConfig fields, "
@@ -143,6 +143,14 @@ def resolve_configs(args) -> tuple[APTConfig, TrainConfig]:
 def check_inputs_early(args, train: TrainConfig) -> None:
     """The checks that need neither a process group nor a model, run before either exists
     (a launch costs minutes on a fresh machine): --out, the model path, the DeepSpeed JSON."""
+    if args.resume and args.overwrite:
+        raise ConfigError("--resume continues the run in --out and --overwrite replaces it: give one of them")
+    for flag, value in (("--global-batch-size", args.global_batch_size), ("--eval-examples", args.eval_examples)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
+    for flag, value in (("--data", args.data), ("--eval-data", args.eval_data)):
+        if value and not Path(value).exists():
+            raise ConfigError(f"{flag} {value} does not exist")
     if os.environ.get("RANK", "0") == "0":  # one rank repairs what a killed --overwrite left
         note = recover_interrupted_overwrite(Path(args.out))
         if note:
@@ -176,6 +184,8 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
         return
     if overwrite:
         check_replaceable(out)  # only a previous run or an empty directory (apt_ds.run_dir)
+        if out.exists():
+            check_writable(out.parent)  # the previous run is renamed aside there
     elif out.exists() and not out.is_dir():
         raise FileExistsError(f"--out {out} exists and is not a directory; remove it or choose another --out")
     elif out.exists() and any(out.iterdir()):
@@ -238,6 +248,9 @@ def train_main(argv: list[str] | None = None) -> int:
     except _user_errors() as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"interrupted; --resume continues from the last checkpoint in {args.out} (if one was written)", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -294,7 +307,7 @@ def _plain_model_and_kept(model_path: str, kept_path: str):
     else:
         try:
             kept = json.loads(Path(kept_path).read_text())
-        except (OSError, json.JSONDecodeError) as err:
+        except (OSError, ValueError) as err:  # ValueError: bad JSON, or not UTF-8 text
             raise ConfigError(f"cannot read --kept {kept_path}: {err}") from None
     if isinstance(kept, dict) and "kept" in kept:  # a run's checkpoint/apt_state.json
         kept = kept["kept"]

@@ -194,7 +194,9 @@ def _join_prompt_response(tokenizer, prompt_ids: list[int], response_ids: list[i
         if stats is not None:
             stats.count("dropped", length)
         return None
-    if stats is not None and room < len(prompt_ids):
+    if stats is not None and not prompt_ids and room < 0:  # no prompt to shorten: the response is cut at the end
+        stats.count("text_cut", length)
+    elif stats is not None and room < len(prompt_ids):
         stats.count("prompt_cut", length)
     prompt_ids = list(prompt_ids)[-room:] if room > 0 else []
     input_ids = (bos + prompt_ids + target)[:max_seq_len]
@@ -240,7 +242,7 @@ class TruncationStats:
             return None
         parts = [f"{n} {what}" for n, what in ((self.prompt_cut, "rows had their prompt cut from the left"),
                                               (self.dropped, "rows were dropped (the response alone exceeds it)"),
-                                              (self.text_cut, "text rows were cut at the end")) if n]
+                                              (self.text_cut, "rows without a prompt were cut at the end")) if n]
         return (f"warning: {source}: --max-seq-len {max_seq_len}: {'; '.join(parts)}; the longest row has "
                 f"{self.longest} tokens")
 

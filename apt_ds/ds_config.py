@@ -58,6 +58,8 @@ def load_ds_config(config: dict | str | os.PathLike) -> tuple[dict, str]:
     except json.JSONDecodeError as err:
         raise DeepSpeedConfigError(
             f"DeepSpeed config {path}: invalid JSON at line {err.lineno} column {err.colno}: {err.msg}") from None
+    except (UnicodeDecodeError, OSError) as err:
+        raise DeepSpeedConfigError(f"DeepSpeed config {path}: cannot read it as UTF-8 JSON text ({err})") from None
     if not isinstance(data, dict):
         raise DeepSpeedConfigError(
             f"DeepSpeed config {path}: top level must be a JSON object, got {type(data).__name__}")

@@ -8,6 +8,7 @@ export leaves no directory that loads.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -354,7 +355,7 @@ def _recover_interrupted_overwrite(out: Path) -> None:
     and no NAME: put the previous export back before anything else happens."""
     if out.exists() or out.is_symlink():
         return
-    for old in sorted(out.parent.glob(f".{out.name}.old-*")) if out.parent.is_dir() else []:
+    for old in sorted(out.parent.glob(f".{glob.escape(out.name)}.old-*")) if out.parent.is_dir() else []:
         if (old / REPORT_FILE).is_file() and (old / "config.json").is_file():
             old.rename(out)
             return
@@ -363,7 +364,7 @@ def _recover_interrupted_overwrite(out: Path) -> None:
 def _remove_stale_temporaries(out: Path) -> None:
     """Leftovers of killed exports to `out` (never a complete previous export: see
     _recover_interrupted_overwrite). Exports to the same --out must not run concurrently."""
-    for stale in list(out.parent.glob(f".{out.name}.tmp-*")) + list(out.parent.glob(f".{out.name}.old-*")):
+    for stale in list(out.parent.glob(f".{glob.escape(out.name)}.tmp-*")) + list(out.parent.glob(f".{glob.escape(out.name)}.old-*")):
         shutil.rmtree(stale, ignore_errors=True)
 
 

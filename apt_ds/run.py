@@ -302,7 +302,11 @@ def _eval_batches(args, tokenizer, train: TrainConfig, backend, pad_id: int) -> 
     if not args.eval_data:
         return []
     records = load_records(args.eval_data)
-    examples = tokenize_dataset(records, tokenizer, train.max_seq_len, pack=False, source=args.eval_data)
+    truncation = TruncationStats()
+    examples = tokenize_dataset(records, tokenizer, train.max_seq_len, pack=False, source=args.eval_data, stats=truncation)
+    warning = truncation.message(args.eval_data, train.max_seq_len)
+    if warning and backend.is_main():
+        print(warning, file=sys.stderr)
     examples = examples[: args.eval_examples]
     # Every rank must run the same number of forwards (ZeRO-3 gathers are collective).
     examples = examples[: len(examples) - len(examples) % backend.world_size]

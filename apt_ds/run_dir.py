@@ -10,6 +10,7 @@ its first checkpoint; a start that fails before then puts it back.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -37,7 +38,9 @@ def check_replaceable(out: Path) -> None:
     """Raise RunDirError unless `--overwrite` may replace `out` (missing, empty, or a run)."""
     if not out.exists() and not out.is_symlink():
         return
-    if out.is_symlink() or not out.is_dir():
+    if out.is_symlink():
+        raise RunDirError(f"--out {out} is a symbolic link; --overwrite replaces only a real directory: give its target")
+    if not out.is_dir():
         raise RunDirError(f"--out {out} exists and is not a directory; remove it or choose another --out")
     entries = sorted(entry.name for entry in out.iterdir())
     if not entries:
@@ -49,6 +52,9 @@ def check_replaceable(out: Path) -> None:
     if foreign:
         raise RunDirError(f"--out {out} holds a run and also {_listing(foreign)}, which a run does not write; "
                           f"move them away or choose another --out")
+    if out.resolve() == Path.cwd().resolve() or os.path.ismount(out):
+        raise RunDirError(f"--out {out} is the current directory or a mount point, which --overwrite cannot move "
+                          f"aside; give a directory inside it")
 
 
 def _listing(names: list[str], most: int = 4) -> str:
@@ -85,16 +91,33 @@ def recover_interrupted_overwrite(out: Path) -> str | None:
     aside as `.NAME.replaced-PID`. If the new run never wrote a checkpoint the previous one is
     put back, else it is deleted as planned. Returns a line saying what was done, or None."""
     done = None
-    for aside in sorted(out.parent.glob(f".{out.name}.replaced-*")):
+    for aside in sorted(out.parent.glob(f".{glob.escape(out.name)}.replaced-*")):
         pid = aside.name.rsplit("-", 1)[-1]
-        if not pid.isdigit() or _alive(int(pid)):
+        if not pid.isdigit() or _alive(int(pid)) or not is_run_dir(aside):
             continue
-        if any((out / name / "apt_state.json").is_file() for name in ("checkpoint", "checkpoint.old")):
-            shutil.rmtree(aside, ignore_errors=True)
-        else:
+        if _holds_checkpoint(out) and is_run_dir(out):
+            shutil.rmtree(aside, ignore_errors=True)  # the new run got its checkpoint: as planned
+        elif _is_unstarted_run(out):
             restore(out, aside)
             done = f"note: an interrupted --overwrite had set aside the previous run; it is back in {out}"
+        else:  # something else took the place since: never delete it, say where the old run is
+            done = f"note: the previous run set aside by an interrupted --overwrite is still in {aside}"
     return done
+
+
+def _holds_checkpoint(path: Path) -> bool:
+    return any((path / name / "apt_state.json").is_file() for name in ("checkpoint", "checkpoint.old"))
+
+
+def _is_unstarted_run(path: Path) -> bool:
+    """Missing, empty, or a run with no checkpoint and nothing but what a run writes: what a
+    start killed before its first checkpoint leaves, and nothing a user could miss."""
+    if not path.exists() and not path.is_symlink():
+        return True
+    if path.is_symlink() or not path.is_dir():
+        return False
+    entries = [entry.name for entry in path.iterdir()]
+    return not entries or (is_run_dir(path) and not _holds_checkpoint(path) and set(entries) <= RUN_ENTRIES)
 
 
 def _alive(pid: int) -> bool:

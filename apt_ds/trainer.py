@@ -156,6 +156,8 @@ class APTrainer:
                     self.save()
         final = {"step": self.step, "final": True, "density": self.state.density(), "world_size": self.backend.world_size,
                  **self._sizes(), **memory_mb()}
+        if self.run_info.get("truncation"):  # what --max-seq-len cut from the training data
+            final["truncation"] = self.run_info["truncation"]
         if self.eval_batches:
             final["eval_loss"] = self.evaluate()
         self.metrics.write(final)

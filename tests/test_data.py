@@ -251,3 +251,11 @@ def test_max_seq_len_never_makes_prompt_less_rows_and_counts_what_it_cut(tokeniz
     message = stats.message("rows", 16)
     assert message.startswith("warning: rows: --max-seq-len 16: 1 rows had their prompt cut") and "\n" not in message
     assert data.TruncationStats().message("rows", 16) is None
+
+
+def test_a_row_without_prompt_cut_at_the_end_is_counted_as_such(tokenizer):
+    rows = [{"prompt": "", "completion": "answer " * 40}, {"text": "word " * 40}]
+    stats = data.TruncationStats()
+    data.tokenize_dataset(rows, tokenizer, max_seq_len=16, pack=False, source="rows", stats=stats)
+    assert stats.to_dict()["text_cut"] == 2 and stats.to_dict()["prompt_cut"] == 0
+    assert "2 rows without a prompt were cut at the end" in stats.message("rows", 16)

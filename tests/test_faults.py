@@ -81,12 +81,17 @@ def workdir(tmp_path_factory):
     return root
 
 
-# point -> (entries left in the run directory, the checkpoint step it resumes from)
+# point -> (entries left in the run directory, the checkpoint step it resumes from, last logged step)
 LEFT = {
-    "mid-step": ({"checkpoint", "metrics.jsonl", "run.json", "tokenizer"}, 4),
-    "mid-checkpoint": ({"checkpoint", "checkpoint.tmp", "metrics.jsonl", "run.json", "tokenizer"}, 4),
-    "mid-rename": ({"checkpoint.old", "checkpoint.tmp", "metrics.jsonl", "run.json", "tokenizer"}, 4),
+    "mid-step": ({"checkpoint", "metrics.jsonl", "run.json", "tokenizer"}, 4, 5),
+    "mid-checkpoint": ({"checkpoint", "checkpoint.tmp", "metrics.jsonl", "run.json", "tokenizer"}, 4, 8),
+    "mid-rename": ({"checkpoint.old", "checkpoint.tmp", "metrics.jsonl", "run.json", "tokenizer"}, 4, 8),
 }
+
+
+def _logged_steps(run: Path) -> list[int]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in records if not r.get("final")]
 
 
 @pytest.mark.parametrize("point", list(LEFT))
@@ -94,13 +99,15 @@ def test_killed_run_resumes_exactly(workdir, point):
     out = f"killed-{point}"
     killed = _train(workdir, "--out", out, point=point)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    entries, resumes_from = LEFT[point]
+    entries, resumes_from, last_logged = LEFT[point]
     assert {p.name for p in (workdir / out).iterdir()} == entries
+    assert _logged_steps(workdir / out) == list(range(1, last_logged + 1))
     complete = next(workdir / out / name for name in ("checkpoint", "checkpoint.old") if (workdir / out / name).is_dir())
     assert json.loads((complete / "apt_state.json").read_text())["step"] == resumes_from
     resumed = _train(workdir, "--out", out, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert {p.name for p in (workdir / out).iterdir()} == {"checkpoint", "metrics.jsonl", "run.json", "tokenizer", "ranks"}
+    assert _logged_steps(workdir / out) == list(range(1, 13))  # lines after step 4 dropped, then redone once
     assert _losses(workdir / out) == _losses(workdir / "uninterrupted")  # bit for bit, every step
     assert _kept(workdir / out) == _kept(workdir / "uninterrupted")
 

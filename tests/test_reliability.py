@@ -15,10 +15,12 @@ import errno
 import json
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
 
 from apt_ds import checkpoint as checkpoint_module
 from apt_ds.cli import export_main, train_main
@@ -63,6 +65,9 @@ def home(tmp_path_factory):
         target.write_bytes(target.read_bytes()[:100])
     (root / "not_a_model").mkdir()
     (root / "not_a_model" / "weights.bin").write_text("")
+    (root / "run_link").symlink_to("run")
+    (root / "config_only").mkdir()
+    shutil.copy(root / "export" / "config.json", root / "config_only" / "config.json")
     (root / "gpt2").mkdir()
     _write_json(root / "gpt2" / "config.json", {"model_type": "gpt2"})
     bad = root / "bad"
@@ -79,6 +84,7 @@ def home(tmp_path_factory):
                         "ds_auto.json": {"zero_optimization": {"stage": 2, "sub_group_size": "auto"}}}.items():
         _write_json(bad / name, value)
     (bad / "ds_not_json.json").write_text("{")
+    (bad / "utf16.json").write_bytes('{"steps": 8}'.encode("utf-16"))  # what Notepad may save
     shutil.copy(root / "data.jsonl", bad / "other.jsonl")
     (bad / "empty.jsonl").write_text("")
     (bad / "no_fields.jsonl").write_text('{"foo": 1}\n')
@@ -110,6 +116,8 @@ CASES = [
     ("resume-run-without-checkpoint", train("--out", "no_checkpoint", "--resume"), "pass --overwrite instead of --resume"),
     ("resume-nothing", train("--out", "nothing_here", "--resume"), "holds no checkpoint"),
     ("resume-user-files", train("--out", "mine", "--resume"), "holds no checkpoint"),
+    ("resume-and-overwrite", train("--out", "run", "--resume", "--overwrite"), "give one of them"),
+    ("out-symlink-to-run-overwrite", train("--out", "run_link", "--overwrite"), "is a symbolic link"),
     # resume against a different or damaged run
     ("resume-changed-steps", ["train", *BASE[2:], "--steps", "12", "--out", "run", "--resume"], "changed: steps: 8 -> 12"),
     ("resume-changed-data", ["train", *BASE[:-1], "bad/other.jsonl", "--out", "torn_masks", "--resume"],
@@ -130,13 +138,15 @@ CASES = [
     ("model-missing", train("--model", "nope", "--out", "new"), "--model nope does not exist"),
     ("model-a-file", train("--model", "a_file", "--out", "new"), "is not a .gguf file"),
     ("model-no-config", train("--model", "not_a_model", "--out", "new"), "has no config.json"),
+    ("model-no-weights", train("--model", "config_only", "--out", "new"), "holds no *.safetensors weights"),
     ("model-not-llama", train("--model", "gpt2", "--out", "new"), "model_type 'gpt2' is not supported"),
     # --data / --eval-data
     ("data-missing", ["train", *BASE[:-1], "bad/nope.jsonl", "--out", "new"], "nope.jsonl"),
     ("data-empty", ["train", *BASE[:-1], "bad/empty.jsonl", "--out", "new"], "empty.jsonl"),
     ("data-no-usable-rows", ["train", *BASE[:-1], "bad/no_fields.jsonl", "--out", "new"], "no usable rows"),
     ("data-torn-json", ["train", *BASE[:-1], "bad/torn.jsonl", "--out", "new"], "torn.jsonl"),
-    ("eval-data-missing", train("--eval-data", "bad/nope.jsonl", "--out", "new"), "nope.jsonl"),
+    ("eval-data-missing", train("--eval-data", "bad/nope.jsonl", "--out", "new"), "--eval-data bad/nope.jsonl does not exist"),
+    ("eval-examples-zero", train("--eval-data", "data.jsonl", "--eval-examples", "0", "--out", "new"), "--eval-examples must be >= 1"),
     ("probe-without-eval-data", train("--save-eval-probe", "--out", "new"), "--save-eval-probe needs --eval-data"),
     # --deepspeed JSON: refused before a process group or a model exists
     ("ds-missing", train("--deepspeed", "bad/nope.json", "--out", "new"), "file not found"),
@@ -166,6 +176,9 @@ CASES = [
     ("max-seq-len-one", train("--max-seq-len", "1", "--out", "new"), "max_seq_len"),
     ("micro-batch-zero", train("--micro-batch-size", "0", "--out", "new"), "micro_batch_size"),
     ("max-grad-norm-inf", train("--max-grad-norm", "inf", "--out", "new"), "max_grad_norm"),
+    ("global-batch-zero", train("--global-batch-size", "0", "--out", "new"), "--global-batch-size must be >= 1"),
+    ("config-not-utf8", train("--config", "bad/utf16.json", "--out", "new"), "cannot read --config"),
+    ("ds-not-utf8", train("--deepspeed", "bad/utf16.json", "--out", "new"), "cannot read it as UTF-8 JSON text"),
     ("global-batch-indivisible", train("--global-batch-size", "3", "--grad-accum-steps", "2", "--out", "new"), "not divisible"),
     ("pruning-ends-after-run", train("--pruning-end-step", "20", "--out", "new"), "pruning_end_step (20) must be <= --steps"),
     ("rank-cap-below-rank", train("--rank-cap", "2", "--out", "new"), "rank_cap"),
@@ -221,8 +234,8 @@ def test_disk_full_during_a_checkpoint_keeps_the_previous_one(tmp_path, capsys, 
 
     def fill_the_disk_at_the_second_checkpoint(tensors, path, *args, **kwargs):
         calls.append(path)
-        if (Path("run") / "checkpoint" / "apt_state.json").is_file():
-            raise OSError(errno.ENOSPC, "No space left on device", path)
+        if (Path("run") / "checkpoint" / "apt_state.json").is_file():  # as safetensors 0.8 reports ENOSPC
+            raise SafetensorError(f"Error while serializing: I/O error: No space left on device (os error {errno.ENOSPC})")
         return save(tensors, path, *args, **kwargs)
 
     monkeypatch.setattr(checkpoint_module, "save_file", fill_the_disk_at_the_second_checkpoint)
@@ -256,3 +269,65 @@ def test_a_killed_overwrite_start_gets_the_previous_run_back(tmp_path, capsys, m
     err = capsys.readouterr().err
     assert "it is back in run" in err  # ...but only after the previous run came back
     assert tree_digest(tmp_path / "run") == before and not list(tmp_path.glob(".run.replaced-*"))
+
+
+def _du(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def test_a_really_full_disk_keeps_the_previous_checkpoint(tmp_path, capsys, monkeypatch):
+    """The same on a real file system that fills up: a tmpfs with room for one checkpoint, not
+    two (the new one is written before the old one goes). Needs mount rights (root)."""
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in TEXT_ROWS))
+    monkeypatch.chdir(tmp_path)
+    assert train_main([*BASE, "--out", "sized"]) == 0
+    room = _du(tmp_path / "sized") + _du(tmp_path / "sized" / "checkpoint") // 2
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={room // 4096 * 4096}", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip()}); the faked ENOSPC test above still runs")
+    try:
+        capsys.readouterr()
+        assert train_main([*BASE, "--out", "disk/run"]) == 2
+        err = capsys.readouterr().err
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "disk full while writing the step-8 checkpoint" in errors[0], err
+        assert "the previous checkpoint (step 4) is kept" in errors[0] and "Traceback" not in err
+        assert json.loads((disk / "run" / "checkpoint" / "apt_state.json").read_text())["step"] == 4
+        assert not (disk / "run" / "checkpoint.tmp").exists()
+        subprocess.run(["mount", "-o", f"remount,size={4 * room // 4096 * 4096}", str(disk)], check=True)
+        assert train_main([*BASE, "--out", "disk/run", "--resume"]) == 0  # space freed: it finishes
+        assert json.loads((disk / "run" / "checkpoint" / "apt_state.json").read_text())["step"] == 8
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=False)  # lazy: a failed run may hold a file open
+
+
+def test_recovery_never_deletes_what_took_the_runs_place(tmp_path, capsys, monkeypatch):
+    """A killed --overwrite left the previous run aside; the user then put their own files at
+    --out. The next invocation keeps both and says where the previous run is."""
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in TEXT_ROWS))
+    monkeypatch.chdir(tmp_path)
+    assert train_main([*BASE, "--out", "run"]) == 0
+    dead_pid = 2**22 + 17
+    (tmp_path / "run").rename(tmp_path / f".run.replaced-{dead_pid}")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "notes.txt").write_text("precious")
+    before = tree_digest(tmp_path)
+    capsys.readouterr()
+    assert train_main([*BASE, "--out", "run", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"still in .run.replaced-{dead_pid}" in err and "holds no checkpoint" in err
+    assert tree_digest(tmp_path) == before
+
+
+def test_glob_characters_in_out_touch_no_other_runs_copy(tmp_path, capsys, monkeypatch):
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in TEXT_ROWS))
+    monkeypatch.chdir(tmp_path)
+    assert train_main([*BASE, "--out", "e1"]) == 0
+    dead_pid = 2**22 + 17
+    (tmp_path / "e1").rename(tmp_path / f".e1.replaced-{dead_pid}")  # e1's own set-aside copy
+    before = tree_digest(tmp_path)
+    assert train_main([*BASE, "--out", "e[1]", "--steps", "4", "--target-density", "1.5"]) == 2  # refused after recovery ran
+    assert tree_digest(tmp_path) == before
