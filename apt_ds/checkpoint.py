@@ -44,7 +44,7 @@ def save_checkpoint(trainer, directory: Path) -> None:
 
 def is_disk_full(err: BaseException) -> bool:
     """ENOSPC / EDQUOT, whether raised as OSError or wrapped in a library's error text
-    (safetensors: "... (os error 28)", torch.save: "file write failed")."""
+    (safetensors 0.8: "I/O error: No space left on device (os error 28)")."""
     if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
     text = str(err)

@@ -6,13 +6,11 @@ import argparse
 import dataclasses
 import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 from .config import APTConfig, ConfigError, TrainConfig, check_field_types
-from .run_dir import RunDirError, check_replaceable, is_run_dir, move_aside, recover_interrupted_overwrite
+from .run_dir import check_out_dir, recover_interrupted_overwrite
 
 # One-line errors for everything a user can get wrong; anything else is a bug and keeps its traceback.
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, FileExistsError)
@@ -169,72 +167,6 @@ def check_inputs_early(args, train: TrainConfig) -> None:
 
 
 SCHEDULE_FIELDS = ("pruning_start_step", "pruning_end_step", "num_pruning_events", "mask_decay_window", "mask_decay_step")
-
-
-def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse to clobber a previous run unless asked to, and an --out that cannot be written
-    (checks only; nothing is left behind)."""
-    if resume:
-        if not has_checkpoint(out):
-            if is_run_dir(out):
-                raise FileExistsError(f"--resume: the run in {out} stopped before its first checkpoint, so there is "
-                                      f"nothing to resume; pass --overwrite instead of --resume to start it again")
-            raise FileExistsError(f"--resume: {out} holds no checkpoint (expected {out / 'checkpoint' / 'apt_state.json'})")
-        check_writable(out)
-        return
-    if overwrite:
-        check_replaceable(out)  # only a previous run or an empty directory (apt_ds.run_dir)
-        if out.exists():
-            check_writable(out.parent)  # the previous run is renamed aside there
-    elif out.exists() and not out.is_dir():
-        raise FileExistsError(f"--out {out} exists and is not a directory; remove it or choose another --out")
-    elif out.exists() and any(out.iterdir()):
-        if has_checkpoint(out):
-            raise FileExistsError(f"--out {out} already holds a run; pass --resume to continue it or --overwrite to replace it")
-        if is_run_dir(out):
-            raise FileExistsError(f"--out {out} holds a run that stopped before its first checkpoint (nothing to resume); "
-                                  f"pass --overwrite to start it again")
-        raise FileExistsError(f"--out {out} is not empty and holds no apt-ds run; choose another --out")
-    check_writable(out)
-
-
-def has_checkpoint(out: Path) -> bool:
-    return any((out / name / "apt_state.json").is_file() for name in ("checkpoint", "checkpoint.old"))
-
-
-def check_writable(out: Path) -> None:
-    """Try to create a file where the run will write (--out, or the nearest existing parent it
-    will be created in): root ignores permission bits, read-only mounts do not."""
-    existing = out
-    while not existing.exists():
-        if existing.is_symlink():
-            raise RunDirError(f"--out {out}: {existing} is a broken symbolic link")
-        existing = existing.parent
-    if not existing.is_dir():
-        raise RunDirError(f"--out {out}: {existing} is a file, not a directory")
-    try:
-        with tempfile.NamedTemporaryFile(dir=existing, prefix=".apt-ds-write-test-"):
-            pass
-    except OSError as err:
-        raise RunDirError(f"--out {out}: cannot write in {existing} ({err.strerror or err}); choose another --out") from None
-
-
-def prepare_out_dir(out: Path, resume: bool, overwrite: bool, is_main: bool) -> Path | None:
-    """After every input has been validated: create the run directory (--overwrite: the previous
-    run is moved aside, and its new place returned, to be deleted after the first checkpoint),
-    or recover a checkpoint that a crash left renamed to checkpoint.old."""
-    if not is_main:  # every rank ran check_out_dir before anything was written
-        return None
-    check_out_dir(out, resume, overwrite)
-    if resume:
-        current, old = out / "checkpoint", out / "checkpoint.old"
-        if not (current / "apt_state.json").is_file() and (old / "apt_state.json").is_file():
-            shutil.rmtree(current, ignore_errors=True)
-            old.rename(current)
-        return None
-    aside = move_aside(out) if overwrite else None
-    out.mkdir(parents=True, exist_ok=True)
-    return aside
 
 
 def train_main(argv: list[str] | None = None) -> int:

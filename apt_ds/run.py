@@ -19,12 +19,11 @@ from safetensors.torch import save_file
 
 from .backend import LocalBackend
 from .checkpoint import CheckpointError, read_meta
-from .cli import check_out_dir, prepare_out_dir
-from .run_dir import RUN_FILE, discard, restore
 from .config import APTConfig, ConfigError, TrainConfig
 from .data import TruncationStats, batches, collate, demo_data_path, load_records, tokenize_dataset
 from .modeling import TINY_MODELS, build_tiny_llama, file_fingerprint, load_model, model_fingerprint, same_model
 from .placement import check_fits, configure_cpu_threads, resolve_base_dtype, resolve_device
+from .run_dir import RUN_FILE, check_out_dir, discard, prepare_out_dir, restore
 from .tokenizer import load_tokenizer, train_sentencepiece_tokenizer
 from .trainer import APTrainer
 

@@ -1,4 +1,8 @@
-"""The run directory (--out) and what `--overwrite` may do to it.
+"""The run directory (--out): what may be written there, and what `--overwrite` may do to it.
+
+`check_out_dir` refuses, before anything is loaded, an --out that is a file, holds something
+that is not a run, cannot be written, or has no checkpoint to --resume; `prepare_out_dir` then
+creates it (or sets the previous run aside) once every input has been validated.
 
 `--overwrite` replaces only what apt-ds itself wrote: an empty directory, or a run directory,
 recognised by its `run.json` (a JSON object with `apt_config` and `train_config`) and holding
@@ -14,6 +18,7 @@ import glob
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 RUN_FILE = "run.json"
@@ -24,6 +29,11 @@ RUN_ENTRIES = frozenset({RUN_FILE, "metrics.jsonl", "checkpoint", "checkpoint.tm
 
 class RunDirError(FileExistsError):
     """--out cannot be used as asked (the message says why and what to do)."""
+
+
+def has_checkpoint(path: Path) -> bool:
+    """A complete checkpoint, or the previous one that a crash mid-rename left as checkpoint.old."""
+    return any((path / name / "apt_state.json").is_file() for name in ("checkpoint", "checkpoint.old"))
 
 
 def is_run_dir(path: Path) -> bool:
@@ -95,7 +105,7 @@ def recover_interrupted_overwrite(out: Path) -> str | None:
         pid = aside.name.rsplit("-", 1)[-1]
         if not pid.isdigit() or _alive(int(pid)) or not is_run_dir(aside):
             continue
-        if _holds_checkpoint(out) and is_run_dir(out):
+        if has_checkpoint(out) and is_run_dir(out):
             shutil.rmtree(aside, ignore_errors=True)  # the new run got its checkpoint: as planned
         elif _is_unstarted_run(out):
             restore(out, aside)
@@ -103,10 +113,6 @@ def recover_interrupted_overwrite(out: Path) -> str | None:
         else:  # something else took the place since: never delete it, say where the old run is
             done = f"note: the previous run set aside by an interrupted --overwrite is still in {aside}"
     return done
-
-
-def _holds_checkpoint(path: Path) -> bool:
-    return any((path / name / "apt_state.json").is_file() for name in ("checkpoint", "checkpoint.old"))
 
 
 def _is_unstarted_run(path: Path) -> bool:
@@ -117,7 +123,7 @@ def _is_unstarted_run(path: Path) -> bool:
     if path.is_symlink() or not path.is_dir():
         return False
     entries = [entry.name for entry in path.iterdir()]
-    return not entries or (is_run_dir(path) and not _holds_checkpoint(path) and set(entries) <= RUN_ENTRIES)
+    return not entries or (is_run_dir(path) and not has_checkpoint(path) and set(entries) <= RUN_ENTRIES)
 
 
 def _alive(pid: int) -> bool:
@@ -130,3 +136,65 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # exists, owned by someone else
         return True
     return True
+
+
+def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse to clobber a previous run unless asked to, and an --out that cannot be written
+    (checks only; nothing is left behind)."""
+    if resume:
+        if not has_checkpoint(out):
+            if is_run_dir(out):
+                raise RunDirError(f"--resume: the run in {out} stopped before its first checkpoint, so there is "
+                                      f"nothing to resume; pass --overwrite instead of --resume to start it again")
+            raise RunDirError(f"--resume: {out} holds no checkpoint (expected {out / 'checkpoint' / 'apt_state.json'})")
+        check_writable(out)
+        return
+    if overwrite:
+        check_replaceable(out)  # only a previous run or an empty directory (apt_ds.run_dir)
+        if out.exists():
+            check_writable(out.parent)  # the previous run is renamed aside there
+    elif out.exists() and not out.is_dir():
+        raise RunDirError(f"--out {out} exists and is not a directory; remove it or choose another --out")
+    elif out.exists() and any(out.iterdir()):
+        if has_checkpoint(out):
+            raise RunDirError(f"--out {out} already holds a run; pass --resume to continue it or --overwrite to replace it")
+        if is_run_dir(out):
+            raise RunDirError(f"--out {out} holds a run that stopped before its first checkpoint (nothing to resume); "
+                                  f"pass --overwrite to start it again")
+        raise RunDirError(f"--out {out} is not empty and holds no apt-ds run; choose another --out")
+    check_writable(out)
+
+
+def check_writable(out: Path) -> None:
+    """Try to create a file where the run will write (--out, or the nearest existing parent it
+    will be created in): root ignores permission bits, read-only mounts do not."""
+    existing = out
+    while not existing.exists():
+        if existing.is_symlink():
+            raise RunDirError(f"--out {out}: {existing} is a broken symbolic link")
+        existing = existing.parent
+    if not existing.is_dir():
+        raise RunDirError(f"--out {out}: {existing} is a file, not a directory")
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".apt-ds-write-test-"):
+            pass
+    except OSError as err:
+        raise RunDirError(f"--out {out}: cannot write in {existing} ({err.strerror or err}); choose another --out") from None
+
+
+def prepare_out_dir(out: Path, resume: bool, overwrite: bool, is_main: bool) -> Path | None:
+    """After every input has been validated: create the run directory (--overwrite: the previous
+    run is moved aside, and its new place returned, to be deleted after the first checkpoint),
+    or recover a checkpoint that a crash left renamed to checkpoint.old."""
+    if not is_main:  # every rank ran check_out_dir before anything was written
+        return None
+    check_out_dir(out, resume, overwrite)
+    if resume:
+        current, old = out / "checkpoint", out / "checkpoint.old"
+        if not (current / "apt_state.json").is_file() and (old / "apt_state.json").is_file():
+            shutil.rmtree(current, ignore_errors=True)
+            old.rename(current)
+        return None
+    aside = move_aside(out) if overwrite else None
+    out.mkdir(parents=True, exist_ok=True)
+    return aside
