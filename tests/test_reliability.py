@@ -93,6 +93,14 @@ def home(tmp_path_factory):
     return root
 
 
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    """Work in tmp_path, with the data file there."""
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in TEXT_ROWS))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
 def train(*argv: str) -> list[str]:
     return ["train", *BASE, *argv]
 
@@ -224,11 +232,9 @@ def test_the_table_is_large_and_every_case_distinct():
     assert len({case[0] for case in CASES}) == len(CASES) and len({tuple(case[1]) for case in CASES}) == len(CASES)
 
 
-def test_disk_full_during_a_checkpoint_keeps_the_previous_one(tmp_path, capsys, monkeypatch):
+def test_disk_full_during_a_checkpoint_keeps_the_previous_one(in_tmp, tmp_path, capsys, monkeypatch):
     """ENOSPC while the step-8 checkpoint is written: one line with the space it needs, the step-4
     checkpoint untouched and resumable, no half-written checkpoint left."""
-    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in TEXT_ROWS))
-    monkeypatch.chdir(tmp_path)
     argv = [*BASE, "--steps", "12", "--out", "run"]
     save, calls = checkpoint_module.save_file, []
 
@@ -253,11 +259,9 @@ def test_disk_full_during_a_checkpoint_keeps_the_previous_one(tmp_path, capsys, 
     assert json.loads((tmp_path / "run" / "checkpoint" / "apt_state.json").read_text())["step"] == 12
 
 
-def test_a_killed_overwrite_start_gets_the_previous_run_back(tmp_path, capsys, monkeypatch):
+def test_a_killed_overwrite_start_gets_the_previous_run_back(in_tmp, tmp_path, capsys, monkeypatch):
     """SIGKILL after --overwrite set the previous run aside but before the new run's first
     checkpoint: the next invocation puts the previous run back (it would be lost otherwise)."""
-    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in TEXT_ROWS))
-    monkeypatch.chdir(tmp_path)
     assert train_main([*BASE, "--out", "run"]) == 0
     before = tree_digest(tmp_path / "run")
     dead_pid = 2**22 + 17  # above the kernel's default pid_max: no such process
@@ -275,11 +279,9 @@ def _du(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def test_a_really_full_disk_keeps_the_previous_checkpoint(tmp_path, capsys, monkeypatch):
+def test_a_really_full_disk_keeps_the_previous_checkpoint(in_tmp, tmp_path, capsys, monkeypatch):
     """The same on a real file system that fills up: a tmpfs with room for one checkpoint, not
     two (the new one is written before the old one goes). Needs mount rights (root)."""
-    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in TEXT_ROWS))
-    monkeypatch.chdir(tmp_path)
     assert train_main([*BASE, "--out", "sized"]) == 0
     room = _du(tmp_path / "sized") + _du(tmp_path / "sized" / "checkpoint") // 2
     disk = tmp_path / "disk"
@@ -304,11 +306,9 @@ def test_a_really_full_disk_keeps_the_previous_checkpoint(tmp_path, capsys, monk
         subprocess.run(["umount", "--lazy", str(disk)], check=False)  # lazy: a failed run may hold a file open
 
 
-def test_recovery_never_deletes_what_took_the_runs_place(tmp_path, capsys, monkeypatch):
+def test_recovery_never_deletes_what_took_the_runs_place(in_tmp, tmp_path, capsys, monkeypatch):
     """A killed --overwrite left the previous run aside; the user then put their own files at
     --out. The next invocation keeps both and says where the previous run is."""
-    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in TEXT_ROWS))
-    monkeypatch.chdir(tmp_path)
     assert train_main([*BASE, "--out", "run"]) == 0
     dead_pid = 2**22 + 17
     (tmp_path / "run").rename(tmp_path / f".run.replaced-{dead_pid}")
@@ -322,9 +322,7 @@ def test_recovery_never_deletes_what_took_the_runs_place(tmp_path, capsys, monke
     assert tree_digest(tmp_path) == before
 
 
-def test_glob_characters_in_out_touch_no_other_runs_copy(tmp_path, capsys, monkeypatch):
-    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in TEXT_ROWS))
-    monkeypatch.chdir(tmp_path)
+def test_glob_characters_in_out_touch_no_other_runs_copy(in_tmp, tmp_path, capsys, monkeypatch):
     assert train_main([*BASE, "--out", "e1"]) == 0
     dead_pid = 2**22 + 17
     (tmp_path / "e1").rename(tmp_path / f".e1.replaced-{dead_pid}")  # e1's own set-aside copy
