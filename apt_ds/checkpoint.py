@@ -35,11 +35,12 @@ def save_checkpoint(trainer, directory: Path) -> None:
             raise
         shutil.rmtree(tmp, ignore_errors=True)  # the partial checkpoint would keep the disk full
         free = shutil.disk_usage(directory.parent).free
-        kept = f"the previous checkpoint (step {read_meta(directory)['step']}) is kept" if (directory / "apt_state.json").is_file() \
-            else "no earlier checkpoint exists"
+        if (directory / "apt_state.json").is_file():
+            kept = f"the previous checkpoint (step {read_meta(directory)['step']}) is kept. Free space, then run again with --resume"
+        else:
+            kept = "no checkpoint was written yet. Free space, then start the run again"
         raise CheckpointError(f"disk full while writing the step-{trainer.step} checkpoint in {directory.parent}: it needs "
-                              f"about {_mb(checkpoint_bytes(trainer))}, {_mb(free)} are free; {kept}. Free space, then "
-                              f"run again with --resume") from None
+                              f"about {_mb(checkpoint_bytes(trainer))}, {_mb(free)} are free; {kept}") from None
 
 
 def is_disk_full(err: BaseException) -> bool:

@@ -183,6 +183,14 @@ def train_main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"interrupted; --resume continues from the last checkpoint in {args.out} (if one was written)", file=sys.stderr)
         return 130
+    except OSError as err:  # e.g. the disk filled up while the tokenizer or a metrics line was written
+        from .checkpoint import is_disk_full
+
+        if not is_disk_full(err):
+            raise
+        print(f"error: disk full writing {getattr(err, 'filename', None) or args.out}: {err.strerror or err}; free space "
+              f"and run again", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -6,6 +6,7 @@ the loop knows nothing about files, tokenizers or launchers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -230,16 +231,29 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
                     "truncation": truncation.to_dict()}
         backend.barrier()
         replaced = prepare_out_dir(out, args.resume, args.overwrite, backend.is_main())
-        if backend.is_main() and not args.resume:  # run.json first: it marks the directory as a run
-            (out / RUN_FILE).write_text(json.dumps({**run_info, "apt_config": apt.to_dict(), "train_config": train.to_dict()}, indent=1))
-            tokenizer.save_pretrained(str(out / TOKENIZER_DIR))
-        backend.barrier()
-    try:
+        with _previous_run_back_on_failure(out, replaced):
+            if backend.is_main() and not args.resume:  # run.json first: it marks the directory as a run
+                (out / RUN_FILE).write_text(json.dumps({**run_info, "apt_config": apt.to_dict(), "train_config": train.to_dict()}, indent=1))
+                tokenizer.save_pretrained(str(out / TOKENIZER_DIR))
+            backend.barrier()
+    with _previous_run_back_on_failure(out, replaced):
         return _train(backend, args, apt, train, out, meta, model, examples, eval_batches, pad_id, run_info, replaced)
-    except BaseException:
-        if replaced is not None and replaced.exists():
-            restore(out, replaced)  # the new run wrote no checkpoint: the previous one takes its place again
-            print(f"error: the new run failed before its first checkpoint; the previous run is back in {out}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _previous_run_back_on_failure(out: Path, replaced: Path | None):
+    """--overwrite: until the new run's first checkpoint, any failure puts the previous run back.
+    A user error keeps its one line, which then also says so."""
+    try:
+        yield
+    except BaseException as err:
+        if replaced is None or not replaced.exists():
+            raise
+        restore(out, replaced)
+        back = f"the new run wrote no checkpoint; the previous run is back in {out}"
+        if isinstance(err, (ValueError, FileExistsError)):  # the CLI's one-line errors
+            raise type(err)(f"{err} ({back})") from None
+        print(f"note: {back}", file=sys.stderr)
         raise
 
 

@@ -14,9 +14,11 @@ its first checkpoint; a start that fails before then puts it back.
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import json
 import os
+import secrets
 import shutil
 import tempfile
 from pathlib import Path
@@ -62,9 +64,9 @@ def check_replaceable(out: Path) -> None:
     if foreign:
         raise RunDirError(f"--out {out} holds a run and also {_listing(foreign)}, which a run does not write; "
                           f"move them away or choose another --out")
-    if out.resolve() == Path.cwd().resolve() or os.path.ismount(out):
-        raise RunDirError(f"--out {out} is the current directory or a mount point, which --overwrite cannot move "
-                          f"aside; give a directory inside it")
+    if Path.cwd().resolve().is_relative_to(out.resolve()) or os.path.ismount(out):
+        raise RunDirError(f"--out {out} is (or holds) the current directory, or is a mount point, which --overwrite "
+                          f"cannot move aside; run from elsewhere or give a directory inside it")
 
 
 def _listing(names: list[str], most: int = 4) -> str:
@@ -72,14 +74,34 @@ def _listing(names: list[str], most: int = 4) -> str:
     return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
+# Locks held for the life of the process that set a run aside: a PID alone cannot tell a dead
+# owner from a new process that got the same PID (PID 1 in every container restart).
+_HELD_LOCKS: dict[Path, int] = {}
+
+
+def _lock_path(aside: Path) -> Path:
+    return aside.with_name(aside.name + ".lock")
+
+
 def move_aside(out: Path) -> Path | None:
-    """Rename a replaceable `out` to a hidden sibling (None when there was nothing to move)."""
+    """Rename a replaceable `out` to a hidden sibling of a name no other attempt uses, beside a
+    lock file this process holds while the copy is its to restore or delete (None when there
+    was nothing to move)."""
     if not out.exists() or not any(out.iterdir()):
         return None
-    aside = out.parent / f".{out.name}.replaced-{os.getpid()}"
-    shutil.rmtree(aside, ignore_errors=True)
-    out.rename(aside)
+    aside = out.parent / f".{out.name}.replaced-{os.getpid()}-{secrets.token_hex(4)}"
+    lock = os.open(_lock_path(aside), os.O_CREAT | os.O_WRONLY, 0o644)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    _HELD_LOCKS[aside] = lock
+    out.rename(aside)  # never over an existing copy: the name is new
     return aside
+
+
+def _release(aside: Path) -> None:
+    lock = _HELD_LOCKS.pop(aside, None)
+    _lock_path(aside).unlink(missing_ok=True)
+    if lock is not None:
+        os.close(lock)
 
 
 def restore(out: Path, aside: Path | None) -> None:
@@ -89,11 +111,33 @@ def restore(out: Path, aside: Path | None) -> None:
     if out.exists():
         shutil.rmtree(out)
     aside.rename(out)
+    _release(aside)
 
 
 def discard(aside: Path | None) -> None:
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
+        _release(aside)
+
+
+def _owner_is_gone(aside: Path) -> bool:
+    """True when no live process holds the copy's lock (or, for a copy made before locks, when
+    the PID in its name is dead)."""
+    lock_path = _lock_path(aside)
+    if lock_path.exists():
+        try:
+            handle = os.open(lock_path, os.O_WRONLY)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+        finally:
+            os.close(handle)  # closing drops the probe's lock again
+    pid = aside.name.split(".replaced-", 1)[-1].split("-", 1)[0]
+    return pid.isdigit() and not _alive(int(pid))
 
 
 def recover_interrupted_overwrite(out: Path) -> str | None:
@@ -102,11 +146,10 @@ def recover_interrupted_overwrite(out: Path) -> str | None:
     put back, else it is deleted as planned. Returns a line saying what was done, or None."""
     done = None
     for aside in sorted(out.parent.glob(f".{glob.escape(out.name)}.replaced-*")):
-        pid = aside.name.rsplit("-", 1)[-1]
-        if not pid.isdigit() or _alive(int(pid)) or not is_run_dir(aside):
+        if not aside.is_dir() or not is_run_dir(aside) or not _owner_is_gone(aside):
             continue
         if has_checkpoint(out) and is_run_dir(out):
-            shutil.rmtree(aside, ignore_errors=True)  # the new run got its checkpoint: as planned
+            discard(aside)  # the new run got its checkpoint: as planned
         elif _is_unstarted_run(out):
             restore(out, aside)
             done = f"note: an interrupted --overwrite had set aside the previous run; it is back in {out}"
@@ -152,7 +195,7 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
     if overwrite:
         check_replaceable(out)  # only a previous run or an empty directory (apt_ds.run_dir)
         if out.exists():
-            check_writable(out.parent)  # the previous run is renamed aside there
+            check_writable(out.parent, out)  # the previous run is renamed aside there
     elif out.exists() and not out.is_dir():
         raise RunDirError(f"--out {out} exists and is not a directory; remove it or choose another --out")
     elif out.exists() and any(out.iterdir()):
@@ -165,10 +208,12 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
     check_writable(out)
 
 
-def check_writable(out: Path) -> None:
-    """Try to create a file where the run will write (--out, or the nearest existing parent it
-    will be created in): root ignores permission bits, read-only mounts do not."""
-    existing = out
+def check_writable(path: Path, out: Path | None = None) -> None:
+    """Try to create a file where the run will write (`path`, or the nearest existing parent it
+    will be created in): root ignores permission bits, read-only mounts do not. `out`: the
+    --out the message names (default `path`)."""
+    out = out or path
+    existing = path
     while not existing.exists():
         if existing.is_symlink():
             raise RunDirError(f"--out {out}: {existing} is a broken symbolic link")

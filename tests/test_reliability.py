@@ -329,3 +329,41 @@ def test_glob_characters_in_out_touch_no_other_runs_copy(in_tmp, tmp_path, capsy
     before = tree_digest(tmp_path)
     assert train_main([*BASE, "--out", "e[1]", "--steps", "4", "--target-density", "1.5"]) == 2  # refused after recovery ran
     assert tree_digest(tmp_path) == before
+
+
+def test_set_aside_copies_are_owned_by_a_lock_not_a_pid(in_tmp, capsys):
+    """A container restart gives the new process the dead one's PID: the copy a killed
+    --overwrite start left under that PID is still recovered (nobody holds its lock), and a copy
+    whose lock is held is left alone."""
+    from apt_ds import run_dir
+
+    assert train_main([*BASE, "--out", "run"]) == 0
+    before = tree_digest(in_tmp / "run")
+    held = run_dir.move_aside(in_tmp / "run")  # this process holds its lock, as a running start does
+    assert run_dir.recover_interrupted_overwrite(in_tmp / "run") is None and held.is_dir()
+    orphan = held.with_name(f".run.replaced-{os.getpid()}-0badc0de")  # our own PID, as after a restart
+    held.rename(orphan)
+    run_dir._lock_path(orphan).touch()  # its lock file, held by nobody
+    note = run_dir.recover_interrupted_overwrite(in_tmp / "run")
+    assert note and "it is back in" in note
+    assert tree_digest(in_tmp / "run") == before
+    run_dir._release(held)
+    assert sorted(p.name for p in in_tmp.iterdir() if p.name.startswith(".run")) == []
+
+
+def test_a_user_error_after_overwrite_set_the_run_aside_is_still_one_line(in_tmp, capsys, monkeypatch):
+    from apt_ds import trainer as trainer_module
+    from apt_ds.config import ConfigError
+
+    assert train_main([*BASE, "--out", "run"]) == 0
+    before = tree_digest(in_tmp / "run")
+
+    def refuse(self, *args, **kwargs):
+        raise ConfigError("simulated user error during the start")
+
+    monkeypatch.setattr(trainer_module.APTrainer, "train", refuse)
+    capsys.readouterr()
+    assert train_main([*BASE, "--out", "run", "--overwrite", "--seed", "5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "simulated user error" in err[0] and "the previous run is back in run" in err[0], err
+    assert tree_digest(in_tmp / "run") == before
