@@ -14,7 +14,6 @@ Tokenizers themselves are loaded (or trained) by `apt_ds.tokenizer`.
 from __future__ import annotations
 
 import contextlib
-
 import io
 import json
 import random

@@ -8,7 +8,6 @@ export leaves no directory that loads.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import shutil
@@ -20,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from .adapters import merge_adapters
 from .checkpoint import CheckpointError, read_meta
+from .export_dir import REPORT_FILE, check_export_out, recover_interrupted_overwrite, remove_stale_temporaries
 from .config import APTConfig, ConfigError
 from .distill import TRANSFORM_ATTR
 from .modeling import TINY_MODELS, ModelLoadError, build_tiny_llama, file_fingerprint, load_model, model_fingerprint, same_model
@@ -30,7 +30,6 @@ from .weights import WeightsError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_SHARD_SIZE = "5GB"  # as transformers' save_pretrained
-REPORT_FILE = "apt_export.json"
 
 
 def rebuild_trained_model(run_dir: Path, model_path: str | Path | None = None):
@@ -240,28 +239,6 @@ def _check_trained_tensors(run_dir: Path, meta: dict, masks: dict, trained: set[
         raise CheckpointError(f"{run_dir}: checkpoint/masks.safetensors does not match the checkpoint's shapes")
 
 
-def check_export_out(out: Path, overwrite: bool, protected: list[Path] = ()) -> None:
-    """Refuse an --out that would destroy data: an existing path without --overwrite, and, even
-    with it, anything but a previous export (or an empty directory), or a path that is or
-    contains one of the inputs."""
-    _recover_interrupted_overwrite(out)
-    resolved = out.resolve()
-    for path in protected:
-        path = Path(path).resolve()
-        if resolved == path or resolved in path.parents:
-            raise FileExistsError(f"--out {out} is or contains the input {path}; choose another directory")
-    if not out.exists() and not out.is_symlink():
-        return
-    if not out.is_dir() or out.is_symlink():
-        raise FileExistsError(f"--out {out} exists and is not a directory; remove it or choose another --out")
-    is_export = (out / REPORT_FILE).is_file()
-    if not is_export and any(out.iterdir()):  # --overwrite would refuse it too: do not suggest it
-        raise FileExistsError(f"--out {out} exists and is not an apt_ds export (no {REPORT_FILE}); choose another --out")
-    if not overwrite:
-        what = "holds a previous export" if is_export else "exists (empty)"
-        raise FileExistsError(f"--out {out} {what}; pass --overwrite to replace it")
-
-
 def write_export(model, shape: ModelShape, out: Path, dtype: torch.dtype, tokenizer_dir: Path | None = None,
                  extra_report: dict | None = None, max_shard_size: str | int = DEFAULT_SHARD_SIZE) -> dict:
     """Atomically write an in-memory model's weights (safetensors shards + index when sharded),
@@ -285,8 +262,8 @@ def write_export_dir(out: Path, shape: ModelShape, save_weights, config, generat
     Everything goes into a hidden temporary sibling, config.json last, then one rename: a
     killed export leaves at most a `.NAME.tmp-*` directory, which the next export removes."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    _recover_interrupted_overwrite(out)
-    _remove_stale_temporaries(out)
+    recover_interrupted_overwrite(out)
+    remove_stale_temporaries(out)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         exported_params = save_weights(tmp)
@@ -348,24 +325,6 @@ def _make_readable(directory: Path) -> None:
     directory.chmod(0o777 & ~umask)
     for item in directory.iterdir():
         item.chmod(0o666 & ~umask)
-
-
-def _recover_interrupted_overwrite(out: Path) -> None:
-    """An overwrite killed between its two renames left the previous export as `.NAME.old-*`
-    and no NAME: put the previous export back before anything else happens."""
-    if out.exists() or out.is_symlink():
-        return
-    for old in sorted(out.parent.glob(f".{glob.escape(out.name)}.old-*")) if out.parent.is_dir() else []:
-        if (old / REPORT_FILE).is_file() and (old / "config.json").is_file():
-            old.rename(out)
-            return
-
-
-def _remove_stale_temporaries(out: Path) -> None:
-    """Leftovers of killed exports to `out` (never a complete previous export: see
-    _recover_interrupted_overwrite). Exports to the same --out must not run concurrently."""
-    for stale in list(out.parent.glob(f".{glob.escape(out.name)}.tmp-*")) + list(out.parent.glob(f".{glob.escape(out.name)}.old-*")):
-        shutil.rmtree(stale, ignore_errors=True)
 
 
 def weight_files(export_dir: Path) -> list[Path]:

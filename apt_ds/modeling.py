@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import logging
+import math
 from pathlib import Path
 
 import torch

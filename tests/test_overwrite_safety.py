@@ -4,7 +4,6 @@ survives until the new one has a checkpoint, and comes back when the new one fai
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 

@@ -1,0 +1,61 @@
+"""The export's --out: what an export may replace, and recovery from killed exports.
+
+An export is written to a hidden `.NAME.tmp-*` directory and renamed into place; `--overwrite`
+first renames a previous export to `.NAME.old-*`. `check_export_out` refuses an --out that would
+destroy data (anything but a previous export or an empty directory, or a path holding an input);
+a kill between the two renames is undone by `recover_interrupted_overwrite`, leftovers of killed
+exports are removed by `remove_stale_temporaries`.
+"""
+
+from __future__ import annotations
+
+import glob
+import shutil
+from pathlib import Path
+
+REPORT_FILE = "apt_export.json"
+
+
+def check_export_out(out: Path, overwrite: bool, protected: list[Path] = ()) -> None:
+    """Refuse an --out that would destroy data: an existing path without --overwrite, and, even
+    with it, anything but a previous export (or an empty directory), or a path that is or
+    contains one of the inputs."""
+    recover_interrupted_overwrite(out)
+    resolved = out.resolve()
+    for path in protected:
+        path = Path(path).resolve()
+        if resolved == path or resolved in path.parents:
+            raise FileExistsError(f"--out {out} is or contains the input {path}; choose another directory")
+    if not out.exists() and not out.is_symlink():
+        return
+    if not out.is_dir() or out.is_symlink():
+        raise FileExistsError(f"--out {out} exists and is not a directory; remove it or choose another --out")
+    is_export = (out / REPORT_FILE).is_file()
+    if not is_export and any(out.iterdir()):  # --overwrite would refuse it too: do not suggest it
+        raise FileExistsError(f"--out {out} exists and is not an apt_ds export (no {REPORT_FILE}); choose another --out")
+    if not overwrite:
+        what = "holds a previous export" if is_export else "exists (empty)"
+        raise FileExistsError(f"--out {out} {what}; pass --overwrite to replace it")
+
+
+def recover_interrupted_overwrite(out: Path) -> None:
+    """An overwrite killed between its two renames left the previous export as `.NAME.old-*`
+    and no NAME: put the previous export back before anything else happens."""
+    if out.exists() or out.is_symlink():
+        return
+    for old in _hidden_siblings(out, "old") if out.parent.is_dir() else []:
+        if (old / REPORT_FILE).is_file() and (old / "config.json").is_file():
+            old.rename(out)
+            return
+
+
+def _hidden_siblings(out: Path, tag: str) -> list[Path]:
+    """`.NAME.<tag>-*` next to `out` (NAME escaped: `e[1]` must not match `.e1.old-*`)."""
+    return sorted(out.parent.glob(f".{glob.escape(out.name)}.{tag}-*"))
+
+
+def remove_stale_temporaries(out: Path) -> None:
+    """Leftovers of killed exports to `out` (never a complete previous export: see
+    recover_interrupted_overwrite). Exports to the same --out must not run concurrently."""
+    for stale in _hidden_siblings(out, "tmp") + _hidden_siblings(out, "old"):
+        shutil.rmtree(stale, ignore_errors=True)
