@@ -52,8 +52,8 @@ def ensure_hf_model(model: str | Path, cache_dir: str | Path) -> Path:
         raise SystemExit(f"error: {cache_dir} holds a conversion of {recorded}, not {model}; pass another --hf-cache")
     if not model.is_file():
         raise SystemExit(f"error: model {model} not found: pass --model (a .gguf or an HF LLaMA directory)")
-    from apt_ds.modeling import load_model
-    from apt_ds.tokenizer import load_tokenizer
+    from apt_ds.io.modeling import load_model
+    from apt_ds.io.tokenizer import load_tokenizer
 
     started = time.perf_counter()
     print(f"[convert] dequantizing {model} -> {cache_dir} (one time)", file=sys.stderr, flush=True)
@@ -164,14 +164,14 @@ def fast_label_scores(model, tokenizer, rows: list[dict], labels: list[str], max
     one forward per row, lm_head applied at the last prompt position only. None when some
     label needs several tokens.
 
-    Same numbers as `apt_ds.evaluate.label_accuracy` scores: every label is ONE token, so
+    Same numbers as `apt_ds.training.evaluate.label_accuracy` scores: every label is ONE token, so
     the labels share the prompt (identical left truncation: `encode_prompt_response` reserves
     room for label + EOS, 1 + 1 tokens) and a label's log-probability is the log-softmax at
     the last prompt position."""
     import torch
     import torch.nn.functional as F
 
-    from apt_ds.data import collate, encode_prompt_response, prompt_and_answer
+    from apt_ds.io.data import collate, encode_prompt_response, prompt_and_answer
 
     ids = label_token_ids(tokenizer, labels)
     if ids is None:
@@ -204,8 +204,8 @@ def fast_label_report(model, tokenizer, rows: list[dict], labels: list[str], max
     gold label renormalised over the labels."""
     import torch
 
-    from apt_ds.data import prompt_and_answer
-    from apt_ds.evaluate import label_accuracy
+    from apt_ds.io.data import prompt_and_answer
+    from apt_ds.training.evaluate import label_accuracy
 
     gold = torch.tensor([labels.index(prompt_and_answer(row)[1]) for row in rows])
     gold_share = {label: float((gold == i).float().mean()) for i, label in enumerate(labels)}
@@ -261,8 +261,8 @@ def check_fast_scorer(model, tokenizer, rows: list[dict], labels: list[str], max
     """Compare fast_label_scores with the per-label scores label_accuracy computes."""
     import torch
 
-    from apt_ds.data import prompt_and_answer
-    from apt_ds.evaluate import _label_logprob, label_accuracy
+    from apt_ds.io.data import prompt_and_answer
+    from apt_ds.training.evaluate import _label_logprob, label_accuracy
 
     fast = fast_label_scores(model, tokenizer, rows, labels, max_seq_len, batch_size=len(rows))
     if fast is None:

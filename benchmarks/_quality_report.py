@@ -79,8 +79,8 @@ def markdown(summary: dict, method_order: list[str]) -> str:
 def phase_split(out: Path, summary: dict) -> str:
     """Per task, summed step_time_s of APT 0.7 and LoRA in the phases of APT 0.7's schedule
     (pruning events' own time is not in step_time_s): where APT pays and where it saves."""
-    from apt_ds.metrics import read_metrics
-    from apt_ds.schedule import SALIENCE_WARMUP_STEPS
+    from apt_ds.io.metrics import read_metrics
+    from apt_ds.algorithm.schedule import SALIENCE_WARMUP_STEPS
 
     lines = []
     for task, rows in summary["tasks"].items():
@@ -119,7 +119,7 @@ def plots(summary: dict, out: Path, img_dir: Path) -> None:
     except ImportError:
         print("[quality] matplotlib missing: no plots (pip install matplotlib)", flush=True)
         return
-    from apt_ds.metrics import read_metrics
+    from apt_ds.io.metrics import read_metrics
 
     img_dir.mkdir(parents=True, exist_ok=True)
     tasks = list(summary["tasks"])

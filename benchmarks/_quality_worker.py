@@ -28,7 +28,7 @@ def method_spec(name: str) -> dict:
 
 def _rows(path: Path, n: int | None) -> list[dict]:
     """The first n rows (all when n is None)."""
-    from apt_ds.data import load_records
+    from apt_ds.io.data import load_records
 
     records = load_records(path)
     return [dict(records[i]) for i in range(len(records) if n is None else min(n, len(records)))]
@@ -40,14 +40,14 @@ def run_worker(spec_path: Path) -> None:
     spec = read_json(spec_path)
     torch.set_num_threads(spec["threads"])
     from apt_ds.config import TrainConfig
-    from apt_ds.data import batches, load_records, tokenize_dataset
-    from apt_ds.evaluate import parameter_bytes
-    from apt_ds.export import compact_model, export_run, weight_files, write_export
-    from apt_ds.heap import release_free_heap
-    from apt_ds.modeling import load_model
-    from apt_ds.tokenizer import load_tokenizer
-    from apt_ds.trainer import APTrainer
-    from apt_ds.units import ModelShape
+    from apt_ds.io.data import batches, load_records, tokenize_dataset
+    from apt_ds.training.evaluate import parameter_bytes
+    from apt_ds.export.merge import compact_model, export_run, weight_files, write_export
+    from apt_ds.training.heap import release_free_heap
+    from apt_ds.io.modeling import load_model
+    from apt_ds.io.tokenizer import load_tokenizer
+    from apt_ds.training.trainer import APTrainer
+    from apt_ds.algorithm.units import ModelShape
 
     run_dir, task_dir = Path(spec["run_dir"]), Path(spec["task_dir"])
     if run_dir.exists():
@@ -71,7 +71,7 @@ def run_worker(spec_path: Path) -> None:
         started = time.perf_counter()
         result.update(fast_label_report(model, tokenizer, test_rows, labels, seq, spec["eval_batch_size"]))
         result["eval_time_s"] = time.perf_counter() - started
-        # cross-check the one-forward scorer against apt_ds.evaluate.label_accuracy's own scores
+        # cross-check the one-forward scorer against apt_ds.training.evaluate.label_accuracy's own scores
         result["scorer_check"] = check_fast_scorer(model, tokenizer, test_rows[: spec["check_rows"]], labels, seq)
         result.update(density=1.0, block_params=original.block_params(), total_params=original.total_params(),
                       parameter_bytes=parameter_bytes(model))
@@ -117,7 +117,7 @@ def run_worker(spec_path: Path) -> None:
     cpu_started = time.process_time()  # user + sys CPU of this process: robust to other tenants' load
     started = time.perf_counter()
     if method["kind"] == "ptt":
-        from apt_ds.baselines import one_shot_prune
+        from apt_ds.training.baselines import one_shot_prune
 
         calib_stream = batches(examples, train.micro_batch_size, train.seed + 1000, pad_id=pad_id)
         calibration = [next(calib_stream) for _ in range(spec["calibration_batches"])]

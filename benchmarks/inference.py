@@ -2,7 +2,7 @@
 
 Side by side in one process, in interleaved rounds (median), at batch 1 and batch 8:
 prompt-processing (prefill) and greedy decode tokens/s with the KV cache
-(`apt_ds.evaluate.decode_speed`). Memory: parameter bytes, checkpoint size on disk, and the
+(`apt_ds.training.evaluate.decode_speed`). Memory: parameter bytes, checkpoint size on disk, and the
 process RSS of a fresh subprocess per model (RSS after imports, after loading the model, and
 the peak (VmHWM) while decoding at the largest batch: the deltas are that model's own memory).
 
@@ -45,8 +45,8 @@ def memory_worker(export: Path, batch: int, prompt_len: int, new_tokens: int, th
     import torch
 
     torch.set_num_threads(threads)
-    from apt_ds.evaluate import decode_speed
-    from apt_ds.modeling import load_model
+    from apt_ds.training.evaluate import decode_speed
+    from apt_ds.io.modeling import load_model
 
     gc.collect()
     before = rss_mb()
@@ -97,9 +97,9 @@ def main(argv=None) -> None:
 
     import torch
 
-    from apt_ds.evaluate import decode_speed, directory_bytes, parameter_bytes
-    from apt_ds.export import weight_files
-    from apt_ds.modeling import load_model
+    from apt_ds.training.evaluate import decode_speed, directory_bytes, parameter_bytes
+    from apt_ds.export.merge import weight_files
+    from apt_ds.io.modeling import load_model
     from quality import forward_flops_per_token
 
     started = time.perf_counter()

@@ -66,8 +66,8 @@ def write_model(directory: Path, config: dict) -> None:
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 
-    from apt_ds.data import demo_data_path
-    from apt_ds.tokenizer import train_sentencepiece_tokenizer
+    from apt_ds.io.data import demo_data_path
+    from apt_ds.io.tokenizer import train_sentencepiece_tokenizer
 
     if (directory / "config.json").is_file():
         print(f"reusing the model in {directory}")
@@ -186,7 +186,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     write_model(args.model_dir, LLAMA_3B)
 
-    from apt_ds.weights import SafetensorsWeights
+    from apt_ds.io.weights import SafetensorsWeights
 
     weights = SafetensorsWeights(args.model_dir)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}

@@ -1,11 +1,11 @@
-"""Write the shipped demo instruction set apt_ds/data/demo.jsonl (deterministic).
+"""Write the shipped demo instruction set apt_ds/io/assets/demo.jsonl (deterministic).
 
 Five tiny tasks with short inputs, in the Alpaca instruction/input/output format. They are
 chosen so a tiny random LLaMA visibly learns within ~60 steps: the answers are short and
 follow from the input by copying, reordering or a keyword, so the loss drops fast and a
 pruned model's quality is measurable without any pretrained weights.
 
-    python benchmarks/make_demo_data.py            # rewrites apt_ds/data/demo.jsonl
+    python benchmarks/make_demo_data.py            # rewrites apt_ds/io/assets/demo.jsonl
     python benchmarks/make_demo_data.py --out x.jsonl --count 300
 """
 
@@ -67,7 +67,7 @@ def make_records(count: int, seed: int = 0) -> list[dict]:
 
 
 def main() -> None:
-    default_out = Path(__file__).resolve().parents[1] / "apt_ds" / "data" / "demo.jsonl"
+    default_out = Path(__file__).resolve().parents[1] / "apt_ds" / "io" / "assets" / "demo.jsonl"
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=default_out)
     parser.add_argument("--count", type=int, default=1500)

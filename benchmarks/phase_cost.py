@@ -46,10 +46,10 @@ def main(argv=None) -> None:
     from tqdm.auto import tqdm
 
     from apt_ds.config import APTConfig, TrainConfig
-    from apt_ds.data import batches, load_records, tokenize_dataset
-    from apt_ds.modeling import load_model
-    from apt_ds.tokenizer import load_tokenizer
-    from apt_ds.trainer import APTrainer
+    from apt_ds.io.data import batches, load_records, tokenize_dataset
+    from apt_ds.io.modeling import load_model
+    from apt_ds.io.tokenizer import load_tokenizer
+    from apt_ds.training.trainer import APTrainer
 
     torch.set_num_threads(1)
     hf_dir = ensure_hf_model(args.model, args.hf_cache)

@@ -47,7 +47,7 @@ def _sst2(row: dict) -> tuple[str, int]:
 
 def _boolq(row: dict) -> tuple[str, int]:
     # The question goes last: if a long passage must be truncated, the prompt loses its
-    # left side first (apt_ds.data), and the question nearest the answer survives.
+    # left side first (apt_ds.io.data), and the question nearest the answer survives.
     question = row["question"].strip().rstrip("?")
     return f"{row['passage'].strip()}\nQuestion: {question}?", int(bool(row["answer"]))
 
@@ -95,7 +95,7 @@ PROMPT_STYLES = ("compact", "alpaca")
 
 
 def make_record(task: TaskSpec, text: str, label: int, style: str) -> dict:
-    """One labelled record in the given prompt style (apt_ds.data reads both)."""
+    """One labelled record in the given prompt style (apt_ds.io.data reads both)."""
     if style == "alpaca":
         return {"instruction": task.instruction, "input": text, "output": task.labels[label]}
     # The cue goes after the input, so left truncation of a long input keeps it.

@@ -16,7 +16,7 @@ a mapped checkpoint would stay resident however much is pruned). Peak RSS = Linu
 tokenized, read when training ends; "after the last pruning event" = VmHWM reset again at
 the first micro-batch after the last event step (the same step number for LoRA) and read at
 the end, i.e. the peak of the recovery phase at the final shapes. The run is then exported
-(`apt_ds.export`: adapters merged, pruned units removed), reloaded from disk and evaluated
+(`apt_ds.export.merge`: adapters merged, pruned units removed), reloaded from disk and evaluated
 (highest-likelihood label, exact match, on each task's whole test split by default).
 Finally, in this process, every export's greedy decode speed (batch 1) is measured side by
 side with the dense LoRA-merged export, in interleaved rounds (median).
@@ -78,8 +78,8 @@ def measure_speed(exports: dict[str, Path], rounds: int, threads: int, prompt_le
     """Decode/prefill speed of every export at batch 1, interleaved rounds, medians."""
     import torch
 
-    from apt_ds.evaluate import decode_speed
-    from apt_ds.modeling import load_model
+    from apt_ds.training.evaluate import decode_speed
+    from apt_ds.io.modeling import load_model
 
     torch.set_num_threads(threads)
     models = {name: load_model(path) for name, path in exports.items()}
@@ -263,7 +263,7 @@ def aggregate(args, out: Path, speed: dict) -> dict:
 
 
 def _shape_from_config(cfg: dict):
-    from apt_ds.units import LayerShape, ModelShape
+    from apt_ds.algorithm.units import LayerShape, ModelShape
 
     if cfg.get("apt_layer_shapes"):
         layers = tuple(LayerShape(**s) for s in cfg["apt_layer_shapes"])

@@ -64,7 +64,7 @@ def _batch(rank: int, step: int) -> dict:
 
 
 def _backend(config: str, fp32: bool = False):
-    from apt_ds.zero import DeepSpeedBackend
+    from apt_ds.distributed.zero import DeepSpeedBackend
 
     backend = DeepSpeedBackend(ROOT / "ds_configs" / config, micro_batch_size=MICRO)
     if fp32:
@@ -75,9 +75,9 @@ def _backend(config: str, fp32: bool = False):
 def _lora_model(zero_init_config: dict | None = None):
     import contextlib
 
-    from apt_ds.adapters import add_adapters
+    from apt_ds.algorithm.adapters import add_adapters
     from apt_ds.config import APTConfig
-    from apt_ds.modeling import build_tiny_llama
+    from apt_ds.io.modeling import build_tiny_llama
 
     apt = APTConfig()
     if zero_init_config is None:
@@ -98,7 +98,7 @@ def _warm_imports() -> None:
     RSS must not depend on the variant."""
     import torch._dynamo  # noqa: F401
 
-    from apt_ds.modeling import build_tiny_llama
+    from apt_ds.io.modeling import build_tiny_llama
 
     build_tiny_llama(64, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
                      num_key_value_heads=1)
@@ -115,7 +115,7 @@ def worker_memory(spec: dict) -> dict:
     """(a): RSS at each phase; the model built plainly or under deepspeed.zero.Init."""
     import torch
 
-    from apt_ds.ds_config import resolve_config
+    from apt_ds.distributed.ds_config import resolve_config
 
     torch.set_num_threads(1)
     backend = _backend("zero3.json")
@@ -148,7 +148,7 @@ def worker_rebuild(spec: dict) -> dict:
     """(b): interleaved rebuild (rank growth, function preserving) / first step / steady step."""
     import torch
 
-    from apt_ds.adapters import find_adapters
+    from apt_ds.algorithm.adapters import find_adapters
 
     torch.set_num_threads(1)
     backend = _backend(spec["config"])
@@ -189,9 +189,9 @@ def worker_apt_vs_lora(spec: dict) -> dict:
     import torch
 
     from apt_ds.config import APTConfig
-    from apt_ds.modeling import build_tiny_llama
-    from apt_ds.state import APTModel
-    from apt_ds.tuner import AdaptiveTuner
+    from apt_ds.io.modeling import build_tiny_llama
+    from apt_ds.algorithm.state import APTModel
+    from apt_ds.algorithm.tuner import AdaptiveTuner
 
     torch.set_num_threads(1)
     lora_backend = _backend(spec["config"], spec["fp32"])

@@ -48,8 +48,8 @@ def random_batch(vocab: int = 97, batch: int = 4, length: int = 12, seed: int = 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     """The tiny model's kind of tokenizer (test_data.py and test_tokenizer.py), trained on the demo set."""
-    from apt_ds.data import demo_data_path, format_prompt
-    from apt_ds.tokenizer import train_sentencepiece_tokenizer
+    from apt_ds.io.data import demo_data_path, format_prompt
+    from apt_ds.io.tokenizer import train_sentencepiece_tokenizer
 
     rows = [json.loads(line) for line in demo_data_path().read_text().splitlines()]
     texts = [format_prompt(r["instruction"], r["input"]) + r["output"] for r in rows]
@@ -78,7 +78,7 @@ def check_against_probe(run_dir: Path, export_dir: Path) -> None:
     """Exported logits = the live run's logits (atol 1e-4 where attended) and 20 greedy tokens."""
     from safetensors.torch import load_file
 
-    from apt_ds.modeling import load_pretrained
+    from apt_ds.io.modeling import load_pretrained
 
     probe = load_file(str(run_dir / "eval_probe.safetensors"))
     model = load_pretrained(export_dir)

@@ -1,0 +1,14 @@
+"""APT itself, on plain PyTorch modules: no DeepSpeed, no files, no argument parsing.
+
+units      the prunable units of a LLaMA model (KV groups, FFN neurons, hidden channels) and their counts
+adapters   the APT adapter Linear: LoRA A/B with output-preserving rank growth and merge
+masks      unit masks installed into attention, MLP, residual stream and RMSNorm
+salience   outlier-aware salience from |activation x gradient|, kept as EMAs
+schedule   cubic density schedule and pruning-event steps
+pruner     which units to keep at an event (exact-budget search, uniform mode, gradual masks)
+tuner      adapter importance and rank growth within a parameter budget
+distill    self-distillation from the last event's snapshot
+shrink     physically slicing masked modules (weights, adapters, norms, per-layer config)
+edits      records of shape changes, so a training backend can carry optimizer state along
+state      the algorithm's resumable state as JSON-ready records
+"""

@@ -1,0 +1,121 @@
+"""Per-unit gates multiplied into a LLaMA forward pass.
+
+- KV-group mask z_attn[l]: scales the query heads of each group at the input of o_proj;
+- FFN-neuron mask z_ffn[l]: scales act(gate) * up at the input of down_proj;
+- hidden mask z_hid: scales the embedding output and every o_proj / down_proj output (what is
+  added to the residual stream); RMSNorms then average x^2 over the kept channels only
+  (divisor sum(z_hid)), so that removing a channel later gives the same numbers.
+
+Masks are plain tensors held by `UnitMasks` (identical on every rank, saved with
+checkpoints, never seen by ZeRO). An all-ones mask is skipped entirely, so an unpruned model
+pays nothing for them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from apt_ds.algorithm.units import ModelShape
+
+
+class UnitMasks:
+    def __init__(self, shape: ModelShape, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)  # the model's: hooks multiply activations by masks
+        self.reset(shape)
+        self.enabled = True  # False while the distillation teacher runs
+        self._handles: list = []
+
+    def reset(self, shape: ModelShape) -> None:
+        self.shape = shape
+        self.kv_group = [torch.ones(layer.num_kv_groups, device=self.device) for layer in shape.layers]
+        self.ffn_neuron = [torch.ones(layer.ffn, device=self.device) for layer in shape.layers]
+        self.hidden = torch.ones(shape.hidden, device=self.device)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Recompute which masks are not all-ones; call after editing mask tensors (a host
+        read of every mask: at pruning decisions only, never inside a step)."""
+        self._hidden_active = bool((self.hidden != 1).any())
+        self._group_active = [bool((m != 1).any()) for m in self.kv_group]
+        self._neuron_active = [bool((m != 1).any()) for m in self.ffn_neuron]
+
+    # ---- state ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = {"hidden": self.hidden.to("cpu", copy=True)}
+        for i, (g, f) in enumerate(zip(self.kv_group, self.ffn_neuron)):
+            state[f"kv_group.{i}"] = g.to("cpu", copy=True)
+            state[f"ffn_neuron.{i}"] = f.to("cpu", copy=True)
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.hidden = state["hidden"].float().to(self.device, copy=True)
+        self.kv_group = [state[f"kv_group.{i}"].float().to(self.device, copy=True) for i in range(len(self.kv_group))]
+        self.ffn_neuron = [state[f"ffn_neuron.{i}"].float().to(self.device, copy=True) for i in range(len(self.ffn_neuron))]
+        self.refresh()
+
+    def is_binary(self) -> bool:
+        return all(((t == 0) | (t == 1)).all() for t in self._all())
+
+    def _all(self) -> list[torch.Tensor]:
+        return [self.hidden, *self.kv_group, *self.ffn_neuron]
+
+    # ---- installation --------------------------------------------------------------------
+    def install(self, model) -> None:
+        """Register the gating hooks on a LLaMA model (idempotent)."""
+        self.remove()
+        inner = model.model
+        hidden_out = self._hidden_output_hook
+        self._handles.append(inner.embed_tokens.register_forward_hook(hidden_out))
+        for index, layer in enumerate(inner.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            self._handles += [
+                attn.o_proj.register_forward_pre_hook(self._group_input_hook(index, attn.head_dim, attn.num_key_value_groups)),
+                attn.o_proj.register_forward_hook(hidden_out),
+                mlp.down_proj.register_forward_pre_hook(self._neuron_input_hook(index)),
+                mlp.down_proj.register_forward_hook(hidden_out),
+                layer.input_layernorm.register_forward_hook(self._norm_hook),
+                layer.post_attention_layernorm.register_forward_hook(self._norm_hook),
+            ]
+        self._handles.append(inner.norm.register_forward_hook(self._norm_hook))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # ---- hooks ---------------------------------------------------------------------------
+
+    def _group_input_hook(self, index: int, head_dim: int, group_size: int):
+        def hook(module, args):
+            if not (self.enabled and self._group_active[index]):
+                return None
+            mask = self.kv_group[index]
+            channel_mask = mask.repeat_interleave(group_size * head_dim)
+            return (args[0] * channel_mask.to(args[0].dtype),) + tuple(args[1:])
+
+        return hook
+
+    def _neuron_input_hook(self, index: int):
+        def hook(module, args):
+            if not (self.enabled and self._neuron_active[index]):
+                return None
+            mask = self.ffn_neuron[index]
+            return (args[0] * mask.to(args[0].dtype),) + tuple(args[1:])
+
+        return hook
+
+    def _hidden_output_hook(self, module, args, output):
+        if not (self.enabled and self._hidden_active):
+            return None
+        return output * self.hidden.to(output.dtype)
+
+    def _norm_hook(self, module, args, output):
+        """Recompute RMSNorm with the mean of x^2 over kept channels only."""
+        if not (self.enabled and self._hidden_active):
+            return None
+        x = args[0]
+        x32 = x.to(torch.float32)
+        kept = self.hidden.sum().clamp_min(1e-6)
+        variance = x32.pow(2).sum(-1, keepdim=True) / kept
+        normed = x32 * torch.rsqrt(variance + module.variance_epsilon)
+        return module.weight * normed.to(x.dtype)

@@ -1,0 +1,211 @@
+"""Choosing which units to keep under an exact parameter budget, and moving masks there.
+
+Non-uniform (APT's default): every unit of every kind gets density = score / cost at the
+current shapes; one sorted list; the longest prefix whose EXACT parameter count fits the
+budget is kept. Because block_params = D * (sum of kept group coefficients + 3 * kept
+neurons + 2L + 1 [+ embedding columns]) depends only on running totals, the count of every
+prefix comes from three cumulative sums: one O(units log units) sort decides everything.
+Uniform: all layers keep the same (groups, neurons); search the shape (G, N, D) that fits
+and maximizes kept salience (D a multiple of the kept query heads so that a stock
+LlamaConfig accepts it), then pick units per layer by salience.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from apt_ds.config import APTConfig
+from apt_ds.algorithm.masks import UnitMasks
+from apt_ds.algorithm.units import ModelShape
+
+
+class PruningError(ValueError):
+    """The requested density cannot be reached under the guard rails."""
+
+
+@dataclass
+class KeepDecision:
+    """Kept flags at the current shapes, and the exact parameter count they imply."""
+
+    groups: list[torch.Tensor]  # bool per layer
+    neurons: list[torch.Tensor]  # bool per layer
+    hidden: torch.Tensor  # bool
+    params: int  # budget parameters of the kept set (block, + embeddings if counted)
+
+    def indices(self):
+        as_index = lambda flags: flags.nonzero().flatten()  # noqa: E731
+        return [as_index(g) for g in self.groups], [as_index(n) for n in self.neurons], as_index(self.hidden)
+
+    def kept_shape(self, shape: ModelShape) -> ModelShape:
+        layers = tuple(
+            type(l)(num_kv_groups=int(g.sum()), group_size=l.group_size, head_dim=l.head_dim, ffn=int(n.sum()))
+            for l, g, n in zip(shape.layers, self.groups, self.neurons)
+        )
+        return ModelShape(int(self.hidden.sum()), layers, shape.vocab, shape.tied_embeddings)
+
+    def removes_anything(self) -> bool:
+        return not (all(g.all() for g in self.groups) and all(n.all() for n in self.neurons) and self.hidden.all())
+
+    def fingerprint(self) -> str:
+        """Compact text identical on every rank iff the decisions are identical."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for t in [*self.groups, *self.neurons, self.hidden]:
+            h.update(t.to(torch.uint8).numpy().tobytes())
+            h.update(b"|")
+        return h.hexdigest()
+
+
+def embedding_columns(shape: ModelShape, count_embeddings: bool) -> int:
+    """Parameters per hidden channel spent in embeddings/lm_head when they count in the budget."""
+    if not count_embeddings:
+        return 0
+    return shape.vocab * (1 if shape.tied_embeddings else 2)
+
+
+class AdaptivePruner:
+    def __init__(self, config: APTConfig):
+        self.config = config
+
+    def decide(self, shape: ModelShape, group_scores, neuron_scores, hidden_scores, target_params: float) -> KeepDecision:
+        """Decided on the host in float64 (sorting and a binary search over O(units) values: one
+        copy of the device scores per decision, never inside a step)."""
+        group_scores = [g.detach().double().cpu() for g in group_scores]
+        neuron_scores = [n.detach().double().cpu() for n in neuron_scores]
+        hidden_scores = hidden_scores.detach().double().cpu()
+        if self.config.uniform:
+            return self._decide_uniform(shape, group_scores, neuron_scores, hidden_scores, target_params)
+        return self._decide_ranked(shape, group_scores, neuron_scores, hidden_scores, target_params)
+
+    # ---- non-uniform: one ranked list --------------------------------------------------------
+    def _decide_ranked(self, shape, group_scores, neuron_scores, hidden_scores, target) -> KeepDecision:
+        cfg, D, L = self.config, shape.hidden, len(shape.layers)
+        emb = embedding_columns(shape, cfg.count_embeddings)
+        kinds, layer_of, local, density, coef, forced = [], [], [], [], [], []
+
+        def add(kind, layer, scores, cost, coefficient, prunable):
+            n = scores.numel()
+            scores = scores.double()
+            is_forced = torch.ones(n, dtype=torch.bool) if not prunable else torch.zeros(n, dtype=torch.bool)
+            if n:
+                is_forced[int(torch.argmax(scores))] = True  # guard rail: at least one unit survives
+            kinds.append(torch.full((n,), kind, dtype=torch.int8))
+            layer_of.append(torch.full((n,), layer, dtype=torch.int32))
+            local.append(torch.arange(n, dtype=torch.int64))
+            density.append(scores / cost)
+            coef.append(torch.full((n,), coefficient, dtype=torch.float64))
+            forced.append(is_forced)
+
+        for l, layer in enumerate(shape.layers):
+            c = (2 * layer.group_size + 2) * layer.head_dim
+            add(0, l, group_scores[l], c * D, c, cfg.prune_heads)
+            add(1, l, neuron_scores[l], 3 * D, 0, cfg.prune_neurons)
+        add(2, -1, hidden_scores, shape.hidden_cost() + emb, 0, cfg.prune_hidden)
+
+        kinds, layer_of, local = torch.cat(kinds), torch.cat(layer_of), torch.cat(local)
+        density, coef, forced = torch.cat(density), torch.cat(coef), torch.cat(forced)
+        key = torch.where(forced, torch.full_like(density, float("inf")), density)
+        order = torch.argsort(key, descending=True, stable=True)
+        kinds, layer_of, local, coef = kinds[order], layer_of[order], local[order], coef[order]
+
+        kept_d = torch.cumsum((kinds == 2).double(), 0)
+        kept_coef = torch.cumsum(coef, 0)
+        kept_neurons = torch.cumsum((kinds == 1).double(), 0)
+        counts = kept_d * (kept_coef + 3 * kept_neurons + 2 * L + 1 + emb)
+        n_forced = int(forced.sum())
+        n_keep = int(torch.searchsorted(counts, torch.tensor([float(target)], dtype=torch.float64), right=True))
+        if n_keep < n_forced:
+            minimum = int(counts[n_forced - 1])
+            raise PruningError(
+                f"target of {int(target):,} parameters is below the smallest model the guard rails allow "
+                f"({minimum:,}: one KV group and one neuron per layer); raise target_density"
+            )
+        return self._flags(shape, kinds[:n_keep], layer_of[:n_keep], local[:n_keep], int(counts[n_keep - 1]))
+
+    @staticmethod
+    def _flags(shape, kinds, layer_of, local, params) -> KeepDecision:
+        """Kept flags per layer from the kept prefix, with one scatter (O(units), not O(units x layers))."""
+        L = len(shape.layers)
+        sizes = [n for l in shape.layers for n in (l.num_kv_groups, l.ffn)] + [shape.hidden]
+        offsets = torch.tensor([0] + sizes[:-1], dtype=torch.int64).cumsum(0)
+        # Slot of each unit's vector in the order _decide_ranked concatenated them.
+        slot = torch.where(kinds == 2, torch.full_like(layer_of, 2 * L), 2 * layer_of + kinds.to(layer_of.dtype))
+        flat = torch.zeros(sum(sizes), dtype=torch.bool)
+        flat[offsets[slot.long()] + local] = True
+        pieces = [p.clone() for p in flat.split(sizes)]
+        return KeepDecision(pieces[0 : 2 * L : 2], pieces[1 : 2 * L : 2], pieces[-1], params)
+
+    # ---- uniform: one shape for every layer ---------------------------------------------------
+    def _decide_uniform(self, shape, group_scores, neuron_scores, hidden_scores, target) -> KeepDecision:
+        cfg, L = self.config, len(shape.layers)
+        first = shape.layers[0]
+        if not shape.uniform:
+            raise PruningError("uniform mode needs a model whose layers all have the same shape")
+        g, dh, G0, N0, D0 = first.group_size, first.head_dim, first.num_kv_groups, first.ffn, shape.hidden
+        emb = embedding_columns(shape, cfg.count_embeddings)
+        c = (2 * g + 2) * dh
+
+        def prefix(scores_per_layer):  # best total salience of keeping k units in every layer
+            stacked = torch.stack([s.double().sort(descending=True).values for s in scores_per_layer])
+            return torch.cat([torch.zeros(1, dtype=torch.float64), stacked.sum(0).cumsum(0)])
+
+        group_prefix, neuron_prefix = prefix(group_scores), prefix(neuron_scores)
+        hidden_prefix = torch.cat([torch.zeros(1, dtype=torch.float64), hidden_scores.double().sort(descending=True).values.cumsum(0)])
+        best = None
+        for G in (range(1, G0 + 1) if cfg.prune_heads else [G0]):
+            heads = G * g
+            d_options = range(heads, D0 + 1, heads) if cfg.prune_hidden else [D0]
+            for D in d_options:
+                if D % heads:
+                    continue
+                fixed = D * (c * G * L + 2 * L + 1 + emb)
+                if cfg.prune_neurons:
+                    N = min(N0, int((target - fixed) // (3 * L * D))) if target >= fixed else 0
+                else:
+                    N = N0 if fixed + 3 * L * D * N0 <= target else 0
+                if N < 1:
+                    continue
+                params = fixed + 3 * L * D * N
+                value = float(group_prefix[G] + neuron_prefix[N] + hidden_prefix[D])
+                if best is None or (value, params) > (best[0], best[1]):
+                    best = (value, params, G, N, D)
+        if best is None:
+            raise PruningError(
+                f"no uniform shape fits {int(target):,} parameters (need >= 1 KV group and 1 neuron per layer "
+                f"and hidden a multiple of the kept query heads); raise target_density"
+            )
+        _, params, G, N, D = best
+        top = lambda scores, k: torch.zeros(scores.numel(), dtype=torch.bool).index_fill_(  # noqa: E731
+            0, torch.argsort(scores.double(), descending=True, stable=True)[:k], True
+        )
+        return KeepDecision(
+            [top(s, G) for s in group_scores], [top(s, N) for s in neuron_scores], top(hidden_scores, D), int(params)
+        )
+
+
+class GradualMasker:
+    """Moves masks toward a decision by `step_size` per step, then snaps them at the event."""
+
+    def __init__(self, step_size: float):
+        self.step_size = step_size
+
+    def step_toward(self, masks: UnitMasks, decision: KeepDecision) -> None:
+        def move(mask: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+            up = (mask + self.step_size).clamp(max=1.0)
+            down = (mask - self.step_size).clamp(min=0.0)
+            return torch.where(keep.to(mask.device), up, down)
+
+        masks.kv_group = [move(m, k) for m, k in zip(masks.kv_group, decision.groups)]
+        masks.ffn_neuron = [move(m, k) for m, k in zip(masks.ffn_neuron, decision.neurons)]
+        masks.hidden = move(masks.hidden, decision.hidden)
+        masks.refresh()
+
+    @staticmethod
+    def snap(masks: UnitMasks, decision: KeepDecision) -> None:
+        masks.kv_group = [k.float().to(masks.device) for k in decision.groups]
+        masks.ffn_neuron = [k.float().to(masks.device) for k in decision.neurons]
+        masks.hidden = decision.hidden.float().to(masks.device)
+        masks.refresh()

@@ -1,0 +1,162 @@
+"""Physically removing pruned units from a LLaMA model (weights, adapters, norms, config).
+
+Masking saves nothing; slicing does. Given kept indices at the current shapes, every tensor
+that touches a removed unit is replaced by a smaller one, `in/out_features` and the config
+are updated, and the edits of trainable parameters are returned so the optimizer state can
+follow. Attention keeps working unchanged because whole KV groups are removed: the group
+size (`num_key_value_groups`) and `head_dim` stay the same, and LLaMA reshapes with -1 heads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from apt_ds.algorithm.adapters import APTAdapter
+from apt_ds.algorithm.edits import ShapeChange
+from apt_ds.algorithm.units import ModelShape
+
+
+@dataclass(frozen=True)
+class ParamAccess:
+    """How shape-changing code reads and re-homes parameters that may be ZeRO-3 partitions.
+
+    `read(params)`: a context in which the full tensors of `params` can be read on every rank
+    (a collective; nothing is written back on exit, so parameters about to be replaced are
+    never broadcast). `adopt(module)`: partition the plain parameters just put into `module`
+    at once, so a shrink holds about one module in full, never the model."""
+
+    read: Callable[[Iterable[nn.Parameter]], contextlib.AbstractContextManager]
+    adopt: Callable[[nn.Module], None]
+
+
+LOCAL_ACCESS = ParamAccess(read=lambda params: contextlib.nullcontext(), adopt=lambda module: None)
+
+
+def replace_module_params(access: ParamAccess, module: nn.Module, edit: Callable[[], object],
+                          read: Iterable[nn.Parameter] | None = None):
+    """Run `edit` (which replaces parameters of `module`) with `read` (default: the module's own
+    parameters) readable, then partition the new ones; returns what `edit` returns."""
+    with access.read(list(module.parameters(recurse=False)) if read is None else list(read)):
+        result = edit()
+    access.adopt(module)
+    return result
+
+
+def _full_or_index(index: torch.Tensor | None, size: int) -> torch.Tensor | None:
+    """None when the index keeps everything (nothing to slice)."""
+    if index is None or (index.numel() == size and bool((index == torch.arange(size)).all())):
+        return None
+    return index
+
+
+def slice_linear(module: nn.Linear, out_index, in_index, prefix: str) -> ShapeChange:
+    """Keep rows `out_index` and columns `in_index` of a (possibly adapted) Linear."""
+    out_index = _full_or_index(out_index, module.out_features)
+    in_index = _full_or_index(in_index, module.in_features)
+    if out_index is None and in_index is None:
+        return {}
+    weight = module.weight.detach()
+    if out_index is not None:
+        weight = weight.index_select(0, out_index.to(weight.device))
+    if in_index is not None:
+        weight = weight.index_select(1, in_index.to(weight.device))
+    module.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+    if module.bias is not None and out_index is not None:
+        bias = module.bias.detach()
+        module.bias = nn.Parameter(bias.index_select(0, out_index.to(bias.device)).contiguous(), requires_grad=False)
+    module.out_features, module.in_features = weight.shape
+    change: ShapeChange = {}
+    if isinstance(module, APTAdapter):
+        for name, edits in module.keep_adapter_entries(out_index, in_index).items():
+            change[f"{prefix}.{name}"] = edits
+    return change
+
+
+def _slice_param(module: nn.Module, attr: str, index, dim: int = 0) -> None:
+    """Keep `index` along `dim` of a frozen parameter (a norm weight, an embedding matrix)."""
+    if index is None:
+        return
+    old = getattr(module, attr).detach()
+    setattr(module, attr, nn.Parameter(old.index_select(dim, index.to(old.device)).contiguous(), requires_grad=False))
+
+
+def group_channels(group_index: torch.Tensor, group_size: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Channel indices of kept groups: (query-head channels, KV-head channels).
+
+    Query head h belongs to group h // group_size (repeat_kv repeats each KV head
+    `group_size` times consecutively)."""
+    dims = torch.arange(head_dim)
+    heads = (group_index[:, None] * group_size + torch.arange(group_size)[None, :]).flatten()
+    q_channels = (heads[:, None] * head_dim + dims[None, :]).flatten()
+    kv_channels = (group_index[:, None] * head_dim + dims[None, :]).flatten()
+    return q_channels, kv_channels
+
+
+def shrink_model(model, shape: ModelShape, group_index, neuron_index, hidden_index,
+                 access: ParamAccess = LOCAL_ACCESS) -> tuple[ModelShape, ShapeChange]:
+    """Remove every unit not in the kept indices; returns the new shape and trainable edits.
+    One module at a time: read it, slice it, partition its new parameters (`access`)."""
+    hid = _full_or_index(hidden_index, shape.hidden)
+    change: ShapeChange = {}
+    inner = model.model
+    for l, (layer, layer_shape) in enumerate(zip(inner.layers, shape.layers)):
+        attn, mlp = layer.self_attn, layer.mlp
+        q_ch, kv_ch = group_channels(group_index[l], layer_shape.group_size, layer_shape.head_dim)
+        neurons = neuron_index[l]
+        prefix = f"model.layers.{l}"
+        linears = [(attn, "self_attn", "q_proj", q_ch, hid), (attn, "self_attn", "k_proj", kv_ch, hid),
+                   (attn, "self_attn", "v_proj", kv_ch, hid), (attn, "self_attn", "o_proj", hid, q_ch),
+                   (mlp, "mlp", "gate_proj", neurons, hid), (mlp, "mlp", "up_proj", neurons, hid),
+                   (mlp, "mlp", "down_proj", hid, neurons)]
+        for owner, owner_name, name, out_i, in_i in linears:
+            linear = getattr(owner, name)
+            change.update(replace_module_params(
+                access, linear, lambda: slice_linear(linear, out_i, in_i, f"{prefix}.{owner_name}.{name}")))
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            replace_module_params(access, norm, lambda: _slice_param(norm, "weight", hid))
+    if hid is not None:
+        _shrink_embeddings(model, hid, access, tied=model.lm_head.weight is inner.embed_tokens.weight or shape.tied_embeddings)
+    new_shape = _kept_shape(shape, group_index, neuron_index, hidden_index)
+    write_shape_to_config(model.config, new_shape)
+    return new_shape, change
+
+
+def _shrink_embeddings(model, hid: torch.Tensor, access: ParamAccess, tied: bool) -> None:
+    inner = model.model
+    replace_module_params(access, inner.embed_tokens, lambda: _slice_param(inner.embed_tokens, "weight", hid, dim=1))
+    replace_module_params(access, inner.norm, lambda: _slice_param(inner.norm, "weight", hid))
+    if tied:
+        model.lm_head.weight = inner.embed_tokens.weight
+    else:
+        replace_module_params(access, model.lm_head, lambda: _slice_param(model.lm_head, "weight", hid, dim=1))
+    inner.embed_tokens.embedding_dim = model.lm_head.in_features = len(hid)
+
+
+def _kept_shape(shape: ModelShape, group_index, neuron_index, hidden_index) -> ModelShape:
+    layers = tuple(
+        type(l)(num_kv_groups=len(g), group_size=l.group_size, head_dim=l.head_dim, ffn=len(n))
+        for l, g, n in zip(shape.layers, group_index, neuron_index)
+    )
+    return ModelShape(len(hidden_index), layers, shape.vocab, shape.tied_embeddings)
+
+
+def write_shape_to_config(config, shape: ModelShape) -> None:
+    """Record the shapes in the HF config: global fields when uniform, per layer otherwise.
+
+    `head_dim` is written explicitly: it no longer equals hidden_size / heads."""
+    first = shape.layers[0]
+    config.hidden_size = shape.hidden
+    config.head_dim = first.head_dim
+    config.num_attention_heads = first.num_q_heads
+    config.num_key_value_heads = first.num_kv_groups
+    config.intermediate_size = first.ffn
+    if shape.uniform:
+        if hasattr(config, "apt_layer_shapes"):
+            del config.apt_layer_shapes
+    else:
+        config.apt_layer_shapes = [dict(layer.__dict__) for layer in shape.layers]

@@ -1,0 +1,1 @@
+"""Command-line entry points (launch/train.py, launch/export.py)."""

@@ -1,0 +1,253 @@
+"""The seam between the APT loop and whatever executes it.
+
+The trainer talks only to a `TrainingBackend`: forward/backward/step, a cross-rank sum, the
+global gradient of a parameter, gathered access to (possibly partitioned) weights, and a
+shape change that rebuilds the optimizer carrying its state. `LocalBackend` is plain
+PyTorch on one process; `apt_ds.distributed.zero.DeepSpeedBackend` implements the same contract on a
+DeepSpeed engine (ZeRO-2/3, many ranks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from apt_ds.algorithm.edits import ShapeChange, apply_edits
+from apt_ds.algorithm.shrink import LOCAL_ACCESS, ParamAccess
+
+LrLambda = Callable[[int], float]
+
+
+def check_max_grad_norm(max_grad_norm: float) -> None:
+    if not (max_grad_norm >= 0 and math.isfinite(max_grad_norm)):
+        raise ValueError(f"max_grad_norm must be a finite number >= 0 (0: no clipping), got {max_grad_norm}")
+
+
+class TrainingBackend:
+    """Contract used by APTrainer. Subclasses must implement every method."""
+
+    world_size: int = 1
+    rank: int = 0
+    device: torch.device = torch.device("cpu")
+    module: torch.nn.Module
+
+    def place(self, model: torch.nn.Module) -> None:
+        """Put `model` on this backend's device before adapters, masks and the engine are made."""
+        model.to(self.device)
+
+    def attach(self, model: torch.nn.Module, lr: float, lr_lambda: LrLambda, weight_decay: float, grad_accum_steps: int,
+               *, max_grad_norm: float) -> None:
+        raise NotImplementedError
+
+    def forward(self, **batch):
+        raise NotImplementedError
+
+    def validate(self, model: torch.nn.Module, grad_accum_steps: int, max_grad_norm: float) -> None:
+        """Refuse settings `attach` would refuse, before anything is written. No-op by default:
+        TrainConfig already checks its own values; DeepSpeed adds its JSON's contradictions."""
+
+    def forward_no_grad(self, **batch):
+        with torch.no_grad():
+            return self.module(**batch)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch; the loss is scaled by 1 / grad_accum_steps here."""
+        raise NotImplementedError
+
+    def step(self) -> None:
+        """Optimizer + LR-scheduler step at the end of a gradient-accumulation cycle; clips the
+        global gradient norm to `max_grad_norm` first (0: no clipping)."""
+        raise NotImplementedError
+
+    @property
+    def grad_norm(self) -> float | None:
+        """Global gradient norm of the last step, before clipping (None before the first step)."""
+        raise NotImplementedError
+
+    @property
+    def lr(self) -> float:
+        raise NotImplementedError
+
+    @property
+    def optimizer_steps(self) -> int:
+        raise NotImplementedError
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def all_gather_object(self, obj) -> list:
+        return [obj]
+
+    def full_grad(self, name: str, param: torch.nn.Parameter) -> torch.Tensor | None:
+        """Gradient of the global (rank-averaged) loss; readable between backward and step."""
+        raise NotImplementedError
+
+    def full_param(self, name: str, param: torch.nn.Parameter) -> torch.Tensor:
+        """Full (unpartitioned) value of a trainable parameter, identical on every rank."""
+        return param.detach()
+
+    def gathered(self, params: Iterable[torch.nn.Parameter]):
+        """Context in which full tensors of `params` can be read and replaced on every rank."""
+        return contextlib.nullcontext()
+
+    def param_access(self) -> ParamAccess:
+        """How shape changes read and re-home parameters (apt_ds.algorithm.shrink.ParamAccess)."""
+        return LOCAL_ACCESS
+
+    def apply_shape_change(self, change_fn: Callable[[], ShapeChange], carry_state: bool = True) -> None:
+        """Run `change_fn` (which replaces parameters and returns their edits), then rebuild
+        the optimizer carrying masters, Adam moments, step count and LR schedule
+        (`carry_state=False`: a checkpoint is loaded next, carry nothing)."""
+        raise NotImplementedError
+
+    def save(self, directory: Path) -> None:
+        raise NotImplementedError
+
+    def load(self, directory: Path) -> None:
+        raise NotImplementedError
+
+    def barrier(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        """Called once when the run is over (DeepSpeed: tear the process group down cleanly)."""
+
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+class LocalBackend(TrainingBackend):
+    """One process, torch.optim.AdamW + LambdaLR; the reference the DeepSpeed seam must match."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+
+    def attach(self, model, lr, lr_lambda, weight_decay, grad_accum_steps, *, max_grad_norm):
+        check_max_grad_norm(max_grad_norm)
+        self.module = model
+        self._lr, self._lr_lambda, self._weight_decay = lr, lr_lambda, weight_decay
+        self.grad_accum_steps = grad_accum_steps
+        self.max_grad_norm = max_grad_norm
+        self._grad_norm = None
+        self._build_optimizer(step=0)
+
+    def _trainable(self) -> dict[str, torch.nn.Parameter]:
+        return {n: p for n, p in self.module.named_parameters() if p.requires_grad}
+
+    def _build_optimizer(self, step: int) -> None:
+        params = list(self._trainable().values())
+        self.optimizer = torch.optim.AdamW(params, lr=self._lr, weight_decay=self._weight_decay)
+        for group in self.optimizer.param_groups:
+            group["initial_lr"] = self._lr
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda, last_epoch=step - 1)
+        self._steps = step
+
+    def forward(self, **batch):
+        return self.module(**batch)
+
+    def backward(self, loss):
+        (loss / self.grad_accum_steps).backward()
+
+    def step(self):
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        # Kept as a tensor: reading it here would stall the device before the optimizer step is queued.
+        if self.max_grad_norm > 0:
+            self._grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm).detach()
+        else:  # measure only: a clip coefficient of inf/inf would turn the gradients into NaN
+            grads = [p.grad for p in params if p.grad is not None]
+            self._grad_norm = torch.nn.utils.get_total_norm(grads).detach() if grads else torch.zeros(())
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._steps += 1
+
+    @property
+    def lr(self):
+        return self.optimizer.param_groups[0]["lr"]
+
+    @property
+    def grad_norm(self) -> float | None:
+        return None if self._grad_norm is None else float(self._grad_norm)
+
+    @property
+    def optimizer_steps(self):
+        return self._steps
+
+    def full_grad(self, name, param):
+        return param.grad
+
+    # ---- shape changes -------------------------------------------------------------------
+    def _state_by_name(self) -> dict[str, dict[str, torch.Tensor]]:
+        by_param = {id(p): n for n, p in self._trainable().items()}
+        out = {}
+        for param, state in self.optimizer.state.items():
+            if id(param) in by_param and state:
+                out[by_param[id(param)]] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in state.items()}
+        return out
+
+    def apply_shape_change(self, change_fn, carry_state=True):
+        old_state = self._state_by_name() if carry_state else {}
+        change = change_fn()
+        self._build_optimizer(step=self._steps)
+        self._restore_state(old_state, change)
+
+    def _restore_state(self, old_state, change: ShapeChange) -> None:
+        for name, param in self._trainable().items():
+            if name not in old_state:
+                continue
+            edits = change.get(name, [])
+            new_state = {}
+            for key, value in old_state[name].items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    value = apply_edits(value, edits)
+                    if value.shape != param.shape:
+                        raise RuntimeError(f"optimizer state {name}.{key} has shape {tuple(value.shape)} != {tuple(param.shape)}")
+                new_state[key] = value
+            self.optimizer.state[param] = new_state
+
+    # ---- checkpoints (safetensors + JSON, nothing pickled) ---------------------------------
+    def save(self, directory):
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors, steps = {}, {}
+        for name, param in self._trainable().items():
+            tensors[f"param/{name}"] = param.detach().contiguous()
+            state = self.optimizer.state.get(param, {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    tensors[f"{key}/{name}"] = state[key].contiguous()
+            if "step" in state:
+                steps[name] = float(state["step"])
+        save_file(tensors, str(directory / "trainable.safetensors"))
+        meta = {"optimizer_steps": self._steps, "adam_steps": steps, "scheduler": self.scheduler.state_dict()}
+        meta["scheduler"].pop("lr_lambdas", None)
+        (directory / "optimizer.json").write_text(json.dumps(meta))
+
+    @torch.no_grad()
+    def load(self, directory):
+        directory = Path(directory)
+        tensors = load_file(str(directory / "trainable.safetensors"))
+        meta = json.loads((directory / "optimizer.json").read_text())
+        trainable = self._trainable()
+        missing = [n for n in trainable if f"param/{n}" not in tensors]
+        if missing:
+            raise ValueError(f"checkpoint {directory} lacks trainable parameters {missing[:3]}...")
+        for name, param in trainable.items():
+            saved = tensors[f"param/{name}"]
+            if saved.shape != param.shape:
+                raise ValueError(f"checkpoint {directory}: {name} has shape {tuple(saved.shape)}, model has {tuple(param.shape)}")
+            param.copy_(saved)
+        self._build_optimizer(step=int(meta["optimizer_steps"]))
+        for name, param in self._trainable().items():
+            if f"exp_avg/{name}" in tensors:
+                self.optimizer.state[param] = {
+                    "step": torch.tensor(meta["adam_steps"].get(name, 0.0)),
+                    "exp_avg": tensors[f"exp_avg/{name}"].to(param.device, copy=True),
+                    "exp_avg_sq": tensors[f"exp_avg_sq/{name}"].to(param.device, copy=True),
+                }

@@ -1,0 +1,92 @@
+"""ZeRO-3 models partitioned from the first byte.
+
+Loading a pretrained LLaMA the ordinary way builds the whole model on every rank before
+DeepSpeed partitions it (LLaMA-2-70B: 276 GB of fp32 per rank). Here the model is created
+under `deepspeed.zero.Init`, which partitions each module's parameters as soon as the module
+is constructed (transformers' `no_init_weights` skips the random initialisation that would be
+overwritten anyway), and then every rank copies ITS OWN slice of each parameter straight from
+the safetensors files: the flat range [rank * partition, (rank + 1) * partition) of the
+row-major tensor, which is where DeepSpeed keeps a rank's partition (`partition_parameters`:
+`start = partition_size * partition_rank`, the last partition zero-padded). No collective, no
+rank ever holds more than one tensor's rows beyond its partitions.
+
+The only deepspeed-importing module besides zero.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from apt_ds.io.modeling import ModelLoadError
+
+
+def build_partitioned_llama(config, source, ds_config: dict, dtype: torch.dtype, device: torch.device):
+    """A LlamaForCausalLM of `config` whose parameters are ZeRO-3 partitions filled from
+    `source` (apt_ds.io.weights.SafetensorsWeights, or a name -> tensor dict), in `dtype`."""
+    import deepspeed
+    from transformers import LlamaForCausalLM
+    from transformers.initialization import no_init_weights
+
+    from apt_ds.distributed.ds_config import engine_dtype
+    from apt_ds.distributed.placement import DTYPES
+
+    if DTYPES[engine_dtype(ds_config)] != dtype:
+        raise ValueError(f"the DeepSpeed config trains in {engine_dtype(ds_config)}, the weights were asked in {dtype}")
+    # dtype=None: zero.Init then takes the dtype from the config's bf16/fp16 sections. An explicit
+    # dtype is ignored by deepspeed 0.19 wherever the accelerator lacks fp16 (`dtype or float16 if
+    # fp16 else bfloat16 ...` binds as `(dtype or float16) if ...`): on a CPU without AVX512-FP16
+    # (an AMD EPYC here) an fp32 model came out in bf16.
+    with no_init_weights(), deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=None):
+        model = LlamaForCausalLM(config)
+    made = {p.ds_tensor.dtype for p in model.parameters() if hasattr(p, "ds_tensor")}
+    if made != {dtype}:
+        raise RuntimeError(f"deepspeed.zero.Init partitioned the model in {made}, not {dtype}")
+    if config.tie_word_embeddings:  # post_init's tying runs inside init_weights, skipped above
+        model.lm_head.weight = model.model.embed_tokens.weight
+    # zero.Init makes every tensor constructor produce `dtype`, RoPE's inverse frequencies too:
+    # rebuild them outside it, in fp32 as transformers computes them.
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config).to(device)
+    load_partitions(model, source)
+    return model
+
+
+def _read_flat(source, name: str, start: int, length: int) -> torch.Tensor:
+    if isinstance(source, dict):
+        return source[name].reshape(-1)[start : start + length]
+    return source.flat_range(name, start, length)
+
+
+def load_partitions(model, source) -> None:
+    """Fill every rank's partitions of `model` from `source`; tied parameters once."""
+    import torch.distributed as dist
+
+    missing = [name for name, _ in model.named_parameters() if name not in source]
+    if missing:
+        raise ModelLoadError(f"the checkpoint has no weights for {missing[:3]} ({len(missing)} parameters)")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not hasattr(param, "ds_tensor"):
+                raise RuntimeError(f"{name} was not partitioned by zero.Init")
+            expected = list(param.ds_shape)
+            stored = list(source[name].shape) if isinstance(source, dict) else source.shape(name)
+            if stored != expected:
+                raise ModelLoadError(f"weight {name} has shape {stored} in the checkpoint, the config says {expected}")
+            partition = param.ds_tensor
+            size = partition.ds_numel
+            start = size * dist.get_rank(group=param.ds_process_group)
+            piece = _read_flat(source, name, start, size)
+            partition[: piece.numel()].copy_(piece.to(partition.dtype))
+            partition[piece.numel():].zero_()  # DeepSpeed's padding of the last partition
+
+
+def partition_bytes(model) -> int:
+    """Bytes of this rank's parameter partitions (plus any parameter that is not partitioned)."""
+    total = 0
+    seen = set()
+    for param in model.parameters():
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        tensor = param.ds_tensor if hasattr(param, "ds_tensor") else param.data
+        total += tensor.numel() * tensor.element_size()
+    return total

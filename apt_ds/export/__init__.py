@@ -1,0 +1,1 @@
+"""From a run to a deployable model: merged, physically smaller, dense safetensors."""

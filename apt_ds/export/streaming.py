@@ -1,0 +1,178 @@
+"""Export a run tensor by tensor: exporting a 70B run needs memory for about one shard.
+
+The in-memory export (`export.rebuild_trained_model` + `compact_model`) loads the whole base
+model. Here every output tensor is made on its own, exactly as that path makes it: the base
+tensor read from the safetensors files (as fp32, like `load_model`), sliced to the units the
+run kept, its adapter merged (W + s * B @ A in fp32, `APTAdapter.merged_weight`), fractional
+group / neuron masks folded into o_proj / down_proj columns (`export.fold_masks`), units whose
+mask is 0 removed, cast to the export dtype, and appended to the current shard. Shards are
+split as `huggingface_hub.split_torch_state_dict_into_shards` splits a state dict in order
+(a tensor over the limit gets a shard of its own), so both paths write the same files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from apt_ds.io.checkpoint import CheckpointError
+from apt_ds.algorithm.shrink import _kept_shape, group_channels, write_shape_to_config
+from apt_ds.algorithm.units import ModelShape
+
+
+def _kept_index(record: list[int]) -> torch.Tensor:
+    return torch.tensor(record, dtype=torch.long)
+
+
+class RunTensors:
+    """The exported tensors of a run, one at a time, from the base weights and the checkpoint."""
+
+    def __init__(self, weights, meta: dict, trainable, masks: dict[str, torch.Tensor]):
+        """`weights`: apt_ds.io.weights.SafetensorsWeights of the base model; `trainable`: an open
+        safetensors handle of checkpoint/trainable.safetensors; `masks`: the checkpoint's masks."""
+        self.weights, self.trainable = weights, trainable
+        self.trainable_names = set(trainable.keys())
+        apt = meta["apt_config"]
+        self.scaling = apt["adapter_alpha"] / apt["adapter_rank"]  # fixed at wrap time, kept when ranks grow
+        self.current = ModelShape.from_dict(meta["shape"])
+        kept = meta["kept"]
+        hidden_mask = masks["hidden"]
+        if not bool(((hidden_mask == 0) | (hidden_mask == 1)).all()):
+            raise CheckpointError("the checkpoint was taken while hidden-channel masks were decaying; export a later checkpoint")
+        self.group_masks = [masks[f"kv_group.{l}"] for l in range(len(self.current.layers))]
+        self.neuron_masks = [masks[f"ffn_neuron.{l}"] for l in range(len(self.current.layers))]
+        # Indices at the run's current shapes (into its kept units) of what the masks keep.
+        groups_now = [(m > 0).nonzero().flatten() for m in self.group_masks]
+        neurons_now = [(m > 0).nonzero().flatten() for m in self.neuron_masks]
+        hidden_now = (hidden_mask > 0).nonzero().flatten()
+        self.final_shape = _kept_shape(self.current, groups_now, neurons_now, hidden_now)
+        self.kept_groups = [_kept_index(g) for g in kept["groups"]]  # ORIGINAL indices at current shapes
+        self.kept_neurons = [_kept_index(n) for n in kept["neurons"]]
+        self.kept_hidden = _kept_index(kept["hidden"])
+        self.groups_now, self.neurons_now, self.hidden_now = groups_now, neurons_now, hidden_now
+        self.final_hidden = self.kept_hidden[hidden_now]
+
+    def names(self) -> list[str]:
+        """Output tensor names in `LlamaForCausalLM.state_dict()` order (lm_head last, not when tied)."""
+        names = ["model.embed_tokens.weight"]
+        for l in range(len(self.current.layers)):
+            names += [f"model.layers.{l}.self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+            names += [f"model.layers.{l}.mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+            names += [f"model.layers.{l}.input_layernorm.weight", f"model.layers.{l}.post_attention_layernorm.weight"]
+        names.append("model.norm.weight")
+        if not self.current.tied_embeddings:
+            names.append("lm_head.weight")
+        return names
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The exported fp32 tensor `name`."""
+        if name not in self.weights:
+            raise CheckpointError(f"the base model has no tensor {name}; is it the model this run was trained from?")
+        base = self.weights.get(name).float()
+        if not name.startswith("model.layers."):
+            return base.index_select(base.dim() - 1, self.final_hidden)  # embed / lm_head columns, final norm
+        layer = int(name.split(".")[2])
+        shape = self.current.layers[layer]
+        if name.endswith("layernorm.weight"):
+            return base.index_select(0, self.final_hidden)
+        q_orig, kv_orig = group_channels(self.kept_groups[layer], shape.group_size, shape.head_dim)
+        q_final, kv_final = group_channels(self.groups_now[layer], shape.group_size, shape.head_dim)
+        rows, cols = {  # (original indices at current shapes, final indices at current shapes) per dim
+            "q_proj": ((q_orig, q_final), (self.kept_hidden, self.hidden_now)),
+            "k_proj": ((kv_orig, kv_final), (self.kept_hidden, self.hidden_now)),
+            "v_proj": ((kv_orig, kv_final), (self.kept_hidden, self.hidden_now)),
+            "o_proj": ((self.kept_hidden, self.hidden_now), (q_orig, q_final)),
+            "gate_proj": ((self.kept_neurons[layer], self.neurons_now[layer]), (self.kept_hidden, self.hidden_now)),
+            "up_proj": ((self.kept_neurons[layer], self.neurons_now[layer]), (self.kept_hidden, self.hidden_now)),
+            "down_proj": ((self.kept_hidden, self.hidden_now), (self.kept_neurons[layer], self.neurons_now[layer])),
+        }[name.split(".")[-2]]
+        weight = base.index_select(0, rows[0]).index_select(1, cols[0])  # the run's current shapes
+        module = name[: -len(".weight")]
+        if f"{module}.lora_A" in self.trainable_names:
+            lora_a, lora_b = self.trainable.get_tensor(f"{module}.lora_A"), self.trainable.get_tensor(f"{module}.lora_B")
+            weight = weight + (lora_b.float() @ lora_a.float()) * self.scaling
+        if name.endswith("o_proj.weight"):
+            weight = weight * self.group_masks[layer].repeat_interleave(shape.group_size * shape.head_dim).float()
+        elif name.endswith("down_proj.weight"):
+            weight = weight * self.neuron_masks[layer].float()
+        return weight.index_select(0, rows[1]).index_select(1, cols[1])
+
+
+class ShardWriter:
+    """Writes tensors into `directory` as huggingface_hub would shard that state dict, holding at
+    most one shard in memory; `close` names the files and writes the index."""
+
+    def __init__(self, directory: Path, max_shard_size: int):
+        self.directory, self.max_shard_size = directory, max_shard_size
+        self.files: list[tuple[Path, list[str]]] = []  # in HF's shard order
+        self.current: dict[str, torch.Tensor] = {}
+        self.current_size = self.total_size = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        self.total_size += size
+        if size > self.max_shard_size:  # its own shard, placed before the one being filled
+            self._write({name: tensor})
+            return
+        if self.current and self.current_size + size > self.max_shard_size:
+            self._flush()
+        self.current[name] = tensor
+        self.current_size += size
+
+    def _flush(self) -> None:
+        self._write(self.current)
+        self.current, self.current_size = {}, 0
+
+    def _write(self, tensors: dict[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        path = self.directory / f".shard-{len(self.files)}.safetensors"
+        save_file(tensors, str(path), metadata={"format": "pt"})
+        self.files.append((path, list(tensors)))
+
+    def close(self) -> None:
+        if self.current:
+            self._flush()
+        count = len(self.files)
+        if count == 1:
+            self.files[0][0].rename(self.directory / "model.safetensors")
+            return
+        weight_map = {}
+        for index, (path, names) in enumerate(self.files, 1):
+            filename = f"model-{index:05d}-of-{count:05d}.safetensors"
+            path.rename(self.directory / filename)
+            weight_map.update({name: filename for name in names})
+        index = {"metadata": {"total_size": self.total_size}, "weight_map": weight_map}
+        (self.directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+
+
+def stream_weights(tensors: RunTensors, directory: Path, dtype: torch.dtype, max_shard_size: int) -> int:
+    """Write every exported tensor; returns the number of exported parameters."""
+    writer = ShardWriter(directory, max_shard_size)
+    count = 0
+    for name in tensors.names():
+        tensor = tensors.tensor(name).to(dtype).contiguous()
+        count += tensor.numel()
+        writer.add(name, tensor)
+    writer.close()
+    return count
+
+
+def exported_config(base_dir: Path, shape: ModelShape):
+    """The base model's config with the exported shapes written in (no model is built)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(base_dir))
+    write_shape_to_config(config, shape)
+    return config
+
+
+def generation_config(base_dir: Path, config) -> dict:
+    """What `model.generation_config.to_diff_dict()` gives for a model loaded from `base_dir`."""
+    from transformers import GenerationConfig
+
+    if (base_dir / "generation_config.json").is_file():
+        return GenerationConfig.from_pretrained(str(base_dir)).to_diff_dict()
+    return GenerationConfig.from_model_config(config).to_diff_dict()

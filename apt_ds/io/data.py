@@ -1,0 +1,338 @@
+"""Training data through `datasets`: records -> token ids -> deterministic micro-batches.
+
+Three record formats are accepted, chosen per row:
+  * `text`                                plain language modelling, loss on every token;
+  * `instruction` (+ `input`) + `output`   Alpaca prompt template, loss on the response only;
+  * `prompt` + `completion`               raw prompt, loss on the completion only.
+
+Prompt and response are encoded separately and concatenated, so the boundary between
+"not learned" and "learned" tokens is exact for every tokenizer; `encode_prompt_response`
+is public so that likelihood-based evaluation scores answers with the very same ids.
+Tokenizers themselves are loaded (or trained) by `apt_ds.io.tokenizer`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import random
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import datasets
+import torch
+
+IGNORE_INDEX = -100  # label value that torch's cross-entropy (and HF models) skip
+USABLE_FIELDS = "a 'text' field or 'instruction'/'output' fields (or 'prompt'/'completion')"
+
+PROMPT_WITH_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further "
+    "context. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+PROMPT_NO_INPUT = (
+    "Below is an instruction that describes a task. Write a response that appropriately "
+    "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n"
+)
+
+
+class DataError(ValueError):
+    """Data or tokenizer input is unusable; the message names the file and the problem.
+    `apt_ds.io.tokenizer` raises it too, so that callers catch one error for all inputs."""
+
+
+def demo_data_path() -> Path:
+    """The shipped demo instruction set (see benchmarks/make_demo_data.py)."""
+    return Path(__file__).with_name("assets") / "demo.jsonl"
+
+
+# ---------------------------------------------------------------- loading records
+
+
+def load_records(path: str | Path) -> datasets.Dataset:
+    """A .json/.jsonl file, or a directory written by `datasets.save_to_disk`."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"data path {path} does not exist")
+    ds = _load_saved_dir(path) if path.is_dir() else _load_json_file(path)
+    if len(ds) == 0:
+        raise DataError(f"data file {path.name} has no rows")
+    columns = set(ds.column_names)
+    if not ({"text"} <= columns or {"instruction", "output"} <= columns or {"prompt", "completion"} <= columns):
+        raise DataError(
+            f"data file {path.name} has no usable rows: need {USABLE_FIELDS}; found fields {sorted(columns)}"
+        )
+    return ds
+
+
+def _load_saved_dir(path: Path) -> datasets.Dataset:
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except (FileNotFoundError, ValueError) as err:
+        raise DataError(f"data directory {path} is not a dataset saved by `datasets` ({err})") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if not loaded:
+            raise DataError(f"data directory {path} holds a DatasetDict with no splits")
+        return loaded["train"] if "train" in loaded else loaded[next(iter(loaded))]
+    return loaded
+
+
+def _load_json_file(path: Path) -> datasets.Dataset:
+    if path.suffix not in (".json", ".jsonl"):
+        raise DataError(f"data file {path.name} is neither .json nor .jsonl (nor a saved dataset directory)")
+    if not path.read_text(encoding="utf-8", errors="replace").strip():
+        raise DataError(f"data file {path.name} is empty")
+    try:
+        with _quiet_datasets():
+            return datasets.load_dataset("json", data_files=str(path), split="train")
+    except Exception as err:  # datasets wraps parser errors in a long generic chain
+        raise DataError(f"data file {path.name} is not valid JSON records: {_json_problem(path, err)}") from None
+
+
+@contextlib.contextmanager
+def _quiet_datasets():
+    """No "Generating train split" bar (a cold cache prints it) and no logged parser error on
+    stderr: a bad file gets our one line, which says where the problem is."""
+    was_disabled = datasets.utils.are_progress_bars_disabled()
+    verbosity = datasets.logging.get_verbosity()
+    datasets.utils.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+        if not was_disabled:
+            datasets.utils.enable_progress_bars()
+
+
+def _json_problem(path: Path, err: Exception) -> str:
+    """Locate the first bad line ourselves: the datasets error rarely says where."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if text.lstrip().startswith("["):
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as bad:
+            return f"line {bad.lineno} column {bad.colno}: {bad.msg}"
+    else:
+        for number, line in enumerate(io.StringIO(text), start=1):
+            try:
+                if line.strip():
+                    json.loads(line)
+            except json.JSONDecodeError as bad:
+                return f"line {number}: {bad.msg}"
+    cause = err.__cause__ or err
+    return str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+
+
+# ---------------------------------------------------------------- records -> ids
+
+
+def format_prompt(instruction: str, input: str = "") -> str:  # noqa: A002 - the Alpaca field name
+    """The Alpaca prompt; the response follows it directly."""
+    if input:
+        return PROMPT_WITH_INPUT.format(instruction=instruction, input=input)
+    return PROMPT_NO_INPUT.format(instruction=instruction)
+
+
+def split_record(row: dict) -> tuple[str | None, str] | None:
+    """(prompt, response) of one row; prompt None means plain text. None if unusable."""
+
+    def field(name: str) -> str:
+        value = row.get(name)
+        return "" if value is None else str(value)
+
+    if field("text").strip():
+        return None, field("text")
+    if field("instruction").strip() and field("output").strip():
+        return format_prompt(field("instruction"), field("input")), field("output")
+    if field("completion").strip():  # an empty prompt is allowed: loss on the whole completion
+        return field("prompt"), field("completion")
+    return None
+
+
+def prompt_and_answer(row: dict) -> tuple[str, str]:
+    """(prompt, answer) of a labelled row, either format; the evaluator scores answers after
+    exactly the prompt training saw. ValueError for plain-text or unusable rows."""
+    pair = split_record(row)
+    if pair is None or not pair[0]:  # no prompt: nothing to score an answer after
+        raise ValueError(f"an evaluation row needs 'instruction'/'output' or non-empty 'prompt'/'completion' fields, "
+                         f"got {sorted(k for k, v in row.items() if v)}")
+    return pair
+
+
+def _special_ids(tokenizer) -> tuple[list[int], list[int]]:
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    return bos, eos
+
+
+def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
+    if not texts:
+        return []
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def encode_prompt_response(tokenizer, prompt: str, response: str, max_seq_len: int) -> dict | None:
+    """BOS + prompt + response + EOS, labels -100 on BOS and prompt. None if nothing to learn."""
+    prompt_ids, response_ids = _encode(tokenizer, [prompt, response])
+    return _join_prompt_response(tokenizer, prompt_ids, response_ids, max_seq_len)
+
+
+def _join_prompt_response(tokenizer, prompt_ids: list[int], response_ids: list[int], max_seq_len: int,
+                          stats: "TruncationStats | None" = None):
+    if not response_ids:
+        return None
+    bos, eos = _special_ids(tokenizer)
+    target = list(response_ids) + eos
+    length = len(bos) + len(prompt_ids) + len(target)
+    # Too long: drop prompt tokens from the left first, because the answer and the text
+    # nearest to it (e.g. the question after a passage) are what the example teaches.
+    room = max_seq_len - len(bos) - len(target)
+    if room < 1 and prompt_ids:  # the response alone fills the window: a prompt-less row teaches nonsense
+        if stats is not None:
+            stats.count("dropped", length)
+        return None
+    if stats is not None and not prompt_ids and room < 0:  # no prompt to shorten: the response is cut at the end
+        stats.count("text_cut", length)
+    elif stats is not None and room < len(prompt_ids):
+        stats.count("prompt_cut", length)
+    prompt_ids = list(prompt_ids)[-room:] if room > 0 else []
+    input_ids = (bos + prompt_ids + target)[:max_seq_len]
+    labels = ([IGNORE_INDEX] * (len(bos) + len(prompt_ids)) + target)[:max_seq_len]
+    if all(label == IGNORE_INDEX for label in labels):
+        return None
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def _text_stream(tokenizer, text_ids: list[int]) -> list[int]:
+    bos, eos = _special_ids(tokenizer)
+    return bos + list(text_ids) + eos if text_ids else []
+
+
+def pack_blocks(streams: Iterable[list[int]], max_seq_len: int) -> list[dict]:
+    """Concatenate token streams into max_seq_len blocks; the ragged tail is dropped
+    unless it is the only block (tiny corpora still train)."""
+    flat = [token for stream in streams for token in stream]
+    blocks = [flat[i : i + max_seq_len] for i in range(0, len(flat), max_seq_len)]
+    if len(blocks) > 1 and len(blocks[-1]) < max_seq_len:
+        blocks.pop()
+    return [{"input_ids": block, "labels": list(block)} for block in blocks if len(block) >= 2]
+
+
+class TruncationStats:
+    """What max_seq_len cost: rows whose prompt was cut from the left, rows dropped because their
+    response alone did not fit, unpacked text rows cut at the end, and the longest row seen."""
+
+    def __init__(self):
+        self.prompt_cut = self.dropped = self.text_cut = 0
+        self.longest = 0
+
+    def count(self, kind: str, length: int) -> None:
+        setattr(self, kind, getattr(self, kind) + 1)
+        self.longest = max(self.longest, length)
+
+    def to_dict(self) -> dict:
+        return {"prompt_cut": self.prompt_cut, "dropped": self.dropped, "text_cut": self.text_cut, "longest": self.longest}
+
+    def message(self, source: str, max_seq_len: int) -> str | None:
+        """One warning line, or None when nothing was cut."""
+        if not (self.prompt_cut or self.dropped or self.text_cut):
+            return None
+        parts = [f"{n} {what}" for n, what in ((self.prompt_cut, "rows had their prompt cut from the left"),
+                                              (self.dropped, "rows were dropped (the response alone exceeds it)"),
+                                              (self.text_cut, "rows without a prompt were cut at the end")) if n]
+        return (f"warning: {source}: --max-seq-len {max_seq_len}: {'; '.join(parts)}; the longest row has "
+                f"{self.longest} tokens")
+
+
+def tokenize_dataset(ds, tokenizer, max_seq_len: int, pack: bool, source: str = "dataset",
+                     stats: TruncationStats | None = None) -> list[dict]:
+    """Examples {input_ids, labels} (python int lists). `pack` packs text rows only:
+    supervised rows keep one example each so their prompt/response boundary survives.
+    `stats` (optional) counts what max_seq_len cut or dropped."""
+    if max_seq_len < 2:
+        raise DataError(f"{source}: max_seq_len must be >= 2, got {max_seq_len}")
+    pairs = [pair for pair in (split_record(row) for row in ds) if pair is not None]
+    if not pairs:
+        raise DataError(f"{source} has no usable rows: need {USABLE_FIELDS}")
+    texts = [response for prompt, response in pairs if prompt is None]
+    supervised = [(prompt, response) for prompt, response in pairs if prompt is not None]
+    text_streams = [_text_stream(tokenizer, ids) for ids in _encode(tokenizer, texts)]
+    if pack:
+        examples = pack_blocks(text_streams, max_seq_len)
+    else:
+        examples = [{"input_ids": s[:max_seq_len], "labels": s[:max_seq_len]} for s in text_streams if len(s) >= 2]
+        for stream in text_streams:
+            if stats is not None and len(stream) > max_seq_len:
+                stats.count("text_cut", len(stream))
+    prompt_ids = _encode(tokenizer, [prompt for prompt, _ in supervised])
+    response_ids = _encode(tokenizer, [response for _, response in supervised])
+    for p_ids, r_ids in zip(prompt_ids, response_ids):
+        example = _join_prompt_response(tokenizer, p_ids, r_ids, max_seq_len, stats)
+        if example is not None:
+            examples.append(example)
+    if not examples:
+        raise DataError(f"{source}: no row has a token to learn from after tokenization (max_seq_len={max_seq_len})")
+    return examples
+
+
+# ---------------------------------------------------------------- batching
+
+
+def collate(examples: list[dict], pad_id: int, pad_to: int | None = None) -> dict[str, torch.Tensor]:
+    """Right-padded LongTensors; labels are -100 at padding by position (pad may equal EOS)."""
+    length = max(len(example["input_ids"]) for example in examples)
+    length = max(length, pad_to or 0)
+    input_ids = torch.full((len(examples), length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(examples), length), dtype=torch.long)
+    labels = torch.full((len(examples), length), IGNORE_INDEX, dtype=torch.long)
+    for row, example in enumerate(examples):
+        n = len(example["input_ids"])
+        input_ids[row, :n] = torch.tensor(example["input_ids"], dtype=torch.long)
+        attention_mask[row, :n] = 1
+        labels[row, :n] = torch.tensor(example["labels"], dtype=torch.long)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def batches(
+    examples: list[dict],
+    micro_batch_size: int,
+    seed: int,
+    rank: int = 0,
+    world_size: int = 1,
+    start_step: int = 0,
+    pad_id: int = 0,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Endless micro-batches for `rank`, reshuffled each epoch with seed + epoch.
+
+    The shuffled epochs form one stream; global batch k is its items [k*G, (k+1)*G) with
+    G = micro_batch_size * world_size, and rank r takes the r-th slice of it, padded to the
+    global batch's longest example. So the rank slices of a global batch concatenate to the
+    single-rank batch of size G: results do not depend on how the batch is split. Batches
+    cross epoch boundaries instead of dropping a remainder. `start_step` skips micro-batches
+    (for resuming) without collating them. The pad id never reaches the loss (mask and
+    labels hide it), so the default 0 is safe for any vocabulary.
+    """
+    if micro_batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
+        raise DataError(f"bad batching: micro_batch_size={micro_batch_size}, rank={rank}, world_size={world_size}")
+    if not examples:
+        raise DataError("no examples to batch")
+    n, global_size = len(examples), micro_batch_size * world_size
+    orders: dict[int, list[int]] = {}
+
+    def index_at(position: int) -> int:
+        epoch = position // n
+        if epoch not in orders:
+            orders.clear()  # at most two epochs are live at once; keep memory flat
+            orders[epoch] = random.Random(seed + epoch).sample(range(n), n)
+        return orders[epoch][position % n]
+
+    step = start_step
+    while True:
+        first = step * global_size
+        global_ids = [index_at(position) for position in range(first, first + global_size)]
+        pad_to = max(len(examples[i]["input_ids"]) for i in global_ids)
+        mine = global_ids[rank * micro_batch_size : (rank + 1) * micro_batch_size]
+        yield collate([examples[i] for i in mine], pad_id=pad_id, pad_to=pad_to)
+        step += 1

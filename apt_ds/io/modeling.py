@@ -1,0 +1,241 @@
+"""Getting LLaMA models in and out: local HF dirs, GGUF files, the built-in tiny model, and
+apt_ds exports whose layers have their own shapes.
+
+A non-uniform export is still a stock `LlamaForCausalLM`: only its Linear/RMSNorm modules
+are sized per layer (recorded in config.json as `apt_layer_shapes`). LLaMA attention reads
+the head count from its weights (reshape with -1), so nothing else changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from apt_ds.algorithm.units import LayerShape, UnsupportedModelError
+
+logger = logging.getLogger(__name__)
+
+TINY_MODEL = "tiny"  # --model value for the built-in demo model
+# Built-in random models (no download): --model value -> LlamaConfig overrides of TINY_CONFIG.
+TINY_MODELS = {TINY_MODEL: {}, "tiny-mha": {"num_key_value_heads": 4}}
+TINY_CONFIG = dict(
+    hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
+)
+
+
+class ModelLoadError(ValueError):
+    """The model path does not hold a loadable LLaMA checkpoint."""
+
+
+def build_tiny_llama(vocab_size: int, seed: int = 0, variant: str = TINY_MODEL, **overrides):
+    """The built-in demo model: a small random LLaMA, GQA ('tiny') or MHA ('tiny-mha')."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    values = {**TINY_CONFIG, **TINY_MODELS[variant], **overrides, "vocab_size": vocab_size}
+    return LlamaForCausalLM(LlamaConfig(**values))
+
+
+def check_model_path(path: str | Path, flag: str = "model path") -> dict:
+    """The cheap checks before anything heavy: the path exists and is a .gguf file or a LLaMA
+    (or apt_ds export) directory. Returns the directory's config.json ({} for a GGUF file)."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelLoadError(f"{flag} {path} does not exist (give a local HF directory, a .gguf file, "
+                             f"or one of {', '.join(TINY_MODELS)})")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"{flag} {path} is not a .gguf file; give a directory with config.json or a .gguf")
+        return {}
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{flag} {path} has no config.json: not a Hugging Face model directory")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"{flag} {path}: unreadable config.json ({err})") from None
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{flag} {path}: config.json is not a JSON object")
+    if not config.get("apt_layer_shapes") and config.get("model_type") != "llama":
+        raise UnsupportedModelError(f"{path}: model_type {config.get('model_type')!r} is not supported (LLaMA only)")
+    if not any(path.glob("*.safetensors")):
+        pickled = " (only pickled *.bin weights, which are not loaded: convert them to safetensors)" if any(path.glob("*.bin")) else ""
+        raise ModelLoadError(f"{flag} {path} holds no *.safetensors weights{pickled}")
+    return config
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, mmap: bool = True):
+    """A causal LM from a local HF directory, a .gguf file, or an apt_ds export.
+
+    mmap=False reads a HF directory's weights into process memory instead of mapping the
+    file. Pruning needs that: transformers keeps the checkpoint mapped for the life of the
+    process, and the mapped pages stay resident after the weights were sliced into smaller
+    copies, so memory would not drop as units are removed."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    config = check_model_path(path)
+    if path.is_file():
+        try:
+            return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+        except Exception as err:  # transformers raises many types for bad GGUF
+            raise ModelLoadError(f"cannot load GGUF {path}: {str(err).splitlines()[0]}") from None
+    if config.get("apt_layer_shapes"):
+        return load_pretrained(path, dtype=dtype)
+    try:
+        AutoConfig.from_pretrained(str(path))
+        return _from_pretrained(AutoModelForCausalLM, path, dtype, mmap)
+    except Exception as err:
+        raise ModelLoadError(f"cannot load model from {path}: {str(err).splitlines()[0]}") from None
+
+
+def _from_pretrained(auto_class, path: Path, dtype: torch.dtype, mmap: bool):
+    if mmap:
+        return auto_class.from_pretrained(str(path), dtype=dtype)
+    try:
+        return auto_class.from_pretrained(str(path), dtype=dtype, disable_mmap=True)
+    except TypeError as err:  # transformers before disable_mmap: mapped, and say what that costs
+        if "disable_mmap" not in str(err):
+            raise
+        logger.warning("this transformers version cannot load without mmap: memory will not drop as units are pruned")
+        return auto_class.from_pretrained(str(path), dtype=dtype)
+
+
+def model_fingerprint(model) -> dict:
+    """Identifies the base model of a run: its config, and a checksum over every weight tensor
+    (|w| summed over a strided sample of ~4k entries per tensor, so any retrained layer changes
+    it) and the embedding's |w| sum. Memory stays at one 16 MB chunk, but every byte is read once
+    (the embedding sum needs them all; from files a 70B model is 140 GB of reads, mostly from the
+    page cache that the ranks of a node share)."""
+    with torch.no_grad():
+        readers = ((name, _tensor_reader(param.detach())) for name, param in sorted(model.named_parameters()))
+        return _fingerprint(model.config, readers, _tensor_reader(model.get_input_embeddings().weight.detach()))
+
+
+def file_fingerprint(directory: str | Path) -> dict:
+    """`model_fingerprint(load_model(directory))`, read from the safetensors files one tensor at
+    a time (a partitioned ZeRO-3 model has no full tensors to read, and the fingerprint must
+    not depend on the dtype the weights are trained in)."""
+    from transformers import AutoConfig
+
+    from apt_ds.io.weights import SafetensorsWeights
+
+    config = AutoConfig.from_pretrained(str(directory))
+    weights = SafetensorsWeights(directory)
+    names = [n for n in weights.names() if not (config.tie_word_embeddings and n == "lm_head.weight")]
+
+    def reader(name):
+        return math.prod(weights.shape(name)), lambda start, length: weights.flat_range(name, start, length)
+
+    return _fingerprint(config, ((name, reader(name)) for name in sorted(names)), reader("model.embed_tokens.weight"))
+
+
+# Elements read at a time (16 MiB of fp32): the fingerprint never holds a whole tensor, let alone
+# float64 copies of one (the 3B model's 128k x 3072 embedding would take 2 x 3 GB that way).
+FINGERPRINT_CHUNK = 1 << 22
+
+
+def _tensor_reader(tensor: torch.Tensor):
+    flat = tensor.reshape(-1)
+    return flat.numel(), lambda start, length: flat[start : start + length]
+
+
+def _chunks(reader):
+    numel, read = reader
+    for start in range(0, numel, FINGERPRINT_CHUNK):
+        yield start, read(start, FINGERPRINT_CHUNK)
+
+
+def _fingerprint(config, named_readers, embedding_reader) -> dict:
+    """Config digest, |w| summed over a strided sample of ~4k entries of every tensor (the same
+    entries, summed in the same order, as flat[::step] of the whole tensor), and the embedding's
+    |w| sum; every tensor read in chunks."""
+    values = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version", "dtype", "torch_dtype")}
+    digest = hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    sums = []
+    for name, reader in named_readers:
+        step = max(1, reader[0] // 4096)
+        sample = torch.cat([chunk[(-start) % step :: step] for start, chunk in _chunks(reader)])
+        sums.append(f"{name}:{float(sample.double().abs().sum()):.6e}")
+    weights = hashlib.sha256("|".join(sums).encode()).hexdigest()[:16]
+    embedding_sum = sum(float(chunk.double().abs().sum()) for _, chunk in _chunks(embedding_reader))
+    return {"config_sha": digest, "embedding_sum": round(embedding_sum, 3), "weights_sha": weights}
+
+
+def same_model(recorded: dict, fingerprint: dict) -> bool:
+    """Compare on the fields the recorded fingerprint has (runs from before `weights_sha`). The
+    embedding sum to 1e-9 relative: a float64 sum's last digits depend on summation order."""
+    for key, value in recorded.items():
+        current = fingerprint.get(key)
+        if key == "embedding_sum" and isinstance(value, (int, float)) and isinstance(current, (int, float)):
+            if abs(current - value) > 1e-9 * max(1.0, abs(value)) + 1e-3:
+                return False
+        elif current != value:
+            return False
+    return True
+
+
+def resize_layers(model, layer_shapes: list[LayerShape]) -> None:
+    """Give every decoder layer its own (empty) module sizes before weights are loaded."""
+    hidden = model.config.hidden_size
+    for layer, shape in zip(model.model.layers, layer_shapes):
+        attn, mlp = layer.self_attn, layer.mlp
+        q_out, kv_out = shape.num_q_heads * shape.head_dim, shape.num_kv_groups * shape.head_dim
+        for owner, name, n_in, n_out in (
+            (attn, "q_proj", hidden, q_out), (attn, "k_proj", hidden, kv_out), (attn, "v_proj", hidden, kv_out),
+            (attn, "o_proj", q_out, hidden), (mlp, "gate_proj", hidden, shape.ffn), (mlp, "up_proj", hidden, shape.ffn),
+            (mlp, "down_proj", shape.ffn, hidden),
+        ):
+            old = getattr(owner, name)
+            setattr(owner, name, nn.Linear(n_in, n_out, bias=False, dtype=old.weight.dtype, device=old.weight.device))
+        attn.num_key_value_groups = shape.group_size
+        attn.head_dim = shape.head_dim
+        mlp.intermediate_size = shape.ffn
+
+
+def load_pretrained(directory: str | Path, dtype: torch.dtype | None = None):
+    """Load an apt_ds export (uniform or not) as a regular LlamaForCausalLM."""
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    directory = Path(directory)
+    try:
+        raw = json.loads((directory / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ModelLoadError(f"{directory}: cannot read config.json ({err})") from None
+    shapes = [LayerShape(**s) for s in raw.pop("apt_layer_shapes", None) or []]
+    try:
+        config = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("architectures", "transformers_version")})
+    except Exception as err:  # transformers validates head counts etc. with several exception types
+        raise ModelLoadError(f"{directory}: config.json is not a valid LLaMA config ({str(err).splitlines()[0]})") from None
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    if shapes:
+        if len(shapes) != config.num_hidden_layers:
+            raise ModelLoadError(f"{directory}: apt_layer_shapes has {len(shapes)} layers, config says {config.num_hidden_layers}")
+        resize_layers(model, shapes)
+        model.config.apt_layer_shapes = [s.__dict__ for s in shapes]
+    state = {}
+    for shard in sorted(directory.glob("*.safetensors")):
+        state.update(load_file(str(shard)))
+    if not state:
+        raise ModelLoadError(f"{directory}: no *.safetensors weights found")
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    model.load_state_dict(state, strict=not config.tie_word_embeddings, assign=True)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if missing:
+        raise ModelLoadError(f"{directory}: weights missing for {missing[:3]}")
+    # Buffers (rotary inv_freq) were created on meta: rebuild them on CPU.
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
+    if dtype is not None:
+        model = model.to(dtype)
+    return model.eval()

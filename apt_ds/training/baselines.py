@@ -1,0 +1,120 @@
+"""Prune-then-tune: the standard baseline APT is compared with.
+
+1. One-shot structured pruning of the pretrained model: score every unit (KV group, FFN
+   neuron, hidden channel) by first-order salience on a few calibration batches — per
+   channel the product of summed magnitudes (sum |X|) * (sum |dL/dX|), the activation form of
+   the weight salience |W * dL/dW| (not Molchanov's |sum X * dL/dX|) — keep the best units under the exact parameter budget (the same
+   `AdaptivePruner` ranking APT uses, uniform or not), and physically remove the rest.
+2. Plain LoRA fine-tuning of the shrunk model (`APTConfig.as_lora()`: the same adapters as
+   APT, no pruning, no rank growth, no distillation).
+
+The scores come from `SalienceCollector` hooks (the exact quantity APT uses, minus its
+kurtosis outlier term, which is APT's addition, not part of the standard criterion). Its
+hooks only see gradients when the activations require grad; the base model is frozen, so
+the adapters of a temporary `APTModel` (B = 0: the function is the pretrained one) provide
+the upstream `requires_grad`. The temporary adapters and hooks are removed afterwards and
+the returned model is a plain `LlamaForCausalLM` (layers possibly of different shapes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from apt_ds.algorithm.adapters import merge_adapters
+from apt_ds.config import APTConfig, TrainConfig
+from apt_ds.training.heap import release_free_heap
+from apt_ds.algorithm.pruner import AdaptivePruner, KeepDecision
+from apt_ds.algorithm.state import APTModel
+from apt_ds.training.trainer import APTrainer, supervised_forward
+from apt_ds.algorithm.units import ModelShape
+
+
+@dataclass
+class OneShotResult:
+    original_shape: ModelShape
+    shape: ModelShape
+    decision: KeepDecision
+    calibration_tokens: int
+    calibration_loss: float
+
+    @property
+    def density(self) -> float:
+        """Kept fraction of block parameters (the density APT reports)."""
+        return self.shape.block_params() / self.original_shape.block_params()
+
+
+def _scoring_config(config: APTConfig, target_density: float) -> APTConfig:
+    """The scoring APTModel: adapters only for requires_grad; no transform, no kurtosis."""
+    return dataclasses.replace(
+        config, target_density=target_density, prune=True, distill=False, grow_ranks=False, use_kurtosis=False,
+    )
+
+
+def one_shot_prune(model, calibration_batches: Iterable[dict], target_density: float, config: APTConfig | None = None) -> OneShotResult:
+    """Score units by first-order Taylor salience on `calibration_batches`, shrink `model`
+    in place to `target_density` of its block parameters, and return what was kept.
+
+    `config` supplies the unit kinds (prune_heads/neurons/hidden), `uniform` and
+    `count_embeddings`; its schedule fields are irrelevant here. Scores are the product of
+    the SUMMED factors over all calibration batches (one salience "step"), as APT sums
+    them over gradient-accumulation micro-batches."""
+    config = _scoring_config(config or APTConfig(), target_density)
+    was_training = model.training
+    model.train()
+    state = APTModel(model, config, seed=0)
+    tokens, loss_sum, batches_seen = 0, 0.0, 0
+    try:
+        state.salience.enabled = True
+        for batch in calibration_batches:
+            # logits only where a label is supervised: the same loss and gradient as
+            # model(**batch).loss without the (positions x vocabulary) tensor LoRA runs never build
+            _, loss, _ = supervised_forward(model, batch)
+            loss.backward()
+            loss_sum += float(loss.detach())
+            batches_seen += 1
+            tokens += int(batch.get("attention_mask", batch["input_ids"]).bool().sum()) if "attention_mask" in batch else batch["input_ids"].numel()
+        if batches_seen == 0:
+            raise ValueError("one_shot_prune needs at least one calibration batch")
+        state.salience.end_step()
+        s = state.salience
+        target = target_density * state.original_shape.budget_params(config.count_embeddings)
+        decision = AdaptivePruner(config).decide(state.shape, s.group_scores, s.neuron_scores, s.hidden_scores, target)
+        if decision.removes_anything():
+            state.shrink(decision)
+            release_free_heap()  # as APT does after its events (apt_ds.training.heap)
+    finally:
+        state.masks.remove()
+        state.salience.remove()
+        merge_adapters(model)  # B == 0: merging restores the frozen weights exactly
+        for param in model.parameters():
+            param.grad = None
+            param.requires_grad_(False)
+        model.train(was_training)
+    return OneShotResult(state.original_shape, state.shape, decision, tokens, loss_sum / batches_seen)
+
+
+def prune_then_tune(
+    model,
+    calibration_batches: Iterable[dict],
+    train_batches: Iterator[dict],
+    target_density: float,
+    apt_config: APTConfig,
+    train_config: TrainConfig,
+    out_dir: str | Path | None = None,
+    eval_batches: list[dict] | None = None,
+    progress: bool = False,
+    run_info: dict | None = None,
+) -> tuple[APTrainer, OneShotResult]:
+    """One-shot prune `model` to `target_density`, then LoRA-tune it with `apt_config`'s
+    adapters (as_lora) for `train_config.steps`. Returns the finished trainer (its `state`
+    describes the shrunk model, for export) and the pruning result."""
+    pruned = one_shot_prune(model, calibration_batches, target_density, apt_config)
+    lora = apt_config.as_lora()
+    trainer = APTrainer(model, lora, train_config, out_dir=out_dir, eval_batches=eval_batches, progress=progress,
+                        run_info={**(run_info or {}), "method": "prune_then_tune", "target_density": target_density,
+                                  "one_shot_density": pruned.density})
+    trainer.train(train_batches)
+    return trainer, pruned

@@ -1,0 +1,90 @@
+"""Task and efficiency measurements: label accuracy by likelihood, loss, decode speed, size.
+
+Accuracy scores every allowed answer by the summed log-probability of its tokens after the
+prompt (the same tokenization training used) and counts an exact match of the best one with
+the gold label. Efficiency numbers are meant to be reported as ratios to a baseline measured
+in the same process (see benchmarks/).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from apt_ds.io.data import IGNORE_INDEX, collate, encode_prompt_response, prompt_and_answer
+
+
+@torch.no_grad()
+def label_accuracy(model, tokenizer, rows: list[dict], labels: list[str], max_seq_len: int = 256, batch_size: int = 8) -> float:
+    """Fraction of labelled rows (instruction/input/output or prompt/completion) whose most
+    likely label equals the row's answer."""
+    model.eval()
+    pad_id = tokenizer.pad_token_id or 0
+    correct = 0
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start : start + batch_size]
+        scores = torch.stack([_label_logprob(model, tokenizer, chunk, label, max_seq_len, pad_id) for label in labels], 1)
+        predicted = scores.argmax(1)
+        gold = torch.tensor([labels.index(prompt_and_answer(row)[1]) for row in chunk])
+        correct += int((predicted == gold).sum())
+    return correct / max(1, len(rows))
+
+
+def _label_logprob(model, tokenizer, rows, label: str, max_seq_len: int, pad_id: int) -> torch.Tensor:
+    examples = []
+    for row in rows:
+        example = encode_prompt_response(tokenizer, prompt_and_answer(row)[0], label, max_seq_len)
+        # Score the label tokens only, not the EOS that training appends.
+        labels = list(example["labels"])
+        if tokenizer.eos_token_id is not None and labels and labels[-1] == tokenizer.eos_token_id:
+            labels[-1] = IGNORE_INDEX
+        examples.append({"input_ids": example["input_ids"], "labels": labels})
+    batch = collate(examples, pad_id=pad_id)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+    targets = batch["labels"][:, 1:]
+    mask = targets != IGNORE_INDEX
+    logprobs = F.log_softmax(logits, -1).gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    return (logprobs * mask).sum(1)
+
+
+@torch.no_grad()
+def decode_speed(model, batch_size: int, prompt_len: int = 64, new_tokens: int = 32, repeats: int = 3, vocab: int | None = None) -> dict:
+    """Prompt-processing and decode tokens/s with the KV cache (greedy), median of repeats."""
+    model.eval()
+    vocab = vocab or model.config.vocab_size
+    ids = torch.randint(0, vocab, (batch_size, prompt_len), generator=torch.Generator().manual_seed(0))
+    prefill, decode = [], []
+    for _ in range(repeats + 1):  # first round warms up
+        start = time.perf_counter()
+        out = model(input_ids=ids, use_cache=True)
+        t_prefill = time.perf_counter() - start
+        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        start = time.perf_counter()
+        for _ in range(new_tokens):
+            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        t_decode = time.perf_counter() - start
+        prefill.append(batch_size * prompt_len / t_prefill)
+        decode.append(batch_size * new_tokens / t_decode)
+    return {
+        "prefill_tokens_per_s": statistics.median(prefill[1:]),
+        "decode_tokens_per_s": statistics.median(decode[1:]),
+        "decode_ms_per_token": 1000 * batch_size / statistics.median(decode[1:]),
+    }
+
+
+def parameter_bytes(model) -> int:
+    seen, total = set(), 0
+    for param in model.parameters():
+        if id(param) not in seen:
+            seen.add(id(param))
+            total += param.numel() * param.element_size()
+    return total
+
+
+def directory_bytes(path: str | Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())

@@ -1,0 +1,330 @@
+"""Wiring of a training run: backend, run directory, tokenizer, model, data, trainer.
+
+Kept apart from cli.py so the CLI stays argument parsing only, and apart from trainer.py so
+the loop knows nothing about files, tokenizers or launchers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from apt_ds.distributed.backend import LocalBackend
+from apt_ds.io.checkpoint import CheckpointError, read_meta
+from apt_ds.config import APTConfig, ConfigError, TrainConfig
+from apt_ds.io.data import TruncationStats, batches, collate, demo_data_path, load_records, tokenize_dataset
+from apt_ds.io.modeling import TINY_MODELS, build_tiny_llama, file_fingerprint, load_model, model_fingerprint, same_model
+from apt_ds.distributed.placement import check_fits, configure_cpu_threads, resolve_base_dtype, resolve_device
+from apt_ds.io.run_dir import RUN_FILE, check_out_dir, discard, prepare_out_dir, restore
+from apt_ds.io.tokenizer import load_tokenizer, train_sentencepiece_tokenizer
+from apt_ds.training.trainer import APTrainer
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_DIR = "tokenizer"
+
+
+def make_backend(args, train: TrainConfig):
+    """The backend and the training config it implies; on CPU also the threads per rank."""
+    backend, train = _make_backend(args, train)
+    resolve_base_dtype(train.base_dtype, backend.device)  # e.g. fp16 asked on a CPU: refused here
+    if getattr(backend, "param_dtype", None) == torch.float16 and backend.device.type == "cpu":
+        raise ConfigError(f"DeepSpeed config {args.deepspeed}: fp16 is not supported on CPU (no fp16 kernels); "
+                          "set \"fp16\": {\"enabled\": false} or use bf16")
+    if backend.device.type == "cpu":
+        configure_cpu_threads()
+    return backend, train
+
+
+def base_dtype_of(backend, train: TrainConfig):
+    """The dtype the frozen base weights are loaded in: the engine's precision under DeepSpeed."""
+    return getattr(backend, "param_dtype", None) or resolve_base_dtype(train.base_dtype, backend.device)
+
+
+def _make_backend(args, train: TrainConfig):
+    if not args.deepspeed:
+        if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+            raise ConfigError("several ranks were launched but --deepspeed was not given; pass a ds_configs/*.json")
+        if args.global_batch_size:
+            if args.global_batch_size % train.grad_accum_steps:
+                raise ConfigError(f"--global-batch-size {args.global_batch_size} is not divisible by "
+                                  f"grad_accum_steps ({train.grad_accum_steps})")
+            train = dataclasses.replace(train, micro_batch_size=args.global_batch_size // train.grad_accum_steps)
+        return LocalBackend(resolve_device(train.device)), train
+    from apt_ds.distributed.zero import DeepSpeedBackend
+
+    backend = DeepSpeedBackend(args.deepspeed, micro_batch_size=train.micro_batch_size, base_dtype=train.base_dtype)
+    if args.global_batch_size:
+        per_step = backend.world_size * train.grad_accum_steps
+        if args.global_batch_size % per_step:
+            raise ConfigError(
+                f"--global-batch-size {args.global_batch_size} is not divisible by world_size ({backend.world_size}) "
+                f"x grad_accum_steps ({train.grad_accum_steps}); pick a multiple of {per_step}"
+            )
+        train = dataclasses.replace(train, micro_batch_size=args.global_batch_size // per_step)
+        backend.micro_batch_size = train.micro_batch_size
+    return backend, train
+
+
+def _tokenizer_and_model(args, out: Path, texts: list[str], train: TrainConfig, staging: Path, prunes: bool, backend):
+    """Load (or, for the tiny model, train) the tokenizer and load the model in the base dtype;
+    returns (tokenizer, model, fingerprint). Writes nothing into --out: a trained tokenizer goes
+    to `staging` until the run directory is prepared.
+    Under ZeRO-3 the model is partitioned from the first byte (apt_ds.distributed.zero_init). Otherwise a
+    run that prunes reads the weights into memory rather than mapping the file: mapped pages
+    would stay resident after pruning (apt_ds.io.modeling.load_model)."""
+    dtype = base_dtype_of(backend, train)
+    if args.model in TINY_MODELS:
+        saved = out / TOKENIZER_DIR
+        if args.resume and (saved / "tokenizer_config.json").is_file():
+            tokenizer = load_tokenizer(saved)
+        else:  # deterministic: every rank trains the same tokenizer (no shared write needed)
+            tokenizer = train_sentencepiece_tokenizer(texts, staging, vocab_size=512)
+        model = build_tiny_llama(vocab_size=len(tokenizer), seed=train.seed, variant=args.model)
+        fingerprint = model_fingerprint(model)
+        if _partitions_weights(backend):  # tiny: its full state dict is the source of the partitions
+            return tokenizer, _partitioned(backend, model.config, model.state_dict(), dtype, train), fingerprint
+        return tokenizer, model.to(dtype), fingerprint
+    tokenizer = load_tokenizer(args.model)
+    path = Path(args.model)
+    if path.is_dir():
+        from apt_ds.io.weights import SafetensorsWeights
+
+        _check_model_fits(SafetensorsWeights(path), dtype, backend, path)  # from the headers, before any read
+        fingerprint = file_fingerprint(path)  # chunk by chunk: the same for every base dtype
+        if _partitions_weights(backend):
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(str(path))
+            return tokenizer, _partitioned(backend, config, SafetensorsWeights(path), dtype, train), fingerprint
+        return tokenizer, load_model(path, dtype=dtype, mmap=not prunes), fingerprint
+    if _partitions_weights(backend):
+        logger.warning("%s: a GGUF file is loaded whole on every rank before ZeRO-3 partitions it; convert it to a "
+                       "safetensors directory to load partitions only", path)
+    model = load_model(path, dtype=dtype)
+    return tokenizer, model, model_fingerprint(model)
+
+
+def _check_model_fits(weights, dtype, backend, path: Path) -> None:
+    """A clear error instead of the OOM killer when the base weights alone cannot fit."""
+    partitions = backend.world_size if _partitions_weights(backend) else 1
+    per_rank = weights.numel() * dtype.itemsize // partitions
+    hint = ("use more ranks" if partitions > 1 else "use ZeRO-3 (--deepspeed ds_configs/zero3.json) over several ranks")
+    if dtype == torch.float32:
+        hint += ", or --base-dtype bf16"
+    count = weights.numel()
+    count_text = f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
+    what = f"--model {path} ({count_text} parameters in {str(dtype).replace('torch.', '')})"
+    check_fits(per_rank, backend.device, what, hint)
+    if backend.device.type != "cpu" and partitions == 1:  # every local rank reads it into host memory first
+        check_fits(per_rank, torch.device("cpu"), what + " read into host memory by each rank on this node", hint)
+
+
+def _partitions_weights(backend) -> bool:
+    return getattr(backend, "zero_stage_requested", 0) == 3
+
+
+def _partitioned(backend, config, source, dtype, train: TrainConfig):
+    from apt_ds.distributed.zero_init import build_partitioned_llama
+
+    ds_config = backend.resolved_config(config, train.grad_accum_steps, train.max_grad_norm)
+    return build_partitioned_llama(config, source, ds_config, dtype, backend.device)
+
+
+def _texts_for_tokenizer(records) -> list[str]:
+    texts = []
+    for row in records.select(range(min(len(records), 5000))):
+        texts.append(" ".join(str(row.get(k) or "") for k in ("text", "instruction", "input", "output", "prompt", "completion")))
+    return texts
+
+
+PROBE_FILE = "eval_probe.safetensors"
+# The split of the global batch (micro batch, gradient accumulation, ranks) may change on resume:
+# data order and loss normalisation depend only on the global batch.
+RESUME_MUST_MATCH = ("steps", "lr", "warmup_steps", "weight_decay", "max_grad_norm", "max_seq_len", "seed")
+
+
+def global_batch_size(train: dict | TrainConfig, world_size: int) -> int:
+    values = train if isinstance(train, dict) else train.to_dict()
+    return values["micro_batch_size"] * values["grad_accum_steps"] * world_size
+
+
+def _clipping_before_max_grad_norm(run_info: dict) -> float:
+    """What a run saved before max_grad_norm existed clipped at: nothing on one process; under
+    DeepSpeed its JSON's gradient_clipping, else DeepSpeed's default 1.0."""
+    path = run_info.get("deepspeed")
+    if not path:
+        return 0.0
+    try:
+        value = json.loads(Path(path).read_text()).get("gradient_clipping", 1.0)
+    except (OSError, ValueError, AttributeError):  # the JSON is gone or changed: assume the default
+        return 1.0
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 1.0
+
+
+def check_resumable(meta: dict, args, train: TrainConfig, fingerprint: dict, data_path: str, world_size: int) -> None:
+    saved_train = meta["train_config"]
+    saved_world = meta["run_info"].get("world_size", 1)
+    before, now = global_batch_size(saved_train, saved_world), global_batch_size(train, world_size)
+    if before != now:
+        raise CheckpointError(
+            f"--resume must keep the global batch ({before} = micro {saved_train['micro_batch_size']} x accumulation "
+            f"{saved_train['grad_accum_steps']} x {saved_world} ranks), got {now}; set --micro-batch-size/--grad-accum-steps "
+            f"(or --global-batch-size {before}) for {world_size} ranks")
+    if "max_grad_norm" not in saved_train:
+        saved_train = {**saved_train, "max_grad_norm": _clipping_before_max_grad_norm(meta["run_info"])}
+    changed = [k for k in RESUME_MUST_MATCH if saved_train.get(k) != getattr(train, k)]
+    if changed:
+        details = ", ".join(f"{k}: {saved_train.get(k)} -> {getattr(train, k)}" for k in changed)
+        flags = " ".join(f"--{k.replace('_', '-')} {saved_train.get(k)}" for k in changed)
+        raise CheckpointError(f"--resume must use the run's training settings; changed: {details} (pass {flags})")
+    info = meta["run_info"]
+    if info.get("data") != data_path:
+        raise CheckpointError(f"--resume: the run was trained on --data {info.get('data')}, not {data_path}")
+    if not same_model(info.get("model_fingerprint") or {"missing": True}, fingerprint):
+        raise CheckpointError(f"--resume: --model {args.model} is not the model this run was trained from ({info.get('model')})")
+
+
+def run_training(args, apt: APTConfig, train: TrainConfig) -> dict:
+    backend, train = make_backend(args, train)
+    result = _run_on(backend, args, apt, train)
+    backend.shutdown()  # only after success: a rank that failed has nobody to wait for
+    return result
+
+
+def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
+    out = Path(args.out)
+    check_out_dir(out, args.resume, args.overwrite)  # fail early; nothing is touched yet
+    if getattr(args, "save_eval_probe", False) and not args.eval_data:
+        raise ConfigError("--save-eval-probe needs --eval-data (the probe is the first eval batch)")
+    meta = read_meta(_checkpoint_dir(out)) if args.resume else None
+    # Validate every input before writing anything into --out.
+    data_path = args.data or str(demo_data_path())
+    records = load_records(data_path)
+    with tempfile.TemporaryDirectory(prefix="apt-tokenizer-") as staging:
+        tokenizer, model, fingerprint = _tokenizer_and_model(args, out, _texts_for_tokenizer(records), train,
+                                                             Path(staging), apt.prune, backend)
+        truncation = TruncationStats()
+        examples = tokenize_dataset(records, tokenizer, train.max_seq_len, pack=not args.no_pack, source=data_path,
+                                    stats=truncation)
+        warning = truncation.message(data_path, train.max_seq_len)
+        if warning and backend.is_main():
+            print(warning, file=sys.stderr)
+        pad_id = tokenizer.pad_token_id or 0
+        eval_batches = _eval_batches(args, tokenizer, train, backend, pad_id)
+        if meta is not None:
+            check_resumable(meta, args, train, fingerprint, data_path, backend.world_size)
+        backend.validate(model, train.grad_accum_steps, train.max_grad_norm)  # e.g. DeepSpeed JSON vs TrainConfig
+        # Absolute: the run is exported/resumed from other working directories.
+        model_ref = args.model if args.model in TINY_MODELS else str(Path(args.model).resolve())
+        run_info = {"model": model_ref, "data": data_path, "tokenizer": TOKENIZER_DIR, "method": args.method,
+                    "deepspeed": args.deepspeed, "world_size": backend.world_size, "model_fingerprint": fingerprint,
+                    "truncation": truncation.to_dict()}
+        backend.barrier()
+        replaced = prepare_out_dir(out, args.resume, args.overwrite, backend.is_main())
+        with _previous_run_back_on_failure(out, replaced):
+            if backend.is_main() and not args.resume:  # run.json first: it marks the directory as a run
+                (out / RUN_FILE).write_text(json.dumps({**run_info, "apt_config": apt.to_dict(), "train_config": train.to_dict()}, indent=1))
+                tokenizer.save_pretrained(str(out / TOKENIZER_DIR))
+            backend.barrier()
+    with _previous_run_back_on_failure(out, replaced):
+        return _train(backend, args, apt, train, out, meta, model, examples, eval_batches, pad_id, run_info, replaced)
+
+
+@contextlib.contextmanager
+def _previous_run_back_on_failure(out: Path, replaced: Path | None):
+    """--overwrite: until the new run's first checkpoint, any failure puts the previous run back.
+    A user error keeps its one line, which then also says so."""
+    try:
+        yield
+    except BaseException as err:
+        if replaced is None or not replaced.exists():
+            raise
+        restore(out, replaced)
+        back = f"the new run wrote no checkpoint; the previous run is back in {out}"
+        if isinstance(err, (ValueError, FileExistsError)):  # the CLI's one-line errors
+            raise type(err)(f"{err} ({back})") from None
+        print(f"note: {back}", file=sys.stderr)
+        raise
+
+
+def _train(backend, args, apt, train, out, meta, model, examples, eval_batches, pad_id, run_info, replaced) -> dict:
+    trainer = APTrainer(model, apt, train, backend=backend, out_dir=out, eval_batches=eval_batches, run_info=run_info)
+    if replaced is not None:  # the previous run goes once the new one can be resumed
+        trainer.checkpoint_hooks.append(lambda: discard(replaced))
+    start = 0
+    if args.resume:
+        if meta["finished"]:
+            if backend.is_main():
+                print(f"{out} already finished at step {meta['step']}; nothing to do")
+            return {"step": meta["step"], "final": True, "already_finished": True}
+        trainer.resume(out / "checkpoint")
+        # Position in the example stream, re-expressed in this run's micro-batches (the global
+        # batch is unchanged, so this is a whole number of this run's optimizer steps).
+        saved = meta["train_config"]
+        examples_done = trainer.consumed_micro_batches * saved["micro_batch_size"] * meta["run_info"].get("world_size", 1)
+        start = examples_done // (train.micro_batch_size * backend.world_size)
+        trainer.consumed_micro_batches = start
+        if backend.is_main():
+            truncate_metrics(out / "metrics.jsonl", meta["step"])
+    stream = batches(examples, train.micro_batch_size, train.seed, rank=backend.rank, world_size=backend.world_size,
+                     pad_id=pad_id, start_step=start)
+    final = trainer.train(stream, skip_consumed=False)
+    if getattr(args, "save_eval_probe", False) and eval_batches:
+        probe = trainer.probe(eval_batches[0])  # every rank: ZeRO-3 gathers weights inside forward
+        if backend.is_main():
+            save_file(probe, str(out / PROBE_FILE))
+    if backend.is_main():
+        print(json.dumps(final))
+    return final
+
+
+def _checkpoint_dir(out: Path) -> Path:
+    """The checkpoint, or the previous one if a crash interrupted the rename of a new one."""
+    current = out / "checkpoint"
+    return current if (current / "apt_state.json").is_file() else out / "checkpoint.old"
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop lines logged after the checkpoint a resumed run restarts from (they will be redone)."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line torn by the crash being resumed from
+            continue
+        if record.get("step", 0) <= step and not record.get("final"):
+            kept.append(line)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)
+
+
+def _eval_batches(args, tokenizer, train: TrainConfig, backend, pad_id: int) -> list[dict]:
+    if not args.eval_data:
+        return []
+    records = load_records(args.eval_data)
+    truncation = TruncationStats()
+    examples = tokenize_dataset(records, tokenizer, train.max_seq_len, pack=False, source=args.eval_data, stats=truncation)
+    warning = truncation.message(args.eval_data, train.max_seq_len)
+    if warning and backend.is_main():
+        print(warning, file=sys.stderr)
+    examples = examples[: args.eval_examples]
+    # Every rank must run the same number of forwards (ZeRO-3 gathers are collective).
+    examples = examples[: len(examples) - len(examples) % backend.world_size]
+    if not examples:
+        raise ConfigError(f"--eval-data {args.eval_data}: fewer usable examples than ranks ({backend.world_size})")
+    mine = examples[backend.rank :: backend.world_size]
+    size = train.micro_batch_size
+    return [collate(mine[i : i + size], pad_id=pad_id) for i in range(0, len(mine), size)]

@@ -1,0 +1,359 @@
+"""APTrainer: Algorithm 1 of APT, one loop for one process or a DeepSpeed engine.
+
+Per optimizer step: forward/backward over the gradient-accumulation micro-batches (teacher
+pass first when distilling), reduce salience and adapter importance across ranks, optimizer
+step; in the window before a pruning event move masks toward the upcoming decision; at an
+event snap masks, physically shrink, grow ranks, rebuild the optimizer carrying its state,
+and snapshot the teacher. Everything the loop needs from the executor goes through
+`TrainingBackend`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+from apt_ds.distributed.backend import LocalBackend, TrainingBackend
+from apt_ds.io.checkpoint import load_checkpoint, save_checkpoint
+from apt_ds.config import APTConfig, TrainConfig
+from apt_ds.algorithm.distill import SelfDistiller
+from apt_ds.algorithm.edits import merge_changes
+from apt_ds.training.heap import release_free_heap
+from apt_ds.io.metrics import MetricsWriter, memory_mb
+from apt_ds.distributed.placement import move_batch
+from apt_ds.algorithm.pruner import AdaptivePruner, GradualMasker
+from apt_ds.algorithm.schedule import SparsityScheduler
+from apt_ds.algorithm.state import APTModel
+from apt_ds.algorithm.tuner import AdaptiveTuner
+
+
+def warmup_cosine(warmup: int, total: int, floor: float = 0.1):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def _supervised_tokens(batch: dict) -> int:
+    """Tokens the causal-LM loss averages over (labels are shifted by one)."""
+    return int((batch["labels"][:, 1:] != -100).sum())
+
+
+def supervised_positions(labels: torch.Tensor) -> torch.Tensor:
+    """Positions whose next token is supervised in some row of the batch (read them on the host:
+    on a GPU `nonzero` waits for the device)."""
+    return (labels[:, 1:] != -100).any(0).nonzero().squeeze(1)
+
+
+def supervised_forward(forward, batch: dict, positions: torch.Tensor | None = None, **kwargs):
+    """Forward that projects onto the vocabulary only at positions predicting a supervised label.
+
+    Instruction data supervises a few response tokens per row; the (positions x vocab) logits,
+    their softmax and their gradient are then a large share of a small model's step (SmolLM2:
+    a 49k vocabulary). Positions are the union over the batch (a 1D `logits_to_keep`, which
+    every supported transformers version accepts), so the gradient is exactly that of the full
+    causal-LM loss. `positions`: `supervised_positions(labels)` computed ahead (on the host).
+    Returns (model output whose logits are (batch, kept, vocab), mean task loss, boolean
+    (batch, kept) mask of the supervised entries).
+    """
+    labels = batch["labels"]
+    targets = labels[:, 1:]  # position i predicts token i + 1
+    if positions is None:
+        positions = supervised_positions(labels)
+    positions = positions.to(labels.device, non_blocking=True)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    out = forward(**inputs, logits_to_keep=positions, **kwargs)
+    kept_targets = targets[:, positions]
+    mask = kept_targets != -100
+    logits = out.logits
+    loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), kept_targets.reshape(-1),
+                                             ignore_index=-100)
+    return out, loss, mask
+
+
+def enable_activation_checkpointing(model) -> None:
+    """Recompute each decoder layer in backward, non-reentrant (transformers >= 5 renamed the API)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.train()  # transformers checkpoints only in training mode (LLaMA has no dropout to switch on)
+
+
+def _valid_tokens(batch: dict) -> int:
+    mask = batch.get("attention_mask")
+    return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+
+
+class APTrainer:
+    def __init__(self, model, apt: APTConfig, train: TrainConfig, backend: TrainingBackend | None = None,
+                 out_dir: str | Path | None = None, eval_batches: list[dict] | None = None, progress: bool = True,
+                 run_info: dict | None = None):
+        self.apt_config, self.train_config = apt, train
+        self.backend = backend or LocalBackend()
+        self.out_dir = Path(out_dir) if out_dir else None
+        self.eval_batches = eval_batches or []
+        self.progress = progress
+        self.run_info = run_info or {}
+        torch.manual_seed(train.seed)
+        self.device = self.backend.device
+        self.backend.place(model)  # before adapters and masks are made: they follow the model's device
+        if train.gradient_checkpointing:
+            # Non-reentrant: the first forward runs with gradients, so salience hooks see it once
+            # (apt_ds.algorithm.salience skips the recomputation) and its tensors receive the gradients.
+            enable_activation_checkpointing(model)
+        self.state = APTModel(model, apt, seed=train.seed, reduce_sum=self.backend.all_reduce_sum,
+                              world_size=self.backend.world_size, device=self.device)
+        self.model = model
+        self.schedule = SparsityScheduler(apt)
+        self.pruner = AdaptivePruner(apt)
+        self.masker = GradualMasker(apt.mask_decay_step)
+        self.tuner = AdaptiveTuner(apt)
+        self.distiller = SelfDistiller(apt, len(self.state.shape.layers), seed=train.seed)
+        self.growth_generator = torch.Generator().manual_seed(train.seed + 1)
+        self.consumed_micro_batches = 0
+        self.teacher_ready = False
+        self.checkpoint_hooks: list = []  # called once each, on the main rank, after the next checkpoint
+        self.history: list[dict] = []
+        self.backend.attach(model, train.lr, warmup_cosine(train.warmup_steps, train.steps), train.weight_decay,
+                            train.grad_accum_steps, max_grad_norm=train.max_grad_norm)
+        self.metrics = MetricsWriter(self.out_dir / "metrics.jsonl" if self.out_dir and self.backend.is_main() else None)
+
+    # ---- public ----------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        return self.backend.optimizer_steps
+
+    def resume(self, checkpoint_dir: str | Path) -> None:
+        load_checkpoint(self, Path(checkpoint_dir))
+
+    def train(self, batches: Iterator[dict], skip_consumed: bool = True) -> dict:
+        """Train to `steps`. A resumed trainer skips the micro-batches it already consumed,
+        unless the iterator already starts after them (`skip_consumed=False`)."""
+        cfg = self.train_config
+        for _ in range(self.consumed_micro_batches if skip_consumed else 0):
+            next(batches)
+        # `with`: an error closes the bar first, so its message starts a line of its own
+        with tqdm(total=cfg.steps, initial=self.step, disable=not (self.progress and self.backend.is_main()), desc="apt") as bar:
+            while self.step < cfg.steps:
+                record = self._train_step(batches)
+                record.update(self._after_step())
+                if self.step % cfg.log_every == 0 or record.get("event") or self.step == cfg.steps:
+                    self._log(record)
+                bar.update(1)
+                bar.set_postfix(self._progress_fields(record))
+                if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < cfg.steps:
+                    self.save()
+        final = {"step": self.step, "final": True, "density": self.state.density(), "world_size": self.backend.world_size,
+                 **self._sizes(), **memory_mb()}
+        if self.run_info.get("truncation"):  # what --max-seq-len cut from the training data
+            final["truncation"] = self.run_info["truncation"]
+        if self.eval_batches:
+            final["eval_loss"] = self.evaluate()
+        self.metrics.write(final)
+        self.history.append(final)
+        if self.out_dir:
+            self.save()
+            self._write_rank_record()
+        return final
+
+    def _write_rank_record(self) -> None:
+        """Each rank's final kept units and ranks, so identical decisions can be verified."""
+        directory = self.out_dir / "ranks"
+        directory.mkdir(parents=True, exist_ok=True)
+        record = {"rank": self.backend.rank, "world_size": self.backend.world_size, "kept": self.state.kept_record(),
+                  "ranks": self.state.ranks(), "shape": self.state.shape.to_dict()}
+        (directory / f"rank{self.backend.rank}.json").write_text(json.dumps(record))
+
+    def save(self) -> None:
+        save_checkpoint(self, self.out_dir / "checkpoint")
+        hooks, self.checkpoint_hooks = self.checkpoint_hooks, []
+        for hook in hooks if self.backend.is_main() else []:
+            hook()
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean token loss over the eval batches (summed over ranks before dividing)."""
+        totals = torch.zeros(2, dtype=torch.float64)
+        was_enabled = self.state.salience.enabled
+        self.state.salience.enabled = False
+        for batch in self.eval_batches:
+            positions = supervised_positions(batch["labels"])
+            _, loss, supervised = supervised_forward(self.backend.forward_no_grad, move_batch(batch, self.device), positions)
+            tokens = int(supervised.sum())
+            if tokens:
+                totals += torch.tensor([float(loss) * tokens, float(tokens)], dtype=torch.float64)
+        self.state.salience.enabled = was_enabled
+        totals = self.backend.all_reduce_sum(totals)
+        return float(totals[0] / totals[1].clamp_min(1))
+
+    # ---- one optimizer step --------------------------------------------------------------
+    def _train_step(self, batches) -> dict:
+        started = time.perf_counter()
+        step = self.step
+        collect = self.schedule.collects_salience(step)
+        self.state.salience.enabled = collect
+        mu = self.schedule.distill_weight(step) if self.teacher_ready else 0.0
+        gas, world = self.train_config.grad_accum_steps, self.backend.world_size
+        micro_batches = [next(batches) for _ in range(gas)]
+        self.consumed_micro_batches += gas
+        # Normalise by the GLOBAL token counts of this step, so that the gradient (and hence
+        # salience) is the same however the global batch is split over ranks/micro-batches:
+        # each micro-batch's mean loss is turned into its token sum / global token count.
+        # Counts and logit positions come from the host batches; the only per-step device sync
+        # besides the logged metrics is this 2-number all-reduce, needed to scale the losses.
+        counts = torch.tensor([[_supervised_tokens(b), _valid_tokens(b)] for b in micro_batches], dtype=torch.float64)
+        totals = self.backend.all_reduce_sum(counts.sum(0).clone()).clamp_min(1.0)
+        positions = [supervised_positions(b["labels"]) for b in micro_batches]
+        sums = torch.zeros(3, dtype=torch.float32, device=self.device)  # token sums: task loss, distill KL, distill MSE
+        for batch, batch_positions, (n_task, n_valid) in zip(micro_batches, positions, counts):
+            task_loss, kl_sum, mse_sum = self._losses(move_batch(batch, self.device), batch_positions, mu)
+            task_loss = torch.nan_to_num(task_loss)  # a micro-batch without supervised tokens
+            scaled = task_loss * float(n_task * world * gas / totals[0])
+            if mu > 0:
+                distill = kl_sum * float(world * gas / totals[0]) + mse_sum * float(world * gas / totals[1])
+                scaled = (1 - mu) * scaled + mu * distill
+            self.backend.backward(scaled)
+            sums += torch.stack([task_loss.detach().float() * float(n_task), kl_sum.detach().float(), mse_sum.detach().float()])
+        if collect:
+            self.state.salience.end_step()
+            if self.apt_config.grow_ranks:
+                self.tuner.accumulate(self.state.adapters, self.backend.full_param, self.backend.full_grad)
+        lr = self.backend.lr
+        self.backend.step()
+        task_sum, kl_total, mse_total = self.backend.all_reduce_sum(sums).double().tolist()  # the metrics: one read
+        task_mean = task_sum / float(totals[0])
+        distill_mean = kl_total / float(totals[0]) + mse_total / float(totals[1])
+        return {
+            "step": self.step, "loss": (1 - mu) * task_mean + mu * distill_mean, "task_loss": task_mean,
+            "distill_loss": distill_mean, "mu": mu, "lr": lr, "grad_norm": self.backend.grad_norm,
+            "step_time_s": time.perf_counter() - started,
+        }
+
+    def _losses(self, batch: dict, positions: torch.Tensor, mu: float):
+        """(mean task loss, distill KL token sum, distill MSE token sum) of one micro-batch on the device."""
+        if mu <= 0:
+            _, loss, _ = supervised_forward(self.backend.forward, batch, positions)
+            zero = torch.zeros((), device=loss.device)
+            return loss, zero, zero
+        layers = self.distiller.sample_layers()
+        with self.distiller.teacher_mode(self.model, [self.state.masks, self.state.salience]):
+            teacher, _, _ = supervised_forward(self.backend.forward_no_grad, batch, positions, output_hidden_states=True)
+        student, loss, supervised = supervised_forward(self.backend.forward, batch, positions, output_hidden_states=True)
+        valid = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()
+        # The logit KL is taken where the task loss is: positions that predict a supervised label
+        # (the response of instruction data; every real token of text data).
+        kl_sum, mse_sum = self.distiller.loss_sums(self.model, student, teacher, layers, valid, supervised)
+        return loss, kl_sum, mse_sum
+
+    def probe(self, batch: dict, new_tokens: int = 20) -> dict[str, torch.Tensor]:
+        """The live (masked, possibly sharded) model's logits on `batch` and its greedy
+        continuation of the batch's first row, for checking an export against the run.
+        Every rank must call it: ZeRO-3 gathers weights inside forward."""
+        was_enabled = self.state.salience.enabled
+        self.state.salience.enabled = False
+        try:
+            inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+            inputs = move_batch(inputs, self.device)
+            logits = self.backend.forward_no_grad(**inputs, use_cache=False).logits.float()
+            ids = inputs["input_ids"][:1, : int(batch["attention_mask"][0].sum())]
+            step_logits = []  # each greedy step's next-token logits: informative even when argmax repeats
+            for _ in range(new_tokens):  # no KV cache: the plain forward the engine runs in training
+                last = self.backend.forward_no_grad(input_ids=ids, use_cache=False).logits[0, -1].float()
+                step_logits.append(last)
+                ids = torch.cat([ids, last.argmax().view(1, 1)], 1)
+        finally:
+            self.state.salience.enabled = was_enabled
+        probe = {**inputs, "logits": logits, "greedy": ids, "greedy_logits": torch.stack(step_logits)}
+        return {k: v.cpu().contiguous() for k, v in probe.items()}
+
+    # ---- pruning events ------------------------------------------------------------------
+    def _after_step(self) -> dict:
+        step, record = self.step, {"event": False}
+        scores = self.state.salience
+        if self.schedule.is_event(step) and scores.has_scores:
+            record.update(self._pruning_event(step))
+        elif self.schedule.in_decay_window(step) and scores.has_scores:
+            upcoming = self.schedule.next_event(step)
+            decision = self._decide(self.schedule.density(upcoming))
+            self.masker.step_toward(self.state.masks, decision)
+        if self.apt_config.prune and not self.teacher_ready and step >= self.apt_config.pruning_start_step and self.apt_config.distill:
+            self._snapshot_teacher()
+        return record
+
+    def _decide(self, density: float):
+        target = density * self.state.original_shape.budget_params(self.apt_config.count_embeddings)
+        s = self.state.salience
+        return self.pruner.decide(self.state.shape, s.group_scores, s.neuron_scores, s.hidden_scores, target)
+
+    def _pruning_event(self, step: int) -> dict:
+        started = time.perf_counter()
+        decision = self._decide(self.schedule.density(step))
+        prints = self.backend.all_gather_object(decision.fingerprint())
+        if len(set(prints)) != 1:
+            raise RuntimeError(f"pruning decisions differ across ranks at step {step}: {prints}")
+        self.masker.snap(self.state.masks, decision)
+        access = self.backend.param_access()
+
+        def change_fn():
+            change = self.state.shrink(decision, access) if decision.removes_anything() else {}
+            growth = {}
+            if self.apt_config.grow_ranks:
+                plan = self.tuner.plan_growth(self.state.adapters, self.schedule.tuning_budget_multiple(step))
+                for name in sorted(plan):  # same order on every rank: ZeRO-3 reads are collective
+                    growth.update(self.state.grow_rank(name, plan[name], access, self.growth_generator))
+            return merge_changes(change, growth)
+
+        self.backend.apply_shape_change(change_fn)
+        ranks = self.backend.all_gather_object((self.state.kept_record(), self.state.ranks()))
+        if any(r != ranks[0] for r in ranks):
+            raise RuntimeError(f"shapes or ranks differ across ranks after the pruning event at step {step}")
+        if self.apt_config.distill:
+            self._snapshot_teacher()
+        if decision.removes_anything():
+            release_free_heap()  # the removed units' memory, or RSS would not drop (apt_ds.training.heap)
+        record = {"event": True, "event_time_s": time.perf_counter() - started, "decision": decision.fingerprint()[:16]}
+        if self.eval_batches:
+            record["eval_loss"] = self.evaluate()
+        return record
+
+    def _snapshot_teacher(self) -> None:
+        self.distiller.snapshot(self.model, self.backend.full_param)
+        self.teacher_ready = True
+
+    # ---- metrics -------------------------------------------------------------------------
+    def _progress_fields(self, record: dict) -> dict:
+        """The task loss (comparable across steps) and, on distillation steps, the distillation
+        loss beside it: their weighted mix swings with mu and says little about progress."""
+        fields = {"task_loss": f"{record['task_loss']:.3f}"}
+        if record.get("mu", 0) > 0:
+            fields["distill"] = f"{record['distill_loss']:.3f}"
+        fields["density"] = f"{self.state.density():.2f}"  # also on steps --log-every does not log
+        return fields
+
+    def _sizes(self) -> dict:
+        return {
+            "block_params": self.state.block_params(),
+            "total_params": self.state.shape.total_params(),
+            "adapter_params": self.state.adapter_params(),
+            "total_rank": self.state.total_rank(),
+        }
+
+    def _log(self, record: dict) -> None:
+        record.update(self._sizes())
+        record["density"] = self.state.density()
+        record["world_size"] = self.backend.world_size
+        record["time"] = round(time.time(), 3)  # wall clock: lines up with external memory samples
+        record.update(memory_mb())
+        self.metrics.write(record)
+        self.history.append(record)

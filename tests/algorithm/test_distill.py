@@ -1,0 +1,179 @@
+"""Self-distillation: teacher mode (snapshot adapters, no masks), transform layer, the loss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from apt_ds.algorithm.adapters import add_adapters
+from apt_ds.config import APTConfig
+from apt_ds.algorithm.distill import (TRANSFORM_ATTR, SelfDistiller, attach_transform, relative_squared_error,
+                             student_adapters)
+from apt_ds.algorithm.masks import UnitMasks
+from apt_ds.algorithm.salience import SalienceCollector
+from apt_ds.algorithm.units import ModelShape
+
+from conftest import random_batch, tiny_llama
+
+TARGETS = ("q_proj", "v_proj", "down_proj")
+
+
+def _set_b(adapters, seed, std=0.05):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name in sorted(adapters):
+            adapters[name].lora_B.copy_(std * torch.randn(adapters[name].lora_B.shape, generator=gen))
+
+
+def _student(kind="gqa"):
+    model = tiny_llama(kind)
+    adapters = add_adapters(model, TARGETS, rank=4, alpha=8.0, seed=0)
+    attach_transform(model, model.config.hidden_size, rank=2, alpha=4.0, seed=0)
+    return model, adapters
+
+
+def test_teacher_mode_uses_snapshot_and_no_masks():
+    model, adapters = _student("gqa")
+    _set_b(adapters, seed=1)
+    distiller = SelfDistiller(APTConfig(), num_layers=2)
+    distiller.snapshot(model)
+    _set_b(adapters, seed=2)  # the student trains on after the snapshot
+    shape = ModelShape.from_model(model)
+    masks = UnitMasks(shape)
+    masks.install(model)
+    masks.kv_group[0] = torch.tensor([1.0, 0.0])
+    masks.ffn_neuron[1][::3] = 0.3
+    masks.hidden[::5] = 0.0
+    masks.refresh()
+    salience = SalienceCollector(shape, beta=0.85, use_kurtosis=False)
+    salience.install(model)
+
+    # reference: an unmasked model with the snapshot's adapter weights
+    reference, ref_adapters = _student("gqa")
+    _set_b(ref_adapters, seed=1)
+    batch = random_batch()
+    with torch.no_grad():
+        expected_teacher = reference(**batch).logits
+        student = model(**batch).logits
+        with distiller.teacher_mode(model, [masks, salience]):
+            assert not masks.enabled and not salience.enabled
+            assert all(a.use_teacher for a in student_adapters(model).values())
+            teacher = model(**batch).logits
+        after = model(**batch).logits
+    torch.testing.assert_close(teacher, expected_teacher, rtol=0, atol=1e-6)
+    assert (student - expected_teacher).abs().max() > 1e-3  # student is masked and has other adapters
+    torch.testing.assert_close(after, student, rtol=0, atol=0)  # everything restored
+    assert masks.enabled and salience.enabled
+    assert not any(a.use_teacher for a in student_adapters(model).values())
+    assert float(salience.tokens) == 0  # no salience collected from the teacher (no_grad + disabled)
+
+
+def test_teacher_mode_restores_switches_on_error():
+    model, _ = _student("mha")
+    masks = UnitMasks(ModelShape.from_model(model))
+    masks.enabled = True
+    distiller = SelfDistiller(APTConfig(), num_layers=2)
+    with pytest.raises(RuntimeError):
+        with distiller.teacher_mode(model, [masks]):
+            raise RuntimeError("boom")
+    assert masks.enabled
+    assert not any(a.use_teacher for a in student_adapters(model).values())
+
+
+def test_transform_is_identity_at_init_and_not_a_student_adapter():
+    model, adapters = _student("gqa_tied")
+    transform = getattr(model, TRANSFORM_ATTR)
+    x = torch.randn(2, 5, model.config.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(transform(x), x, rtol=0, atol=0)
+    assert set(student_adapters(model)) == set(adapters)
+    assert not any(n.startswith(TRANSFORM_ATTR) for n in student_adapters(model))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert {f"{TRANSFORM_ATTR}.lora_A", f"{TRANSFORM_ATTR}.lora_B"} <= trainable
+    assert not transform.weight.requires_grad
+
+
+def test_distill_loss_is_zero_for_identical_outputs_and_positive_otherwise():
+    model, adapters = _student("gqa")
+    _set_b(adapters, seed=3)
+    distiller = SelfDistiller(APTConfig(), num_layers=2)
+    batch = random_batch()
+    valid = batch["attention_mask"].bool()
+    with torch.no_grad():
+        out = model(**batch, output_hidden_states=True)
+        same = model(**batch, output_hidden_states=True)
+        assert float(distiller.loss(model, out, same, [0, 1], valid)) == pytest.approx(0.0, abs=1e-7)
+        _set_b(adapters, seed=4)
+        other = model(**batch, output_hidden_states=True)
+        assert float(distiller.loss(model, other, out, [0, 1], valid)) > 1e-6
+
+
+def test_distill_loss_formula():
+    cfg = APTConfig(distill_kl_weight=0.3, distill_mse_weight=0.7, distill_temperature=0.5)
+    model, adapters = _student("gqa")
+    distiller = SelfDistiller(cfg, num_layers=2)
+    batch = random_batch(batch=3, length=7)
+    valid = torch.ones(3, 7, dtype=torch.bool)
+    valid[1, 4:] = False
+    with torch.no_grad():
+        _set_b(adapters, seed=5)
+        teacher = model(**batch, output_hidden_states=True)
+        _set_b(adapters, seed=6)
+        student = model(**batch, output_hidden_states=True)
+        transform = getattr(model, TRANSFORM_ATTR)
+        transform.lora_B.normal_(0, 0.01)  # transform no longer the identity
+        got = distiller.loss(model, student, teacher, [1], valid)
+        T = 0.5
+        t_p = F.softmax(teacher.logits / T, -1)
+        kl = (t_p * (F.log_softmax(teacher.logits / T, -1) - F.log_softmax(student.logits / T, -1))).sum(-1)
+        kl = kl[valid].mean() * T**2
+        t_h = teacher.hidden_states[2]
+        mse = ((transform(student.hidden_states[2]) - t_h).pow(2).mean(-1) / t_h.pow(2).mean(-1))[valid].mean()
+    torch.testing.assert_close(got, 0.3 * kl + 0.7 * mse, rtol=1e-5, atol=1e-8)
+    assert float(kl) > 0 and float(mse) > 0
+
+
+def test_hidden_state_error_is_relative_to_each_teacher_token():
+    """A 1000x "massive activation" token with the same relative error as the others weighs
+    the same; with a plain MSE it would carry ~10^6 times their weight."""
+    gen = torch.Generator().manual_seed(0)
+    teacher = torch.randn(2, 5, 16, generator=gen)
+    teacher[:, 0] *= 1000.0
+    student = teacher * 1.1  # 10% error on every token
+    per_token = relative_squared_error(student, teacher)
+    assert per_token.shape == (2, 5)
+    torch.testing.assert_close(per_token, torch.full((2, 5), 0.01))
+    plain = (student - teacher).pow(2).mean(-1)
+    assert float(plain[:, 0].mean() / plain[:, 1:].mean()) > 1e5
+    moved = student.clone()
+    moved[:, 2] += 0.5 * teacher[:, 2].pow(2).mean(-1, keepdim=True).sqrt()  # error of half the token's RMS
+    assert float(relative_squared_error(moved, teacher)[0, 2]) > float(per_token[0, 2]) + 0.1
+
+
+def test_zero_teacher_token_at_a_padded_position_stays_finite():
+    teacher = torch.randn(1, 4, 8)
+    teacher[0, 3] = 0.0  # a padded position can be all zeros
+    student = (3e4 * torch.randn(1, 4, 8)).requires_grad_()  # massive-activation sized
+    valid = torch.tensor([[True, True, True, False]])
+    loss = (relative_squared_error(student, teacher) * valid.float()).sum()
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(student.grad).all()
+    assert float(student.grad[0, 3].abs().max()) == 0.0
+
+
+def test_sample_layers_one_per_block():
+    cfg = APTConfig(distill_num_blocks=4)
+    distiller = SelfDistiller(cfg, num_layers=10, seed=3)
+    blocks = [list(b) for b in torch.arange(10).tensor_split(4)]
+    seen = set()
+    for _ in range(50):
+        layers = distiller.sample_layers()
+        assert len(layers) == 4
+        assert all(layer in block for layer, block in zip(layers, blocks))
+        seen.update(layers)
+    assert seen == set(range(10))  # every layer gets sampled
+    again = SelfDistiller(cfg, num_layers=10, seed=3)
+    first = SelfDistiller(cfg, num_layers=10, seed=3).sample_layers()
+    assert again.sample_layers() == first  # deterministic per seed
+    assert SelfDistiller(cfg, num_layers=2).sample_layers() == [0, 1]  # fewer layers than blocks

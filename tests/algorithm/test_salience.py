@@ -1,0 +1,325 @@
+"""Salience scores: definition, invariance to micro-batching and data-parallel splits, kurtosis."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from apt_ds.algorithm.adapters import add_adapters
+from apt_ds.algorithm.salience import SalienceCollector, column_power_sums, unit_kurtosis
+from apt_ds.algorithm.units import ModelShape
+
+from conftest import random_batch, tiny_llama
+
+
+def _model(kind="gqa", seed=0):
+    model = tiny_llama(kind, seed=seed)
+    adapters = add_adapters(model, ("q_proj", "v_proj", "o_proj"), rank=4, alpha=8.0, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for adapter in adapters.values():
+            adapter.lora_B.copy_(0.05 * torch.randn(adapter.lora_B.shape, generator=gen))
+    return model
+
+
+def _halves(batch):
+    return [{k: v[:4] for k, v in batch.items()}, {k: v[4:] for k, v in batch.items()}]
+
+
+def _collect(model, collector, micro_batches, scale):
+    collector.install(model)
+    try:
+        for mb in micro_batches:
+            (model(**mb).loss * scale).backward()
+    finally:
+        collector.remove()
+
+
+def _assert_scores_close(a: SalienceCollector, b: SalienceCollector, rtol=1e-5):
+    for x, y in zip(a.group_scores, b.group_scores):
+        torch.testing.assert_close(x, y, rtol=rtol, atol=0)
+    for x, y in zip(a.neuron_scores, b.neuron_scores):
+        torch.testing.assert_close(x, y, rtol=rtol, atol=1e-12)
+    torch.testing.assert_close(a.hidden_scores, b.hidden_scores, rtol=rtol, atol=0)
+
+
+def test_scores_follow_the_definition():
+    """S_j = (sum |X_j|) (sum |dL/dX_j|), summed per group / over hidden sites."""
+    model = _model("gqa")
+    shape = ModelShape.from_model(model)
+    batch = random_batch(batch=4)
+    captured = {}
+
+    def keep_input(name):
+        def hook(module, args):
+            args[0].retain_grad()
+            captured[name] = args[0]
+        return hook
+
+    def keep_output(name):
+        def hook(module, args, output):
+            output.retain_grad()
+            captured[name] = output
+        return hook
+
+    handles = []
+    for l, layer in enumerate(model.model.layers):
+        handles += [layer.self_attn.o_proj.register_forward_pre_hook(keep_input(f"o_in{l}")),
+                    layer.self_attn.o_proj.register_forward_hook(keep_output(f"o_out{l}")),
+                    layer.mlp.down_proj.register_forward_pre_hook(keep_input(f"d_in{l}")),
+                    layer.mlp.down_proj.register_forward_hook(keep_output(f"d_out{l}"))]
+    collector = SalienceCollector(shape, beta=0.85, use_kurtosis=False)
+    _collect(model, collector, [batch], 1.0)
+    for h in handles:
+        h.remove()
+    collector.end_step()
+
+    def channel(t):
+        return (t.detach().abs().sum((0, 1)) * t.grad.abs().sum((0, 1))).float()  # scores are fp32 on the model device
+
+    hidden = 0
+    for l, layer in enumerate(shape.layers):
+        groups = channel(captured[f"o_in{l}"]).reshape(-1, layer.group_size * layer.head_dim).sum(-1)
+        torch.testing.assert_close(collector.group_scores[l], groups, rtol=1e-5, atol=0)
+        torch.testing.assert_close(collector.neuron_scores[l], channel(captured[f"d_in{l}"]), rtol=1e-5, atol=1e-12)
+        hidden = hidden + channel(captured[f"o_out{l}"]) + channel(captured[f"d_out{l}"])
+        assert collector.group_scores[l].shape == (layer.num_kv_groups,)
+        assert bool((collector.group_scores[l] > 0).all())
+    torch.testing.assert_close(collector.hidden_scores, hidden, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("use_kurtosis", [False, True])
+def test_gradient_accumulation_gives_the_same_scores(use_kurtosis):
+    model = _model("gqa")
+    shape = ModelShape.from_model(model)
+    batch = random_batch(batch=8, seed=3)
+    whole = SalienceCollector(shape, beta=0.85, use_kurtosis=use_kurtosis)
+    _collect(model, whole, [batch], 1.0)
+    whole.end_step()
+    accumulated = SalienceCollector(shape, beta=0.85, use_kurtosis=use_kurtosis)
+    _collect(model, accumulated, _halves(batch), 0.5)  # what 2-step gradient accumulation does
+    accumulated.end_step()
+    _assert_scores_close(whole, accumulated)
+    # and a single half alone is different: the test can tell the two apart
+    half = SalienceCollector(shape, beta=0.85, use_kurtosis=use_kurtosis)
+    _collect(model, half, _halves(batch)[:1], 1.0)
+    half.end_step()
+    assert not torch.allclose(half.hidden_scores, whole.hidden_scores, rtol=1e-3)
+
+
+class _ThreadAllReduce:
+    """An all-reduce(sum) between threads that play the ranks (summation order is fixed)."""
+
+    def __init__(self, world_size: int):
+        self.barrier = threading.Barrier(world_size, timeout=60)
+        self.slots: list[torch.Tensor | None] = [None] * world_size
+        self.calls = 0
+
+    def for_rank(self, rank: int):
+        def reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+            self.slots[rank] = tensor.clone()
+            self.barrier.wait()
+            total = self.slots[0].clone()
+            for other in self.slots[1:]:
+                total += other
+            self.barrier.wait()
+            if rank == 0:
+                self.calls += 1
+            return total
+
+        return reduce_sum
+
+
+@pytest.mark.parametrize("use_kurtosis", [False, True])
+def test_two_ranks_with_half_batches_match_one_rank(use_kurtosis):
+    model = _model("gqa_tied")
+    shape = ModelShape.from_model(model)
+    batch = random_batch(batch=8, seed=5)
+    single = SalienceCollector(shape, beta=0.85, use_kurtosis=use_kurtosis)
+    _collect(model, single, [batch], 1.0)
+    single.end_step()
+
+    comm = _ThreadAllReduce(2)
+    ranks = [SalienceCollector(shape, 0.85, use_kurtosis, reduce_sum=comm.for_rank(r), world_size=2) for r in range(2)]
+    for rank, half in zip(ranks, _halves(batch)):
+        _collect(model, rank, [half], 1.0)  # each rank: loss = mean over its own half (DDP averages grads)
+    errors = []
+
+    def run(collector):
+        try:
+            collector.end_step()
+        except Exception as err:  # surfaced below
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(c,)) for c in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and comm.calls >= 1
+    for t in threads:
+        assert not t.is_alive()
+    _assert_scores_close(ranks[0], ranks[1], rtol=0)  # identical on every rank
+    _assert_scores_close(single, ranks[0])
+
+
+# ---- kurtosis -------------------------------------------------------------------------------------
+
+def numpy_kurtosis(entries: np.ndarray) -> float:
+    """Fisher (excess) kurtosis with biased moments, computed directly (= scipy.stats.kurtosis defaults)."""
+    centered = entries - entries.mean()
+    return float((centered**4).mean() / (centered**2).mean() ** 2 - 3.0)
+
+
+def _numpy_unit_kurtosis(mean_x: np.ndarray, weight: np.ndarray, width: int) -> np.ndarray:
+    out = []
+    for unit in range(weight.shape[1] // width):
+        cols = slice(unit * width, (unit + 1) * width)
+        entries = (mean_x[None, cols] * weight[:, cols]).ravel()
+        out.append(numpy_kurtosis(entries))
+    return np.array(out)
+
+
+@pytest.mark.parametrize("width", [1, 8, 32])
+def test_unit_kurtosis_matches_numpy(width):
+    torch.manual_seed(width)
+    gen = torch.Generator().manual_seed(width)
+    rows, units = 48, 6
+    weight = torch.randn(rows, units * width, generator=gen, dtype=torch.float64)
+    weight[:, : 2 * width] = torch.distributions.StudentT(3.0).sample((rows, 2 * width)).double()  # heavy tails
+    weight[:, 2 * width : 3 * width] = torch.rand(rows, width, generator=gen, dtype=torch.float64)  # negative kurtosis
+    mean_x = torch.randn(units * width, generator=gen, dtype=torch.float64)
+    mean_x[2 * width : 3 * width] = 0.7  # O of that unit stays uniform: negative excess kurtosis
+    ours = unit_kurtosis(mean_x, column_power_sums(weight), rows=rows, unit_width=width)
+    expected = _numpy_unit_kurtosis(mean_x.numpy(), weight.numpy(), width)
+    np.testing.assert_allclose(ours.numpy(), expected, rtol=1e-8, atol=1e-8)
+    assert (expected < 0).any() and (expected > 0.5).any()
+
+
+def test_unit_kurtosis_uses_only_the_units_own_entries():
+    """Changing one unit's columns changes only that unit's kurtosis (no mixing across units)."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(32, 4 * 16, generator=gen, dtype=torch.float64)
+    mean_x = torch.randn(64, generator=gen, dtype=torch.float64)
+    before = unit_kurtosis(mean_x, column_power_sums(weight), 32, 16)
+    weight[3, 16 + 5] = 40.0  # an outlier in unit 1
+    after = unit_kurtosis(mean_x, column_power_sums(weight), 32, 16)
+    changed = (after - before).abs() > 1e-9
+    assert changed.tolist() == [False, True, False, False]
+    assert float(after[1]) > float(before[1]) + 5
+
+
+def test_collector_kurtosis_term_matches_direct_computation():
+    torch.manual_seed(0)
+    model = _model("gqa", seed=2)
+    shape = ModelShape.from_model(model)
+    layer0 = shape.layers[0]
+    width = layer0.group_size * layer0.head_dim
+    with torch.no_grad():  # give group 0 and some neurons heavy-tailed weights so the term is not zero
+        o_proj = model.model.layers[0].self_attn.o_proj
+        o_proj.weight[:, :width] = 0.02 * torch.distributions.StudentT(2.5).sample((shape.hidden, width))
+        down = model.model.layers[1].mlp.down_proj
+        down.weight[:, :10] = 0.02 * torch.distributions.StudentT(2.5).sample((shape.hidden, 10))
+    means = {}
+
+    def mean_input(name):
+        def hook(module, args):
+            x = args[0].detach().double()
+            means[name] = x.reshape(-1, x.shape[-1]).mean(0)
+        return hook
+
+    handles = [model.model.layers[l].self_attn.o_proj.register_forward_pre_hook(mean_input(f"o{l}")) for l in range(2)]
+    handles += [model.model.layers[l].mlp.down_proj.register_forward_pre_hook(mean_input(f"d{l}")) for l in range(2)]
+    with_k = SalienceCollector(shape, beta=0.85, use_kurtosis=True)
+    without = SalienceCollector(shape, beta=0.85, use_kurtosis=False)
+    with_k.install(model)
+    without.install(model)
+    model(**random_batch(batch=4, seed=9)).loss.backward()
+    for h in handles:
+        h.remove()
+    with_k.end_step()
+    without.end_step()
+    positive = 0
+    for l in range(2):
+        o_weight = model.model.layers[l].self_attn.o_proj.merged_weight().double().numpy()  # o_proj has an adapter
+        d_weight = model.model.layers[l].mlp.down_proj.weight.detach().double().numpy()
+        for kind, got, base, mean_x, weight, w in (
+            ("group", with_k.group_scores[l], without.group_scores[l], means[f"o{l}"], o_weight, width),
+            ("neuron", with_k.neuron_scores[l], without.neuron_scores[l], means[f"d{l}"], d_weight, 1),
+        ):
+            kurt = _numpy_unit_kurtosis(mean_x.numpy(), weight, w)
+            expected = np.sqrt(np.maximum(kurt, 0.0))
+            np.testing.assert_allclose((got - base).numpy(), expected, rtol=1e-5, atol=1e-6, err_msg=f"{kind} layer {l}")
+            positive += int((expected > 0.5).sum())
+    assert positive >= 10
+
+
+def test_power_sums_are_recomputed_only_for_weights_that_change():
+    """Frozen o_proj/down_proj: power sums computed once per shape; an adapted o_proj: every step,
+    from the weight as updated by the optimizer."""
+    model = _model("gqa", seed=3)  # o_proj carries an adapter, down_proj is frozen
+    shape = ModelShape.from_model(model)
+    collector = SalienceCollector(shape, beta=0.85, use_kurtosis=True)
+    collector.install(model)
+    model(**random_batch(batch=2, seed=4)).loss.backward()
+    collector.end_step()
+    frozen_sums, adapted_sums = collector.ffn_sites[0].power_sums, collector.attn_sites[0].power_sums
+    o_proj = model.model.layers[0].self_attn.o_proj
+    with torch.no_grad():
+        o_proj.lora_B.add_(0.5)  # what an optimizer step does to the effective weight
+    model(**random_batch(batch=2, seed=5)).loss.backward()
+    collector.end_step()
+    assert collector.ffn_sites[0].power_sums is frozen_sums  # not recomputed
+    torch.testing.assert_close(collector.attn_sites[0].power_sums, column_power_sums(o_proj.merged_weight()))
+    assert not torch.allclose(collector.attn_sites[0].power_sums, adapted_sums)
+
+
+# ---- EMA, masks of state ---------------------------------------------------------------------------
+
+def test_ema_disabled_collection_and_keep():
+    model = _model("mha")
+    shape = ModelShape.from_model(model)
+    collector = SalienceCollector(shape, beta=0.85, use_kurtosis=False)
+    collector.install(model)
+    model(**random_batch(seed=1)).loss.backward()
+    collector.end_step()
+    first = [s.clone() for s in collector.neuron_scores]
+    probe = SalienceCollector(shape, beta=0.85, use_kurtosis=False)
+    probe.install(model)
+    model(**random_batch(seed=2)).loss.backward()
+    collector.end_step()
+    probe.end_step()
+    for old, new, ema in zip(first, probe.neuron_scores, collector.neuron_scores):
+        torch.testing.assert_close(ema, 0.85 * old + 0.15 * new, rtol=1e-12, atol=0)
+    probe.remove()
+
+    # no collection while disabled or under no_grad
+    before = collector.hidden_scores.clone()
+    collector.enabled = False
+    model(**random_batch(seed=3)).loss.backward()
+    collector.enabled = True
+    with torch.no_grad():
+        model(**random_batch(seed=4))
+    assert all(bool((s.act_abs == 0).all()) for s in collector.hidden_sites)
+    assert float(collector.tokens) == 0
+
+    # after a shrink, removed units drop out of the EMA vectors
+    groups = [torch.tensor([0, 2, 3]), torch.tensor([1])]
+    neurons = [torch.arange(0, 96, 2), torch.arange(10)]
+    hidden = torch.arange(1, 64, 3)
+    new_shape = ModelShape(len(hidden), tuple(
+        type(l)(len(g), l.group_size, l.head_dim, len(n)) for l, g, n in zip(shape.layers, groups, neurons)),
+        shape.vocab, shape.tied_embeddings)
+    old_groups = [s.clone() for s in collector.group_scores]
+    collector.keep(new_shape, groups, neurons, hidden)
+    assert torch.equal(collector.hidden_scores, before[hidden])
+    assert all(torch.equal(s, o[g]) for s, o, g in zip(collector.group_scores, old_groups, groups))
+    assert [s.numel() for s in collector.neuron_scores] == [48, 10]
+    assert collector.attn_sites[1].act_abs.numel() == new_shape.layers[1].num_q_heads * new_shape.layers[1].head_dim
+    state = collector.state_dict()
+    other = SalienceCollector(new_shape, beta=0.85, use_kurtosis=False)
+    other.load_state_dict(state)
+    assert torch.equal(other.hidden_scores, collector.hidden_scores)

@@ -1,0 +1,245 @@
+"""Unit masks, and physical removal of masked units (same logits, exact parameter count)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from apt_ds.algorithm.adapters import add_adapters
+from apt_ds.algorithm.edits import apply_edits
+from apt_ds.algorithm.masks import UnitMasks
+from apt_ds.algorithm.pruner import GradualMasker, KeepDecision
+from apt_ds.algorithm.shrink import group_channels, shrink_model
+from apt_ds.algorithm.units import ModelShape
+
+from conftest import TINY_CONFIGS, random_batch, tiny_llama
+
+ADAPTER_TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")
+
+
+def _adapted_model(kind: str, seed: int = 0):
+    model = tiny_llama(kind, seed=seed)
+    adapters = add_adapters(model, ADAPTER_TARGETS, rank=4, alpha=8.0, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for adapter in adapters.values():
+            adapter.lora_B.copy_(0.05 * torch.randn(adapter.lora_B.shape, generator=gen))
+    return model, adapters
+
+
+def _counted_params(model) -> int:
+    """Unique parameters (tied weights once), without adapters."""
+    return sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
+
+
+def _random_kept(shape: ModelShape, seed: int, prune_hidden: bool = True):
+    """Kept (sorted) indices: every layer loses something, and at least one group/neuron survives."""
+    gen = torch.Generator().manual_seed(seed)
+    groups, neurons = [], []
+    for l, layer in enumerate(shape.layers):
+        n_groups = max(1, layer.num_kv_groups - 1 - (l % 2))
+        groups.append(torch.randperm(layer.num_kv_groups, generator=gen)[:n_groups].sort().values)
+        n_neurons = layer.ffn // 2 + 5 * l
+        neurons.append(torch.randperm(layer.ffn, generator=gen)[:n_neurons].sort().values)
+    n_hidden = shape.hidden - 7 if prune_hidden else shape.hidden  # 7: not a multiple of any head count
+    hidden = torch.randperm(shape.hidden, generator=gen)[:n_hidden].sort().values
+    return groups, neurons, hidden
+
+
+def _set_binary_masks(masks: UnitMasks, shape: ModelShape, groups, neurons, hidden) -> None:
+    for l, layer in enumerate(shape.layers):
+        masks.kv_group[l] = torch.zeros(layer.num_kv_groups).index_fill_(0, groups[l], 1.0)
+        masks.ffn_neuron[l] = torch.zeros(layer.ffn).index_fill_(0, neurons[l], 1.0)
+    masks.hidden = torch.zeros(shape.hidden).index_fill_(0, hidden, 1.0)
+    masks.refresh()
+
+
+# ---- masks ---------------------------------------------------------------------------------------
+
+def test_all_ones_masks_change_nothing_and_disabled_masks_are_skipped():
+    model = tiny_llama("gqa")
+    batch = random_batch()
+    with torch.no_grad():
+        reference = model(**batch).logits
+    shape = ModelShape.from_model(model)
+    masks = UnitMasks(shape)
+    masks.install(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batch).logits, reference, rtol=0, atol=0)
+        _set_binary_masks(masks, shape, *_random_kept(shape, seed=0))
+        masked = model(**batch).logits
+        masks.enabled = False
+        torch.testing.assert_close(model(**batch).logits, reference, rtol=0, atol=0)
+        masks.enabled = True
+        masks.remove()
+        torch.testing.assert_close(model(**batch).logits, reference, rtol=0, atol=0)
+    assert (masked - reference).abs().max() > 1e-3
+
+
+def test_group_mask_zeroes_exactly_its_query_heads():
+    """Group k of a GQA layer = query heads k*g .. k*g+g-1 (HF repeat_kv order)."""
+    model = tiny_llama("gqa")
+    batch = random_batch()
+    shape = ModelShape.from_model(model)
+    layer, g, dh = shape.layers[0], shape.layers[0].group_size, shape.layers[0].head_dim
+    masks = UnitMasks(shape)
+    masks.install(model)
+    masks.kv_group[0] = torch.tensor([1.0, 0.0])
+    masks.refresh()
+    with torch.no_grad():
+        masked = model(**batch).logits
+        masks.remove()
+        o_proj = model.model.layers[0].self_attn.o_proj
+        o_proj.weight[:, 1 * g * dh : 2 * g * dh] = 0  # query heads 2, 3 feed these columns
+        direct = model(**batch).logits
+    torch.testing.assert_close(masked, direct, rtol=1e-5, atol=1e-5)
+    q_ch, kv_ch = group_channels(torch.tensor([1]), group_size=g, head_dim=dh)
+    assert q_ch.tolist() == list(range(g * dh, 2 * g * dh))
+    assert kv_ch.tolist() == list(range(dh, 2 * dh))
+    assert layer.num_kv_groups == 2
+
+
+def test_fractional_masks_scale_units():
+    model = tiny_llama("mha")
+    batch = random_batch()
+    shape = ModelShape.from_model(model)
+    masks = UnitMasks(shape)
+    masks.install(model)
+    masks.ffn_neuron[1] = torch.full((shape.layers[1].ffn,), 0.5)
+    masks.refresh()
+    assert not masks.is_binary()
+    with torch.no_grad():
+        half = model(**batch).logits
+        masks.remove()
+        model.model.layers[1].mlp.down_proj.weight.mul_(0.5)
+        direct = model(**batch).logits
+    torch.testing.assert_close(half, direct, rtol=1e-5, atol=1e-5)
+
+
+def test_mask_state_dict_round_trip():
+    shape = ModelShape.from_model(tiny_llama("gqa_tied"))
+    masks = UnitMasks(shape)
+    _set_binary_masks(masks, shape, *_random_kept(shape, seed=4))
+    assert masks.is_binary()
+    other = UnitMasks(shape)
+    other.load_state_dict(masks.state_dict())
+    assert torch.equal(other.hidden, masks.hidden)
+    assert all(torch.equal(a, b) for a, b in zip(other.kv_group, masks.kv_group))
+    assert all(torch.equal(a, b) for a, b in zip(other.ffn_neuron, masks.ffn_neuron))
+    assert other._hidden_active  # refresh() ran
+
+
+def test_gradual_masker_moves_then_snaps():
+    shape = ModelShape.from_model(tiny_llama("gqa"))
+    masks = UnitMasks(shape)
+    groups, neurons, hidden = _random_kept(shape, seed=2)
+    decision = KeepDecision(
+        [torch.zeros(l.num_kv_groups, dtype=torch.bool).index_fill_(0, g, True) for l, g in zip(shape.layers, groups)],
+        [torch.zeros(l.ffn, dtype=torch.bool).index_fill_(0, n, True) for l, n in zip(shape.layers, neurons)],
+        torch.zeros(shape.hidden, dtype=torch.bool).index_fill_(0, hidden, True), 0,
+    )
+    masker = GradualMasker(0.25)
+    masker.step_toward(masks, decision)
+    leaving = ~decision.hidden
+    assert torch.allclose(masks.hidden[leaving], torch.tensor(0.75))
+    assert bool((masks.hidden[decision.hidden] == 1).all())
+    for _ in range(5):
+        masker.step_toward(masks, decision)
+    assert bool((masks.hidden[leaving] == 0).all())  # clamped at 0
+    masks.hidden[leaving] = 0.5  # a returning unit moves back up
+    flipped = decision.hidden.clone()
+    flipped[leaving.nonzero()[0]] = True
+    masker.step_toward(masks, KeepDecision(decision.groups, decision.neurons, flipped, 0))
+    assert float(masks.hidden[leaving.nonzero()[0]]) == pytest.approx(0.75)
+    GradualMasker.snap(masks, decision)
+    assert masks.is_binary()
+    assert torch.equal(masks.hidden.bool(), decision.hidden)
+    assert all(torch.equal(m.bool(), k) for m, k in zip(masks.ffn_neuron, decision.neurons))
+
+
+# ---- shrink == mask ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", list(TINY_CONFIGS))
+@pytest.mark.parametrize("prune_hidden", [True, False])
+def test_shrink_matches_masked_model(kind, prune_hidden):
+    model, adapters = _adapted_model(kind)
+    batch = random_batch()
+    shape = ModelShape.from_model(model)
+    groups, neurons, hidden = _random_kept(shape, seed=7, prune_hidden=prune_hidden)
+    masks = UnitMasks(shape)
+    masks.install(model)
+    with torch.no_grad():
+        unmasked = model(**batch).logits
+        _set_binary_masks(masks, shape, groups, neurons, hidden)
+        masked = model(**batch).logits
+        masked_gen = model.generate(batch["input_ids"][:2, :6], attention_mask=batch["attention_mask"][:2, :6],
+                                    max_new_tokens=5, do_sample=False)
+    assert (masked - unmasked).abs().max() > 1e-3  # the masks really remove something
+    old_lora = {name: (a.lora_A.detach().clone(), a.lora_B.detach().clone()) for name, a in adapters.items()}
+
+    new_shape, change = shrink_model(model, shape, groups, neurons, hidden)
+    masks.reset(new_shape)  # all ones again: inactive
+
+    with torch.no_grad():
+        shrunk = model(**batch).logits
+    torch.testing.assert_close(shrunk, masked, rtol=0, atol=1e-5)
+
+    # shapes and parameter counts
+    assert ModelShape.from_model(model) == new_shape
+    assert ModelShape.from_config(model.config) == new_shape
+    assert [l.num_kv_groups for l in new_shape.layers] == [len(g) for g in groups]
+    assert [l.ffn for l in new_shape.layers] == [len(n) for n in neurons]
+    assert new_shape.hidden == len(hidden)
+    assert _counted_params(model) == new_shape.total_params() < shape.total_params()
+    cfg = TINY_CONFIGS[kind]
+    attn0 = model.model.layers[0].self_attn
+    assert attn0.q_proj.weight.shape == (len(groups[0]) * shape.layers[0].group_size * attn0.head_dim, len(hidden))
+    assert attn0.num_key_value_groups == cfg["num_attention_heads"] // cfg["num_key_value_heads"]
+    if kind == "gqa_tied":
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+
+    # adapters: sliced to the kept units; the returned edits reproduce them from the old tensors
+    for name, adapter in adapters.items():
+        assert adapter.lora_A.shape[1] == adapter.in_features and adapter.lora_B.shape[0] == adapter.out_features
+        assert adapter.teacher_A.shape == adapter.lora_A.shape and adapter.teacher_B.shape == adapter.lora_B.shape
+        old_a, old_b = old_lora[name]
+        new_a = apply_edits(old_a, change.get(f"{name}.lora_A", []))
+        new_b = apply_edits(old_b, change.get(f"{name}.lora_B", []))
+        assert torch.equal(new_a, adapter.lora_A.detach()) and torch.equal(new_b, adapter.lora_B.detach())
+    assert all(".lora_" in key for key in change)
+    assert len(change) > 0
+
+    # generation still works, and greedy tokens match the masked model
+    with torch.no_grad():
+        generated = model.generate(batch["input_ids"][:2, :6], attention_mask=batch["attention_mask"][:2, :6],
+                                   max_new_tokens=5, do_sample=False)
+    assert generated.shape == (2, 11)
+    assert torch.equal(generated, masked_gen)
+
+
+def test_shrunk_model_still_trains():
+    model, adapters = _adapted_model("gqa")
+    shape = ModelShape.from_model(model)
+    shrink_model(model, shape, *_random_kept(shape, seed=3))
+    loss = model(**random_batch()).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(a.lora_A.grad is not None and a.lora_A.grad.shape == a.lora_A.shape for a in adapters.values())
+
+
+def test_shrink_twice_composes():
+    """Two successive shrinks equal one shrink to the composed kept set (indices are relative)."""
+    model_a, _ = _adapted_model("gqa_tied", seed=1)
+    model_b, _ = _adapted_model("gqa_tied", seed=1)
+    batch = random_batch()
+    shape = ModelShape.from_model(model_a)
+    first = _random_kept(shape, seed=11)
+    mid_shape, _ = shrink_model(model_a, shape, *first)
+    second = _random_kept(mid_shape, seed=12)
+    final_a, _ = shrink_model(model_a, mid_shape, *second)
+    composed = ([f[s] for f, s in zip(first[0], second[0])], [f[s] for f, s in zip(first[1], second[1])],
+                first[2][second[2]])
+    final_b, _ = shrink_model(model_b, shape, *composed)
+    assert final_a == final_b
+    with torch.no_grad():
+        torch.testing.assert_close(model_a(**batch).logits, model_b(**batch).logits, rtol=0, atol=1e-5)

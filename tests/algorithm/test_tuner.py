@@ -1,0 +1,144 @@
+"""AdaptiveTuner: adapter importance, growth plans that fill the budget, growth itself."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from apt_ds.algorithm.adapters import APTAdapter
+from apt_ds.config import APTConfig
+from apt_ds.algorithm.tuner import AdaptiveTuner
+
+
+def _adapters(dims, ranks, seed=0) -> dict[str, APTAdapter]:
+    torch.manual_seed(seed)
+    out = {}
+    for i, ((o, n), r) in enumerate(zip(dims, ranks)):
+        out[f"layer{i:02d}.proj"] = APTAdapter.wrap(nn.Linear(n, o, bias=False), r, 2.0 * r,
+                                                    torch.Generator().manual_seed(seed + i))
+    return out
+
+
+def _total(adapters) -> int:
+    return sum(a.adapter_params() for a in adapters.values())
+
+
+def _check_plan(tuner, adapters, plan, multiple, cap):
+    budget = multiple * tuner.initial_params
+    current = {n: a.rank for n, a in adapters.items()}
+    uncapped = sorted((n for n in adapters if current[n] < cap), key=lambda n: tuner.importance.get(n, 0.0), reverse=True)
+    top = set(uncapped[: math.ceil(len(uncapped) / 2)])
+    assert set(plan) <= top  # only the top half (by importance) of adapters below the cap grows
+    assert all(current[n] < r <= cap for n, r in plan.items())
+    size = {n: adapters[n].in_features + adapters[n].out_features for n in adapters}
+    after = _total(adapters) + sum((r - current[n]) * size[n] for n, r in plan.items())
+    assert after <= budget  # never over the budget
+    final = {n: plan.get(n, current[n]) for n in top}
+    growable = [n for n in top if final[n] < cap]
+    if growable:  # filled: one more rank for each growable chosen adapter would not fit
+        assert budget - after < sum(size[n] for n in growable)
+    return after
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_plan_growth_fills_budget_top_half_and_cap(seed):
+    rng = random.Random(seed)
+    n = rng.randint(2, 9)
+    dims = [(rng.choice([16, 32, 48, 96]), rng.choice([16, 32, 64])) for _ in range(n)]
+    ranks = [rng.choice([1, 2, 4, 8]) for _ in range(n)]
+    cap = rng.choice([8, 12, 64])
+    adapters = _adapters(dims, ranks, seed)
+    tuner = AdaptiveTuner(APTConfig(adapter_rank=1, rank_cap=cap))
+    tuner.importance = {name: rng.random() for name in adapters}
+    multiple = rng.uniform(1.2, 4.0)
+    plan = tuner.plan_growth(adapters, multiple)
+    assert tuner.initial_params == _total(adapters)
+    _check_plan(tuner, adapters, plan, multiple, cap)
+
+
+def test_growth_is_proportional_and_follows_importance():
+    adapters = _adapters([(32, 32)] * 6, [4, 4, 4, 8, 8, 8])
+    tuner = AdaptiveTuner(APTConfig(adapter_rank=4, rank_cap=64))
+    names = sorted(adapters)
+    tuner.importance = {names[0]: 5.0, names[3]: 4.0, names[1]: 3.0, names[2]: 0.1, names[4]: 0.2, names[5]: 0.0}
+    plan = tuner.plan_growth(adapters, 2.0)
+    assert set(plan) == {names[0], names[3], names[1]}
+    assert plan[names[0]] == plan[names[1]]  # same rank, same growth
+    assert plan[names[3]] / 8 == pytest.approx(plan[names[0]] / 4, rel=0.2)  # proportional to the current rank
+    _check_plan(tuner, adapters, plan, 2.0, 64)
+
+
+def test_cap_and_met_budget_stop_growth():
+    adapters = _adapters([(16, 16)] * 4, [4, 4, 4, 4])
+    tuner = AdaptiveTuner(APTConfig(adapter_rank=4, rank_cap=6))
+    plan = tuner.plan_growth(adapters, 100.0)
+    assert set(plan.values()) == {6} and len(plan) == 2  # top half, clipped at the cap
+    tuner.grow(adapters, plan, torch.Generator().manual_seed(0))
+    for remaining in (1, 1):  # the capped ones no longer compete: top half of the 2, then of the last 1
+        plan = tuner.plan_growth(adapters, 100.0)
+        assert set(plan.values()) == {6} and len(plan) == remaining
+        assert all(adapters[n].rank == 4 for n in plan)
+        tuner.grow(adapters, plan, torch.Generator().manual_seed(0))
+    assert all(a.rank == 6 for a in adapters.values())
+    assert tuner.plan_growth(adapters, 100.0) == {}  # everything at the cap
+    fresh = _adapters([(16, 16)] * 4, [4, 4, 4, 4])
+    t2 = AdaptiveTuner(APTConfig(adapter_rank=4))
+    assert t2.plan_growth(fresh, 1.0) == {}  # budget already met
+    assert t2.initial_params == _total(fresh)
+
+
+def test_successive_events_track_the_initial_budget():
+    adapters = _adapters([(32, 16), (16, 48), (24, 24), (40, 8)], [2, 2, 2, 2])
+    tuner = AdaptiveTuner(APTConfig(adapter_rank=2, rank_cap=64))
+    initial = _total(adapters)
+    gen = torch.Generator().manual_seed(0)
+    for multiple in (1.5, 2.0, 3.0, 4.0):
+        tuner.importance = {n: random.Random(f"{n}{multiple}").random() for n in adapters}
+        plan = tuner.plan_growth(adapters, multiple)
+        _check_plan(tuner, adapters, plan, multiple, 64)
+        tuner.grow(adapters, plan, gen)
+        assert _total(adapters) <= multiple * initial
+    assert tuner.initial_params == initial
+    assert _total(adapters) > 3 * initial
+
+
+def test_grow_returns_prefixed_edits_and_keeps_outputs():
+    adapters = _adapters([(24, 40), (16, 40)], [4, 4])
+    x = torch.randn(5, 40)
+    with torch.no_grad():
+        for a in adapters.values():
+            a.lora_B.normal_()
+        before = {n: a(x) for n, a in adapters.items()}
+    tuner = AdaptiveTuner(APTConfig(adapter_rank=4))
+    name = sorted(adapters)[0]
+    change = tuner.grow(adapters, {name: 9}, torch.Generator().manual_seed(1))
+    assert sorted(change) == [f"{name}.lora_A", f"{name}.lora_B"]
+    assert adapters[name].rank == 9 and adapters[sorted(adapters)[1]].rank == 4
+    with torch.no_grad():
+        for n, a in adapters.items():
+            torch.testing.assert_close(a(x), before[n], rtol=1e-6, atol=1e-6)
+
+
+def test_importance_is_ema_of_mean_abs_row_products():
+    adapters = _adapters([(8, 6), (8, 6)], [3, 3])
+    tuner = AdaptiveTuner(APTConfig(adapter_rank=3, salience_beta=0.5))
+    grads = {}
+    for step in range(2):
+        gen = torch.Generator().manual_seed(step)
+        grads[step] = {n: torch.randn(a.lora_A.shape, generator=gen) for n, a in adapters.items()}
+        read_grad = lambda name, p: grads[step].get(name.rsplit(".", 1)[0])  # noqa: E731
+        tuner.accumulate(adapters, lambda name, p: p.detach(), read_grad)
+    for n, a in adapters.items():
+        s0, s1 = ((a.lora_A.detach() * grads[s][n]).sum(1).abs().mean().item() for s in (0, 1))
+        assert tuner.importance[n] == pytest.approx(0.5 * s0 + 0.5 * s1, rel=1e-6)
+    # adapters without a gradient keep their importance
+    old = dict(tuner.importance)
+    tuner.accumulate(adapters, lambda name, p: p.detach(), lambda name, p: None)
+    assert tuner.importance == old
+    other = AdaptiveTuner(APTConfig(adapter_rank=3))
+    other.load_state_dict(tuner.state_dict())
+    assert other.importance == tuner.importance and other.initial_params == tuner.initial_params

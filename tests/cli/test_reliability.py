@@ -1,0 +1,369 @@
+"""Bad input never costs data and never ends in a traceback.
+
+Every case of the table below runs the real CLI (in process) in a directory that already holds
+what a user has: their own files, a finished run, runs that were interrupted or damaged, an
+export. Each must exit 2 with ONE line on stderr that names the problem, and leave every byte of
+that directory as it was (names, sizes and contents: nothing created, nothing removed). The
+kill/resume faults live in tests/distributed/test_distributed.py (SIGKILL mid-run, resume on fewer ranks) and
+tests/export/test_export_safety.py (killed exports); disk-full is at the end of this file.
+docs/RELIABILITY.md lists all of them with what each leaves on disk.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import SafetensorError
+
+from apt_ds.io import checkpoint as checkpoint_module
+from apt_ds.cli.main import export_main, train_main
+from conftest import tree_digest
+
+TEXT_ROWS = [{"text": f"row {i}: the quick brown fox jumps over the lazy dog number {i}."} for i in range(120)]
+BASE = ["--steps", "8", "--max-seq-len", "32", "--micro-batch-size", "2", "--checkpoint-every", "4", "--data", "data.jsonl"]
+
+
+def _write_json(path: Path, value) -> None:
+    path.write_text(json.dumps(value))
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    """A user's working directory: data, their files, a finished run, interrupted and damaged runs,
+    an export, and a collection of bad input files."""
+    root = tmp_path_factory.mktemp("home")
+    (root / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in TEXT_ROWS))
+    (root / "mine").mkdir()
+    (root / "mine" / "thesis.tex").write_text("years of work")
+    (root / ".git").mkdir()
+    (root / "a_file").write_text("keep me")
+    cwd = os.getcwd()
+    os.chdir(root)  # the run records --data as given: resume cases run from here too
+    try:
+        assert train_main([*BASE, "--out", "run"]) == 0
+        assert export_main(["run", "--out", "export"]) == 0
+    finally:
+        os.chdir(cwd)
+    # A run killed before its first checkpoint: run.json and tokenizer, no checkpoint.
+    (root / "no_checkpoint").mkdir()
+    shutil.copy(root / "run" / "run.json", root / "no_checkpoint" / "run.json")
+    # A run with a checkpoint at step 4 of 8 whose files were then damaged.
+    for name, damage in (("torn_engine", "checkpoint/engine/trainable.safetensors"),
+                         ("torn_masks", "checkpoint/masks.safetensors"),
+                         ("torn_state", "checkpoint/apt_state.json")):
+        shutil.copytree(root / "run", root / name)
+        state = root / name / "checkpoint" / "apt_state.json"
+        _write_json(state, {**json.loads(state.read_text()), "finished": False})
+        target = root / name / damage
+        target.write_bytes(target.read_bytes()[:100])
+    (root / "not_a_model").mkdir()
+    (root / "not_a_model" / "weights.bin").write_text("")
+    (root / "run_link").symlink_to("run")
+    (root / "config_only").mkdir()
+    shutil.copy(root / "export" / "config.json", root / "config_only" / "config.json")
+    (root / "gpt2").mkdir()
+    _write_json(root / "gpt2" / "config.json", {"model_type": "gpt2"})
+    bad = root / "bad"
+    bad.mkdir()
+    (bad / "not_json.json").write_text("{steps: 8")
+    for name, value in {"number.json": 42, "string.json": "hello", "list.json": [1, 2], "unknown.json": {"stepz": 8},
+                        "typed.json": {"steps": "ten"}, "ds_stage7.json": {"zero_optimization": {"stage": 7}},
+                        "ds_stage0.json": {"zero_optimization": {"stage": 0}}, "ds_list.json": [3],
+                        "ds_zero_number.json": {"zero_optimization": 3},
+                        "ds_clip.json": {"zero_optimization": {"stage": 2}, "gradient_clipping": 5.0},
+                        "ds_bf16.json": {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}},
+                        "ds_batch.json": {"zero_optimization": {"stage": 2}, "train_batch_size": "many"},
+                        "ds_gas.json": {"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 3},
+                        "ds_auto.json": {"zero_optimization": {"stage": 2, "sub_group_size": "auto"}}}.items():
+        _write_json(bad / name, value)
+    (bad / "ds_not_json.json").write_text("{")
+    (bad / "utf16.json").write_bytes('{"steps": 8}'.encode("utf-16"))  # what Notepad may save
+    shutil.copy(root / "data.jsonl", bad / "other.jsonl")
+    (bad / "empty.jsonl").write_text("")
+    (bad / "no_fields.jsonl").write_text('{"foo": 1}\n')
+    (bad / "torn.jsonl").write_text('{"text": "a"}\n{"text": \n')
+    (bad / "kept.json").write_text('{"groups": "all"}')
+    return root
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    """Work in tmp_path, with the data file there."""
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in TEXT_ROWS))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def train(*argv: str) -> list[str]:
+    return ["train", *BASE, *argv]
+
+
+def export(*argv: str) -> list[str]:
+    return ["export", *argv]
+
+
+# (case id, argv relative to the home directory, words the one line must contain)
+CASES = [
+    # --out: what it is and what is in it
+    ("out-is-a-file", train("--out", "a_file"), "exists and is not a directory"),
+    ("out-is-a-file-overwrite", train("--out", "a_file", "--overwrite"), "exists and is not a directory"),
+    ("out-below-a-file", train("--out", "a_file/run"), "a_file is a file, not a directory"),
+    ("out-not-writable", train("--out", "/proc/self/apt-run"), "cannot write in /proc/self"),
+    ("out-user-files", train("--out", "mine"), "is not empty and holds no apt-ds run"),
+    ("out-user-files-overwrite", train("--out", "mine", "--overwrite"), "is not an apt-ds run directory (it holds thesis.tex)"),
+    ("out-checkout-overwrite", train("--out", ".", "--overwrite"), "is not an apt-ds run directory"),
+    ("out-previous-run", train("--out", "run"), "already holds a run; pass --resume"),
+    ("out-run-without-checkpoint", train("--out", "no_checkpoint"), "stopped before its first checkpoint"),
+    ("resume-run-without-checkpoint", train("--out", "no_checkpoint", "--resume"), "pass --overwrite instead of --resume"),
+    ("resume-nothing", train("--out", "nothing_here", "--resume"), "holds no checkpoint"),
+    ("resume-user-files", train("--out", "mine", "--resume"), "holds no checkpoint"),
+    ("resume-and-overwrite", train("--out", "run", "--resume", "--overwrite"), "give one of them"),
+    ("out-symlink-to-run-overwrite", train("--out", "run_link", "--overwrite"), "is a symbolic link"),
+    # resume against a different or damaged run
+    ("resume-changed-steps", ["train", *BASE[2:], "--steps", "12", "--out", "run", "--resume"], "changed: steps: 8 -> 12"),
+    ("resume-changed-data", ["train", *BASE[:-1], "bad/other.jsonl", "--out", "torn_masks", "--resume"],
+     "the run was trained on --data data.jsonl, not bad/other.jsonl"),
+    ("resume-other-model", train("--model", "tiny-mha", "--out", "torn_masks", "--resume"), "is not the model this run"),
+    ("resume-torn-engine", train("--out", "torn_engine", "--resume"), "cannot load optimizer/engine state"),
+    ("resume-torn-masks", train("--out", "torn_masks", "--resume"), "corrupt checkpoint file"),
+    ("resume-torn-state", train("--out", "torn_state", "--resume"), "corrupt checkpoint"),
+    # --config
+    ("config-missing", train("--config", "bad/nope.json", "--out", "new"), "cannot read --config"),
+    ("config-not-json", train("--config", "bad/not_json.json", "--out", "new"), "cannot read --config"),
+    ("config-number", train("--config", "bad/number.json", "--out", "new"), "it holds a int"),
+    ("config-string", train("--config", "bad/string.json", "--out", "new"), "it holds a str"),
+    ("config-list", train("--config", "bad/list.json", "--out", "new"), "it holds a list"),
+    ("config-unknown-field", train("--config", "bad/unknown.json", "--out", "new"), "unknown field(s) ['stepz']"),
+    ("config-mistyped", train("--config", "bad/typed.json", "--out", "new"), "TrainConfig.steps must be of type int"),
+    # --model
+    ("model-missing", train("--model", "nope", "--out", "new"), "--model nope does not exist"),
+    ("model-a-file", train("--model", "a_file", "--out", "new"), "is not a .gguf file"),
+    ("model-no-config", train("--model", "not_a_model", "--out", "new"), "has no config.json"),
+    ("model-no-weights", train("--model", "config_only", "--out", "new"), "holds no *.safetensors weights"),
+    ("model-not-llama", train("--model", "gpt2", "--out", "new"), "model_type 'gpt2' is not supported"),
+    # --data / --eval-data
+    ("data-missing", ["train", *BASE[:-1], "bad/nope.jsonl", "--out", "new"], "nope.jsonl"),
+    ("data-empty", ["train", *BASE[:-1], "bad/empty.jsonl", "--out", "new"], "empty.jsonl"),
+    ("data-no-usable-rows", ["train", *BASE[:-1], "bad/no_fields.jsonl", "--out", "new"], "no usable rows"),
+    ("data-torn-json", ["train", *BASE[:-1], "bad/torn.jsonl", "--out", "new"], "torn.jsonl"),
+    ("eval-data-missing", train("--eval-data", "bad/nope.jsonl", "--out", "new"), "--eval-data bad/nope.jsonl does not exist"),
+    ("eval-examples-zero", train("--eval-data", "data.jsonl", "--eval-examples", "0", "--out", "new"), "--eval-examples must be >= 1"),
+    ("probe-without-eval-data", train("--save-eval-probe", "--out", "new"), "--save-eval-probe needs --eval-data"),
+    # --deepspeed JSON: refused before a process group or a model exists
+    ("ds-missing", train("--deepspeed", "bad/nope.json", "--out", "new"), "file not found"),
+    ("ds-not-json", train("--deepspeed", "bad/ds_not_json.json", "--out", "new"), "invalid JSON at line 1"),
+    ("ds-not-object", train("--deepspeed", "bad/ds_list.json", "--out", "new"), "top level must be a JSON object"),
+    ("ds-stage-7", train("--deepspeed", "bad/ds_stage7.json", "--out", "new"), "stage must be 1, 2 or 3 (got 7)"),
+    ("ds-stage-0", train("--deepspeed", "bad/ds_stage0.json", "--out", "new"), "stage must be 1, 2 or 3 (got 0)"),
+    ("ds-zero-not-object", train("--deepspeed", "bad/ds_zero_number.json", "--out", "new"), "zero_optimization must be an object"),
+    ("ds-clipping-contradicts", train("--deepspeed", "bad/ds_clip.json", "--out", "new"), "gradient_clipping=5.0 contradicts"),
+    ("ds-bf16-vs-base-dtype", train("--deepspeed", "bad/ds_bf16.json", "--base-dtype", "fp32", "--out", "new"),
+     "bf16.enabled=true contradicts --base-dtype fp32"),
+    ("ds-batch-not-int", train("--deepspeed", "bad/ds_batch.json", "--out", "new"), "train_batch_size='many' is not a positive integer"),
+    ("ds-accumulation-contradicts", train("--deepspeed", "bad/ds_gas.json", "--out", "new"), "gradient_accumulation_steps=3 contradicts"),
+    ("ds-auto-unsupported", train("--deepspeed", "bad/ds_auto.json", "--out", "new"), "\"auto\" is not supported for zero_optimization.sub_group_size"),
+    # flags and values
+    ("flag-unknown", train("--target-densty", "0.5", "--out", "new"), "unrecognized arguments: --target-densty"),
+    ("base-dtype-unknown", train("--base-dtype", "fp8", "--out", "new"), "invalid choice: 'fp8'"),
+    ("base-dtype-fp16-on-cpu", train("--base-dtype", "fp16", "--device", "cpu", "--out", "new"), "fp16 is not supported on CPU"),
+    *([("device-cuda-without-cuda", train("--device", "cuda", "--out", "new"), "no CUDA device is visible")]
+      if not torch.cuda.is_available() else []),
+    ("device-unknown", train("--device", "tpu", "--out", "new"), "TrainConfig.device"),
+    ("density-above-one", train("--target-density", "1.5", "--out", "new"), "target_density"),
+    ("density-zero", train("--target-density", "0", "--out", "new"), "target_density"),
+    ("steps-too-few", train("--steps", "2", "--out", "new"), "steps must be >= 4"),
+    ("steps-not-a-number", train("--steps", "many", "--out", "new"), "invalid int value: 'many'"),
+    ("lr-negative", train("--lr", "-1", "--out", "new"), "lr"),
+    ("max-seq-len-one", train("--max-seq-len", "1", "--out", "new"), "max_seq_len"),
+    ("micro-batch-zero", train("--micro-batch-size", "0", "--out", "new"), "micro_batch_size"),
+    ("max-grad-norm-inf", train("--max-grad-norm", "inf", "--out", "new"), "max_grad_norm"),
+    ("global-batch-zero", train("--global-batch-size", "0", "--out", "new"), "--global-batch-size must be >= 1"),
+    ("config-not-utf8", train("--config", "bad/utf16.json", "--out", "new"), "cannot read --config"),
+    ("ds-not-utf8", train("--deepspeed", "bad/utf16.json", "--out", "new"), "cannot read it as UTF-8 JSON text"),
+    ("global-batch-indivisible", train("--global-batch-size", "3", "--grad-accum-steps", "2", "--out", "new"), "not divisible"),
+    ("pruning-ends-after-run", train("--pruning-end-step", "20", "--out", "new"), "pruning_end_step (20) must be <= --steps"),
+    ("rank-cap-below-rank", train("--rank-cap", "2", "--out", "new"), "rank_cap"),
+    ("adapter-target-unknown", train("--adapter-targets", "qq_proj", "--out", "new"), "adapter_targets"),
+    # export
+    ("export-no-arguments", export("--out", "new"), "give either RUN_DIR"),
+    ("export-run-missing", export("nope", "--out", "new"), "nope"),
+    ("export-run-without-checkpoint", export("no_checkpoint", "--out", "new"), "no_checkpoint"),
+    ("export-out-user-files", export("run", "--out", "mine"), "is not an apt_ds export"),
+    ("export-out-user-files-overwrite", export("run", "--out", "mine", "--overwrite"), "is not an apt_ds export"),
+    ("export-out-previous-export", export("run", "--out", "export"), "holds a previous export; pass --overwrite"),
+    ("export-out-is-the-run", export("run", "--out", "run", "--overwrite"), "is or contains the input"),
+    ("export-out-is-a-file", export("run", "--out", "a_file", "--overwrite"), "exists and is not a directory"),
+    ("export-dtype-unknown", export("run", "--out", "new", "--dtype", "fp8"), "invalid choice: 'fp8'"),
+    ("export-shard-size-garbage", export("run", "--out", "new", "--max-shard-size", "huge"), "max-shard-size"),
+    ("export-torn-checkpoint", export("torn_masks", "--out", "new"), "torn_masks"),
+    ("export-kept-with-run", export("run", "--kept", "bad/kept.json", "--out", "new"), "--kept is for exporting a plain model"),
+    ("export-kept-bad-record", export("--model", "export", "--kept", "bad/kept.json", "--out", "new"), "kept"),
+]
+
+
+@pytest.mark.parametrize("argv, words", [case[1:] for case in CASES], ids=[case[0] for case in CASES])
+def test_bad_input_gives_one_line_and_changes_nothing(home, argv, words, capsys, monkeypatch, request):
+    monkeypatch.chdir(home)
+    before = tree_digest(home)
+    main = train_main if argv[0] == "train" else export_main
+    capsys.readouterr()
+    try:
+        code = main(argv[1:])
+    except SystemExit as exit_info:  # argparse's own exit (with OneLineParser's one line)
+        code = exit_info.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, err
+    assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
+    assert tree_digest(home) == before
+    if os.environ.get("APT_DS_RECORD_ERRORS"):  # docs/RELIABILITY.md's table is made from these lines
+        with open(os.environ["APT_DS_RECORD_ERRORS"], "a") as record:
+            record.write(json.dumps({"case": request.node.callspec.id, "argv": argv, "error": err[0]}) + "\n")
+
+
+def test_the_table_is_large_and_every_case_distinct():
+    assert len(CASES) >= 40
+    assert len({case[0] for case in CASES}) == len(CASES) and len({tuple(case[1]) for case in CASES}) == len(CASES)
+
+
+def test_disk_full_during_a_checkpoint_keeps_the_previous_one(in_tmp, tmp_path, capsys, monkeypatch):
+    """ENOSPC while the step-8 checkpoint is written: one line with the space it needs, the step-4
+    checkpoint untouched and resumable, no half-written checkpoint left."""
+    argv = [*BASE, "--steps", "12", "--out", "run"]
+    save, calls = checkpoint_module.save_file, []
+
+    def fill_the_disk_at_the_second_checkpoint(tensors, path, *args, **kwargs):
+        calls.append(path)
+        if (Path("run") / "checkpoint" / "apt_state.json").is_file():  # as safetensors 0.8 reports ENOSPC
+            raise SafetensorError(f"Error while serializing: I/O error: No space left on device (os error {errno.ENOSPC})")
+        return save(tensors, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module, "save_file", fill_the_disk_at_the_second_checkpoint)
+    capsys.readouterr()
+    assert train_main(argv) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "disk full while writing the step-8 checkpoint" in errors[0], err
+    assert "needs about" in errors[0] and "MB are free" in errors[0] and "the previous checkpoint (step 4) is kept" in errors[0]
+    assert "Traceback" not in err
+    assert json.loads((tmp_path / "run" / "checkpoint" / "apt_state.json").read_text())["step"] == 4
+    assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.startswith("checkpoint")) == ["checkpoint"]
+    monkeypatch.setattr(checkpoint_module, "save_file", save)  # space freed: the run resumes and finishes
+    assert train_main([*argv, "--resume"]) == 0
+    assert json.loads((tmp_path / "run" / "checkpoint" / "apt_state.json").read_text())["step"] == 12
+
+
+def test_a_killed_overwrite_start_gets_the_previous_run_back(in_tmp, tmp_path, capsys, monkeypatch):
+    """SIGKILL after --overwrite set the previous run aside but before the new run's first
+    checkpoint: the next invocation puts the previous run back (it would be lost otherwise)."""
+    assert train_main([*BASE, "--out", "run"]) == 0
+    before = tree_digest(tmp_path / "run")
+    dead_pid = 2**22 + 17  # above the kernel's default pid_max: no such process
+    (tmp_path / "run").rename(tmp_path / f".run.replaced-{dead_pid}")
+    (tmp_path / "run").mkdir()  # what the killed run had written: run.json, no checkpoint
+    shutil.copy(tmp_path / f".run.replaced-{dead_pid}" / "run.json", tmp_path / "run" / "run.json")
+    capsys.readouterr()
+    assert train_main([*BASE, "--steps", "12", "--out", "run", "--resume"]) == 2  # settings differ: refused...
+    err = capsys.readouterr().err
+    assert "it is back in run" in err  # ...but only after the previous run came back
+    assert tree_digest(tmp_path / "run") == before and not list(tmp_path.glob(".run.replaced-*"))
+
+
+def _du(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def test_a_really_full_disk_keeps_the_previous_checkpoint(in_tmp, tmp_path, capsys, monkeypatch):
+    """The same on a real file system that fills up: a tmpfs with room for one checkpoint, not
+    two (the new one is written before the old one goes). Needs mount rights (root)."""
+    assert train_main([*BASE, "--out", "sized"]) == 0
+    room = _du(tmp_path / "sized") + _du(tmp_path / "sized" / "checkpoint") // 2
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={room // 4096 * 4096}", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip()}); the faked ENOSPC test above still runs")
+    try:
+        capsys.readouterr()
+        assert train_main([*BASE, "--out", "disk/run"]) == 2
+        err = capsys.readouterr().err
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "disk full while writing the step-8 checkpoint" in errors[0], err
+        assert "the previous checkpoint (step 4) is kept" in errors[0] and "Traceback" not in err
+        assert json.loads((disk / "run" / "checkpoint" / "apt_state.json").read_text())["step"] == 4
+        assert not (disk / "run" / "checkpoint.tmp").exists()
+        subprocess.run(["mount", "-o", f"remount,size={4 * room // 4096 * 4096}", str(disk)], check=True)
+        assert train_main([*BASE, "--out", "disk/run", "--resume"]) == 0  # space freed: it finishes
+        assert json.loads((disk / "run" / "checkpoint" / "apt_state.json").read_text())["step"] == 8
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=False)  # lazy: a failed run may hold a file open
+
+
+def test_recovery_never_deletes_what_took_the_runs_place(in_tmp, tmp_path, capsys, monkeypatch):
+    """A killed --overwrite left the previous run aside; the user then put their own files at
+    --out. The next invocation keeps both and says where the previous run is."""
+    assert train_main([*BASE, "--out", "run"]) == 0
+    dead_pid = 2**22 + 17
+    (tmp_path / "run").rename(tmp_path / f".run.replaced-{dead_pid}")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "notes.txt").write_text("precious")
+    before = tree_digest(tmp_path)
+    capsys.readouterr()
+    assert train_main([*BASE, "--out", "run", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"still in .run.replaced-{dead_pid}" in err and "holds no checkpoint" in err
+    assert tree_digest(tmp_path) == before
+
+
+def test_glob_characters_in_out_touch_no_other_runs_copy(in_tmp, tmp_path, capsys, monkeypatch):
+    assert train_main([*BASE, "--out", "e1"]) == 0
+    dead_pid = 2**22 + 17
+    (tmp_path / "e1").rename(tmp_path / f".e1.replaced-{dead_pid}")  # e1's own set-aside copy
+    before = tree_digest(tmp_path)
+    assert train_main([*BASE, "--out", "e[1]", "--steps", "4", "--target-density", "1.5"]) == 2  # refused after recovery ran
+    assert tree_digest(tmp_path) == before
+
+
+def test_set_aside_copies_are_owned_by_a_lock_not_a_pid(in_tmp, capsys):
+    """A container restart gives the new process the dead one's PID: the copy a killed
+    --overwrite start left under that PID is still recovered (nobody holds its lock), and a copy
+    whose lock is held is left alone."""
+    from apt_ds.io import run_dir
+
+    assert train_main([*BASE, "--out", "run"]) == 0
+    before = tree_digest(in_tmp / "run")
+    held = run_dir.move_aside(in_tmp / "run")  # this process holds its lock, as a running start does
+    assert run_dir.recover_interrupted_overwrite(in_tmp / "run") is None and held.is_dir()
+    orphan = held.with_name(f".run.replaced-{os.getpid()}-0badc0de")  # our own PID, as after a restart
+    held.rename(orphan)
+    run_dir._lock_path(orphan).touch()  # its lock file, held by nobody
+    note = run_dir.recover_interrupted_overwrite(in_tmp / "run")
+    assert note and "it is back in" in note
+    assert tree_digest(in_tmp / "run") == before
+    run_dir._release(held)
+    assert sorted(p.name for p in in_tmp.iterdir() if p.name.startswith(".run")) == []
+
+
+def test_a_user_error_after_overwrite_set_the_run_aside_is_still_one_line(in_tmp, capsys, monkeypatch):
+    from apt_ds.training import trainer as trainer_module
+    from apt_ds.config import ConfigError
+
+    assert train_main([*BASE, "--out", "run"]) == 0
+    before = tree_digest(in_tmp / "run")
+
+    def refuse(self, *args, **kwargs):
+        raise ConfigError("simulated user error during the start")
+
+    monkeypatch.setattr(trainer_module.APTrainer, "train", refuse)
+    capsys.readouterr()
+    assert train_main([*BASE, "--out", "run", "--overwrite", "--seed", "5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "simulated user error" in err[0] and "the previous run is back in run" in err[0], err
+    assert tree_digest(in_tmp / "run") == before

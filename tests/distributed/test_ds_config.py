@@ -1,0 +1,137 @@
+"""apt_ds.distributed.ds_config: loading and resolving DeepSpeed configs ("auto" values, batch sizes,
+contradictions, the shipped configs) and the launcher variables, all without a process group."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from apt_ds.distributed.ds_config import DeepSpeedConfigError, launcher_env, load_ds_config, resolve_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "ds_configs"
+
+
+# ---- config handling -------------------------------------------------------------------------
+def _resolve(user, **kw):
+    args = dict(grad_accum_steps=4, world_size=2, micro_batch_size=None, bf16_supported=True, hidden_size=64)
+    args.update(kw)
+    return resolve_config(user, **args)
+
+
+def test_resolve_sets_batch_sizes_from_trainer():
+    cfg = _resolve({"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": "auto"}, micro_batch_size=3)
+    assert (cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"], cfg["train_batch_size"]) == (3, 4, 24)
+    derived = _resolve({"zero_optimization": {"stage": 2}, "train_batch_size": 16})
+    assert derived["train_micro_batch_size_per_gpu"] == 2
+
+
+@pytest.mark.parametrize("user, kw, message", [
+    ({"gradient_accumulation_steps": 2}, {}, "gradient_accumulation_steps=2 contradicts the trainer's 4"),
+    ({"train_micro_batch_size_per_gpu": 8}, {"micro_batch_size": 4}, "train_micro_batch_size_per_gpu=8 contradicts"),
+    ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 1}, {}, r"train_batch_size=10 != micro 1"),
+    ({"train_batch_size": 12}, {}, "not divisible"),
+    ({"gradient_clipping": 0.5}, {}, r"gradient_clipping=0.5 contradicts the trainer.s max_grad_norm=0.0"),
+    ({"gradient_clipping": "big"}, {}, r"gradient_clipping='big' is not a number"),
+    ({"gradient_clipping": True}, {"max_grad_norm": 1.0}, r"gradient_clipping=True is not a number"),
+    ({"zero_optimization": {"stage": 2, "compute_grad_norm": False}}, {"max_grad_norm": 1.0},
+     r"compute_grad_norm=false cannot clip gradients \(max_grad_norm=1.0\)"),
+    ({"zero_optimization": {"stage": 2, "round_robin_gradients": "auto"}}, {}, r"\"auto\" is not supported for zero_optimization.round_robin_gradients"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, {}, "both enabled"),
+])
+def test_resolve_refuses_contradictions(user, kw, message):
+    user = {"zero_optimization": {"stage": 2}, **user}
+    with pytest.raises(DeepSpeedConfigError, match=message):
+        _resolve(user, **kw)
+
+
+def test_gradient_clipping_comes_from_the_trainer():
+    for user_value in (None, "auto", 1.0):
+        user = {"zero_optimization": {"stage": 2}}
+        if user_value is not None:
+            user["gradient_clipping"] = user_value
+        assert _resolve(user, max_grad_norm=1.0)["gradient_clipping"] == 1.0
+    # 0 is written too: DeepSpeed's own default (key absent) is to clip at 1.0.
+    assert _resolve({"zero_optimization": {"stage": 2}})["gradient_clipping"] == 0.0
+    no_norm = {"zero_optimization": {"stage": 2, "compute_grad_norm": False}}
+    assert _resolve(no_norm, max_grad_norm=0.0)["gradient_clipping"] == 0.0
+
+
+def test_resolve_refuses_stage0_and_forced_ds_cpu_adam():
+    with pytest.raises(DeepSpeedConfigError, match="stage must be 1, 2 or 3"):
+        _resolve({})
+    forced = {"zero_force_ds_cpu_optimizer": True, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    with pytest.raises(DeepSpeedConfigError, match="zero_force_ds_cpu_optimizer"):
+        _resolve(forced)
+
+
+def test_resolve_drops_optimizer_and_scheduler(caplog):
+    user = {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 5}},
+            "scheduler": {"type": "WarmupLR"}}
+    cfg = _resolve(user)
+    assert "optimizer" not in cfg and "scheduler" not in cfg
+    assert "optimizer" in user  # the caller's dict is not modified
+    assert "ignoring its 'optimizer' section" in caplog.text
+
+
+@pytest.mark.parametrize("name", ["zero2.json", "zero3.json", "zero3_offload.json"])
+@pytest.mark.parametrize("bf16_supported", [True, False])
+def test_shipped_configs_resolve(name, bf16_supported):
+    user, _ = load_ds_config(CONFIGS / name)
+    assert "optimizer" not in user and user["bf16"]["enabled"] == "auto"
+    cfg = _resolve(user, bf16_supported=bf16_supported, hidden_size=4096)
+    assert cfg["bf16"]["enabled"] is bf16_supported
+    zero = cfg["zero_optimization"]
+    if zero["stage"] == 3:
+        assert zero["stage3_gather_16bit_weights_on_model_save"] is True
+        assert zero["reduce_bucket_size"] == 4096 * 4096 and zero["stage3_param_persistence_threshold"] == 40960
+    if "offload_optimizer" in zero:
+        assert cfg["zero_force_ds_cpu_optimizer"] is False
+
+
+# ---- launcher environments (pure function) -----------------------------------------------------
+def _port() -> int:
+    return 4242
+
+
+def test_launcher_env_keeps_launcher_settings():
+    assert launcher_env({"RANK": "1", "WORLD_SIZE": "2", "SLURM_PROCID": "0", "SLURM_NTASKS": "4"}, _port) == {}
+    assert launcher_env({"WORLD_SIZE": "1"}, _port) == {}
+
+
+def test_launcher_env_plain_python_is_one_rank():
+    assert launcher_env({}, _port) == {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                                       "MASTER_PORT": "4242"}
+    assert launcher_env({"MASTER_PORT": "29999"}, _port)["MASTER_PORT"] == "29999"
+
+
+@pytest.mark.parametrize("launcher, keys", [
+    ("Slurm", ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")),
+    ("OpenMPI", ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK")),
+])
+def test_launcher_env_maps_slurm_and_openmpi(launcher, keys):
+    rank, size, local = keys
+    env = {rank: "5", size: "8", local: "1", "MASTER_ADDR": "node17", "MASTER_PORT": "29500"}
+    assert launcher_env(env, _port) == {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1"}
+    for missing in ("MASTER_ADDR", "MASTER_PORT"):
+        partial = {k: v for k, v in env.items() if k != missing}
+        with pytest.raises(DeepSpeedConfigError, match=rf"{launcher} launch with {size}=8: {missing} not set; "
+                                                       r"export MASTER_ADDR=") as err:
+            launcher_env(partial, _port)
+        assert "\n" not in str(err.value)
+    # One task needs no rendezvous address.
+    single = launcher_env({rank: "0", size: "1", local: "0"}, _port)
+    assert single == {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "4242"}
+    with pytest.raises(DeepSpeedConfigError, match="inconsistent"):
+        launcher_env({rank: "8", size: "8", local: "0", "MASTER_ADDR": "a", "MASTER_PORT": "1"}, _port)
+    with pytest.raises(DeepSpeedConfigError, match="is not an integer"):
+        launcher_env({rank: "x", size: "8"}, _port)
+
+
+def test_launcher_env_slurm_hint_and_openmpi_precedence():
+    with pytest.raises(DeepSpeedConfigError, match=r"scontrol show hostnames \$SLURM_JOB_NODELIST"):
+        launcher_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}, _port)
+    # mpirun inside a Slurm allocation: the MPI variables describe the processes actually started.
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0", "OMPI_COMM_WORLD_RANK": "3",
+           "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
+    assert launcher_env(env, _port)["RANK"] == "3"

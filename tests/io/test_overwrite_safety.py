@@ -1,0 +1,101 @@
+"""`apt-ds train --overwrite` replaces only a previous run (or an empty directory); the old run
+survives until the new one has a checkpoint, and comes back when the new one fails before that."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from apt_ds.training import trainer as trainer_module
+from apt_ds.cli.main import train_main
+from conftest import tree_digest
+
+FAST = ["--steps", "8", "--max-seq-len", "32", "--micro-batch-size", "2", "--checkpoint-every", "4"]
+
+
+@pytest.fixture(scope="module")
+def previous_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("prev") / "run"
+    assert train_main([*FAST, "--out", str(out)]) == 0
+    return out
+
+
+def test_a_directory_of_user_files_is_refused_and_untouched(tmp_path, capsys):
+    user = tmp_path / "mydir"
+    (user / "notes").mkdir(parents=True)
+    (user / "thesis.tex").write_text("years of work")
+    (user / "notes" / "a.txt").write_text("a")
+    before = tree_digest(user)
+    assert train_main([*FAST, "--out", str(user), "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not an apt-ds run directory (it holds notes, thesis.tex)" in err[0]
+    assert tree_digest(user) == before
+
+
+def test_the_current_directory_is_refused(tmp_path, capsys, monkeypatch):
+    (tmp_path / ".git").mkdir()
+    (tmp_path / "setup.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    before = tree_digest(tmp_path)
+    assert train_main([*FAST, "--out", ".", "--overwrite"]) == 2
+    assert "not an apt-ds run directory" in capsys.readouterr().err
+    assert tree_digest(tmp_path) == before
+
+
+def test_a_file_is_refused_with_or_without_overwrite(tmp_path, capsys):
+    target = tmp_path / "file.txt"
+    target.write_text("keep me")
+    for flags in ([], ["--overwrite"]):
+        assert train_main([*FAST, "--out", str(target), *flags]) == 2
+        assert "exists and is not a directory" in capsys.readouterr().err
+    assert target.read_text() == "keep me"
+
+
+def test_a_run_with_foreign_files_is_refused(previous_run, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(previous_run, run)
+    (run / "my_analysis.ipynb").write_text("{}")
+    before = tree_digest(run)
+    assert train_main([*FAST, "--out", str(run), "--overwrite"]) == 2
+    assert "also my_analysis.ipynb, which a run does not write" in capsys.readouterr().err
+    assert tree_digest(run) == before
+
+
+def test_a_previous_run_is_replaced_and_its_copy_removed_after_the_first_checkpoint(previous_run, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    shutil.copytree(previous_run, run)
+    seen_before_checkpoint = []
+    save = trainer_module.APTrainer.save
+
+    def recording_save(self):
+        seen_before_checkpoint.append(sorted(p.name for p in tmp_path.glob(".run.replaced-*")))
+        save(self)
+
+    monkeypatch.setattr(trainer_module.APTrainer, "save", recording_save)
+    assert train_main([*FAST, "--seed", "7", "--out", str(run), "--overwrite"]) == 0
+    assert seen_before_checkpoint[0] != []  # the old run was still kept when the first checkpoint began
+    assert list(tmp_path.glob(".run.replaced-*")) == []  # and gone afterwards
+    assert '"seed": 7' in (run / "run.json").read_text()
+
+
+def test_a_failing_start_puts_the_previous_run_back(previous_run, tmp_path, monkeypatch, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(previous_run, run)
+    before = tree_digest(run)
+
+    def crash(self, *args, **kwargs):
+        raise RuntimeError("simulated failure before the first checkpoint")
+
+    monkeypatch.setattr(trainer_module.APTrainer, "train", crash)
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        train_main([*FAST, "--seed", "7", "--out", str(run), "--overwrite"])
+    assert "the previous run is back" in capsys.readouterr().err
+    assert tree_digest(run) == before and list(tmp_path.glob(".run.replaced-*")) == []
+
+
+def test_an_empty_directory_is_used(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert train_main([*FAST, "--out", str(empty), "--overwrite"]) == 0
+    assert (empty / "run.json").is_file() and (empty / "checkpoint" / "apt_state.json").is_file()

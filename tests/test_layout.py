@@ -1,0 +1,106 @@
+"""The package layout is the architecture: each subpackage imports only the layers below it,
+the algorithm runs without DeepSpeed, and only apt_ds.distributed touches DeepSpeed."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "apt_ds"
+
+# Each layer and what it may import besides itself (apt_ds/__init__.py re-exports public names).
+ALLOWED = {
+    "config": set(),
+    "algorithm": {"config"},
+    "io": {"config", "algorithm"},
+    "distributed": {"config", "algorithm", "io"},
+    "export": {"config", "algorithm", "io"},
+    "training": {"config", "algorithm", "io", "distributed"},
+    "cli": {"config", "algorithm", "io", "distributed", "export", "training"},
+}
+
+
+def _layer(module: str) -> str:
+    """apt_ds.algorithm.units -> algorithm; apt_ds.config -> config."""
+    return module.split(".")[1]
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _imports(path: Path) -> list[str]:
+    """Every module a file imports, at top level or inside functions (lazy imports count)."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}: use absolute imports (apt_ds.layer.module), got a relative one"
+            names.append(node.module)
+    return names
+
+
+def test_every_module_belongs_to_a_known_layer():
+    layers = {_layer(name) for name in _modules() if name != "apt_ds"}
+    assert layers == set(ALLOWED), f"new top-level module(s) {layers - set(ALLOWED)}: add them to a layer"
+
+
+def test_layers_import_only_the_layers_below_them():
+    wrong = []
+    for name, path in _modules().items():
+        if name == "apt_ds":
+            continue
+        layer = _layer(name)
+        for imported in _imports(path):
+            if imported.startswith("apt_ds."):
+                target = _layer(imported)
+                if target != layer and target not in ALLOWED[layer]:
+                    wrong.append(f"{name} imports {imported}")
+    assert not wrong, "layering broken:\n" + "\n".join(wrong)
+
+
+def test_the_allowed_layer_graph_has_no_cycles():
+    seen, done = set(), set()
+
+    def visit(layer, trail):
+        assert layer not in seen - done, f"cycle: {' -> '.join(trail + [layer])}"
+        if layer in done:
+            return
+        seen.add(layer)
+        for below in ALLOWED[layer]:
+            visit(below, trail + [layer])
+        done.add(layer)
+
+    for layer in ALLOWED:
+        visit(layer, [])
+
+
+def test_only_the_distributed_layer_imports_deepspeed():
+    outside = [name for name, path in _modules().items()
+               if not name.startswith("apt_ds.distributed")
+               and any(m == "deepspeed" or m.startswith("deepspeed.") for m in _imports(path))]
+    assert not outside, f"deepspeed imported outside apt_ds.distributed: {outside}"
+
+
+def test_algorithm_io_and_export_import_with_deepspeed_blocked():
+    """A newcomer can read and run the algorithm without DeepSpeed installed."""
+    names = [n for n in _modules() if n != "apt_ds" and _layer(n) in ("config", "algorithm", "io", "export")]
+    code = (
+        "import importlib, sys\n"
+        "sys.modules['deepspeed'] = None  # any import of deepspeed now raises ImportError\n"
+        f"for name in {names!r}:\n"
+        "    importlib.import_module(name)\n"
+        "assert 'deepspeed' not in {m.split('.')[0] for m, v in sys.modules.items() if v is not None}\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("ok")

@@ -1,0 +1,416 @@
+"""APTrainer on one process (LocalBackend): pruning to target, metrics, gradient accumulation,
+optimizer/LR state across shape changes, and exact checkpoint resume."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from apt_ds import APTConfig, APTrainer, TrainConfig
+from apt_ds.training import trainer as trainer_module
+from apt_ds.distributed.backend import LocalBackend
+from apt_ds.algorithm.distill import TRANSFORM_ATTR
+from apt_ds.io.metrics import read_metrics
+from apt_ds.algorithm.pruner import KeepDecision
+from apt_ds.algorithm.schedule import SparsityScheduler
+from apt_ds.algorithm.shrink import group_channels
+from apt_ds.algorithm.state import APTModel
+from apt_ds.training.trainer import warmup_cosine
+from apt_ds.algorithm.tuner import AdaptiveTuner
+from apt_ds.algorithm.units import ModelShape
+
+from conftest import random_batch, tiny_llama
+
+STEPS = 40
+METRIC_FIELDS = ("step", "loss", "task_loss", "distill_loss", "grad_norm", "density", "block_params", "adapter_params",
+                 "total_rank", "lr", "step_time_s", "peak_rss_mb")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):
+    """Every test here runs with one torch thread (see conftest.one_thread)."""
+
+
+class _Crash(Exception):
+    pass
+
+
+class Batches:
+    """Deterministic micro-batch stream: batch i depends only on i. Optionally 'crashes' at `crash_at`."""
+
+    def __init__(self, crash_at: int | None = None):
+        self.served = 0
+        self.crash_at = crash_at
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.crash_at is not None and self.served >= self.crash_at:
+            raise _Crash(f"simulated crash before micro-batch {self.served}")
+        batch = random_batch(batch=4, length=16, seed=1000 + self.served)
+        self.served += 1
+        return batch
+
+
+def _configs():
+    # one distillation block: the sampled layer is random, so resume must restore that RNG too
+    apt = APTConfig.for_steps(STEPS, target_density=0.5, distill_num_blocks=1)
+    train = TrainConfig(steps=STEPS, grad_accum_steps=2, checkpoint_every=10, warmup_steps=5, lr=2e-3)
+    return apt, train
+
+
+def _base_weight_sizes(model) -> dict[str, int]:
+    """Frozen base weights (no adapters, no distillation transform)."""
+    return {n: p.numel() for n, p in model.named_parameters() if "lora_" not in n and not n.startswith(TRANSFORM_ATTR)}
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("full_run")
+    model = tiny_llama("gqa")
+    initial_sizes = _base_weight_sizes(model)
+    apt, train = _configs()
+    optimizer_steps, heap_releases = [], []
+    handle = register_optimizer_step_post_hook(lambda opt, args, kwargs: optimizer_steps.append(1))
+    release = trainer_module.release_free_heap
+    trainer_module.release_free_heap = lambda: heap_releases.append(1) or release()
+    try:
+        trainer = APTrainer(model, apt, train, out_dir=out, progress=False)
+        initial_rank = trainer.state.total_rank()
+        batches = Batches()
+        final = trainer.train(batches)
+    finally:
+        handle.remove()
+        trainer_module.release_free_heap = release
+    return dict(trainer=trainer, model=model, out=out, final=final, initial_sizes=initial_sizes,
+                initial_rank=initial_rank, micro_batches=batches.served, optimizer_steps=len(optimizer_steps),
+                heap_releases=len(heap_releases))
+
+
+def test_training_reaches_target_density_with_smaller_model(full_run):
+    trainer, model, final = full_run["trainer"], full_run["model"], full_run["final"]
+    state = trainer.state
+    assert trainer.step == STEPS and final["step"] == STEPS
+    assert state.density() <= 0.5 and final["density"] <= 0.5
+    assert state.density() > 0.5 - 0.1  # pruned to the target, not far past it
+    assert ModelShape.from_model(model) == state.shape
+    assert state.shape.block_params() <= 0.5 * state.original_shape.block_params()
+    sizes = _base_weight_sizes(model)
+    shrunk = [n for n in sizes if n in full_run["initial_sizes"] and sizes[n] < full_run["initial_sizes"][n]]
+    assert any("proj" in n for n in shrunk) and len(shrunk) >= 8
+    assert all(sizes[n] <= full_run["initial_sizes"][n] for n in sizes if n in full_run["initial_sizes"])
+    assert state.total_rank() > full_run["initial_rank"]
+    losses = [r["loss"] for r in trainer.history if "loss" in r]
+    assert len(losses) == STEPS and all(math.isfinite(x) for x in losses)
+    with torch.no_grad():
+        assert torch.isfinite(model(**random_batch()).loss)
+    gen = model.generate(random_batch()["input_ids"][:1, :4], max_new_tokens=5, do_sample=False)
+    assert gen.shape == (1, 9)
+
+
+def test_events_metrics_and_distillation(full_run):
+    trainer = full_run["trainer"]
+    records = read_metrics(full_run["out"] / "metrics.jsonl")
+    steps = [r for r in records if not r.get("final")]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    for record in steps:
+        missing = [f for f in METRIC_FIELDS if f not in record]
+        assert not missing, f"metrics line for step {record['step']} lacks {missing}"
+        assert all(math.isfinite(record[f]) for f in METRIC_FIELDS)
+    assert records[-1].get("final") and records[-1]["density"] <= 0.5
+    schedule = SparsityScheduler(trainer.apt_config)
+    events = [r["step"] for r in steps if r.get("event")]
+    assert events == schedule.event_steps
+    # density falls at events only, and monotonically
+    densities = [r["density"] for r in steps]
+    # every event that removed units gave the freed heap back to the OS (apt_ds.training.heap)
+    shrinking_events = sum(1 for before, r in zip([1.0] + densities, steps) if r.get("event") and r["density"] < before)
+    assert shrinking_events > 0 and full_run["heap_releases"] == shrinking_events
+    assert all(a >= b for a, b in zip(densities, densities[1:]))
+    assert densities[0] == 1.0 and densities[-1] <= 0.5
+    for r in steps:  # never below the schedule's target for that step by more than a unit's worth
+        assert r["density"] >= schedule.density(r["step"]) - 0.1
+    # distillation was active during the pruning phase and produced a real loss
+    active = [r for r in steps if r["mu"] > 0]
+    assert active and all(r["distill_loss"] > 0 for r in active)
+    # ... on every distill_every-th step only (a record's step counts the step it completed); the
+    # steps between run no teacher pass at all
+    assert trainer.apt_config.distill_every > 1
+    assert [r["step"] for r in active] == [s + 1 for s in range(STEPS) if schedule.distill_weight(s) > 0]
+    assert all(r["distill_loss"] == 0.0 for r in steps if r["mu"] == 0)
+    for r in active:
+        assert r["loss"] == pytest.approx((1 - r["mu"]) * r["task_loss"] + r["mu"] * r["distill_loss"], rel=1e-5)
+    ranks = [r["total_rank"] for r in steps]
+    assert ranks[-1] > ranks[0] and all(a <= b for a, b in zip(ranks, ranks[1:]))
+
+
+def test_gradient_accumulation_and_lr_schedule_across_rebuilds(full_run):
+    trainer = full_run["trainer"]
+    apt, train = _configs()
+    assert full_run["micro_batches"] == STEPS * train.grad_accum_steps
+    assert full_run["optimizer_steps"] == STEPS  # one optimizer step per accumulation cycle
+    assert trainer.consumed_micro_batches == STEPS * train.grad_accum_steps
+    factor = warmup_cosine(train.warmup_steps, train.steps)
+    steps = [r for r in trainer.history if not r.get("final")]
+    for record in steps:  # lr used at step s is the schedule at s-1, before and after every rebuild
+        assert record["lr"] == pytest.approx(train.lr * factor(record["step"] - 1), rel=1e-9), record["step"]
+    assert trainer.backend.lr == pytest.approx(train.lr * factor(STEPS), rel=1e-9)
+
+
+# ---- gradient clipping (LocalBackend directly) -----------------------------------------------------
+
+def _global_norm(grads) -> float:
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads if g is not None])))
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, 1e-3])
+def test_local_backend_clips_the_global_gradient_norm(max_grad_norm):
+    model = tiny_llama("gqa")
+    APTModel(model, APTConfig(adapter_targets=("q_proj", "v_proj"), adapter_rank=4, distill=False), seed=0)
+    backend = LocalBackend()
+    backend.attach(model, 1e-2, lambda step: 1.0, 0.0, 1, max_grad_norm=max_grad_norm)
+    assert backend.grad_norm is None
+    stepped = []  # the global norm of the gradients the optimizer actually steps with
+
+    def record(optimizer, args, kwargs):
+        stepped.append(_global_norm(p.grad for group in optimizer.param_groups for p in group["params"]))
+
+    hook = backend.optimizer.register_step_pre_hook(record)
+    try:
+        backend.backward(model(**random_batch(seed=1)).loss)
+        unclipped = _global_norm(p.grad for p in model.parameters())
+        backend.step()
+    finally:
+        hook.remove()
+    assert backend.grad_norm == pytest.approx(unclipped, rel=1e-5) and unclipped > 1e-2
+    assert stepped[0] == pytest.approx(max_grad_norm if max_grad_norm else unclipped, rel=1e-4)
+
+
+# ---- optimizer state across a shape change (LocalBackend directly) ----------------------------------
+
+def test_adam_state_and_lr_carried_across_shrink_and_growth():
+    torch.set_num_threads(1)
+    model = tiny_llama("gqa")
+    apt = APTConfig(adapter_targets=("q_proj", "v_proj", "o_proj", "down_proj"), adapter_rank=4, distill=False,
+                    pruning_start_step=1, pruning_end_step=20, num_pruning_events=2)
+    state = APTModel(model, apt, seed=0)
+    backend = LocalBackend()
+    lr_lambda = warmup_cosine(2, 20)
+    backend.attach(model, 1e-2, lr_lambda, 0.0, 1, max_grad_norm=0.0)
+    for i in range(3):
+        backend.backward(model(**random_batch(seed=i)).loss)
+        backend.step()
+    shape = state.shape
+    old = {n: {k: v.clone() for k, v in backend.optimizer.state[p].items()} for n, p in model.named_parameters()
+           if p.requires_grad}
+    lr_before = backend.lr
+    # drop group 0 of layer 1, a third of the neurons, 5 hidden channels; grow two adapters
+    groups = [torch.tensor([0, 1]), torch.tensor([1])]
+    neurons = [torch.arange(0, 96, 3), torch.arange(50)]
+    hidden = torch.tensor([c for c in range(64) if c not in (3, 17, 18, 40, 63)])
+    decision = KeepDecision(
+        [torch.zeros(l.num_kv_groups, dtype=torch.bool).index_fill_(0, g, True) for l, g in zip(shape.layers, groups)],
+        [torch.zeros(l.ffn, dtype=torch.bool).index_fill_(0, n, True) for l, n in zip(shape.layers, neurons)],
+        torch.zeros(shape.hidden, dtype=torch.bool).index_fill_(0, hidden, True), 0,
+    )
+    tuner = AdaptiveTuner(apt)
+    grow = {"model.layers.1.self_attn.q_proj": 7, "model.layers.1.self_attn.o_proj": 6}
+
+    def change_fn():
+        change = state.shrink(decision, backend.param_access())
+        growth = tuner.grow(state.adapters, grow, torch.Generator().manual_seed(0))
+        return {**change, **{k: change.get(k, []) + v for k, v in growth.items()}}
+
+    backend.apply_shape_change(change_fn)
+    assert backend.optimizer_steps == 3
+    assert backend.lr == pytest.approx(lr_before) and backend.lr == pytest.approx(1e-2 * lr_lambda(3))
+    params = dict(model.named_parameters())
+    q_ch, _ = group_channels(groups[1], 2, 16)
+
+    def expect(name, fn):
+        new = backend.optimizer.state[params[name]]
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(new[key], fn(old[name][key]), rtol=0, atol=0)
+            assert new[key].shape == params[name].shape
+        assert float(new["step"]) == float(old[name]["step"]) == 3.0
+
+    pad_rows = lambda t, n: torch.cat([t, t.new_zeros(n - t.shape[0], t.shape[1])], 0)  # noqa: E731
+    pad_cols = lambda t, n: torch.cat([t, t.new_zeros(t.shape[0], n - t.shape[1])], 1)  # noqa: E731
+    p0, p1 = "model.layers.0.", "model.layers.1."
+    expect(p0 + "self_attn.q_proj.lora_A", lambda t: t[:, hidden])
+    expect(p0 + "self_attn.q_proj.lora_B", lambda t: t)  # layer 0 keeps both groups
+    expect(p1 + "self_attn.q_proj.lora_A", lambda t: pad_rows(t[:, hidden], 7))
+    expect(p1 + "self_attn.q_proj.lora_B", lambda t: pad_cols(t[q_ch], 7))
+    expect(p1 + "self_attn.v_proj.lora_B", lambda t: t[16:32])
+    expect(p1 + "self_attn.o_proj.lora_A", lambda t: pad_rows(t[:, q_ch], 6))
+    expect(p1 + "self_attn.o_proj.lora_B", lambda t: pad_cols(t[hidden], 6))
+    expect(p0 + "mlp.down_proj.lora_A", lambda t: t[:, neurons[0]])
+    expect(p1 + "mlp.down_proj.lora_B", lambda t: t[hidden])
+    nonzero = backend.optimizer.state[params[p1 + "self_attn.q_proj.lora_A"]]["exp_avg"]
+    assert bool((nonzero[:4] != 0).any()) and bool((nonzero[4:] == 0).all())
+    # and training continues on the rebuilt optimizer
+    backend.backward(model(**random_batch(seed=9)).loss)
+    backend.step()
+    assert backend.optimizer_steps == 4
+    assert backend.lr == pytest.approx(1e-2 * lr_lambda(4))
+
+
+# ---- checkpoint resume -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("crash_step", [10, 20], ids=["mid-pruning", "after-last-event"])
+def test_resume_matches_uninterrupted_run(full_run, tmp_path, crash_step):
+    apt, train = _configs()
+    if crash_step == 10:  # between teacher steps of the pruning phase (events 4..20, teacher every 4th step)
+        assert apt.pruning_start_step < crash_step < apt.pruning_end_step and apt.distill_every > 1
+        assert (crash_step - apt.pruning_start_step) % apt.distill_every != 0
+    crashed = APTrainer(tiny_llama("gqa"), apt, train, out_dir=tmp_path / "a", progress=False)
+    with pytest.raises(_Crash):
+        crashed.train(Batches(crash_at=crash_step * train.grad_accum_steps))
+    checkpoint = tmp_path / "a" / "checkpoint"
+    meta = json.loads((checkpoint / "apt_state.json").read_text())
+    assert meta["step"] == crash_step and not meta["finished"]
+
+    resumed = APTrainer(tiny_llama("gqa"), apt, train, out_dir=tmp_path / "b", progress=False)
+    resumed.resume(checkpoint)
+    assert resumed.step == crash_step
+    resumed.train(Batches())
+    reference = full_run["trainer"]
+
+    assert resumed.step == STEPS
+    assert resumed.state.shape == reference.state.shape
+    assert resumed.state.kept_record() == reference.state.kept_record()
+    assert resumed.state.ranks() == reference.state.ranks()
+    for a, b in zip(resumed.state.masks.state_dict().values(), reference.state.masks.state_dict().values()):
+        assert torch.equal(a, b)
+    ref_losses = {r["step"]: r for r in reference.history if "loss" in r}
+    new_losses = {r["step"]: r for r in resumed.history if "loss" in r}
+    assert sorted(new_losses) == list(range(crash_step + 1, STEPS + 1))
+    if crash_step == 10:  # the resumed run kept the teacher's every-4th-step rhythm (history counts steps done)
+        assert [s for s in range(11, 20) if new_losses[s]["distill_loss"] > 0] == [13, 17]
+    for step in range(crash_step + 1, STEPS + 1):
+        for key in ("loss", "task_loss", "distill_loss"):
+            assert new_losses[step][key] == pytest.approx(ref_losses[step][key], abs=1e-5, rel=1e-5), (step, key)
+        assert new_losses[step]["lr"] == pytest.approx(ref_losses[step]["lr"], rel=1e-12)
+    ref_params = dict(reference.model.named_parameters())
+    for name, param in resumed.model.named_parameters():
+        if param.requires_grad:
+            torch.testing.assert_close(param, ref_params[name], rtol=1e-4, atol=1e-5)
+
+
+# ---- other modes -------------------------------------------------------------------------------------
+
+def test_uniform_mode_run_keeps_a_stock_llama_shape(tmp_path):
+    apt = APTConfig.for_steps(24, target_density=0.6, uniform=True, adapter_targets=("q_proj", "v_proj", "down_proj"))
+    trainer = APTrainer(tiny_llama("gqa_tied"), apt, TrainConfig(steps=24, grad_accum_steps=1), progress=False)
+    final = trainer.train(Batches())
+    shape = trainer.state.shape
+    assert final["density"] <= 0.6 and shape.uniform
+    assert shape.hidden % shape.layers[0].num_q_heads == 0
+    assert ModelShape.from_model(trainer.model) == shape
+    assert trainer.model.lm_head.weight is trainer.model.model.embed_tokens.weight  # still tied
+    with torch.no_grad():
+        assert torch.isfinite(trainer.model(**random_batch()).loss)
+
+
+def test_lora_baseline_run_changes_nothing_but_adapters():
+    apt = APTConfig.for_steps(12).as_lora()
+    model = tiny_llama("mha")
+    sizes = _base_weight_sizes(model)
+    trainer = APTrainer(model, apt, TrainConfig(steps=12, grad_accum_steps=3), progress=False)
+    rank = trainer.state.total_rank()
+    batches = Batches()
+    final = trainer.train(batches)
+    assert final["density"] == 1.0 and trainer.state.total_rank() == rank
+    assert _base_weight_sizes(model) == sizes
+    assert batches.served == 36 and trainer.step == 12
+    assert all(r["distill_loss"] == 0.0 and r["mu"] == 0.0 for r in trainer.history if "loss" in r)
+    assert any(bool((a.lora_B != 0).any()) for a in trainer.state.adapters.values())  # it did train
+
+
+def test_differing_decisions_across_ranks_are_an_error():
+    """A rank whose pruning decision differs must stop the run, not silently diverge."""
+    import pytest
+
+    from apt_ds.distributed.backend import LocalBackend
+
+    class SplitBrainBackend(LocalBackend):
+        def all_gather_object(self, obj):
+            return [obj, "another rank decided differently"]
+
+    model = tiny_llama("gqa")
+    apt = APTConfig.for_steps(12, target_density=0.6)
+    trainer = APTrainer(model, apt, TrainConfig(steps=12, micro_batch_size=2), backend=SplitBrainBackend(), progress=False)
+
+    def batches():
+        while True:
+            yield random_batch(batch=2, length=8)
+
+    with pytest.raises(RuntimeError, match="differ across ranks"):
+        trainer.train(batches())
+
+
+@pytest.mark.parametrize("response_only", [True, False])
+def test_supervised_forward_matches_full_causal_lm_loss_and_gradient(response_only):
+    """Logits only at supervised positions: same loss and same gradients as the full loss."""
+    from apt_ds.training.trainer import supervised_forward
+
+    batch = random_batch(batch=3, length=10)
+    if response_only:  # a response of different length and place per row, one row right-padded
+        labels = torch.full_like(batch["labels"], -100)
+        labels[0, 6:] = batch["input_ids"][0, 6:]
+        labels[1, 3:5] = batch["input_ids"][1, 3:5]
+        labels[2, 8] = batch["input_ids"][2, 8]
+        batch["labels"] = labels
+        batch["attention_mask"][2, 9:] = 0
+    grads = []
+    for mode in ("full", "supervised"):
+        model = tiny_llama("gqa")
+        if mode == "full":
+            out = model(**batch)
+            loss, kept = out.loss, out.logits.shape[1]
+        else:
+            out, loss, supervised = supervised_forward(model, batch)
+            kept = out.logits.shape[1]
+            assert int(supervised.sum()) == int((batch["labels"][:, 1:] != -100).sum())
+        loss.backward()
+        grads.append((float(loss.detach()), kept, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (full_loss, full_kept, full_grads), (loss, kept, sup_grads) = grads
+    assert loss == pytest.approx(full_loss, rel=1e-5)
+    assert kept < full_kept if response_only else kept == full_kept - 1
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(sup_grads[name], grad, atol=1e-6, rtol=1e-4)
+
+
+def test_resume_names_config_fields_the_checkpoint_lacks(full_run, tmp_path):
+    """A checkpoint written before a config field existed is refused with that field named."""
+    import shutil
+
+    from apt_ds.io.checkpoint import CheckpointError
+
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(full_run["out"] / "checkpoint", checkpoint)
+    meta = json.loads((checkpoint / "apt_state.json").read_text())
+    del meta["apt_config"]["distill_every"]
+    (checkpoint / "apt_state.json").write_text(json.dumps(meta))
+    apt, train = _configs()
+    with pytest.raises(CheckpointError, match=r"\['distill_every'\]"):
+        APTrainer(tiny_llama("gqa"), apt, train, progress=False).resume(checkpoint)
+
+
+def test_progress_bar_shows_task_loss_and_distillation_apart_on_unlogged_steps_too():
+    model = tiny_llama("gqa")
+    apt = APTConfig.for_steps(8, target_density=0.6, distill_every=1)
+    trainer = APTrainer(model, apt, TrainConfig(steps=8, log_every=3), progress=False)
+    fields = []
+    progress = trainer._progress_fields
+    trainer._progress_fields = lambda record: fields.append(progress(record)) or fields[-1]
+    trainer.train(iter(random_batch(seed=i) for i in range(100)))
+    assert len(fields) == 8 and all(set(f) >= {"task_loss", "density"} for f in fields)
+    distilled = [f for f in fields if "distill" in f]
+    assert distilled and len(distilled) < 8  # only on distillation steps
+    assert all("loss" not in f for f in fields)  # never the task/distillation mix
