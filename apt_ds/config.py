@@ -33,6 +33,7 @@ def _help(text: str, choices: tuple | None = None, **kwargs) -> Any:
 
 _SCALAR_TYPES = {"float": (int, float), "int": (int,), "bool": (bool,), "tuple": (tuple, list), "str": (str,)}
 BASE_DTYPES = ("auto", "bf16", "fp16", "fp32")
+TEMPLATES = ("alpaca", "chat", "none")
 
 
 def check_field_types(cls, values: dict) -> None:
@@ -212,6 +213,9 @@ class TrainConfig(_JsonConfig):
     max_seq_len: int = _help("tokens per sequence: a longer instruction row loses prompt tokens from the left, one "
                              "whose response alone does not fit is dropped, an unpacked text row is cut at the end "
                              "(counts are printed and recorded in run.json)", default=256)
+    template: str = _help("how instruction/input/output rows become text: alpaca (the Alpaca prompt), chat (the "
+                          "tokenizer's chat template, for chat models), none (prompt and response concatenated); the "
+                          "loss is on the response either way", choices=TEMPLATES, default="alpaca")
     seed: int = _help("random seed (model init of adapters, data order, layer sampling)", default=0)
     log_every: int = _help("write a metrics line every N steps", default=1)
     checkpoint_every: int = _help("save a resumable checkpoint every N steps (0: only at the end)", default=0)
@@ -237,6 +241,7 @@ class TrainConfig(_JsonConfig):
         _require(self.max_seq_len >= 2, c, "max_seq_len", ">= 2", self.max_seq_len)
         _require(self.log_every >= 1, c, "log_every", ">= 1", self.log_every)
         _require(self.checkpoint_every >= 0, c, "checkpoint_every", ">= 0", self.checkpoint_every)
+        _require(self.template in TEMPLATES, c, "template", f"one of {', '.join(TEMPLATES)}", self.template)
         _require(self.base_dtype in BASE_DTYPES, c, "base_dtype", f"one of {', '.join(BASE_DTYPES)}", self.base_dtype)
         _require(_is_device_name(self.device), c, "device", "auto, cpu, cuda or cuda:N", self.device)
 
