@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,22 +30,44 @@ def _require(condition: bool, cls: str, name: str, allowed: str, value: Any) -> 
 
 def _help(text: str, choices: tuple | None = None, **kwargs) -> Any:
     """A dataclass field carrying its help text (PEFT style) and allowed values; the CLI reads both."""
-    return field(metadata={"help": text, "choices": choices}, **kwargs)
+    metadata = {"help": text} if choices is None else {"help": text, "choices": choices}  # argparse kwargs as-is
+    return field(metadata=metadata, **kwargs)
 
 
-_SCALAR_TYPES = {"float": (int, float), "int": (int,), "bool": (bool,), "tuple": (tuple, list), "str": (str,)}
 BASE_DTYPES = ("auto", "bf16", "fp16", "fp32")
 TEMPLATES = ("alpaca", "chat", "none")
+# Fields whose default is derived from the run's length (APTConfig.for_steps); a LoRA run drops them.
+SCHEDULE_FIELDS = ("pruning_start_step", "pruning_end_step", "num_pruning_events", "mask_decay_window", "mask_decay_step")
+
+
+def _accepted_types(annotation) -> tuple[type, ...] | None:
+    """The Python types a field of this annotation accepts from a file (None: not checked)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        members = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _accepted_types(members[0]) if len(members) == 1 else None
+    if annotation is float:
+        return (int, float)
+    if annotation in (int, bool, str):
+        return (annotation,)
+    if annotation in (list, tuple) or typing.get_origin(annotation) in (list, tuple):
+        return (list, tuple)
+    return None
 
 
 def check_field_types(cls, values: dict) -> None:
     """One-line errors for wrongly typed values (e.g. "lr": "x" in a --config file), before
-    range checks or schedule arithmetic use them; bools are refused where numbers are expected."""
-    types = {f.name: f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "") for f in dataclasses.fields(cls)}
+    range checks or schedule arithmetic use them; bools are refused where numbers are expected.
+    None is accepted where the field is Optional."""
+    hints = typing.get_type_hints(cls)
     for name, value in values.items():
-        kinds = _SCALAR_TYPES.get(types.get(name, ""))
+        if name not in hints:
+            continue
+        kinds = _accepted_types(hints[name])
+        if value is None and type(None) in typing.get_args(hints[name]):
+            continue
         if kinds and (not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool))):
-            raise ConfigError(f"{cls.__name__}.{name} must be of type {types[name]}, got {value!r}")
+            shown = getattr(hints[name], "__name__", str(hints[name]))
+            raise ConfigError(f"{cls.__name__}.{name} must be of type {shown}, got {value!r}")
 
 
 class _JsonConfig:
@@ -90,19 +114,27 @@ class _JsonConfig:
 class APTConfig(_JsonConfig):
     """APT's algorithm knobs (see APT_SPEC.md for the meaning of each)."""
 
+    _argument_group_name = "APT knobs (schedule defaults scale with --steps)"  # the --help section
+
     target_density: float = _help("fraction of block parameters kept at the end, in (0, 1]", default=0.7)
-    pruning_start_step: int = _help("optimizer step where the pruning phase starts (t0)", default=100)
-    pruning_end_step: int = _help("optimizer step of the last pruning event (t1)", default=1000)
-    num_pruning_events: int = _help("pruning events, evenly spaced in (t0, t1]", default=16)
-    mask_decay_window: int = _help("steps before each event in which leaving masks decay", default=200)
-    mask_decay_step: float = _help("mask change per step inside the decay window", default=0.01)
+    # The schedule's defaults scale with the run's length (for_steps); the help says how, the CLI shows it.
+    pruning_start_step: int = _help("optimizer step where the pruning phase starts (t0) (default: 10% of steps)",
+                                    default=100)
+    pruning_end_step: int = _help("optimizer step of the last pruning event (t1) (default: 50% of steps)", default=1000)
+    num_pruning_events: int = _help("pruning events, evenly spaced in (t0, t1] (default: about one per 3 steps of the "
+                                    "pruning phase, at most 16)", default=16)
+    mask_decay_window: int = _help("steps before each event in which leaving masks decay (default: the spacing "
+                                   "between events - 1)", default=200)
+    mask_decay_step: float = _help("mask change per step inside the decay window (default: 1 / mask_decay_window)",
+                                   default=0.01)
     prune: bool = _help("prune at all (false gives plain LoRA with the same adapters)", default=True)
     prune_heads: bool = _help("prune attention KV groups", default=True)
     prune_neurons: bool = _help("prune FFN neurons", default=True)
     prune_hidden: bool = _help("prune hidden (residual-stream) channels", default=True)
     uniform: bool = _help("keep the same shape in every layer (exports as a stock LlamaConfig)", default=False)
     count_embeddings: bool = _help("count embeddings and lm_head in the density budget", default=False)
-    adapter_targets: tuple = _help("Linear modules that get APT adapters", default=("q_proj", "v_proj"))
+    adapter_targets: list[str] = _help("Linear modules that get APT adapters", choices=ADAPTER_TARGETS,
+                                       default_factory=lambda: ["q_proj", "v_proj"])
     adapter_rank: int = _help("initial adapter rank", default=8)
     adapter_alpha: float = _help("adapter scale numerator: s = alpha / initial rank", default=16.0)
     grow_ranks: bool = _help("grow adapter ranks at pruning events", default=True)
@@ -113,7 +145,8 @@ class APTConfig(_JsonConfig):
     distill: bool = _help("self-distillation from the last pruning event's snapshot", default=True)
     distill_every: int = _help(
         "teacher pass on every k-th step of the pruning phase, counted from its start; the steps between train on "
-        "the task loss alone (1: every step, as in the paper; the teacher forward costs about half a training step)",
+        "the task loss alone (1: every step, as in the paper; the teacher forward costs about half a training step) "
+        "(default: 4, or less when the pruning phase has under 16 steps)",
         default=4)
     distill_kl_weight: float = _help("weight of the logit KL term inside the distillation loss", default=0.1)
     distill_mse_weight: float = _help(
@@ -203,11 +236,13 @@ class APTConfig(_JsonConfig):
 class TrainConfig(_JsonConfig):
     """Knobs of the training loop (independent of APT)."""
 
+    _argument_group_name = "training loop"  # the --help section
+
     steps: int = _help("optimizer steps", default=60)
     micro_batch_size: int = _help("sequences per micro-batch per rank", default=4)
     grad_accum_steps: int = _help("micro-batches per optimizer step", default=1)
     lr: float = _help("peak learning rate of adapters", default=2e-3)
-    warmup_steps: int = _help("linear LR warm-up steps", default=5)
+    warmup_steps: int = _help("linear LR warm-up steps (default: 5% of steps, at least 1)", default=5)
     weight_decay: float = _help("AdamW weight decay", default=0.0)
     max_grad_norm: float = _help("clip the global gradient norm to this before each step (0: no clipping)", default=1.0)
     max_seq_len: int = _help("tokens per sequence: a longer instruction row loses prompt tokens from the left, one "
@@ -218,7 +253,8 @@ class TrainConfig(_JsonConfig):
                           "loss is on the response either way", choices=TEMPLATES, default="alpaca")
     seed: int = _help("random seed (model init of adapters, data order, layer sampling)", default=0)
     log_every: int = _help("write a metrics line every N steps", default=1)
-    checkpoint_every: int = _help("save a resumable checkpoint every N steps (0: only at the end)", default=0)
+    checkpoint_every: int = _help("save a resumable checkpoint every N steps (0: only at the end) (default: 10% of "
+                                  "steps, at least 10)", default=0)
     device: str = _help("where one process without DeepSpeed trains: auto (cuda when available, else cpu), cpu, "
                         "cuda or cuda:N; under DeepSpeed each rank uses its accelerator device", default="auto")
     base_dtype: str = _help("dtype of the frozen base weights: auto (bf16 on GPUs, fp32 on CPU), bf16, fp16 (GPU "

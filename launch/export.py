@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from apt_ds.cli.main import export_main  # noqa: E402
+from apt_ds.cli.export import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(export_main())
+    sys.exit(main())

@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from apt_ds.cli.main import train_main  # noqa: E402
+from apt_ds.cli.train import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(train_main())
+    sys.exit(main())

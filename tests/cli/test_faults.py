@@ -51,7 +51,7 @@ elif point == "mid-rename":  # step-8 checkpoint complete, the step-4 one rename
             kill_on(2)
         return rename(self, target)
     pathlib.Path.rename = renaming
-from apt_ds.cli.main import train_main
+from apt_ds.cli.train import main as train_main
 sys.exit(train_main(sys.argv[2:]))
 """
 

@@ -23,7 +23,8 @@ import torch
 from safetensors import SafetensorError
 
 from apt_ds.io import checkpoint as checkpoint_module
-from apt_ds.cli.main import export_main, train_main
+from apt_ds.cli.export import main as export_main
+from apt_ds.cli.train import main as train_main
 from conftest import tree_digest
 
 TEXT_ROWS = [{"text": f"row {i}: the quick brown fox jumps over the lazy dog number {i}."} for i in range(120)]
@@ -73,6 +74,9 @@ def home(tmp_path_factory):
     bad = root / "bad"
     bad.mkdir()
     (bad / "not_json.json").write_text("{steps: 8")
+    (bad / "needs_model.yaml").write_text("model: null  # given on the command line\nsteps: 8\n")
+    (bad / "resume.yaml").write_text("resume: true\n")
+    (bad / "tabs.yaml").write_text("steps: 8\n\tlr: 0.1\n")
     for name, value in {"number.json": 42, "string.json": "hello", "list.json": [1, 2], "unknown.json": {"stepz": 8},
                         "typed.json": {"steps": "ten"}, "ds_stage7.json": {"zero_optimization": {"stage": 7}},
                         "ds_stage0.json": {"zero_optimization": {"stage": 0}}, "ds_list.json": [3],
@@ -140,7 +144,12 @@ CASES = [
     ("config-number", train("--config", "bad/number.json", "--out", "new"), "it holds a int"),
     ("config-string", train("--config", "bad/string.json", "--out", "new"), "it holds a str"),
     ("config-list", train("--config", "bad/list.json", "--out", "new"), "it holds a list"),
-    ("config-unknown-field", train("--config", "bad/unknown.json", "--out", "new"), "unknown field(s) ['stepz']"),
+    ("config-unknown-field", train("--config", "bad/unknown.json", "--out", "new"),
+     "unknown field 'stepz'; did you mean steps?"),
+    ("recipe-needs-flag", train("--config", "bad/needs_model.yaml", "--out", "new"),
+     "leaves model to the command line: give --model"),
+    ("recipe-command-line-only", train("--config", "bad/resume.yaml", "--out", "new"), "resume is a command-line flag only"),
+    ("recipe-bad-yaml", train("--config", "bad/tabs.yaml", "--out", "new"), "cannot read --config"),
     ("config-mistyped", train("--config", "bad/typed.json", "--out", "new"), "TrainConfig.steps must be of type int"),
     # --model
     ("model-missing", train("--model", "nope", "--out", "new"), "--model nope does not exist"),

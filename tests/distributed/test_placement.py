@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from apt_ds import APTConfig, APTrainer, TrainConfig
-from apt_ds.cli.main import train_main
+from apt_ds.cli.train import main as train_main
 from apt_ds.config import ConfigError
 from apt_ds.distributed.ds_config import DeepSpeedConfigError, resolve_precision
 from apt_ds.distributed.placement import cpu_threads_per_rank, resolve_base_dtype, resolve_device

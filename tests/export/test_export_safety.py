@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from apt_ds.cli.main import export_main, train_main
+from apt_ds.cli.export import main as export_main
+from apt_ds.cli.train import main as train_main
 from apt_ds.export.merge import export_run, weight_files
 from apt_ds.io.modeling import load_pretrained
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from apt_ds.export import streaming as streaming_export
 from apt_ds.io.checkpoint import CheckpointError
-from apt_ds.cli.main import train_main
+from apt_ds.cli.train import main as train_main
 from apt_ds.export.merge import export_run
 from apt_ds.io.modeling import file_fingerprint, load_model, model_fingerprint
 
@@ -138,7 +138,7 @@ def test_fingerprint_reads_chunks_and_keeps_its_values(runs, monkeypatch):
 
 
 def test_a_base_model_missing_a_tensor_is_named(runs, tmp_path, capsys):
-    from apt_ds.cli.main import export_main
+    from apt_ds.cli.export import main as export_main
 
     base = tmp_path / "base"
     shutil.copytree(runs["gqa"].parent / "base_gqa", base)

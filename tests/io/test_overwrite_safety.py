@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from apt_ds.training import trainer as trainer_module
-from apt_ds.cli.main import train_main
+from apt_ds.cli.train import main as train_main
 from conftest import tree_digest
 
 FAST = ["--steps", "8", "--max-seq-len", "32", "--micro-batch-size", "2", "--checkpoint-every", "4"]

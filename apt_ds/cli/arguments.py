@@ -1,0 +1,135 @@
+"""Command lines built from dataclasses: every flag, its type, choices and help come from a
+field (transformers' HfArgumentParser reads them), so a knob is described in one place.
+
+`explicit_values` tells which flags the user actually typed, so that a recipe file's values
+are overridden only by those (argparse alone cannot tell "--steps 60" from the default 60)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+from transformers import HfArgumentParser
+
+from apt_ds.config import APTConfig, TrainConfig, _help
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends each flag's default unless its help already says how the default is chosen
+    ("default: 10% of --steps"), and lets help texts contain '%'."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if text == argparse.SUPPRESS:
+            return text
+        text = text.replace("%", "%%")
+        if isinstance(action, argparse._StoreFalseAction):  # HfArgumentParser's --no-x twin of a boolean --x
+            return f"turn {action.dest.replace('_', '-')} off"
+        if "default:" in text or action.default in (None, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class ArgumentParser(HfArgumentParser):
+    """HfArgumentParser whose errors are one line like every other error here (no usage block)."""
+
+    def __init__(self, dataclass_types, **kwargs):
+        super().__init__(dataclass_types, formatter_class=_HelpFormatter, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def explicit_values(build_parser: Callable[[], ArgumentParser], argv: Sequence[str] | None) -> dict:
+    """The flags given on the command line, as {field name: value}; --help and bad flags exit here."""
+    build_parser().parse_args(argv)  # --help, unknown flags and bad values are answered with the real defaults
+    quiet = build_parser()
+    not_given = object()  # not a string: argparse would run a string default through the flag's type
+    quiet.set_defaults(**{f.name: not_given for cls in quiet.dataclass_types for f in dataclasses.fields(cls)})
+    return {name: value for name, value in vars(quiet.parse_args(argv)).items() if value is not not_given}
+
+
+@dataclass
+class RunArguments:
+    """What to train and where: the paths and modes around APTConfig and TrainConfig."""
+
+    _argument_group_name = "run"
+
+    model: str = _help("local Hugging Face LLaMA directory, a .gguf file, or 'tiny' (built-in random small LLaMA "
+                       "with GQA) or 'tiny-mha' (one KV head per query head)", default="tiny")
+    data: Optional[str] = _help("training data: JSONL/JSON with 'text', 'instruction'/'input'/'output' or "
+                                "'prompt'/'completion' fields, or a directory saved by `datasets` "
+                                "(default: the shipped demo data)", default=None)
+    eval_data: Optional[str] = _help("held-out data (same formats); eval_loss is logged at each pruning event and "
+                                     "at the end", default=None)
+    out: str = _help("run directory: metrics.jsonl, checkpoint/, tokenizer/", default="runs/demo")
+    deepspeed: Optional[str] = _help("DeepSpeed JSON (ds_configs/zero2.json, zero3.json, ...); omit for one process "
+                                     "without DeepSpeed", default=None)
+    method: str = _help("apt, or lora: the same adapters with no pruning, no rank growth, no distillation",
+                        choices=("apt", "lora"), default="apt")
+    config: Optional[str] = _help("recipe: a YAML (or JSON) file of any of these flags' fields, e.g. "
+                                  "configs/llama2_7b_alpaca.yaml; flags given on the command line override it",
+                                  default=None)
+    resume: bool = _help("continue the run in --out from its last checkpoint", default=False)
+    overwrite: bool = _help("replace a previous run in --out (only an apt-ds run directory or an empty one; anything "
+                            "else is refused). The old run is kept aside until the new one has written its first "
+                            "checkpoint, and put back if the new one fails before that", default=False)
+    global_batch_size: Optional[int] = _help("sequences per optimizer step over all ranks (sets --micro-batch-size)",
+                                             default=None)
+    no_pack: bool = _help("do not pack 'text' data into full blocks", default=False)
+    eval_examples: int = _help("examples of --eval-data used per evaluation", default=64)
+    save_eval_probe: bool = _help("after training, write eval_probe.safetensors: the live model's logits on the "
+                                  "first --eval-data batch and its 20-token greedy continuation of that batch's first "
+                                  "row, to check an export against the run (needs --eval-data)", default=False)
+    local_rank: Optional[int] = field(default=None, metadata={"help": argparse.SUPPRESS})  # set by DeepSpeed's launcher
+
+
+# Recipe files describe a run, not one invocation of it: these stay command-line only.
+COMMAND_LINE_ONLY = ("config", "resume", "overwrite", "local_rank")
+
+
+def build_train_parser() -> ArgumentParser:
+    return ArgumentParser(
+        [RunArguments, APTConfig, TrainConfig],
+        prog="launch/train.py",
+        description="Fine-tune a LLaMA model with APT: adapters are trained while attention KV groups, FFN neurons and "
+        "hidden channels are pruned and physically removed; ends with a smaller model. Run with plain python (one "
+        "process) or under the deepspeed launcher with --deepspeed. Every flag can also come from a recipe "
+        "(--config configs/NAME.yaml).",
+    )
+
+
+@dataclass
+class ExportArguments:
+    """launch/export.py: a run (or a plain model plus the units to keep) to a compact dense model."""
+
+    _argument_group_name = "export"
+
+    out: str = _help("output directory (must not exist unless --overwrite)")
+    run_dir: Optional[str] = _help("run directory written by launch/train.py (its checkpoint/ is read); also "
+                                   "accepted as the first positional argument", default=None)
+    model: Optional[str] = _help("with a run: the run's base model, when it is no longer at the path the run recorded "
+                                 "(a moved run). Without a run: a plain LLaMA directory (adapters merged or none) to "
+                                 "prune with --kept", default=None)
+    kept: Optional[str] = _help("with --model: the units to keep, as a JSON of ORIGINAL unit indices (a run's "
+                                "checkpoint/apt_state.json, or {groups, neurons, hidden}) or as binary masks over the "
+                                "original model in a .safetensors (hidden, kv_group.<i>, ffn_neuron.<i>); needs no "
+                                "DeepSpeed", default=None)
+    dtype: str = _help("dtype of the saved weights", choices=("fp32", "bf16", "fp16"), default="fp32")
+    overwrite: bool = _help("replace an existing --out that holds a previous export", default=False)
+    max_shard_size: str = _help("largest safetensors shard (e.g. 500MB, 5GB); bigger models are written as shards "
+                                "plus model.safetensors.index.json", default="5GB")
+
+
+def build_export_parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        [ExportArguments],
+        prog="launch/export.py",
+        description="Export a run as a merged, physically smaller, dense model (safetensors + config + tokenizer): "
+        "launch/export.py RUN --out DIR, or launch/export.py --model BASE --kept KEPT --out DIR.",
+    )
+    parser.add_argument("run_dir_positional", nargs="?", metavar="RUN", help="same as --run-dir")
+    return parser

@@ -1,0 +1,27 @@
+"""The errors a user can cause, printed as one `error: ...` line with exit status 2.
+Anything else is a bug and keeps its traceback."""
+
+from __future__ import annotations
+
+import sys
+
+from apt_ds.config import ConfigError
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    # Imported here: each module's error class comes with its module, and `--help` should not pay for torch.
+    from apt_ds.algorithm.pruner import PruningError
+    from apt_ds.algorithm.units import UnsupportedModelError
+    from apt_ds.distributed.ds_config import DeepSpeedConfigError
+    from apt_ds.io.checkpoint import CheckpointError
+    from apt_ds.io.data import DataError
+    from apt_ds.io.modeling import ModelLoadError
+    from apt_ds.io.weights import WeightsError
+
+    return (ConfigError, FileExistsError, CheckpointError, DataError, ModelLoadError, PruningError,
+            UnsupportedModelError, DeepSpeedConfigError, WeightsError)
+
+
+def report(err: BaseException) -> int:
+    print(f"error: {err}", file=sys.stderr)
+    return 2

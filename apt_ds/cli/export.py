@@ -1,0 +1,57 @@
+"""`launch/export.py`: a run (or a plain model plus the units to keep) -> a compact dense model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from apt_ds.cli.arguments import ExportArguments, build_export_parser
+from apt_ds.cli.errors import report, user_errors
+from apt_ds.config import ConfigError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_export_parser()
+    namespace = vars(parser.parse_args(argv))
+    positional = namespace.pop("run_dir_positional")
+    if positional and namespace["run_dir"] and positional != namespace["run_dir"]:
+        parser.error(f"two runs given: {positional} and --run-dir {namespace['run_dir']}")
+    args = ExportArguments(**{**namespace, "run_dir": namespace["run_dir"] or positional})
+    if args.run_dir and args.kept:
+        parser.error("--kept is for exporting a plain model: give either RUN_DIR [--model BASE], or --model and --kept")
+    if not args.run_dir and not (args.model and args.kept):
+        parser.error("give either RUN_DIR [--model BASE], or --model and --kept")
+    try:
+        from apt_ds.export.merge import export_pruned, export_run
+
+        if args.run_dir:
+            report_ = export_run(Path(args.run_dir), Path(args.out), dtype=args.dtype, overwrite=args.overwrite,
+                                 model_path=args.model, max_shard_size=args.max_shard_size)
+        else:
+            report_ = export_pruned(*_plain_model_and_kept(args.model, args.kept), Path(args.out), dtype=args.dtype,
+                                    tokenizer_dir=Path(args.model), overwrite=args.overwrite,
+                                    max_shard_size=args.max_shard_size)
+    except user_errors() as err:
+        return report(err)
+    print(json.dumps(report_["final"], indent=1))
+    return 0
+
+
+def _plain_model_and_kept(model_path: str, kept_path: str):
+    from apt_ds.io.modeling import load_model
+
+    if kept_path.endswith(".safetensors"):
+        from apt_ds.export.merge import kept_from_masks
+
+        kept = kept_from_masks(kept_path)
+    else:
+        try:
+            kept = json.loads(Path(kept_path).read_text())
+        except (OSError, ValueError) as err:  # ValueError: bad JSON, or not UTF-8 text
+            raise ConfigError(f"cannot read --kept {kept_path}: {err}") from None
+    if isinstance(kept, dict) and "kept" in kept:  # a run's checkpoint/apt_state.json
+        kept = kept["kept"]
+    from apt_ds.export.merge import read_kept_record
+
+    read_kept_record(kept)  # before the (slow) model load
+    return load_model(model_path), kept

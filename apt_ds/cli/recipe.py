@@ -1,0 +1,96 @@
+"""Recipes: YAML files under configs/ that name every knob of a run (torchtune style).
+
+A recipe is a flat mapping of the same field names the flags use (`target_density: 0.7`,
+`micro_batch_size: 4`, `deepspeed: ds_configs/zero3.json`); flags typed on the command line
+override it. A key set to `null` (`model: null`) must be given on the command line: recipes for
+7B models name no local path. JSON is YAML, so the JSON files older runs used still load.
+
+Resolution: field defaults <- recipe <- command line, then the schedule defaults that scale
+with `steps` (APTConfig.for_steps) for whatever is still unset."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from apt_ds.cli.arguments import COMMAND_LINE_ONLY, RunArguments
+from apt_ds.config import SCHEDULE_FIELDS, APTConfig, ConfigError, TrainConfig, check_field_types
+
+_CLASSES = (RunArguments, APTConfig, TrainConfig)
+
+
+def _field_names(cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def load_recipe(path: str | Path) -> dict[str, Any]:
+    """The recipe's values, type-checked; one-line ConfigError for anything wrong in it."""
+    try:
+        values = yaml.safe_load(Path(path).read_text())
+    except (OSError, ValueError, yaml.YAMLError) as err:  # ValueError: not UTF-8 text
+        reason = str(err).replace("\n", " ")
+        raise ConfigError(f"cannot read --config {path}: {reason}") from None
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"--config {path} must hold a mapping of field names to values, e.g. \"steps: 100\"; "
+                          f"it holds a {type(values).__name__}")
+    known = set().union(*map(_field_names, _CLASSES)) - set(COMMAND_LINE_ONLY)
+    for key in values:
+        if key in COMMAND_LINE_ONLY:
+            raise ConfigError(f"--config {path}: {key} is a command-line flag only (--{key.replace('_', '-')})")
+        if key not in known:
+            close = difflib.get_close_matches(str(key).replace("-", "_"), sorted(known), n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ConfigError(f"--config {path}: unknown field {key!r}{hint}")
+    values = {k: _float_from_text(k, v) for k, v in values.items()}
+    for cls in _CLASSES:
+        check_field_types(cls, {k: v for k, v in values.items() if k in _field_names(cls) and v is not None})
+    return values
+
+
+def _float_from_text(name: str, value: Any) -> Any:
+    """YAML 1.1 reads `1e-4` (no dot) as text; a float field takes it as the number it means."""
+    float_fields = {name for cls in (APTConfig, TrainConfig) for name, kind in typing.get_type_hints(cls).items()
+                    if kind is float}
+    if name in float_fields and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value  # the type check names the field and the text
+    return value
+
+
+def resolve(given: dict[str, Any]) -> tuple[RunArguments, APTConfig, TrainConfig]:
+    """Defaults <- recipe (--config) <- the flags in `given`; scaled schedule defaults last."""
+    recipe = load_recipe(given["config"]) if given.get("config") else {}
+    missing = [k for k, v in recipe.items() if v is None and given.get(k) is None]  # in the recipe's order
+    if missing:
+        flags = ", ".join(f"--{k.replace('_', '-')}" for k in missing)
+        raise ConfigError(f"--config {given['config']} leaves {', '.join(missing)} to the command line: give {flags}")
+    merged = {**{k: v for k, v in recipe.items() if v is not None}, **given}
+    run = RunArguments(**{k: v for k, v in merged.items() if k in _field_names(RunArguments)})
+    train_values = {k: v for k, v in merged.items() if k in _field_names(TrainConfig)}
+    check_field_types(TrainConfig, train_values)
+    steps = int(train_values.get("steps", TrainConfig.steps))
+    train_values.setdefault("checkpoint_every", max(10, steps // 10))  # resumable without asking
+    train_values.setdefault("warmup_steps", max(1, steps // 20))
+    train = TrainConfig(**train_values)
+    apt_values = {k: (tuple(v) if isinstance(v, list) else v) for k, v in merged.items() if k in _field_names(APTConfig)}
+    check_field_types(APTConfig, apt_values)
+    if run.method == "lora":
+        apt_values = {k: v for k, v in apt_values.items() if k not in SCHEDULE_FIELDS}
+    apt = APTConfig.for_steps(train.steps, **apt_values)
+    if apt.prune and apt.pruning_end_step > train.steps:
+        raise ConfigError(
+            f"APTConfig.pruning_end_step ({apt.pruning_end_step}) must be <= --steps ({train.steps}): "
+            "the run would end before reaching its target density"
+        )
+    if run.method == "lora":
+        apt = apt.as_lora()
+    return run, apt, train

@@ -1,0 +1,67 @@
+"""`launch/train.py`: flags and recipe -> configs -> checks -> the run. No algorithm here."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from apt_ds.cli.arguments import RunArguments, build_train_parser, explicit_values
+from apt_ds.cli.errors import report, user_errors
+from apt_ds.cli.recipe import resolve
+from apt_ds.config import ConfigError, TrainConfig
+from apt_ds.io.run_dir import check_out_dir, recover_interrupted_overwrite
+
+
+def check_inputs_early(run: RunArguments, train: TrainConfig) -> None:
+    """The checks that need neither a process group nor a model, run before either exists
+    (a launch costs minutes on a fresh machine): --out, the model path, the DeepSpeed JSON."""
+    if run.resume and run.overwrite:
+        raise ConfigError("--resume continues the run in --out and --overwrite replaces it: give one of them")
+    for flag, value in (("--global-batch-size", run.global_batch_size), ("--eval-examples", run.eval_examples)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
+    for flag, value in (("--data", run.data), ("--eval-data", run.eval_data)):
+        if value and not Path(value).exists():
+            raise ConfigError(f"{flag} {value} does not exist")
+    if os.environ.get("RANK", "0") == "0":  # one rank repairs what a killed --overwrite left
+        note = recover_interrupted_overwrite(Path(run.out))
+        if note:
+            print(note, file=sys.stderr)
+    check_out_dir(Path(run.out), run.resume, run.overwrite)
+    from apt_ds.io.modeling import TINY_MODELS, check_model_path
+
+    if run.model not in TINY_MODELS:
+        check_model_path(run.model, flag="--model")
+    if run.deepspeed:
+        from apt_ds.distributed.ds_config import precheck_config
+
+        precheck_config(run.deepspeed, grad_accum_steps=train.grad_accum_steps, max_grad_norm=train.max_grad_norm,
+                        micro_batch_size=None if run.global_batch_size else train.micro_batch_size,
+                        base_dtype=train.base_dtype)
+
+
+def main(argv: list[str] | None = None) -> int:
+    given = explicit_values(build_train_parser, argv)
+    out = given.get("out", RunArguments.out)
+    try:
+        run, apt, train = resolve(given)
+        out = run.out
+        check_inputs_early(run, train)
+        from apt_ds.training.run import run_training
+
+        run_training(run, apt, train)
+    except user_errors() as err:
+        return report(err)
+    except KeyboardInterrupt:
+        print(f"interrupted; --resume continues from the last checkpoint in {out} (if one was written)", file=sys.stderr)
+        return 130
+    except OSError as err:  # e.g. the disk filled up while the tokenizer or a metrics line was written
+        from apt_ds.io.checkpoint import is_disk_full
+
+        if not is_disk_full(err):
+            raise
+        print(f"error: disk full writing {getattr(err, 'filename', None) or out}: {err.strerror or err}; free space "
+              f"and run again", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,118 @@
+"""The train command line: flags from the config dataclasses, recipes under configs/, and how
+the two combine (defaults <- recipe <- flags; `null` in a recipe means "give it as a flag")."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from apt_ds.cli.arguments import RunArguments, build_train_parser, explicit_values
+from apt_ds.cli.recipe import load_recipe, resolve
+from apt_ds.cli.train import main as train_main
+from apt_ds.config import APTConfig, ConfigError, TrainConfig
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def resolved(*argv: str):
+    return resolve(explicit_values(build_train_parser, list(argv)))
+
+
+def test_every_field_is_a_flag_with_its_help_and_default(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_train_parser().parse_args(["--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for cls in (RunArguments, APTConfig, TrainConfig):
+        for field in dataclasses.fields(cls):
+            if field.name != "local_rank":
+                assert "--" + field.name.replace("_", "-") in text, field.name
+    assert "(default: 10% of steps)" in text  # scaled defaults say how they are chosen, once, from the field
+    assert "(default: 100)" not in text  # ... and not the unscaled class default
+    assert "(default: 0.85)" in text and "(default: None)" not in text
+    assert "APT knobs" in text and "training loop" in text
+
+
+def test_only_typed_flags_count_as_given():
+    assert explicit_values(build_train_parser, ["--steps", "60", "--no-distill", "--adapter-targets", "q_proj",
+                                                "k_proj", "--local_rank=1"]) == {
+        "steps": 60, "distill": False, "adapter_targets": ["q_proj", "k_proj"], "local_rank": 1}
+    assert explicit_values(build_train_parser, []) == {}
+
+
+def test_schedule_defaults_scale_with_steps():
+    _, apt, train = resolved("--steps", "60", "--pruning-start-step", "50")
+    assert apt.pruning_start_step == 50 and 50 < apt.pruning_end_step <= 60 and train.warmup_steps == 3
+    _, apt, train = resolved("--steps", "200")
+    assert (apt.pruning_start_step, apt.pruning_end_step, train.checkpoint_every) == (20, 100, 20)
+
+
+def test_flags_override_a_json_config_and_lora_drops_the_schedule(tmp_path):
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({"adapter_rank": 4, "rank_cap": 16, "lr": 0.01, "steps": 40}))
+    _, apt, train = resolved("--config", str(config), "--rank-cap", "32")
+    assert (apt.adapter_rank, apt.rank_cap, train.lr, train.steps) == (4, 32, 0.01, 40)  # flag beats file
+    _, apt, _ = resolved("--method", "lora", "--steps", "20")
+    assert not apt.prune and not apt.grow_ranks and not apt.distill and apt.target_density == 1.0
+
+
+@pytest.mark.parametrize("name, density", [("llama2_7b_alpaca.yaml", 0.7), ("llama2_13b_alpaca.yaml", 0.5)])
+def test_reference_recipes_hold_the_papers_settings(name, density, tmp_path):
+    run, apt, train = resolved("--config", str(CONFIGS / name), "--model", "/models/llama", "--data", "a.json")
+    assert (run.model, run.data, run.deepspeed) == ("/models/llama", "a.json", "ds_configs/zero3.json")
+    assert (train.lr, train.micro_batch_size, train.grad_accum_steps) == (1e-4, 4, 8)
+    assert (apt.target_density, apt.num_pruning_events) == (density, 16)
+    assert train.base_dtype == "bf16" and train.gradient_checkpointing
+    _, _, train = resolved("--config", str(CONFIGS / name), "--model", "m", "--data", "d", "--lr", "3e-4")
+    assert train.lr == 3e-4  # a flag overrides the recipe
+
+
+def test_every_shipped_recipe_resolves():
+    for path in sorted(CONFIGS.glob("*.yaml")):
+        values = load_recipe(path)
+        required = [f"--{k.replace('_', '-')}" for k, v in values.items() if v is None]
+        argv = ["--config", str(path)] + [a for flag in required for a in (flag, "x")]
+        run, apt, train = resolved(*argv)
+        for key, value in values.items():
+            if value is not None and key in {f.name for f in dataclasses.fields(TrainConfig)}:
+                assert getattr(train, key) == value, (path.name, key)
+
+
+def test_a_recipe_null_must_come_from_the_command_line(tmp_path):
+    with pytest.raises(ConfigError, match="leaves model, data to the command line: give --model, --data"):
+        resolved("--config", str(CONFIGS / "llama2_7b_alpaca.yaml"))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("targt_density: 0.5\n", "unknown field 'targt_density'; did you mean target_density?"),
+    ("resume: true\n", "resume is a command-line flag only (--resume)"),
+    ("lr: fast\n", "TrainConfig.lr must be of type float, got 'fast'"),
+    ("adapter_targets: q_proj\n", "APTConfig.adapter_targets must be of type list, got 'q_proj'"),
+    ("- steps\n", "must hold a mapping of field names to values"),
+    ("steps: [1\n", "cannot read --config"),
+])
+def test_bad_recipes_are_one_line(tmp_path, text, message):
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as error:
+        load_recipe(path)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_yaml_exponent_without_a_dot_is_a_number(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("lr: 1e-4\nsteps: 40\n")
+    _, _, train = resolved("--config", str(path))
+    assert train.lr == 1e-4 and train.steps == 40
+
+
+def test_the_tiny_recipe_trains(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train_main(["--config", str(CONFIGS / "tiny_demo.yaml"), "--steps", "8", "--max-seq-len", "32",
+                       "--out", str(out)]) == 0
+    recorded = json.loads((out / "run.json").read_text())
+    assert recorded["train_config"]["steps"] == 8 and recorded["apt_config"]["target_density"] == 0.7
+    capsys.readouterr()
