@@ -42,7 +42,8 @@ def run_worker(spec_path: Path) -> None:
     from apt_ds.config import TrainConfig
     from apt_ds.io.data import batches, load_records, tokenize_dataset
     from apt_ds.training.evaluate import parameter_bytes
-    from apt_ds.export.merge import compact_model, export_run, weight_files, write_export
+    from apt_ds.export.merge import compact_model, export_run
+    from apt_ds.export.writer import weight_files, write_export
     from apt_ds.training.heap import release_free_heap
     from apt_ds.io.modeling import load_model
     from apt_ds.io.tokenizer import load_tokenizer

@@ -98,7 +98,7 @@ def main(argv=None) -> None:
     import torch
 
     from apt_ds.training.evaluate import decode_speed, directory_bytes, parameter_bytes
-    from apt_ds.export.merge import weight_files
+    from apt_ds.export.writer import weight_files
     from apt_ds.io.modeling import load_model
     from quality import forward_flops_per_token
 

@@ -41,7 +41,7 @@ def _plain_model_and_kept(model_path: str, kept_path: str):
     from apt_ds.io.modeling import load_model
 
     if kept_path.endswith(".safetensors"):
-        from apt_ds.export.merge import kept_from_masks
+        from apt_ds.export.kept import kept_from_masks
 
         kept = kept_from_masks(kept_path)
     else:
@@ -51,7 +51,7 @@ def _plain_model_and_kept(model_path: str, kept_path: str):
             raise ConfigError(f"cannot read --kept {kept_path}: {err}") from None
     if isinstance(kept, dict) and "kept" in kept:  # a run's checkpoint/apt_state.json
         kept = kept["kept"]
-    from apt_ds.export.merge import read_kept_record
+    from apt_ds.export.kept import read_kept_record
 
     read_kept_record(kept)  # before the (slow) model load
     return load_model(model_path), kept

@@ -134,7 +134,7 @@ def test_export_refuses_existing_out_and_missing_checkpoint(runs, tmp_path, caps
 
 
 def test_interrupted_export_leaves_nothing(runs, tmp_path, monkeypatch):
-    import apt_ds.export.merge as export_module
+    import apt_ds.export.writer as export_module
 
     def boom(*args, **kwargs):
         raise KeyboardInterrupt

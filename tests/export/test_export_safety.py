@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 
 from apt_ds.cli.export import main as export_main
 from apt_ds.cli.train import main as train_main
-from apt_ds.export.merge import export_run, weight_files
+from apt_ds.export.merge import export_run
+from apt_ds.export.writer import weight_files
 from apt_ds.io.modeling import load_pretrained
 
 from conftest import check_against_probe
@@ -112,11 +113,12 @@ def test_killed_export_leaves_nothing_loadable_and_is_cleaned_up(run, tmp_path):
         "import os, signal, sys\n"
         "from pathlib import Path\n"
         "import apt_ds.export.merge as ex\n"
-        "real = ex.save_file\n"
+        "import apt_ds.export.writer as writer\n"
+        "real = writer.save_file\n"
         "def save_then_die(*a, **k):\n"
         "    real(*a, **k)\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
-        "ex.save_file = save_then_die\n"
+        "writer.save_file = save_then_die\n"
         f"ex.export_run(Path({str(run)!r}), Path({str(tmp_path / 'out')!r}))\n"
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO)

@@ -1,0 +1,158 @@
+"""The files of an export: safetensors weights (sharded like save_pretrained), config.json with
+every layer's shape, generation config, tokenizer and a report, written into a hidden temporary
+sibling and renamed into place in one step, so an interrupted export leaves nothing that loads."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from apt_ds.algorithm.units import ModelShape
+from apt_ds.config import ConfigError
+from apt_ds.export.out_dir import REPORT_FILE, recover_interrupted_overwrite, remove_stale_temporaries
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DEFAULT_SHARD_SIZE = "5GB"  # as transformers' save_pretrained
+
+
+def exported_config(model_config, shape: ModelShape) -> dict:
+    config = model_config.to_dict()
+    for key in ("apt_layer_shapes", "_name_or_path", "transformers_version", "quantization_config"):
+        config.pop(key, None)
+    config["architectures"] = ["LlamaForCausalLM"]
+    config["hidden_size"] = shape.hidden
+    first = shape.layers[0]
+    config.update(head_dim=first.head_dim, num_attention_heads=first.num_q_heads,
+                  num_key_value_heads=first.num_kv_groups, intermediate_size=first.ffn)
+    if not stock_loadable(shape):
+        config["apt_layer_shapes"] = [dict(layer.__dict__) for layer in shape.layers]
+        if shape.hidden % first.num_q_heads:
+            # LlamaConfig refuses hidden % heads != 0; per-layer shapes are authoritative anyway.
+            config.update(num_attention_heads=1, num_key_value_heads=1)
+    return config
+
+
+def stock_loadable(shape: ModelShape) -> bool:
+    """A plain LlamaConfig describes the model: every layer alike and a hidden size that
+    transformers accepts for that head count (it requires hidden % num_attention_heads == 0)."""
+    return shape.uniform and shape.hidden % shape.layers[0].num_q_heads == 0
+
+
+def write_export(model, shape: ModelShape, out: Path, dtype: torch.dtype, tokenizer_dir: Path | None = None,
+                 extra_report: dict | None = None, max_shard_size: str | int = DEFAULT_SHARD_SIZE) -> dict:
+    """Atomically write an in-memory model's weights (safetensors shards + index when sharded),
+    config, generation config, tokenizer and report into `out`.
+
+    Not through `save_pretrained`: a non-uniform shape's config fails transformers' config
+    validation (e.g. hidden 121 with 4 heads), and the streaming export, which never holds a
+    model, must write the same files. Both shard with huggingface_hub's splitter, which is what
+    save_pretrained uses, and name files as it does."""
+    def save_weights(directory: Path) -> int:
+        state_dict = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items() if "rotary" not in k}
+        if shape.tied_embeddings:
+            state_dict.pop("lm_head.weight", None)
+        _save_shards(state_dict, directory, max_shard_size)
+        return sum(v.numel() for v in state_dict.values())
+
+    generation = model.generation_config.to_diff_dict() if model.generation_config is not None else {}
+    return write_export_dir(out, shape, save_weights, model.config, generation, dtype, tokenizer_dir, extra_report)
+
+
+def write_export_dir(out: Path, shape: ModelShape, save_weights, config, generation: dict, dtype: torch.dtype,
+                     tokenizer_dir: Path | None = None, extra_report: dict | None = None) -> dict:
+    """Atomically write an export: `save_weights(directory)` writes the weights and returns the
+    parameter count; then generation config, tokenizer, report and config.json.
+
+    Everything goes into a hidden temporary sibling, config.json last, then one rename: a
+    killed export leaves at most a `.NAME.tmp-*` directory, which the next export removes."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    recover_interrupted_overwrite(out)
+    remove_stale_temporaries(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        exported_params = save_weights(tmp)
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=1))
+        if tokenizer_dir is not None and tokenizer_dir.is_dir():
+            for item in tokenizer_dir.iterdir():
+                if item.is_file() and _is_tokenizer_file(item.name):
+                    shutil.copy2(item, tmp / item.name)
+        report = {"final": summary(shape), "uniform": shape.uniform, "stock_loadable": stock_loadable(shape),
+                  "exported_params": exported_params, **(extra_report or {})}
+        (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1))
+        config = exported_config(config, shape)
+        config["dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+        (tmp / "config.json").write_text(json.dumps(config, indent=1))
+        _make_readable(tmp)
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{tmp.name.rsplit('-', 1)[-1]}"
+            out.rename(old)  # the previous export is only deleted once the new one is in place
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return report
+
+
+def check_options(dtype: str, max_shard_size) -> None:
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    try:
+        size = max_shard_size if isinstance(max_shard_size, int) else parse_size_to_int(max_shard_size)
+        if size <= 0:
+            raise ValueError
+    except (ValueError, TypeError, AttributeError):
+        raise ConfigError(f"--max-shard-size must be a positive size such as 500MB or 5GB, got {max_shard_size!r}") from None
+
+
+def _save_shards(state_dict: dict, directory: Path, max_shard_size) -> None:
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    split = split_torch_state_dict_into_shards(state_dict, max_shard_size=max_shard_size)
+    for filename, names in split.filename_to_tensors.items():
+        save_file({name: state_dict[name] for name in names}, str(directory / filename), metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": {**split.metadata, "total_size": sum(v.numel() * v.element_size() for v in state_dict.values())},
+                 "weight_map": split.tensor_to_filename}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+
+
+def _make_readable(directory: Path) -> None:
+    """mkdtemp makes a 0700 directory: give the export the permissions the umask allows, so a
+    serving user other than the exporter can read it."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for item in directory.iterdir():
+        item.chmod(0o666 & ~umask)
+
+
+def weight_files(export_dir: Path) -> list[Path]:
+    """The safetensors files of an export (one file, or the shards of its index)."""
+    index = export_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted({export_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
+    return [export_dir / "model.safetensors"]
+
+
+def _is_tokenizer_file(name: str) -> bool:
+    """Tokenizer files only: a model directory also holds weights and a config we replace."""
+    return (name.startswith(("tokenizer", "special_tokens_map", "added_tokens", "vocab", "merges", "chat_template"))
+            or name.endswith(".model"))
+
+
+def summary(shape: ModelShape) -> dict:
+    return {"hidden": shape.hidden, "block_params": shape.block_params(), "total_params": shape.total_params(),
+            "layers": [dict(layer.__dict__) for layer in shape.layers]}
+
+
