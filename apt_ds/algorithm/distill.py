@@ -2,10 +2,11 @@
 
 Teacher = the same network (frozen base shared, nothing copied) with the adapters' snapshot
 from the last pruning event (`APTAdapter.teacher_A/B`), masks off, under no_grad.
-Loss = kl_weight * KL(teacher || student at temperature T) * T^2 + mse_weight * MSE over
+Loss = kl_weight * KL(student || teacher at temperature T) * T^2 + mse_weight * MSE over
 sampled layers: layers are split into blocks, one layer is sampled per block, and the
-student's hidden state passes through a transformation layer (hidden -> hidden, identity
-weight, tuned through a low-rank adapter) before the MSE. The MSE is relative per token
+student's hidden state (the layer's output, before any final norm) passes through a
+transformation layer (hidden -> hidden, identity weight, tuned through a low-rank adapter)
+before the MSE. The MSE is relative per token
 (`relative_squared_error`): a deviation from the spec's plain MSE, see that function.
 Whole layers are never removed, so a sampled teacher layer maps to the same student layer.
 """
@@ -60,6 +61,29 @@ class SelfDistiller:
         self.config = config
         self.num_layers = num_layers
         self.generator = torch.Generator().manual_seed(seed + 17)
+        # transformers returns the LAST layer's hidden state after the model's final norm; the
+        # last layer's own output is read at the norm's input instead (a hook armed per step).
+        self._norm_hooked: set[int] = set()
+        self._last_layer_output: dict[str, torch.Tensor] = {}
+        self._capture_as: str | None = None
+
+    def _watch_final_norm(self, model) -> None:
+        norm = getattr(getattr(model, "model", None), "norm", None)
+        if norm is not None and id(norm) not in self._norm_hooked:
+            norm.register_forward_pre_hook(self._keep_norm_input)
+            self._norm_hooked.add(id(norm))
+
+    def _keep_norm_input(self, module, args):
+        if self._capture_as is not None:
+            self._last_layer_output[self._capture_as] = args[0]
+        return None
+
+    def _layer_output(self, out, layer: int, role: str) -> torch.Tensor:
+        """Layer `layer`'s output: hidden_states[layer + 1] (hidden_states[0] is the embedding
+        output), except for the last layer, whose pre-norm output the norm hook kept."""
+        if layer == self.num_layers - 1 and role in self._last_layer_output:
+            return self._last_layer_output[role]
+        return out.hidden_states[layer + 1]
 
     def snapshot(self, model, read_param=None) -> None:
         """Freeze the current adapters as the teacher (called at each pruning event).
@@ -80,6 +104,9 @@ class SelfDistiller:
         """Adapters read their snapshot; masks and salience hooks are switched off."""
         adapters = student_adapters(model).values()
         saved = [(s, s.enabled) for s in switches]
+        self._watch_final_norm(model)
+        self._last_layer_output.clear()
+        self._capture_as = "teacher"
         for adapter in adapters:
             adapter.use_teacher = True
         for switch, _ in saved:
@@ -87,6 +114,7 @@ class SelfDistiller:
         try:
             yield
         finally:
+            self._capture_as = "student"  # the student's forward follows; loss_sums disarms
             for adapter in adapters:
                 adapter.use_teacher = False
             for switch, enabled in saved:
@@ -106,15 +134,17 @@ class SelfDistiller:
         positions = valid if kl_positions is None else kl_positions
         s_logp = F.log_softmax(student_out.logits[positions].float() / temperature, -1)
         t_logp = F.log_softmax(teacher_out.logits[positions].float() / temperature, -1)
-        kl_sum = (t_logp.exp() * (t_logp - s_logp)).sum() * temperature**2
+        kl_sum = (s_logp.exp() * (s_logp - t_logp)).sum() * temperature**2  # KL(student || teacher), as the spec
         transform = getattr(model, TRANSFORM_ATTR)
         weights = valid.float()
         mse_sum = weights.new_zeros(())
-        for layer in layers:  # hidden_states[0] is the embedding output
-            student_h = transform(student_out.hidden_states[layer + 1]).float()
-            teacher_h = teacher_out.hidden_states[layer + 1].float()
+        for layer in layers:
+            student_h = transform(self._layer_output(student_out, layer, "student")).float()
+            teacher_h = self._layer_output(teacher_out, layer, "teacher").float()
             mse_sum = mse_sum + (relative_squared_error(student_h, teacher_h) * weights).sum()
         mse_sum = mse_sum / max(1, len(layers))
+        self._capture_as = None
+        self._last_layer_output.clear()
         return cfg.distill_kl_weight * kl_sum, cfg.distill_mse_weight * mse_sum
 
     def loss(self, model, student_out, teacher_out, layers: list[int], valid: torch.Tensor,

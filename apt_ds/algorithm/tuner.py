@@ -29,7 +29,11 @@ class AdaptiveTuner:
         self.initial_params: int | None = None
 
     def accumulate(self, adapters: dict[str, APTAdapter], read_param: ReadTensor, read_grad: ReadTensor) -> None:
-        """Update importance from the current step's gradients (call between backward and step)."""
+        """Update importance from the current step's gradients (call between backward and step).
+        The first call also fixes the initial tunable budget, before any pruning event has shrunk
+        an adapter (read at the first event it would be the already-shrunk size)."""
+        if self.initial_params is None:
+            self.initial_params = sum(a.adapter_params() for a in adapters.values())
         beta = self.config.salience_beta
         for name in sorted(adapters):
             adapter = adapters[name]

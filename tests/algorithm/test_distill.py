@@ -109,29 +109,41 @@ def test_distill_loss_is_zero_for_identical_outputs_and_positive_otherwise():
         assert float(distiller.loss(model, other, out, [0, 1], valid)) > 1e-6
 
 
-def test_distill_loss_formula():
+@pytest.mark.parametrize("layer", [0, 1])  # 1 is the last layer of the 2-layer model
+def test_distill_loss_formula(layer):
+    """kl_weight * KL(student || teacher) * T^2 (the spec's direction) + mse_weight * relative MSE
+    of the sampled layer's OUTPUT; for the last layer that is its pre-norm output, not the
+    final-normed state transformers returns as hidden_states[-1]."""
     cfg = APTConfig(distill_kl_weight=0.3, distill_mse_weight=0.7, distill_temperature=0.5)
     model, adapters = _student("gqa")
     distiller = SelfDistiller(cfg, num_layers=2)
     batch = random_batch(batch=3, length=7)
     valid = torch.ones(3, 7, dtype=torch.bool)
     valid[1, 4:] = False
+    outputs = []
+    hook = model.model.layers[layer].register_forward_hook(lambda m, a, out: outputs.append(out[0] if isinstance(out, tuple) else out))
     with torch.no_grad():
         _set_b(adapters, seed=5)
-        teacher = model(**batch, output_hidden_states=True)
+        distiller.snapshot(model)  # the teacher's adapters
+        with distiller.teacher_mode(model, []):
+            teacher = model(**batch, output_hidden_states=True)
         _set_b(adapters, seed=6)
         student = model(**batch, output_hidden_states=True)
         transform = getattr(model, TRANSFORM_ATTR)
         transform.lora_B.normal_(0, 0.01)  # transform no longer the identity
-        got = distiller.loss(model, student, teacher, [1], valid)
+        got = distiller.loss(model, student, teacher, [layer], valid)
+        hook.remove()
         T = 0.5
-        t_p = F.softmax(teacher.logits / T, -1)
-        kl = (t_p * (F.log_softmax(teacher.logits / T, -1) - F.log_softmax(student.logits / T, -1))).sum(-1)
-        kl = kl[valid].mean() * T**2
-        t_h = teacher.hidden_states[2]
-        mse = ((transform(student.hidden_states[2]) - t_h).pow(2).mean(-1) / t_h.pow(2).mean(-1))[valid].mean()
+        s_logp, t_logp = F.log_softmax(student.logits / T, -1), F.log_softmax(teacher.logits / T, -1)
+        kl = (s_logp.exp() * (s_logp - t_logp)).sum(-1)[valid].mean() * T**2
+        reverse = (t_logp.exp() * (t_logp - s_logp)).sum(-1)[valid].mean() * T**2
+        t_h, s_h = outputs
+        mse = ((transform(s_h) - t_h).pow(2).mean(-1) / t_h.pow(2).mean(-1))[valid].mean()
     torch.testing.assert_close(got, 0.3 * kl + 0.7 * mse, rtol=1e-5, atol=1e-8)
     assert float(kl) > 0 and float(mse) > 0
+    assert abs(float(kl - reverse)) > 1e-4 * float(kl)  # the direction is observable here
+    if layer == 1:
+        assert not torch.allclose(t_h, teacher.hidden_states[2])  # hidden_states[-1] is after the final norm
 
 
 def test_hidden_state_error_is_relative_to_each_teacher_token():

@@ -47,7 +47,7 @@ def _assert_scores_close(a: SalienceCollector, b: SalienceCollector, rtol=1e-5):
 
 
 def test_scores_follow_the_definition():
-    """S_j = (sum |X_j|) (sum |dL/dX_j|), summed per group / over hidden sites."""
+    """S_j = (mean |X_j|) (sum |dL/dX_j|) over the step's tokens, summed per group / over hidden sites."""
     model = _model("gqa")
     shape = ModelShape.from_model(model)
     batch = random_batch(batch=4)
@@ -78,7 +78,8 @@ def test_scores_follow_the_definition():
     collector.end_step()
 
     def channel(t):
-        return (t.detach().abs().sum((0, 1)) * t.grad.abs().sum((0, 1))).float()  # scores are fp32 on the model device
+        tokens = t.shape[0] * t.shape[1]
+        return (t.detach().abs().sum((0, 1)) / tokens * t.grad.abs().sum((0, 1))).float()  # fp32 on the model device
 
     hidden = 0
     for l, layer in enumerate(shape.layers):
@@ -323,3 +324,33 @@ def test_ema_disabled_collection_and_keep():
     other = SalienceCollector(new_shape, beta=0.85, use_kurtosis=False)
     other.load_state_dict(state)
     assert torch.equal(other.hidden_scores, collector.hidden_scores)
+
+
+def _scores_of(model, batch, use_kurtosis=True):
+    collector = SalienceCollector(ModelShape.from_model(model), beta=0.85, use_kurtosis=use_kurtosis)
+    _collect(model, collector, [batch], 1.0)
+    collector.end_step()
+    return collector
+
+
+def test_scores_do_not_grow_with_the_tokens_per_step():
+    """The same rows twice in one step (twice the tokens, the same mean loss) give the same
+    scores: the first-order term keeps its balance with the kurtosis term at any batch size."""
+    model = _model("gqa")
+    batch = random_batch(batch=4)
+    doubled = {k: torch.cat([v, v]) for k, v in batch.items()}
+    _assert_scores_close(_scores_of(model, batch), _scores_of(model, doubled), rtol=1e-4)
+
+
+def test_padding_is_not_counted():
+    """Rows right-padded with tokens the attention mask hides (labels -100) score exactly as
+    the unpadded rows: padding adds nothing to |X|, the kurtosis mean, or the token count."""
+    model = _model("mha")
+    batch = random_batch(batch=4, length=10)
+    pad = 6
+    padded = {
+        "input_ids": torch.cat([batch["input_ids"], torch.zeros(4, pad, dtype=torch.long)], 1),
+        "attention_mask": torch.cat([batch["attention_mask"], torch.zeros(4, pad, dtype=torch.long)], 1),
+        "labels": torch.cat([batch["labels"], torch.full((4, pad), -100)], 1),
+    }
+    _assert_scores_close(_scores_of(model, batch), _scores_of(model, padded), rtol=1e-4)

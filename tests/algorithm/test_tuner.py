@@ -142,3 +142,20 @@ def test_importance_is_ema_of_mean_abs_row_products():
     other = AdaptiveTuner(APTConfig(adapter_rank=3))
     other.load_state_dict(tuner.state_dict())
     assert other.importance == tuner.importance and other.initial_params == tuner.initial_params
+
+
+def test_the_initial_budget_is_the_size_before_the_first_shrink():
+    """The budget multiple applies to the adapters as they were when tuning started: an event
+    that shrinks adapters (hidden channels removed) before the first growth plan must not
+    shrink the budget with them."""
+    before = _adapters([(32, 32), (32, 32)], [4, 4])
+    tuner = AdaptiveTuner(APTConfig(adapter_rank=4, rank_cap=64))
+    tuner.accumulate(before, lambda name, p: p, lambda name, p: None)  # a training step, no gradients yet
+    initial = _total(before)
+    shrunk = _adapters([(24, 24), (24, 24)], [4, 4])  # the same adapters after a pruning event
+    tuner.importance = {n: 1.0 for n in shrunk}
+    plan = tuner.plan_growth(shrunk, 2.0)
+    tuner.grow(shrunk, plan, torch.Generator().manual_seed(0))
+    assert tuner.initial_params == initial
+    assert _total(shrunk) > 2 * (4 * 48 * 2)  # more than twice the shrunk size: the budget kept its start
+    assert _total(shrunk) <= 2 * initial
