@@ -24,9 +24,10 @@ import tempfile
 from pathlib import Path
 
 RUN_FILE = "run.json"
-# What a run writes into its directory (checkpoint.tmp / .old: the atomic checkpoint rename).
+# What a run writes into its directory (checkpoint.tmp / .old: the atomic checkpoint rename;
+# plots: apt-ds-plot's default output, drawn from the run and replaced with it).
 RUN_ENTRIES = frozenset({RUN_FILE, "metrics.jsonl", "checkpoint", "checkpoint.tmp", "checkpoint.old", "tokenizer", "ranks",
-                         "eval_probe.safetensors"})
+                         "eval_probe.safetensors", "plots"})
 
 
 class RunDirError(FileExistsError):

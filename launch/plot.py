@@ -1,0 +1,16 @@
+#!/usr/bin/env python
+"""Draw a run's curves and final shape into PNGs.  See `python launch/plot.py --help`.
+
+    python launch/plot.py runs/demo                                  # -> runs/demo/plots/{curves,shape}.png
+    python launch/plot.py runs/apt runs/lora --out runs/compare      # several runs overlaid
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+from apt_ds.cli.plot import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())
