@@ -25,7 +25,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from apt_ds.io.data import DataError
+from apt_ds.io.errors import DataError
 
 SENTENCEPIECE_FILE = "tokenizer.model"
 WORD_BOUNDARY = "\u2581"  # sentencepiece's space symbol

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterable
 
-from apt_ds.io.data import DataError
+from apt_ds.io.errors import DataError
 from apt_ds.io.sentencepiece_dir import SENTENCEPIECE_FILE, error_cause, load_sentencepiece_dir
 
 TOKENIZER_FILES = ("tokenizer.json", SENTENCEPIECE_FILE, "tokenizer_config.json", "tekken.json", "vocab.json",

@@ -150,7 +150,7 @@ def _texts_for_tokenizer(records) -> list[str]:
 PROBE_FILE = "eval_probe.safetensors"
 # The split of the global batch (micro batch, gradient accumulation, ranks) may change on resume:
 # data order and loss normalisation depend only on the global batch.
-RESUME_MUST_MATCH = ("steps", "lr", "warmup_steps", "weight_decay", "max_grad_norm", "max_seq_len", "seed")
+RESUME_MUST_MATCH = ("steps", "lr", "warmup_steps", "weight_decay", "max_grad_norm", "max_seq_len", "template", "seed")
 
 
 def global_batch_size(train: dict | TrainConfig, world_size: int) -> int:
@@ -182,6 +182,7 @@ def check_resumable(meta: dict, args, train: TrainConfig, fingerprint: dict, dat
             f"(or --global-batch-size {before}) for {world_size} ranks")
     if "max_grad_norm" not in saved_train:
         saved_train = {**saved_train, "max_grad_norm": _clipping_before_max_grad_norm(meta["run_info"])}
+    saved_train = {"template": "alpaca", **saved_train}  # runs saved before the field used the Alpaca prompt
     changed = [k for k in RESUME_MUST_MATCH if saved_train.get(k) != getattr(train, k)]
     if changed:
         details = ", ".join(f"{k}: {saved_train.get(k)} -> {getattr(train, k)}" for k in changed)
@@ -215,7 +216,7 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
                                                              Path(staging), apt.prune, backend)
         truncation = TruncationStats()
         examples = tokenize_dataset(records, tokenizer, train.max_seq_len, pack=not args.no_pack, source=data_path,
-                                    stats=truncation)
+                                    stats=truncation, template=train.template)
         warning = truncation.message(data_path, train.max_seq_len)
         if warning and backend.is_main():
             print(warning, file=sys.stderr)
@@ -316,7 +317,8 @@ def _eval_batches(args, tokenizer, train: TrainConfig, backend, pad_id: int) -> 
         return []
     records = load_records(args.eval_data)
     truncation = TruncationStats()
-    examples = tokenize_dataset(records, tokenizer, train.max_seq_len, pack=False, source=args.eval_data, stats=truncation)
+    examples = tokenize_dataset(records, tokenizer, train.max_seq_len, pack=False, source=args.eval_data, stats=truncation,
+                                template=train.template)
     warning = truncation.message(args.eval_data, train.max_seq_len)
     if warning and backend.is_main():
         print(warning, file=sys.stderr)
