@@ -19,18 +19,23 @@ import torch
 from safetensors.torch import save_file
 
 from apt_ds.distributed.backend import LocalBackend
-from apt_ds.io.checkpoint import CheckpointError, read_meta
+from apt_ds.io.checkpoint import read_meta
 from apt_ds.config import APTConfig, ConfigError, TrainConfig
 from apt_ds.io.data import TruncationStats, batches, collate, demo_data_path, load_records, tokenize_dataset
-from apt_ds.io.modeling import TINY_MODELS, build_tiny_llama, file_fingerprint, load_model, model_fingerprint, same_model
+from apt_ds.io.modeling import TINY_MODELS, build_tiny_llama, file_fingerprint, load_model, model_fingerprint
 from apt_ds.distributed.placement import check_fits, configure_cpu_threads, resolve_base_dtype, resolve_device
 from apt_ds.io.run_dir import RUN_FILE, check_out_dir, discard, prepare_out_dir, restore
 from apt_ds.io.tokenizer import load_tokenizer, train_sentencepiece_tokenizer
+from apt_ds.training.resume import check_resumable, checkpoint_to_resume, clipping_before_max_grad_norm, truncate_metrics
 from apt_ds.training.trainer import APTrainer
+
+# the names these had when they lived here (tests/export and tests/distributed import them)
+_checkpoint_dir, _clipping_before_max_grad_norm = checkpoint_to_resume, clipping_before_max_grad_norm
 
 logger = logging.getLogger(__name__)
 
 TOKENIZER_DIR = "tokenizer"
+PROBE_FILE = "eval_probe.safetensors"
 
 
 def make_backend(args, train: TrainConfig):
@@ -147,54 +152,6 @@ def _texts_for_tokenizer(records) -> list[str]:
     return texts
 
 
-PROBE_FILE = "eval_probe.safetensors"
-# The split of the global batch (micro batch, gradient accumulation, ranks) may change on resume:
-# data order and loss normalisation depend only on the global batch.
-RESUME_MUST_MATCH = ("steps", "lr", "warmup_steps", "weight_decay", "max_grad_norm", "max_seq_len", "template", "seed")
-
-
-def global_batch_size(train: dict | TrainConfig, world_size: int) -> int:
-    values = train if isinstance(train, dict) else train.to_dict()
-    return values["micro_batch_size"] * values["grad_accum_steps"] * world_size
-
-
-def _clipping_before_max_grad_norm(run_info: dict) -> float:
-    """What a run saved before max_grad_norm existed clipped at: nothing on one process; under
-    DeepSpeed its JSON's gradient_clipping, else DeepSpeed's default 1.0."""
-    path = run_info.get("deepspeed")
-    if not path:
-        return 0.0
-    try:
-        value = json.loads(Path(path).read_text()).get("gradient_clipping", 1.0)
-    except (OSError, ValueError, AttributeError):  # the JSON is gone or changed: assume the default
-        return 1.0
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 1.0
-
-
-def check_resumable(meta: dict, args, train: TrainConfig, fingerprint: dict, data_path: str, world_size: int) -> None:
-    saved_train = meta["train_config"]
-    saved_world = meta["run_info"].get("world_size", 1)
-    before, now = global_batch_size(saved_train, saved_world), global_batch_size(train, world_size)
-    if before != now:
-        raise CheckpointError(
-            f"--resume must keep the global batch ({before} = micro {saved_train['micro_batch_size']} x accumulation "
-            f"{saved_train['grad_accum_steps']} x {saved_world} ranks), got {now}; set --micro-batch-size/--grad-accum-steps "
-            f"(or --global-batch-size {before}) for {world_size} ranks")
-    if "max_grad_norm" not in saved_train:
-        saved_train = {**saved_train, "max_grad_norm": _clipping_before_max_grad_norm(meta["run_info"])}
-    saved_train = {"template": "alpaca", **saved_train}  # runs saved before the field used the Alpaca prompt
-    changed = [k for k in RESUME_MUST_MATCH if saved_train.get(k) != getattr(train, k)]
-    if changed:
-        details = ", ".join(f"{k}: {saved_train.get(k)} -> {getattr(train, k)}" for k in changed)
-        flags = " ".join(f"--{k.replace('_', '-')} {saved_train.get(k)}" for k in changed)
-        raise CheckpointError(f"--resume must use the run's training settings; changed: {details} (pass {flags})")
-    info = meta["run_info"]
-    if info.get("data") != data_path:
-        raise CheckpointError(f"--resume: the run was trained on --data {info.get('data')}, not {data_path}")
-    if not same_model(info.get("model_fingerprint") or {"missing": True}, fingerprint):
-        raise CheckpointError(f"--resume: --model {args.model} is not the model this run was trained from ({info.get('model')})")
-
-
 def run_training(args, apt: APTConfig, train: TrainConfig) -> dict:
     backend, train = make_backend(args, train)
     result = _run_on(backend, args, apt, train)
@@ -207,7 +164,7 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
     check_out_dir(out, args.resume, args.overwrite)  # fail early; nothing is touched yet
     if getattr(args, "save_eval_probe", False) and not args.eval_data:
         raise ConfigError("--save-eval-probe needs --eval-data (the probe is the first eval batch)")
-    meta = read_meta(_checkpoint_dir(out)) if args.resume else None
+    meta = read_meta(checkpoint_to_resume(out)) if args.resume else None
     # Validate every input before writing anything into --out.
     data_path = args.data or str(demo_data_path())
     records = load_records(data_path)
@@ -287,29 +244,6 @@ def _train(backend, args, apt, train, out, meta, model, examples, eval_batches, 
     if backend.is_main():
         print(json.dumps(final))
     return final
-
-
-def _checkpoint_dir(out: Path) -> Path:
-    """The checkpoint, or the previous one if a crash interrupted the rename of a new one."""
-    current = out / "checkpoint"
-    return current if (current / "apt_state.json").is_file() else out / "checkpoint.old"
-
-
-def truncate_metrics(path: Path, step: int) -> None:
-    """Drop lines logged after the checkpoint a resumed run restarts from (they will be redone)."""
-    if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a line torn by the crash being resumed from
-            continue
-        if record.get("step", 0) <= step and not record.get("final"):
-            kept.append(line)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    tmp.replace(path)
 
 
 def _eval_batches(args, tokenizer, train: TrainConfig, backend, pad_id: int) -> list[dict]:
