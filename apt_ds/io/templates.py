@@ -56,12 +56,13 @@ def user_message(instruction: str, input: str = "") -> str:  # noqa: A002
     return f"{instruction}\n\n{input}" if input else instruction
 
 
-def check_template(template: str, tokenizer=None) -> None:
-    """One-line DataError when `template` is unknown, or is `chat` for a tokenizer without a chat template."""
+def check_template(template: str, tokenizer=None, tokenizer_name: str | None = None) -> None:
+    """One-line DataError when `template` is unknown, or is `chat` for a tokenizer without a chat template.
+    `tokenizer_name` says whose tokenizer it is (default: the path it was loaded from)."""
     if template not in TEMPLATES:
         raise DataError(f"unknown template {template!r}: use one of {', '.join(TEMPLATES)}")
     if template == "chat" and getattr(tokenizer, "chat_template", None) is None:
-        name = getattr(tokenizer, "name_or_path", "") or "in use"
+        name = tokenizer_name or getattr(tokenizer, "name_or_path", "") or "in use"
         raise DataError(f"--template chat: the tokenizer {name} has no chat template (chat_template in its "
                         "tokenizer_config.json); use --template alpaca or --template none")
 

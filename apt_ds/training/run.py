@@ -24,6 +24,7 @@ from apt_ds.config import APTConfig, ConfigError, TrainConfig
 from apt_ds.io.data import TruncationStats, batches, collate, demo_data_path, load_records, tokenize_dataset
 from apt_ds.io.modeling import TINY_MODELS, build_tiny_llama, file_fingerprint, load_model, model_fingerprint
 from apt_ds.distributed.placement import check_fits, configure_cpu_threads, resolve_base_dtype, resolve_device
+from apt_ds.io.templates import check_template
 from apt_ds.io.run_dir import RUN_FILE, check_out_dir, discard, prepare_out_dir, restore
 from apt_ds.io.tokenizer import load_tokenizer, train_sentencepiece_tokenizer
 from apt_ds.training.resume import check_resumable, checkpoint_to_resume, clipping_before_max_grad_norm, truncate_metrics
@@ -80,26 +81,33 @@ def _make_backend(args, train: TrainConfig):
     return backend, train
 
 
-def _tokenizer_and_model(args, out: Path, texts: list[str], train: TrainConfig, staging: Path, prunes: bool, backend):
-    """Load (or, for the tiny model, train) the tokenizer and load the model in the base dtype;
-    returns (tokenizer, model, fingerprint). Writes nothing into --out: a trained tokenizer goes
-    to `staging` until the run directory is prepared.
+def _tokenizer(args, out: Path, texts: list[str], train: TrainConfig, staging: Path):
+    """Load (or, for the tiny model, train) the tokenizer, and check that it can format the data with
+    train.template before any model is read. Writes nothing into --out: a trained tokenizer goes to
+    `staging` until the run directory is prepared."""
+    if args.model not in TINY_MODELS:
+        tokenizer = load_tokenizer(args.model)
+    elif args.resume and (out / TOKENIZER_DIR / "tokenizer_config.json").is_file():
+        tokenizer = load_tokenizer(out / TOKENIZER_DIR)
+    else:  # deterministic: every rank trains the same tokenizer (no shared write needed)
+        tokenizer = train_sentencepiece_tokenizer(texts, staging, vocab_size=512)
+    # named by --model: the tiny model's tokenizer is in a temporary directory until the run is written
+    check_template(train.template, tokenizer, tokenizer_name=f"of --model {args.model}")
+    return tokenizer
+
+
+def _model(args, tokenizer, train: TrainConfig, prunes: bool, backend):
+    """The model in the base dtype and its fingerprint.
     Under ZeRO-3 the model is partitioned from the first byte (apt_ds.distributed.zero_init). Otherwise a
     run that prunes reads the weights into memory rather than mapping the file: mapped pages
     would stay resident after pruning (apt_ds.io.modeling.load_model)."""
     dtype = base_dtype_of(backend, train)
     if args.model in TINY_MODELS:
-        saved = out / TOKENIZER_DIR
-        if args.resume and (saved / "tokenizer_config.json").is_file():
-            tokenizer = load_tokenizer(saved)
-        else:  # deterministic: every rank trains the same tokenizer (no shared write needed)
-            tokenizer = train_sentencepiece_tokenizer(texts, staging, vocab_size=512)
         model = build_tiny_llama(vocab_size=len(tokenizer), seed=train.seed, variant=args.model)
         fingerprint = model_fingerprint(model)
         if _partitions_weights(backend):  # tiny: its full state dict is the source of the partitions
-            return tokenizer, _partitioned(backend, model.config, model.state_dict(), dtype, train), fingerprint
-        return tokenizer, model.to(dtype), fingerprint
-    tokenizer = load_tokenizer(args.model)
+            return _partitioned(backend, model.config, model.state_dict(), dtype, train), fingerprint
+        return model.to(dtype), fingerprint
     path = Path(args.model)
     if path.is_dir():
         from apt_ds.io.weights import SafetensorsWeights
@@ -110,13 +118,13 @@ def _tokenizer_and_model(args, out: Path, texts: list[str], train: TrainConfig, 
             from transformers import AutoConfig
 
             config = AutoConfig.from_pretrained(str(path))
-            return tokenizer, _partitioned(backend, config, SafetensorsWeights(path), dtype, train), fingerprint
-        return tokenizer, load_model(path, dtype=dtype, mmap=not prunes), fingerprint
+            return _partitioned(backend, config, SafetensorsWeights(path), dtype, train), fingerprint
+        return load_model(path, dtype=dtype, mmap=not prunes), fingerprint
     if _partitions_weights(backend):
         logger.warning("%s: a GGUF file is loaded whole on every rank before ZeRO-3 partitions it; convert it to a "
                        "safetensors directory to load partitions only", path)
     model = load_model(path, dtype=dtype)
-    return tokenizer, model, model_fingerprint(model)
+    return model, model_fingerprint(model)
 
 
 def _check_model_fits(weights, dtype, backend, path: Path) -> None:
@@ -169,8 +177,8 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
     data_path = args.data or str(demo_data_path())
     records = load_records(data_path)
     with tempfile.TemporaryDirectory(prefix="apt-tokenizer-") as staging:
-        tokenizer, model, fingerprint = _tokenizer_and_model(args, out, _texts_for_tokenizer(records), train,
-                                                             Path(staging), apt.prune, backend)
+        tokenizer = _tokenizer(args, out, _texts_for_tokenizer(records), train, Path(staging))
+        model, fingerprint = _model(args, tokenizer, train, apt.prune, backend)
         truncation = TruncationStats()
         examples = tokenize_dataset(records, tokenizer, train.max_seq_len, pack=not args.no_pack, source=data_path,
                                     stats=truncation, template=train.template)
