@@ -2,163 +2,60 @@
 
 Three record formats are accepted, chosen per row:
   * `text`                                plain language modelling, loss on every token;
-  * `instruction` (+ `input`) + `output`   Alpaca prompt template, loss on the response only;
+  * `instruction` (+ `input`) + `output`   a prompt template (`apt_ds.io.templates`: alpaca by
+                                          default, chat or none), loss on the response only;
   * `prompt` + `completion`               raw prompt, loss on the completion only.
 
 Prompt and response are encoded separately and concatenated, so the boundary between
 "not learned" and "learned" tokens is exact for every tokenizer; `encode_prompt_response`
 is public so that likelihood-based evaluation scores answers with the very same ids.
-Tokenizers themselves are loaded (or trained) by `apt_ds.io.tokenizer`.
+Records are read by `apt_ds.io.records`, tokenizers loaded (or trained) by `apt_ds.io.tokenizer`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
-import json
 import random
-from pathlib import Path
 from typing import Iterable, Iterator
 
-import datasets
 import torch
 
+from apt_ds.io.errors import DataError
+from apt_ds.io.records import USABLE_FIELDS, demo_data_path, load_records  # noqa: F401 - importable from here too
+from apt_ds.io.templates import PromptResponse, check_template, format_prompt, instruction_prompt_response  # noqa: F401
+
 IGNORE_INDEX = -100  # label value that torch's cross-entropy (and HF models) skip
-USABLE_FIELDS = "a 'text' field or 'instruction'/'output' fields (or 'prompt'/'completion')"
-
-PROMPT_WITH_INPUT = (
-    "Below is an instruction that describes a task, paired with an input that provides further "
-    "context. Write a response that appropriately completes the request.\n\n"
-    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
-)
-PROMPT_NO_INPUT = (
-    "Below is an instruction that describes a task. Write a response that appropriately "
-    "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n"
-)
-
-
-class DataError(ValueError):
-    """Data or tokenizer input is unusable; the message names the file and the problem.
-    `apt_ds.io.tokenizer` raises it too, so that callers catch one error for all inputs."""
-
-
-def demo_data_path() -> Path:
-    """The shipped demo instruction set (see benchmarks/make_demo_data.py)."""
-    return Path(__file__).with_name("assets") / "demo.jsonl"
-
-
-# ---------------------------------------------------------------- loading records
-
-
-def load_records(path: str | Path) -> datasets.Dataset:
-    """A .json/.jsonl file, or a directory written by `datasets.save_to_disk`."""
-    path = Path(path)
-    if not path.exists():
-        raise DataError(f"data path {path} does not exist")
-    ds = _load_saved_dir(path) if path.is_dir() else _load_json_file(path)
-    if len(ds) == 0:
-        raise DataError(f"data file {path.name} has no rows")
-    columns = set(ds.column_names)
-    if not ({"text"} <= columns or {"instruction", "output"} <= columns or {"prompt", "completion"} <= columns):
-        raise DataError(
-            f"data file {path.name} has no usable rows: need {USABLE_FIELDS}; found fields {sorted(columns)}"
-        )
-    return ds
-
-
-def _load_saved_dir(path: Path) -> datasets.Dataset:
-    try:
-        loaded = datasets.load_from_disk(str(path))
-    except (FileNotFoundError, ValueError) as err:
-        raise DataError(f"data directory {path} is not a dataset saved by `datasets` ({err})") from None
-    if isinstance(loaded, datasets.DatasetDict):
-        if not loaded:
-            raise DataError(f"data directory {path} holds a DatasetDict with no splits")
-        return loaded["train"] if "train" in loaded else loaded[next(iter(loaded))]
-    return loaded
-
-
-def _load_json_file(path: Path) -> datasets.Dataset:
-    if path.suffix not in (".json", ".jsonl"):
-        raise DataError(f"data file {path.name} is neither .json nor .jsonl (nor a saved dataset directory)")
-    if not path.read_text(encoding="utf-8", errors="replace").strip():
-        raise DataError(f"data file {path.name} is empty")
-    try:
-        with _quiet_datasets():
-            return datasets.load_dataset("json", data_files=str(path), split="train")
-    except Exception as err:  # datasets wraps parser errors in a long generic chain
-        raise DataError(f"data file {path.name} is not valid JSON records: {_json_problem(path, err)}") from None
-
-
-@contextlib.contextmanager
-def _quiet_datasets():
-    """No "Generating train split" bar (a cold cache prints it) and no logged parser error on
-    stderr: a bad file gets our one line, which says where the problem is."""
-    was_disabled = datasets.utils.are_progress_bars_disabled()
-    verbosity = datasets.logging.get_verbosity()
-    datasets.utils.disable_progress_bars()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
-    try:
-        yield
-    finally:
-        datasets.logging.set_verbosity(verbosity)
-        if not was_disabled:
-            datasets.utils.enable_progress_bars()
-
-
-def _json_problem(path: Path, err: Exception) -> str:
-    """Locate the first bad line ourselves: the datasets error rarely says where."""
-    text = path.read_text(encoding="utf-8", errors="replace")
-    if text.lstrip().startswith("["):
-        try:
-            json.loads(text)
-        except json.JSONDecodeError as bad:
-            return f"line {bad.lineno} column {bad.colno}: {bad.msg}"
-    else:
-        for number, line in enumerate(io.StringIO(text), start=1):
-            try:
-                if line.strip():
-                    json.loads(line)
-            except json.JSONDecodeError as bad:
-                return f"line {number}: {bad.msg}"
-    cause = err.__cause__ or err
-    return str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
 
 
 # ---------------------------------------------------------------- records -> ids
 
 
-def format_prompt(instruction: str, input: str = "") -> str:  # noqa: A002 - the Alpaca field name
-    """The Alpaca prompt; the response follows it directly."""
-    if input:
-        return PROMPT_WITH_INPUT.format(instruction=instruction, input=input)
-    return PROMPT_NO_INPUT.format(instruction=instruction)
-
-
-def split_record(row: dict) -> tuple[str | None, str] | None:
-    """(prompt, response) of one row; prompt None means plain text. None if unusable."""
+def split_record(row: dict, template: str = "alpaca", tokenizer=None) -> PromptResponse | None:
+    """A row as text under `template` (`chat` needs the tokenizer); prompt None means plain text.
+    None if unusable."""
 
     def field(name: str) -> str:
         value = row.get(name)
         return "" if value is None else str(value)
 
     if field("text").strip():
-        return None, field("text")
+        return PromptResponse(None, field("text"))
     if field("instruction").strip() and field("output").strip():
-        return format_prompt(field("instruction"), field("input")), field("output")
+        return instruction_prompt_response(field("instruction"), field("input"), field("output"), template, tokenizer)
     if field("completion").strip():  # an empty prompt is allowed: loss on the whole completion
-        return field("prompt"), field("completion")
+        return PromptResponse(field("prompt"), field("completion"))
     return None
 
 
-def prompt_and_answer(row: dict) -> tuple[str, str]:
-    """(prompt, answer) of a labelled row, either format; the evaluator scores answers after
-    exactly the prompt training saw. ValueError for plain-text or unusable rows."""
-    pair = split_record(row)
-    if pair is None or not pair[0]:  # no prompt: nothing to score an answer after
+def prompt_and_answer(row: dict, template: str = "alpaca", tokenizer=None) -> PromptResponse:
+    """(prompt, answer, framed) of a labelled row, either format; the evaluator scores answers after
+    exactly the prompt training saw. The answer is the row's own: under the chat template, a label is
+    scored without the end of turn, as training's EOS is not scored either. ValueError for plain-text
+    or unusable rows."""
+    pair = split_record(row, template, tokenizer)
+    if pair is None or not pair.prompt:  # no prompt: nothing to score an answer after
         raise ValueError(f"an evaluation row needs 'instruction'/'output' or non-empty 'prompt'/'completion' fields, "
                          f"got {sorted(k for k, v in row.items() if v)}")
-    return pair
+    return pair._replace(response=str(row["output"])) if pair.framed else pair
 
 
 def _special_ids(tokenizer) -> tuple[list[int], list[int]]:
@@ -173,17 +70,22 @@ def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
-def encode_prompt_response(tokenizer, prompt: str, response: str, max_seq_len: int) -> dict | None:
-    """BOS + prompt + response + EOS, labels -100 on BOS and prompt. None if nothing to learn."""
+def encode_prompt_response(tokenizer, prompt: str, response: str, max_seq_len: int, framed: bool = False) -> dict | None:
+    """BOS + prompt + response + EOS, labels -100 on BOS and prompt. None if nothing to learn.
+    `framed` (chat template): the text brings its own BOS and end of turn; none are added."""
     prompt_ids, response_ids = _encode(tokenizer, [prompt, response])
-    return _join_prompt_response(tokenizer, prompt_ids, response_ids, max_seq_len)
+    return _join_prompt_response(tokenizer, prompt_ids, response_ids, max_seq_len, framed=framed)
 
 
 def _join_prompt_response(tokenizer, prompt_ids: list[int], response_ids: list[int], max_seq_len: int,
-                          stats: "TruncationStats | None" = None):
+                          stats: "TruncationStats | None" = None, framed: bool = False):
     if not response_ids:
         return None
-    bos, eos = _special_ids(tokenizer)
+    if framed:  # the template's own BOS stays first when the prompt is cut from the left
+        bos = list(prompt_ids[:1]) if prompt_ids and prompt_ids[0] == tokenizer.bos_token_id else []
+        prompt_ids, eos = prompt_ids[len(bos):], []
+    else:
+        bos, eos = _special_ids(tokenizer)
     target = list(response_ids) + eos
     length = len(bos) + len(prompt_ids) + len(target)
     # Too long: drop prompt tokens from the left first, because the answer and the text
@@ -247,17 +149,18 @@ class TruncationStats:
 
 
 def tokenize_dataset(ds, tokenizer, max_seq_len: int, pack: bool, source: str = "dataset",
-                     stats: TruncationStats | None = None) -> list[dict]:
+                     stats: TruncationStats | None = None, template: str = "alpaca") -> list[dict]:
     """Examples {input_ids, labels} (python int lists). `pack` packs text rows only:
     supervised rows keep one example each so their prompt/response boundary survives.
-    `stats` (optional) counts what max_seq_len cut or dropped."""
+    `stats` (optional) counts what max_seq_len cut or dropped; `template` formats instruction rows."""
     if max_seq_len < 2:
         raise DataError(f"{source}: max_seq_len must be >= 2, got {max_seq_len}")
-    pairs = [pair for pair in (split_record(row) for row in ds) if pair is not None]
+    check_template(template, tokenizer)
+    pairs = [pair for pair in (split_record(row, template, tokenizer) for row in ds) if pair is not None]
     if not pairs:
         raise DataError(f"{source} has no usable rows: need {USABLE_FIELDS}")
-    texts = [response for prompt, response in pairs if prompt is None]
-    supervised = [(prompt, response) for prompt, response in pairs if prompt is not None]
+    texts = [pair.response for pair in pairs if pair.prompt is None]
+    supervised = [pair for pair in pairs if pair.prompt is not None]
     text_streams = [_text_stream(tokenizer, ids) for ids in _encode(tokenizer, texts)]
     if pack:
         examples = pack_blocks(text_streams, max_seq_len)
@@ -266,10 +169,10 @@ def tokenize_dataset(ds, tokenizer, max_seq_len: int, pack: bool, source: str = 
         for stream in text_streams:
             if stats is not None and len(stream) > max_seq_len:
                 stats.count("text_cut", len(stream))
-    prompt_ids = _encode(tokenizer, [prompt for prompt, _ in supervised])
-    response_ids = _encode(tokenizer, [response for _, response in supervised])
-    for p_ids, r_ids in zip(prompt_ids, response_ids):
-        example = _join_prompt_response(tokenizer, p_ids, r_ids, max_seq_len, stats)
+    prompt_ids = _encode(tokenizer, [pair.prompt for pair in supervised])
+    response_ids = _encode(tokenizer, [pair.response for pair in supervised])
+    for pair, p_ids, r_ids in zip(supervised, prompt_ids, response_ids):
+        example = _join_prompt_response(tokenizer, p_ids, r_ids, max_seq_len, stats, framed=pair.framed)
         if example is not None:
             examples.append(example)
     if not examples:

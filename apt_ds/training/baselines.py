@@ -28,7 +28,8 @@ from apt_ds.config import APTConfig, TrainConfig
 from apt_ds.training.heap import release_free_heap
 from apt_ds.algorithm.pruner import AdaptivePruner, KeepDecision
 from apt_ds.algorithm.state import APTModel
-from apt_ds.training.trainer import APTrainer, supervised_forward
+from apt_ds.training.forward import supervised_forward
+from apt_ds.training.trainer import APTrainer
 from apt_ds.algorithm.units import ModelShape
 
 

@@ -16,29 +16,36 @@ import torch
 import torch.nn.functional as F
 
 from apt_ds.io.data import IGNORE_INDEX, collate, encode_prompt_response, prompt_and_answer
+from apt_ds.io.templates import check_template
 
 
 @torch.no_grad()
-def label_accuracy(model, tokenizer, rows: list[dict], labels: list[str], max_seq_len: int = 256, batch_size: int = 8) -> float:
+def label_accuracy(model, tokenizer, rows: list[dict], labels: list[str], max_seq_len: int = 256, batch_size: int = 8,
+                   template: str = "alpaca") -> float:
     """Fraction of labelled rows (instruction/input/output or prompt/completion) whose most
-    likely label equals the row's answer."""
+    likely label equals the row's answer; instruction rows are prompted with `template`, as in training."""
+    check_template(template, tokenizer)
     model.eval()
     pad_id = tokenizer.pad_token_id or 0
     correct = 0
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
-        scores = torch.stack([_label_logprob(model, tokenizer, chunk, label, max_seq_len, pad_id) for label in labels], 1)
+        scores = torch.stack([_label_logprob(model, tokenizer, chunk, label, max_seq_len, pad_id, template)
+                              for label in labels], 1)
         predicted = scores.argmax(1)
-        gold = torch.tensor([labels.index(prompt_and_answer(row)[1]) for row in chunk])
+        gold = torch.tensor([labels.index(prompt_and_answer(row, template, tokenizer).response) for row in chunk])
         correct += int((predicted == gold).sum())
     return correct / max(1, len(rows))
 
 
-def _label_logprob(model, tokenizer, rows, label: str, max_seq_len: int, pad_id: int) -> torch.Tensor:
+def _label_logprob(model, tokenizer, rows, label: str, max_seq_len: int, pad_id: int,
+                   template: str = "alpaca") -> torch.Tensor:
     examples = []
     for row in rows:
-        example = encode_prompt_response(tokenizer, prompt_and_answer(row)[0], label, max_seq_len)
-        # Score the label tokens only, not the EOS that training appends.
+        pair = prompt_and_answer(row, template, tokenizer)
+        example = encode_prompt_response(tokenizer, pair.prompt, label, max_seq_len, framed=pair.framed)
+        # Score the label tokens only, not the EOS that training appends (a chat turn's end is not
+        # added to a label at all: `framed`).
         labels = list(example["labels"])
         if tokenizer.eos_token_id is not None and labels and labels[-1] == tokenizer.eos_token_id:
             labels[-1] = IGNORE_INDEX

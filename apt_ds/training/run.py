@@ -19,18 +19,24 @@ import torch
 from safetensors.torch import save_file
 
 from apt_ds.distributed.backend import LocalBackend
-from apt_ds.io.checkpoint import CheckpointError, read_meta
+from apt_ds.io.checkpoint import read_meta
 from apt_ds.config import APTConfig, ConfigError, TrainConfig
 from apt_ds.io.data import TruncationStats, batches, collate, demo_data_path, load_records, tokenize_dataset
-from apt_ds.io.modeling import TINY_MODELS, build_tiny_llama, file_fingerprint, load_model, model_fingerprint, same_model
+from apt_ds.io.modeling import TINY_MODELS, build_tiny_llama, file_fingerprint, load_model, model_fingerprint
 from apt_ds.distributed.placement import check_fits, configure_cpu_threads, resolve_base_dtype, resolve_device
+from apt_ds.io.templates import check_template
 from apt_ds.io.run_dir import RUN_FILE, check_out_dir, discard, prepare_out_dir, restore
 from apt_ds.io.tokenizer import load_tokenizer, train_sentencepiece_tokenizer
+from apt_ds.training.resume import check_resumable, checkpoint_to_resume, clipping_before_max_grad_norm, truncate_metrics
 from apt_ds.training.trainer import APTrainer
+
+# the names these had when they lived here (tests/export and tests/distributed import them)
+_checkpoint_dir, _clipping_before_max_grad_norm = checkpoint_to_resume, clipping_before_max_grad_norm
 
 logger = logging.getLogger(__name__)
 
 TOKENIZER_DIR = "tokenizer"
+PROBE_FILE = "eval_probe.safetensors"
 
 
 def make_backend(args, train: TrainConfig):
@@ -75,26 +81,33 @@ def _make_backend(args, train: TrainConfig):
     return backend, train
 
 
-def _tokenizer_and_model(args, out: Path, texts: list[str], train: TrainConfig, staging: Path, prunes: bool, backend):
-    """Load (or, for the tiny model, train) the tokenizer and load the model in the base dtype;
-    returns (tokenizer, model, fingerprint). Writes nothing into --out: a trained tokenizer goes
-    to `staging` until the run directory is prepared.
+def _tokenizer(args, out: Path, texts: list[str], train: TrainConfig, staging: Path):
+    """Load (or, for the tiny model, train) the tokenizer, and check that it can format the data with
+    train.template before any model is read. Writes nothing into --out: a trained tokenizer goes to
+    `staging` until the run directory is prepared."""
+    if args.model not in TINY_MODELS:
+        tokenizer = load_tokenizer(args.model)
+    elif args.resume and (out / TOKENIZER_DIR / "tokenizer_config.json").is_file():
+        tokenizer = load_tokenizer(out / TOKENIZER_DIR)
+    else:  # deterministic: every rank trains the same tokenizer (no shared write needed)
+        tokenizer = train_sentencepiece_tokenizer(texts, staging, vocab_size=512)
+    # named by --model: the tiny model's tokenizer is in a temporary directory until the run is written
+    check_template(train.template, tokenizer, tokenizer_name=f"of --model {args.model}")
+    return tokenizer
+
+
+def _model(args, tokenizer, train: TrainConfig, prunes: bool, backend):
+    """The model in the base dtype and its fingerprint.
     Under ZeRO-3 the model is partitioned from the first byte (apt_ds.distributed.zero_init). Otherwise a
     run that prunes reads the weights into memory rather than mapping the file: mapped pages
     would stay resident after pruning (apt_ds.io.modeling.load_model)."""
     dtype = base_dtype_of(backend, train)
     if args.model in TINY_MODELS:
-        saved = out / TOKENIZER_DIR
-        if args.resume and (saved / "tokenizer_config.json").is_file():
-            tokenizer = load_tokenizer(saved)
-        else:  # deterministic: every rank trains the same tokenizer (no shared write needed)
-            tokenizer = train_sentencepiece_tokenizer(texts, staging, vocab_size=512)
         model = build_tiny_llama(vocab_size=len(tokenizer), seed=train.seed, variant=args.model)
         fingerprint = model_fingerprint(model)
         if _partitions_weights(backend):  # tiny: its full state dict is the source of the partitions
-            return tokenizer, _partitioned(backend, model.config, model.state_dict(), dtype, train), fingerprint
-        return tokenizer, model.to(dtype), fingerprint
-    tokenizer = load_tokenizer(args.model)
+            return _partitioned(backend, model.config, model.state_dict(), dtype, train), fingerprint
+        return model.to(dtype), fingerprint
     path = Path(args.model)
     if path.is_dir():
         from apt_ds.io.weights import SafetensorsWeights
@@ -105,13 +118,13 @@ def _tokenizer_and_model(args, out: Path, texts: list[str], train: TrainConfig, 
             from transformers import AutoConfig
 
             config = AutoConfig.from_pretrained(str(path))
-            return tokenizer, _partitioned(backend, config, SafetensorsWeights(path), dtype, train), fingerprint
-        return tokenizer, load_model(path, dtype=dtype, mmap=not prunes), fingerprint
+            return _partitioned(backend, config, SafetensorsWeights(path), dtype, train), fingerprint
+        return load_model(path, dtype=dtype, mmap=not prunes), fingerprint
     if _partitions_weights(backend):
         logger.warning("%s: a GGUF file is loaded whole on every rank before ZeRO-3 partitions it; convert it to a "
                        "safetensors directory to load partitions only", path)
     model = load_model(path, dtype=dtype)
-    return tokenizer, model, model_fingerprint(model)
+    return model, model_fingerprint(model)
 
 
 def _check_model_fits(weights, dtype, backend, path: Path) -> None:
@@ -147,53 +160,6 @@ def _texts_for_tokenizer(records) -> list[str]:
     return texts
 
 
-PROBE_FILE = "eval_probe.safetensors"
-# The split of the global batch (micro batch, gradient accumulation, ranks) may change on resume:
-# data order and loss normalisation depend only on the global batch.
-RESUME_MUST_MATCH = ("steps", "lr", "warmup_steps", "weight_decay", "max_grad_norm", "max_seq_len", "seed")
-
-
-def global_batch_size(train: dict | TrainConfig, world_size: int) -> int:
-    values = train if isinstance(train, dict) else train.to_dict()
-    return values["micro_batch_size"] * values["grad_accum_steps"] * world_size
-
-
-def _clipping_before_max_grad_norm(run_info: dict) -> float:
-    """What a run saved before max_grad_norm existed clipped at: nothing on one process; under
-    DeepSpeed its JSON's gradient_clipping, else DeepSpeed's default 1.0."""
-    path = run_info.get("deepspeed")
-    if not path:
-        return 0.0
-    try:
-        value = json.loads(Path(path).read_text()).get("gradient_clipping", 1.0)
-    except (OSError, ValueError, AttributeError):  # the JSON is gone or changed: assume the default
-        return 1.0
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 1.0
-
-
-def check_resumable(meta: dict, args, train: TrainConfig, fingerprint: dict, data_path: str, world_size: int) -> None:
-    saved_train = meta["train_config"]
-    saved_world = meta["run_info"].get("world_size", 1)
-    before, now = global_batch_size(saved_train, saved_world), global_batch_size(train, world_size)
-    if before != now:
-        raise CheckpointError(
-            f"--resume must keep the global batch ({before} = micro {saved_train['micro_batch_size']} x accumulation "
-            f"{saved_train['grad_accum_steps']} x {saved_world} ranks), got {now}; set --micro-batch-size/--grad-accum-steps "
-            f"(or --global-batch-size {before}) for {world_size} ranks")
-    if "max_grad_norm" not in saved_train:
-        saved_train = {**saved_train, "max_grad_norm": _clipping_before_max_grad_norm(meta["run_info"])}
-    changed = [k for k in RESUME_MUST_MATCH if saved_train.get(k) != getattr(train, k)]
-    if changed:
-        details = ", ".join(f"{k}: {saved_train.get(k)} -> {getattr(train, k)}" for k in changed)
-        flags = " ".join(f"--{k.replace('_', '-')} {saved_train.get(k)}" for k in changed)
-        raise CheckpointError(f"--resume must use the run's training settings; changed: {details} (pass {flags})")
-    info = meta["run_info"]
-    if info.get("data") != data_path:
-        raise CheckpointError(f"--resume: the run was trained on --data {info.get('data')}, not {data_path}")
-    if not same_model(info.get("model_fingerprint") or {"missing": True}, fingerprint):
-        raise CheckpointError(f"--resume: --model {args.model} is not the model this run was trained from ({info.get('model')})")
-
-
 def run_training(args, apt: APTConfig, train: TrainConfig) -> dict:
     backend, train = make_backend(args, train)
     result = _run_on(backend, args, apt, train)
@@ -206,16 +172,16 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
     check_out_dir(out, args.resume, args.overwrite)  # fail early; nothing is touched yet
     if getattr(args, "save_eval_probe", False) and not args.eval_data:
         raise ConfigError("--save-eval-probe needs --eval-data (the probe is the first eval batch)")
-    meta = read_meta(_checkpoint_dir(out)) if args.resume else None
+    meta = read_meta(checkpoint_to_resume(out)) if args.resume else None
     # Validate every input before writing anything into --out.
     data_path = args.data or str(demo_data_path())
     records = load_records(data_path)
     with tempfile.TemporaryDirectory(prefix="apt-tokenizer-") as staging:
-        tokenizer, model, fingerprint = _tokenizer_and_model(args, out, _texts_for_tokenizer(records), train,
-                                                             Path(staging), apt.prune, backend)
+        tokenizer = _tokenizer(args, out, _texts_for_tokenizer(records), train, Path(staging))
+        model, fingerprint = _model(args, tokenizer, train, apt.prune, backend)
         truncation = TruncationStats()
         examples = tokenize_dataset(records, tokenizer, train.max_seq_len, pack=not args.no_pack, source=data_path,
-                                    stats=truncation)
+                                    stats=truncation, template=train.template)
         warning = truncation.message(data_path, train.max_seq_len)
         if warning and backend.is_main():
             print(warning, file=sys.stderr)
@@ -288,35 +254,13 @@ def _train(backend, args, apt, train, out, meta, model, examples, eval_batches, 
     return final
 
 
-def _checkpoint_dir(out: Path) -> Path:
-    """The checkpoint, or the previous one if a crash interrupted the rename of a new one."""
-    current = out / "checkpoint"
-    return current if (current / "apt_state.json").is_file() else out / "checkpoint.old"
-
-
-def truncate_metrics(path: Path, step: int) -> None:
-    """Drop lines logged after the checkpoint a resumed run restarts from (they will be redone)."""
-    if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a line torn by the crash being resumed from
-            continue
-        if record.get("step", 0) <= step and not record.get("final"):
-            kept.append(line)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    tmp.replace(path)
-
-
 def _eval_batches(args, tokenizer, train: TrainConfig, backend, pad_id: int) -> list[dict]:
     if not args.eval_data:
         return []
     records = load_records(args.eval_data)
     truncation = TruncationStats()
-    examples = tokenize_dataset(records, tokenizer, train.max_seq_len, pack=False, source=args.eval_data, stats=truncation)
+    examples = tokenize_dataset(records, tokenizer, train.max_seq_len, pack=False, source=args.eval_data, stats=truncation,
+                                template=train.template)
     warning = truncation.message(args.eval_data, train.max_seq_len)
     if warning and backend.is_main():
         print(warning, file=sys.stderr)

@@ -11,7 +11,6 @@ and snapshot the teacher. Everything the loop needs from the executor goes throu
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 from typing import Iterator
@@ -31,68 +30,9 @@ from apt_ds.algorithm.pruner import AdaptivePruner, GradualMasker
 from apt_ds.algorithm.schedule import SparsityScheduler
 from apt_ds.algorithm.state import APTModel
 from apt_ds.algorithm.tuner import AdaptiveTuner
-
-
-def warmup_cosine(warmup: int, total: int, floor: float = 0.1):
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
-
-
-def _supervised_tokens(batch: dict) -> int:
-    """Tokens the causal-LM loss averages over (labels are shifted by one)."""
-    return int((batch["labels"][:, 1:] != -100).sum())
-
-
-def supervised_positions(labels: torch.Tensor) -> torch.Tensor:
-    """Positions whose next token is supervised in some row of the batch (read them on the host:
-    on a GPU `nonzero` waits for the device)."""
-    return (labels[:, 1:] != -100).any(0).nonzero().squeeze(1)
-
-
-def supervised_forward(forward, batch: dict, positions: torch.Tensor | None = None, **kwargs):
-    """Forward that projects onto the vocabulary only at positions predicting a supervised label.
-
-    Instruction data supervises a few response tokens per row; the (positions x vocab) logits,
-    their softmax and their gradient are then a large share of a small model's step (SmolLM2:
-    a 49k vocabulary). Positions are the union over the batch (a 1D `logits_to_keep`, which
-    every supported transformers version accepts), so the gradient is exactly that of the full
-    causal-LM loss. `positions`: `supervised_positions(labels)` computed ahead (on the host).
-    Returns (model output whose logits are (batch, kept, vocab), mean task loss, boolean
-    (batch, kept) mask of the supervised entries).
-    """
-    labels = batch["labels"]
-    targets = labels[:, 1:]  # position i predicts token i + 1
-    if positions is None:
-        positions = supervised_positions(labels)
-    positions = positions.to(labels.device, non_blocking=True)
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    out = forward(**inputs, logits_to_keep=positions, **kwargs)
-    kept_targets = targets[:, positions]
-    mask = kept_targets != -100
-    logits = out.logits
-    loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), kept_targets.reshape(-1),
-                                             ignore_index=-100)
-    return out, loss, mask
-
-
-def enable_activation_checkpointing(model) -> None:
-    """Recompute each decoder layer in backward, non-reentrant (transformers >= 5 renamed the API)."""
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    model.train()  # transformers checkpoints only in training mode (LLaMA has no dropout to switch on)
-
-
-def _valid_tokens(batch: dict) -> int:
-    mask = batch.get("attention_mask")
-    return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+from apt_ds.training.forward import (enable_activation_checkpointing, supervised_forward, supervised_positions,
+                                     supervised_token_count, valid_token_count)
+from apt_ds.training.lr_schedule import warmup_cosine
 
 
 class APTrainer:
@@ -212,7 +152,7 @@ class APTrainer:
         # each micro-batch's mean loss is turned into its token sum / global token count.
         # Counts and logit positions come from the host batches; the only per-step device sync
         # besides the logged metrics is this 2-number all-reduce, needed to scale the losses.
-        counts = torch.tensor([[_supervised_tokens(b), _valid_tokens(b)] for b in micro_batches], dtype=torch.float64)
+        counts = torch.tensor([[supervised_token_count(b), valid_token_count(b)] for b in micro_batches], dtype=torch.float64)
         totals = self.backend.all_reduce_sum(counts.sum(0).clone()).clamp_min(1.0)
         positions = [supervised_positions(b["labels"]) for b in micro_batches]
         sums = torch.zeros(3, dtype=torch.float32, device=self.device)  # token sums: task loss, distill KL, distill MSE

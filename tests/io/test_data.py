@@ -3,6 +3,7 @@ the shipped demo set and the task preparation script (the tokenizer comes from c
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import sys
@@ -214,8 +215,8 @@ def test_prepare_tasks_sst2_split(tmp_path):
 
 def test_prompt_and_answer_reads_both_labelled_formats_and_refuses_plain_text():
     alpaca = {"instruction": "Answer yes or no.", "input": "is it?", "output": "yes"}
-    assert data.prompt_and_answer(alpaca) == (data.format_prompt("Answer yes or no.", "is it?"), "yes")
-    assert data.prompt_and_answer({"prompt": "is it?\nAnswer:\n", "completion": "no"}) == ("is it?\nAnswer:\n", "no")
+    assert data.prompt_and_answer(alpaca) == (data.format_prompt("Answer yes or no.", "is it?"), "yes", False)
+    assert data.prompt_and_answer({"prompt": "is it?\nAnswer:\n", "completion": "no"}) == ("is it?\nAnswer:\n", "no", False)
     for unusable in ({"text": "just text"}, {"prompt": "", "completion": "yes"}):
         with pytest.raises(ValueError, match="'prompt'/'completion'"):
             data.prompt_and_answer(unusable)
@@ -259,3 +260,92 @@ def test_a_row_without_prompt_cut_at_the_end_is_counted_as_such(tokenizer):
     data.tokenize_dataset(rows, tokenizer, max_seq_len=16, pack=False, source="rows", stats=stats)
     assert stats.to_dict()["text_cut"] == 2 and stats.to_dict()["prompt_cut"] == 0
     assert "2 rows without a prompt were cut at the end" in stats.message("rows", 16)
+
+
+# ---------------------------------------------------------------- prompt templates
+
+# a small chat template in the usual shape: the template writes BOS, each turn ends with EOS and a newline
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+ROW = {"instruction": "Sort the letters.", "input": "dcba", "output": "abcd"}
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tokenizer):
+    chat = copy.deepcopy(tokenizer)
+    chat.chat_template = CHAT_TEMPLATE
+    return chat
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _one_example(tokenizer, rows, template, max_seq_len=256):
+    (example,) = data.tokenize_dataset(rows, tokenizer, max_seq_len, pack=False, template=template)
+    return example["input_ids"], example["labels"]
+
+
+def test_alpaca_template_is_the_default_layout(chat_tokenizer):
+    ids, labels = _one_example(chat_tokenizer, [ROW], "alpaca")
+    prompt = _ids(chat_tokenizer, data.format_prompt("Sort the letters.", "dcba"))
+    response = _ids(chat_tokenizer, "abcd")
+    bos, eos = chat_tokenizer.bos_token_id, chat_tokenizer.eos_token_id
+    assert ids == [bos] + prompt + response + [eos]
+    assert labels == [IGNORE_INDEX] * (1 + len(prompt)) + response + [eos]
+    assert (ids, labels) == _one_example(chat_tokenizer, [ROW], "alpaca") == tuple(
+        data.encode_prompt_response(chat_tokenizer, data.format_prompt("Sort the letters.", "dcba"), "abcd", 256).values())
+
+
+def test_none_template_is_prompt_and_response_without_other_text(chat_tokenizer):
+    ids, labels = _one_example(chat_tokenizer, [ROW], "none")
+    prompt, response = _ids(chat_tokenizer, "Sort the letters.\n\ndcba\n"), _ids(chat_tokenizer, "abcd")
+    bos, eos = chat_tokenizer.bos_token_id, chat_tokenizer.eos_token_id
+    assert ids == [bos] + prompt + response + [eos]
+    assert labels == [IGNORE_INDEX] * (1 + len(prompt)) + response + [eos]
+    assert "Instruction" not in chat_tokenizer.decode(ids)
+
+
+def test_chat_template_masks_all_but_the_assistant_turn(chat_tokenizer):
+    ids, labels = _one_example(chat_tokenizer, [ROW], "chat")
+    prompt_text = "<s><|user|>\nSort the letters.\n\ndcba</s>\n<|assistant|>\n"
+    assert chat_tokenizer.apply_chat_template([{"role": "user", "content": "Sort the letters.\n\ndcba"}],
+                                              tokenize=False, add_generation_prompt=True) == prompt_text
+    prompt, response = _ids(chat_tokenizer, prompt_text), _ids(chat_tokenizer, "abcd</s>\n")
+    bos, eos = chat_tokenizer.bos_token_id, chat_tokenizer.eos_token_id
+    # the template's BOS and end of turn, and no second BOS or EOS around them
+    assert prompt[0] == bos and ids == prompt + response and ids.count(bos) == 1 and ids.count(eos) == 2
+    assert labels == [IGNORE_INDEX] * len(prompt) + response
+    assert chat_tokenizer.decode([t for t in labels if t != IGNORE_INDEX]) == "abcd</s>\n"
+    # cut from the left, the prompt keeps the template's BOS first and the whole assistant turn
+    long_row = {**ROW, "input": "dcba " * 60}
+    cut_ids, cut_labels = _one_example(chat_tokenizer, [long_row], "chat", max_seq_len=24)
+    assert len(cut_ids) == 24 and cut_ids[0] == bos and cut_ids.count(bos) == 1
+    assert cut_ids[-len(response):] == response and cut_labels[-len(response):] == response
+    # prompt/completion rows are not templated: BOS + prompt + completion + EOS, as under alpaca
+    raw = [{"prompt": "is it?", "completion": "yes"}]
+    assert _one_example(chat_tokenizer, raw, "chat") == _one_example(chat_tokenizer, raw, "alpaca")
+
+
+def test_chat_template_needs_a_tokenizer_with_one(tokenizer):
+    assert tokenizer.chat_template is None
+    with pytest.raises(DataError, match=r"^--template chat: the tokenizer .* has no chat template .*use --template "
+                                        r"alpaca or --template none$"):
+        data.tokenize_dataset([ROW], tokenizer, 64, pack=False, template="chat")
+
+
+def test_label_accuracy_scores_labels_after_the_chat_prompt(chat_tokenizer):
+    from apt_ds.io.modeling import build_tiny_llama
+    from apt_ds.training.evaluate import _label_logprob, label_accuracy
+
+    pair = data.prompt_and_answer(ROW, "chat", chat_tokenizer)
+    assert pair.response == "abcd" and pair.framed and pair.prompt.endswith("<|assistant|>\n")
+    model = build_tiny_llama(vocab_size=len(chat_tokenizer), seed=3)
+    rows = [{**ROW, "output": ("no", "yes")[i % 2], "input": f"row {i}"} for i in range(4)]
+    acc = label_accuracy(model, chat_tokenizer, rows, ["no", "yes"], max_seq_len=64, template="chat")
+    flipped = [{**r, "output": "yes" if r["output"] == "no" else "no"} for r in rows]
+    assert label_accuracy(model, chat_tokenizer, flipped, ["no", "yes"], max_seq_len=64,
+                          template="chat") == pytest.approx(1 - acc)
+    # the label is scored after the chat prompt, not after the Alpaca one
+    chat_scores = _label_logprob(model, chat_tokenizer, rows, "yes", 64, 0, "chat")
+    assert not torch.allclose(chat_scores, _label_logprob(model, chat_tokenizer, rows, "yes", 64, 0, "alpaca"))

@@ -25,6 +25,10 @@ def test_sentencepiece_tokenizer_round_trips_and_is_deterministic(tmp_path, toke
     train_sentencepiece_tokenizer(texts, tmp_path / "b", vocab_size=300)
     for name in ("tokenizer.model", "tokenizer.json"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    # training again into the same directory replaces the tokenizer.json of the first
+    retrained = train_sentencepiece_tokenizer(["zeta eta theta"] * 20, tmp_path / "b", vocab_size=300)
+    assert "\u2581zeta" in retrained.get_vocab() and "\u2581zeta" not in first.get_vocab()
+    assert load_tokenizer(tmp_path / "b").get_vocab() == retrained.get_vocab()
     assert "LlamaTokenizer" in (tmp_path / "a" / "tokenizer_config.json").read_text()
     reloaded = load_tokenizer(tmp_path / "a")
     assert reloaded("alpha beta")["input_ids"] == first("alpha beta")["input_ids"] != []
@@ -102,16 +106,22 @@ def test_sentencepiece_only_directory_matches_sentencepiece(tmp_path, normalizat
         assert reloaded(text)["input_ids"] == tok(text)["input_ids"], text
 
 
-def test_sentencepiece_config_tokens_and_bad_model(tmp_path):
-    path = _sentencepiece_dir(tmp_path / "sp", "identity")
+@pytest.mark.parametrize("normalization", ["identity", "nmt_nfkc"])  # LlamaTokenizer, generic pipeline
+def test_sentencepiece_config_tokens_and_bad_model(tmp_path, normalization):
+    path = _sentencepiece_dir(tmp_path / "sp", normalization)
     config = json.loads((path / "tokenizer_config.json").read_text())
     n_pieces = spm.SentencePieceProcessor(model_file=str(path / "tokenizer.model")).get_piece_size()
-    config.update(pad_token="<pad>", add_eos_token=True,
+    config.update(pad_token="<pad>", add_eos_token=True, chat_template="{{ messages[0]['content'] }}",
                   added_tokens_decoder={str(n_pieces): {"content": "<pad>", "special": True}})
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     tok = load_tokenizer(path)
     assert tok.pad_token_id == n_pieces and tok("Hello")["input_ids"][-1] == 2
     assert tok.decode(tok("Hello")["input_ids"], skip_special_tokens=True) == "Hello"
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "hi"
+    config["added_tokens_decoder"] = {"5": {"content": "<pad>", "special": True}}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(DataError, match=r"puts '<pad>' at id 5 but the sentencepiece model gives it id \d+"):
+        load_tokenizer(path)
     (path / "tokenizer.model").write_bytes(b"not a sentencepiece model")
     with pytest.raises(DataError, match=r"cannot load a tokenizer from .*sp: tokenizer\.model is not a sentencepiece"):
         load_tokenizer(path)

@@ -19,7 +19,7 @@ from apt_ds.algorithm.pruner import KeepDecision
 from apt_ds.algorithm.schedule import SparsityScheduler
 from apt_ds.algorithm.shrink import group_channels
 from apt_ds.algorithm.state import APTModel
-from apt_ds.training.trainer import warmup_cosine
+from apt_ds.training.lr_schedule import warmup_cosine
 from apt_ds.algorithm.tuner import AdaptiveTuner
 from apt_ds.algorithm.units import ModelShape
 
@@ -357,7 +357,7 @@ def test_differing_decisions_across_ranks_are_an_error():
 @pytest.mark.parametrize("response_only", [True, False])
 def test_supervised_forward_matches_full_causal_lm_loss_and_gradient(response_only):
     """Logits only at supervised positions: same loss and same gradients as the full loss."""
-    from apt_ds.training.trainer import supervised_forward
+    from apt_ds.training.forward import supervised_forward
 
     batch = random_batch(batch=3, length=10)
     if response_only:  # a response of different length and place per row, one row right-padded

@@ -1,0 +1,97 @@
+"""Loading records: a .json/.jsonl file or a saved `datasets` directory, with one-line errors.
+
+Rows keep their fields; `apt_ds.io.data` turns them into token ids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import datasets
+
+from apt_ds.io.errors import DataError
+
+USABLE_FIELDS = "a 'text' field or 'instruction'/'output' fields (or 'prompt'/'completion')"
+
+
+def demo_data_path() -> Path:
+    """The shipped demo instruction set (see benchmarks/make_demo_data.py)."""
+    return Path(__file__).with_name("assets") / "demo.jsonl"
+
+
+def load_records(path: str | Path) -> datasets.Dataset:
+    """A .json/.jsonl file, or a directory written by `datasets.save_to_disk`."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"data path {path} does not exist")
+    ds = _load_saved_dir(path) if path.is_dir() else _load_json_file(path)
+    if len(ds) == 0:
+        raise DataError(f"data file {path.name} has no rows")
+    columns = set(ds.column_names)
+    if not ({"text"} <= columns or {"instruction", "output"} <= columns or {"prompt", "completion"} <= columns):
+        raise DataError(
+            f"data file {path.name} has no usable rows: need {USABLE_FIELDS}; found fields {sorted(columns)}"
+        )
+    return ds
+
+
+def _load_saved_dir(path: Path) -> datasets.Dataset:
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except (FileNotFoundError, ValueError) as err:
+        raise DataError(f"data directory {path} is not a dataset saved by `datasets` ({err})") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if not loaded:
+            raise DataError(f"data directory {path} holds a DatasetDict with no splits")
+        return loaded["train"] if "train" in loaded else loaded[next(iter(loaded))]
+    return loaded
+
+
+def _load_json_file(path: Path) -> datasets.Dataset:
+    if path.suffix not in (".json", ".jsonl"):
+        raise DataError(f"data file {path.name} is neither .json nor .jsonl (nor a saved dataset directory)")
+    if not path.read_text(encoding="utf-8", errors="replace").strip():
+        raise DataError(f"data file {path.name} is empty")
+    try:
+        with _quiet_datasets():
+            return datasets.load_dataset("json", data_files=str(path), split="train")
+    except Exception as err:  # datasets wraps parser errors in a long generic chain
+        raise DataError(f"data file {path.name} is not valid JSON records: {_json_problem(path, err)}") from None
+
+
+@contextlib.contextmanager
+def _quiet_datasets():
+    """No "Generating train split" bar (a cold cache prints it) and no logged parser error on
+    stderr: a bad file gets our one line, which says where the problem is."""
+    was_disabled = datasets.utils.are_progress_bars_disabled()
+    verbosity = datasets.logging.get_verbosity()
+    datasets.utils.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+        if not was_disabled:
+            datasets.utils.enable_progress_bars()
+
+
+def _json_problem(path: Path, err: Exception) -> str:
+    """Locate the first bad line ourselves: the datasets error rarely says where."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if text.lstrip().startswith("["):
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as bad:
+            return f"line {bad.lineno} column {bad.colno}: {bad.msg}"
+    else:
+        for number, line in enumerate(io.StringIO(text), start=1):
+            try:
+                if line.strip():
+                    json.loads(line)
+            except json.JSONDecodeError as bad:
+                return f"line {number}: {bad.msg}"
+    cause = err.__cause__ or err
+    return str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__

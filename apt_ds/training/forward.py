@@ -1,0 +1,59 @@
+"""The supervised forward of a training step: logits only where a label is learned, and
+activation checkpointing. Shared by `APTrainer` and the baselines.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def supervised_token_count(batch: dict) -> int:
+    """Tokens the causal-LM loss averages over (labels are shifted by one)."""
+    return int((batch["labels"][:, 1:] != -100).sum())
+
+
+def supervised_positions(labels: torch.Tensor) -> torch.Tensor:
+    """Positions whose next token is supervised in some row of the batch (read them on the host:
+    on a GPU `nonzero` waits for the device)."""
+    return (labels[:, 1:] != -100).any(0).nonzero().squeeze(1)
+
+
+def supervised_forward(forward, batch: dict, positions: torch.Tensor | None = None, **kwargs):
+    """Forward that projects onto the vocabulary only at positions predicting a supervised label.
+
+    Instruction data supervises a few response tokens per row; the (positions x vocab) logits,
+    their softmax and their gradient are then a large share of a small model's step (SmolLM2:
+    a 49k vocabulary). Positions are the union over the batch (a 1D `logits_to_keep`, which
+    every supported transformers version accepts), so the gradient is exactly that of the full
+    causal-LM loss. `positions`: `supervised_positions(labels)` computed ahead (on the host).
+    Returns (model output whose logits are (batch, kept, vocab), mean task loss, boolean
+    (batch, kept) mask of the supervised entries).
+    """
+    labels = batch["labels"]
+    targets = labels[:, 1:]  # position i predicts token i + 1
+    if positions is None:
+        positions = supervised_positions(labels)
+    positions = positions.to(labels.device, non_blocking=True)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    out = forward(**inputs, logits_to_keep=positions, **kwargs)
+    kept_targets = targets[:, positions]
+    mask = kept_targets != -100
+    logits = out.logits
+    loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), kept_targets.reshape(-1),
+                                             ignore_index=-100)
+    return out, loss, mask
+
+
+def enable_activation_checkpointing(model) -> None:
+    """Recompute each decoder layer in backward, non-reentrant (transformers >= 5 renamed the API)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.train()  # transformers checkpoints only in training mode (LLaMA has no dropout to switch on)
+
+
+def valid_token_count(batch: dict) -> int:
+    mask = batch.get("attention_mask")
+    return int(mask.sum()) if mask is not None else batch["input_ids"].numel()

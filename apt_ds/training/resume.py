@@ -1,0 +1,82 @@
+"""Resuming a run: which checkpoint to read, what must not change, and the metrics to redo.
+
+A resumed run must keep the global batch, the settings in RESUME_MUST_MATCH, the data and the
+model; the split of the global batch (micro batch, gradient accumulation, ranks) may change,
+because data order and loss normalisation depend only on the global batch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from apt_ds.config import TrainConfig
+from apt_ds.io.checkpoint import CheckpointError
+from apt_ds.io.modeling import same_model
+
+RESUME_MUST_MATCH = ("steps", "lr", "warmup_steps", "weight_decay", "max_grad_norm", "max_seq_len", "template", "seed")
+
+
+def global_batch_size(train: dict | TrainConfig, world_size: int) -> int:
+    values = train if isinstance(train, dict) else train.to_dict()
+    return values["micro_batch_size"] * values["grad_accum_steps"] * world_size
+
+
+def clipping_before_max_grad_norm(run_info: dict) -> float:
+    """What a run saved before max_grad_norm existed clipped at: nothing on one process; under
+    DeepSpeed its JSON's gradient_clipping, else DeepSpeed's default 1.0."""
+    path = run_info.get("deepspeed")
+    if not path:
+        return 0.0
+    try:
+        value = json.loads(Path(path).read_text()).get("gradient_clipping", 1.0)
+    except (OSError, ValueError, AttributeError):  # the JSON is gone or changed: assume the default
+        return 1.0
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 1.0
+
+
+def check_resumable(meta: dict, args, train: TrainConfig, fingerprint: dict, data_path: str, world_size: int) -> None:
+    saved_train = meta["train_config"]
+    saved_world = meta["run_info"].get("world_size", 1)
+    before, now = global_batch_size(saved_train, saved_world), global_batch_size(train, world_size)
+    if before != now:
+        raise CheckpointError(
+            f"--resume must keep the global batch ({before} = micro {saved_train['micro_batch_size']} x accumulation "
+            f"{saved_train['grad_accum_steps']} x {saved_world} ranks), got {now}; set --micro-batch-size/--grad-accum-steps "
+            f"(or --global-batch-size {before}) for {world_size} ranks")
+    if "max_grad_norm" not in saved_train:
+        saved_train = {**saved_train, "max_grad_norm": clipping_before_max_grad_norm(meta["run_info"])}
+    saved_train = {"template": "alpaca", **saved_train}  # runs saved before the field used the Alpaca prompt
+    changed = [k for k in RESUME_MUST_MATCH if saved_train.get(k) != getattr(train, k)]
+    if changed:
+        details = ", ".join(f"{k}: {saved_train.get(k)} -> {getattr(train, k)}" for k in changed)
+        flags = " ".join(f"--{k.replace('_', '-')} {saved_train.get(k)}" for k in changed)
+        raise CheckpointError(f"--resume must use the run's training settings; changed: {details} (pass {flags})")
+    info = meta["run_info"]
+    if info.get("data") != data_path:
+        raise CheckpointError(f"--resume: the run was trained on --data {info.get('data')}, not {data_path}")
+    if not same_model(info.get("model_fingerprint") or {"missing": True}, fingerprint):
+        raise CheckpointError(f"--resume: --model {args.model} is not the model this run was trained from ({info.get('model')})")
+
+
+def checkpoint_to_resume(out: Path) -> Path:
+    """The checkpoint, or the previous one if a crash interrupted the rename of a new one."""
+    current = out / "checkpoint"
+    return current if (current / "apt_state.json").is_file() else out / "checkpoint.old"
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop lines logged after the checkpoint a resumed run restarts from (they will be redone)."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line torn by the crash being resumed from
+            continue
+        if record.get("step", 0) <= step and not record.get("final"):
+            kept.append(line)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)

@@ -1,0 +1,37 @@
+"""apt_ds.training.resume: what --resume refuses to change, the prompt template included."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+
+from apt_ds.config import TrainConfig
+from apt_ds.io.checkpoint import CheckpointError
+from apt_ds.training.resume import check_resumable
+
+FINGERPRINT = {"weights_sha": "abc"}
+
+
+def _meta(train: TrainConfig, **drop) -> dict:
+    saved = {k: v for k, v in train.to_dict().items() if k not in drop}
+    return {"train_config": saved, "run_info": {"world_size": 1, "data": "d.jsonl", "model_fingerprint": FINGERPRINT}}
+
+
+def _check(meta: dict, train: TrainConfig) -> None:
+    check_resumable(meta, SimpleNamespace(model="m"), train, FINGERPRINT, "d.jsonl", world_size=1)
+
+
+def test_resume_refuses_another_template_and_names_the_flag():
+    train = TrainConfig(template="none")
+    _check(_meta(train), train)
+    with pytest.raises(CheckpointError, match=r"changed: template: none -> chat \(pass --template none\)"):
+        _check(_meta(train), dataclasses.replace(train, template="chat"))
+
+
+def test_a_run_saved_before_the_template_field_used_alpaca():
+    train = TrainConfig()
+    _check(_meta(train, template=True), train)  # alpaca: the prompt those runs were trained with
+    with pytest.raises(CheckpointError, match=r"template: alpaca -> chat"):
+        _check(_meta(train, template=True), dataclasses.replace(train, template="chat"))
