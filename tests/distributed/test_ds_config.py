@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from apt_ds.distributed.ds_config import DeepSpeedConfigError, launcher_env, load_ds_config, resolve_config
+from apt_ds.distributed.ds_config import DeepSpeedConfigError, load_ds_config, resolve_config
+from apt_ds.distributed.launcher_env import launcher_env
 
 CONFIGS = Path(__file__).resolve().parents[2] / "ds_configs"
 
