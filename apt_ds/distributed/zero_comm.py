@@ -1,8 +1,8 @@
 """The process group of a DeepSpeed run: starting it, collectives on any tensor, ending it.
 
-Launchers: `deepspeed`, `torchrun` and `mpirun`/`srun` all work; `apt_ds.distributed.ds_config.
-launcher_env` maps OpenMPI / Slurm variables (or a plain `python script.py`) to a process
-group where DeepSpeed has no mapping of its own (see there).
+Launchers: `deepspeed`, `torchrun` and `mpirun`/`srun` all work; `apt_ds.distributed.
+launcher_env` maps OpenMPI / Slurm variables (or a plain `python script.py`) to a process group
+where DeepSpeed has no mapping of its own, and leaves the rest to `deepspeed.init_distributed`.
 """
 
 from __future__ import annotations
