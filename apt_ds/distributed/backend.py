@@ -115,6 +115,10 @@ class TrainingBackend:
     def barrier(self) -> None:
         pass
 
+    def log_metrics(self, record: dict) -> None:
+        """Also send a metrics record (already in metrics.jsonl) to the backend's own monitoring;
+        called on every rank. No-op by default; DeepSpeed: its monitor, when the JSON enables one."""
+
     def shutdown(self) -> None:
         """Called once when the run is over (DeepSpeed: tear the process group down cleanly)."""
 

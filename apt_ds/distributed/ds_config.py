@@ -3,8 +3,10 @@ an engine exists. Pure functions of their inputs, no deepspeed import, so they a
 without a process group.
 
 `load_ds_config` reads the JSON (or copies a dict), `resolve_config` fills the values the
-trainer owns and refuses contradictions, `launcher_env` gives the variables that
-`torch.distributed` needs.
+trainer owns and refuses contradictions, `precheck_config` runs those checks before any process
+group exists. DeepSpeed's monitor sections (`tensorboard`, `wandb`, `csv_monitor`, `comet`)
+pass through untouched (checked against DeepSpeed's own model when the engine is built:
+apt_ds.distributed.zero_monitor).
 
 Decisions (measured with deepspeed 0.19.8, torch 2.13 CPU, gloo):
 - "auto" is accepted for `bf16.enabled` (bf16 on an accelerator that supports it, never on
@@ -22,11 +24,7 @@ Decisions (measured with deepspeed 0.19.8, torch 2.13 CPU, gloo):
   client `torch.optim.AdamW` with a `LambdaLR` (see apt_ds.distributed.zero), and with `offload_optimizer`
   `zero_force_ds_cpu_optimizer: false` is set so that DeepSpeed accepts that client optimizer.
 
-Launchers: `deepspeed`, `torchrun` and `mpirun`/`srun` all work. When RANK / WORLD_SIZE are
-unset, OpenMPI (`OMPI_COMM_WORLD_*`) and Slurm (`SLURM_PROCID`, `SLURM_NTASKS`,
-`SLURM_LOCALID`) variables are mapped to them (`launcher_env`); with more than one rank
-MASTER_ADDR and MASTER_PORT must then be exported by the job script. Otherwise a plain
-`python script.py` gets a 1-rank group on 127.0.0.1.
+The launcher variables (`launcher_env`) live in apt_ds.distributed.launcher_env.
 """
 
 from __future__ import annotations
@@ -35,9 +33,8 @@ import copy
 import json
 import logging
 import os
-import socket
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Mapping
 
 logger = logging.getLogger(__name__)
 
@@ -106,9 +103,11 @@ def precheck_config(config: str | os.PathLike, *, grad_accum_steps: int, micro_b
     JSON (a ZeRO stage 7, a contradicting clipping value) costs seconds, not a distributed start.
     The world size comes from the launcher's variables; values that need the model ("auto"
     bucket sizes) are checked again, for real, when the engine is built."""
+    from apt_ds.distributed.launcher_env import launch_world_size
+
     user, source = load_ds_config(config)
     user = {k: v for k, v in user.items() if k not in ("optimizer", "scheduler")}  # warned about once, later
-    world_size = int({**environ, **launcher_env(environ, free_port=lambda: 0)}.get("WORLD_SIZE", 1))
+    world_size = launch_world_size(environ)
     resolve_config(user, grad_accum_steps=grad_accum_steps, world_size=world_size, micro_batch_size=micro_batch_size,
                    max_grad_norm=max_grad_norm, hidden_size=_ANY_HIDDEN_SIZE, source=source, base_dtype=base_dtype)
 
@@ -229,63 +228,3 @@ def _auto_paths(node, prefix="") -> list[str]:
     if isinstance(node, dict):
         return [p for k, v in node.items() for p in _auto_paths(v, f"{prefix}{k}.")]
     return [prefix[:-1]] if _is_auto(node) else []
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-# (launcher, rank, world size, local rank) variables, in order of preference.
-LAUNCHER_VARS = (
-    ("OpenMPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-    ("Slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
-)
-
-
-def launcher_env(environ: Mapping[str, str], free_port: Callable[[], int] = _free_port) -> dict[str, str]:
-    """The variables to add to `environ` before `torch.distributed` is initialized (pure).
-
-    - RANK or WORLD_SIZE already set (deepspeed, torchrun, a job script): nothing.
-    - OpenMPI (`mpirun`) or Slurm (`srun`, one task per rank): RANK / WORLD_SIZE / LOCAL_RANK
-      from their variables; with more than one rank MASTER_ADDR and MASTER_PORT must be set
-      (Slurm: `export MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1)`),
-      else DeepSpeedConfigError. One rank: 127.0.0.1 and a free port unless given.
-    - nothing of the above (plain `python script.py`): a 1-rank group on 127.0.0.1.
-    """
-    if "RANK" in environ or "WORLD_SIZE" in environ:
-        return {}
-
-    def local_default() -> dict[str, str]:
-        return {"MASTER_ADDR": environ.get("MASTER_ADDR") or "127.0.0.1",
-                "MASTER_PORT": environ.get("MASTER_PORT") or str(free_port())}
-
-    for launcher, rank_key, size_key, local_key in LAUNCHER_VARS:
-        if rank_key not in environ or size_key not in environ:
-            continue
-        values = {}
-        for key in (rank_key, size_key, local_key):
-            raw = environ.get(key, "0" if key == local_key else None)
-            try:
-                values[key] = int(raw)
-            except (TypeError, ValueError):
-                raise DeepSpeedConfigError(f"{launcher} launch: {key}={raw!r} is not an integer") from None
-        rank, size, local = values[rank_key], values[size_key], values[local_key]
-        if size < 1 or not 0 <= rank < size or not 0 <= local < size:
-            raise DeepSpeedConfigError(f"{launcher} launch: inconsistent {rank_key}={rank}, {size_key}={size}, "
-                                       f"{local_key}={local}")
-        if size > 1 and local_key not in environ:
-            raise DeepSpeedConfigError(f"{launcher} launch with {size_key}={size} but {local_key} is unset")
-        out = {"RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(local)}
-        if size == 1:
-            return out | local_default()
-        missing = [key for key in ("MASTER_ADDR", "MASTER_PORT") if not environ.get(key)]
-        if missing:
-            hint = "$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1)" if launcher == "Slurm" else "<host of rank 0>"
-            raise DeepSpeedConfigError(
-                f"{launcher} launch with {size_key}={size}: {' and '.join(missing)} not set; export MASTER_ADDR={hint} "
-                f"and MASTER_PORT=<free port> (same on every task) before starting the tasks")
-        return out
-    return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": environ.get("MASTER_PORT") or str(free_port())}

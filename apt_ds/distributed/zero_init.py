@@ -10,13 +10,15 @@ row-major tensor, which is where DeepSpeed keeps a rank's partition (`partition_
 `start = partition_size * partition_rank`, the last partition zero-padded). No collective, no
 rank ever holds more than one tensor's rows beyond its partitions.
 
-The only deepspeed-importing module besides zero.py.
+The model's partitions are reached through `deepspeed_private.model_partition` (DeepSpeed's
+`ds_tensor`, an internal).
 """
 
 from __future__ import annotations
 
 import torch
 
+from apt_ds.distributed import deepspeed_private as private
 from apt_ds.io.modeling import ModelLoadError
 
 
@@ -38,7 +40,7 @@ def build_partitioned_llama(config, source, ds_config: dict, dtype: torch.dtype,
     # (an AMD EPYC here) an fp32 model came out in bf16.
     with no_init_weights(), deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=None):
         model = LlamaForCausalLM(config)
-    made = {p.ds_tensor.dtype for p in model.parameters() if hasattr(p, "ds_tensor")}
+    made = {private.model_partition_tensor(p).dtype for p in model.parameters() if hasattr(p, "ds_id")}
     if made != {dtype}:
         raise RuntimeError(f"deepspeed.zero.Init partitioned the model in {made}, not {dtype}")
     if config.tie_word_embeddings:  # post_init's tying runs inside init_weights, skipped above
@@ -58,23 +60,19 @@ def _read_flat(source, name: str, start: int, length: int) -> torch.Tensor:
 
 def load_partitions(model, source) -> None:
     """Fill every rank's partitions of `model` from `source`; tied parameters once."""
-    import torch.distributed as dist
-
     missing = [name for name, _ in model.named_parameters() if name not in source]
     if missing:
         raise ModelLoadError(f"the checkpoint has no weights for {missing[:3]} ({len(missing)} parameters)")
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if not hasattr(param, "ds_tensor"):
+            if not hasattr(param, "ds_id"):
                 raise RuntimeError(f"{name} was not partitioned by zero.Init")
             expected = list(param.ds_shape)
             stored = list(source[name].shape) if isinstance(source, dict) else source.shape(name)
             if stored != expected:
                 raise ModelLoadError(f"weight {name} has shape {stored} in the checkpoint, the config says {expected}")
-            partition = param.ds_tensor
-            size = partition.ds_numel
-            start = size * dist.get_rank(group=param.ds_process_group)
-            piece = _read_flat(source, name, start, size)
+            partition, size, rank = private.model_partition(param)
+            piece = _read_flat(source, name, size * rank, size)
             partition[: piece.numel()].copy_(piece.to(partition.dtype))
             partition[piece.numel():].zero_()  # DeepSpeed's padding of the last partition
 
@@ -87,6 +85,7 @@ def partition_bytes(model) -> int:
         if id(param) in seen:
             continue
         seen.add(id(param))
-        tensor = param.ds_tensor if hasattr(param, "ds_tensor") else param.data
+        partition = private.model_partition_tensor(param)
+        tensor = partition if partition is not None else param.data
         total += tensor.numel() * tensor.element_size()
     return total

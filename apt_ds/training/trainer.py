@@ -296,4 +296,5 @@ class APTrainer:
         record["time"] = round(time.time(), 3)  # wall clock: lines up with external memory samples
         record.update(memory_mb())
         self.metrics.write(record)
+        self.backend.log_metrics(record)  # DeepSpeed's monitor (TensorBoard, W&B, CSV) when its JSON enables one
         self.history.append(record)

@@ -3,6 +3,7 @@ SIGKILL + resume, and two emulated nodes on 127.0.0.1. Real processes on the CPU
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import shutil
@@ -33,13 +34,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ds_config(tmp: Path, stage: int) -> str:
-    """fp32 so that 1-rank and 2-rank runs round identically."""
+def ds_config(tmp: Path, stage: int, csv_monitor: Path | None = None) -> str:
+    """fp32 so that 1-rank and 2-rank runs round identically; `csv_monitor`: DeepSpeed's CSV
+    monitor writes there."""
     path = tmp / f"zero{stage}_fp32.json"
-    path.write_text(json.dumps({
-        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-        "bf16": {"enabled": False}, "zero_optimization": {"stage": stage},
-    }))
+    config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+              "bf16": {"enabled": False}, "zero_optimization": {"stage": stage}}
+    if csv_monitor is not None:
+        config["csv_monitor"] = {"enabled": True, "output_path": str(csv_monitor), "job_name": "apt"}
+    path.write_text(json.dumps(config))
     return str(path)
 
 
@@ -78,10 +81,27 @@ def check_identical_and_pruned(out: Path, ranks: int, since_step: int = 0) -> di
 def two_rank_zero2(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("z2")
     out = tmp / "run"
-    result = launch(2, ["--deepspeed", ds_config(tmp, 2), *COMMON, *EVAL, "--save-eval-probe", "--micro-batch-size", "2",
-                        "--out", str(out)])
+    result = launch(2, ["--deepspeed", ds_config(tmp, 2, csv_monitor=tmp / "csv"), *COMMON, *EVAL, "--save-eval-probe",
+                        "--micro-batch-size", "2", "--out", str(out)])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return tmp, out
+
+
+def test_deepspeed_csv_monitor_gets_the_logged_metrics(two_rank_zero2):
+    """The JSON enables DeepSpeed's csv_monitor: every number of every logged record is also in
+    <output_path>/<job_name>/apt_<name>.csv (rank 0 only, one header per file across the engine
+    rebuilds of the pruning events), and DeepSpeed's own lr events go there too."""
+    tmp, out = two_rank_zero2
+    folder = tmp / "csv" / "apt"
+    logged = [m for m in metrics(out) if not m.get("final")]
+    names = ("loss", "task_loss", "density", "total_rank", "lr", "peak_rss_mb", "eval_loss")
+    for name in names:
+        with (folder / f"apt_{name}.csv").open() as handle:
+            rows = list(csv.reader(handle))
+        assert rows[0] == ["step", name] and all(row[0] != "step" for row in rows[1:])
+        expected = [(m["step"], m[name]) for m in logged if name in m]
+        assert [(int(step), float(value)) for step, value in rows[1:]] == [(s, float(v)) for s, v in expected], name
+    assert (folder / "Train_Samples_lr.csv").is_file()  # the engine's own events, through the run's monitor
 
 
 def test_zero2_two_ranks_identical_masks_and_export_matches(two_rank_zero2):

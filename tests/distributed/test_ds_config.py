@@ -1,13 +1,18 @@
 """apt_ds.distributed.ds_config: loading and resolving DeepSpeed configs ("auto" values, batch sizes,
-contradictions, the shipped configs) and the launcher variables, all without a process group."""
+contradictions, the shipped configs, DeepSpeed's monitor sections) and the launcher variables,
+all without a process group."""
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
 
-from apt_ds.distributed.ds_config import DeepSpeedConfigError, launcher_env, load_ds_config, resolve_config
+from apt_ds.distributed.ds_config import DeepSpeedConfigError, load_ds_config, precheck_config, resolve_config
+from apt_ds.distributed.launcher_env import deepspeed_maps_platform, launch_world_size, launcher_env
+from apt_ds.distributed.zero_monitor import metric_events, monitor_config_problem, without_monitor
 
 CONFIGS = Path(__file__).resolve().parents[2] / "ds_configs"
 
@@ -74,7 +79,7 @@ def test_resolve_drops_optimizer_and_scheduler(caplog):
     assert "ignoring its 'optimizer' section" in caplog.text
 
 
-@pytest.mark.parametrize("name", ["zero2.json", "zero3.json", "zero3_offload.json"])
+@pytest.mark.parametrize("name", ["zero2.json", "zero3.json", "zero3_offload.json", "zero2_monitor.json"])
 @pytest.mark.parametrize("bf16_supported", [True, False])
 def test_shipped_configs_resolve(name, bf16_supported):
     user, _ = load_ds_config(CONFIGS / name)
@@ -87,6 +92,7 @@ def test_shipped_configs_resolve(name, bf16_supported):
         assert zero["reduce_bucket_size"] == 4096 * 4096 and zero["stage3_param_persistence_threshold"] == 40960
     if "offload_optimizer" in zero:
         assert cfg["zero_force_ds_cpu_optimizer"] is False
+    assert monitor_config_problem(cfg) is None  # zero2_monitor.json: DeepSpeed's own model accepts it
 
 
 # ---- launcher environments (pure function) -----------------------------------------------------
@@ -135,3 +141,79 @@ def test_launcher_env_slurm_hint_and_openmpi_precedence():
     env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0", "OMPI_COMM_WORLD_RANK": "3",
            "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
     assert launcher_env(env, _port)["RANK"] == "3"
+
+
+def test_launcher_env_leaves_azureml_and_sagemaker_to_deepspeed():
+    ompi = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    assert launcher_env({**ompi, "AZUREML_EXPERIMENT_ID": "x"}, _port) == {}  # init_distributed patches it
+    assert launcher_env({**ompi, "SM_TRAINING_ENV": "{}"}, _port) == {}
+    assert launch_world_size({**ompi, "AZUREML_EXPERIMENT_ID": "x"}) == 2
+    # DeepSpeed skips its AzureML patch on DLTS: ours maps OpenMPI there (and wants MASTER_*).
+    with pytest.raises(DeepSpeedConfigError, match="MASTER_ADDR"):
+        launcher_env({**ompi, "AZUREML_EXPERIMENT_ID": "x", "DLTS_JOB_ID": "y"}, _port)
+
+
+@pytest.mark.parametrize("environ", [{}, {"AZUREML_EXPERIMENT_ID": "1"}, {"AZUREML_EXPERIMENT_ID": "1", "DLTS_JOB_ID": "2"},
+                                     {"SM_TRAINING_ENV": "{}"}, {"DLTS_JOB_ID": "2", "SM_TRAINING_ENV": "{}"}])
+def test_platform_detection_agrees_with_deepspeed(monkeypatch, environ):
+    from deepspeed.comm import comm
+
+    for key in ("AZUREML_EXPERIMENT_ID", "DLTS_JOB_ID", "SM_TRAINING_ENV"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    deepspeed_maps = (comm.in_aml() and not comm.in_dlts()) or comm.in_aws_sm()  # init_distributed's branches
+    assert (deepspeed_maps_platform(environ) is not None) == deepspeed_maps
+
+
+def test_other_mpi_is_left_to_deepspeed_discovery_only_with_mpi4py():
+    mpich = {"PMI_RANK": "1", "PMI_SIZE": "4"}
+    assert launcher_env(mpich, _port, has_mpi4py=lambda: True) == {}
+    with pytest.raises(DeepSpeedConfigError, match=r"PMI_SIZE=4: install mpi4py") as err:
+        launcher_env(mpich, _port, has_mpi4py=lambda: False)
+    assert "\n" not in str(err.value)
+    assert launch_world_size(mpich) == 4
+    assert launcher_env({"PMI_RANK": "0", "PMI_SIZE": "1"}, _port, has_mpi4py=lambda: False)["WORLD_SIZE"] == "1"
+
+
+# ---- DeepSpeed's monitor sections ---------------------------------------------------------------
+MONITORS = {"csv_monitor": {"enabled": True, "output_path": "/tmp/x", "job_name": "apt"},
+            "tensorboard": {"enabled": False, "output_path": "tb"}, "wandb": {"enabled": False, "project": "apt"}}
+
+
+def test_precheck_accepts_monitor_sections(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, **MONITORS}))
+    precheck_config(path, grad_accum_steps=1, micro_batch_size=1, max_grad_norm=1.0, environ={})
+    resolved = resolve_config({"zero_optimization": {"stage": 2}, **MONITORS}, grad_accum_steps=1, world_size=1)
+    assert all(resolved[key] == value for key, value in MONITORS.items())
+    assert monitor_config_problem(resolved) is None
+    assert without_monitor(resolved).keys().isdisjoint(MONITORS)
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"csv_monitor": {"enabled": "maybe"}}, r"csv_monitor\.enabled: Input should be a valid boolean"),
+    ({"csv_monitor": {"enabled": True, "out": "x"}}, r"csv_monitor\.out: Extra inputs are not permitted"),
+    ({"tensorboard": []}, r"tensorboard: Input should be"),
+])
+def test_bad_monitor_sections_are_named(section, message):
+    problem = monitor_config_problem(section)
+    assert problem and re.search(message, problem) and "\n" not in problem
+
+
+def test_enabled_monitor_without_its_package_is_named(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    assert monitor_config_problem({"wandb": {"enabled": True}}) == \
+        "wandb.enabled is true but the wandb package is not installed (pip install wandb)"
+
+
+def test_metric_events_are_the_numbers_of_a_record():
+    record = {"step": 7, "loss": 1.5, "task_loss": 1.25, "total_rank": 12, "event": True, "decision": "ab12",
+              "truncation": {"rows": 3}, "eval_loss": float("nan")}
+    events = metric_events(record)
+    assert [e[0] for e in events] == ["apt/loss", "apt/task_loss", "apt/total_rank", "apt/eval_loss"]
+    assert all(step == 7 for _, _, step in events) and events[2][1] == 12
