@@ -105,3 +105,11 @@ def test_algorithm_io_and_export_import_with_deepspeed_blocked():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("ok")
+
+
+MAX_MODULE_LINES = 310  # "one concept, under ~300 lines": a reader can hold a module in their head
+
+
+def test_modules_stay_small():
+    long = {name: n for name, path in _modules().items() if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"split these modules (over {MAX_MODULE_LINES} lines): {long}"

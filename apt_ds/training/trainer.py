@@ -100,6 +100,7 @@ class APTrainer:
             final["truncation"] = self.run_info["truncation"]
         if self.eval_batches:
             final["eval_loss"] = self.evaluate()
+            self.backend.log_metrics({"step": self.step, "eval_loss": final["eval_loss"]})  # the monitor's last point
         self.metrics.write(final)
         self.history.append(final)
         if self.out_dir:
