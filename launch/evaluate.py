@@ -1,0 +1,15 @@
+#!/usr/bin/env python
+"""Score a model with lm-evaluation-harness, offline.  See `python launch/evaluate.py --help`.
+
+    python launch/evaluate.py compact/ --tasks arc_easy,arc_challenge,hellaswag,piqa,mmlu,sst2,boolq --out results.json
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+from apt_ds.cli.evaluate import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

