@@ -182,3 +182,17 @@ def test_llama_cpp_tokenizes_as_the_hf_tokenizer(runs, tokenizer, tmp_path):
     with llama_cpp(tmp_path / "gg" / "gg.gguf") as cpp:
         for text in texts:
             assert cpp.tokenize(text) == tokenizer(text)["input_ids"], text
+
+
+def test_llama3_rope_scaling(tokenizer, tmp_path):
+    """LLaMA-3.1's frequency-dependent RoPE scaling: llama.cpp reads it from rope_freqs.weight."""
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # every regime at head_dim 16
+    model = tiny_llama("gqa", vocab=len(tokenizer), rope_parameters=rope)
+    tokenizer.save_pretrained(str(tmp_path / "tok"))
+    write_gguf(tmp_path / "m.gguf", ModelShape.from_model(model), ModelTensors(model), model.config, tmp_path / "tok",
+               "fp32")
+    _, tensors = _reader(tmp_path / "m.gguf")
+    factors = tensors["rope_freqs.weight"].data
+    assert factors.min() == 1.0 and factors.max() == 8.0  # both ends of the scaling are exercised
+    assert_same_continuation(tmp_path / "m.gguf", model, prompt=PROMPT + PROMPT)
