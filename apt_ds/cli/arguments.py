@@ -118,7 +118,12 @@ class ExportArguments:
                                 "checkpoint/apt_state.json, or {groups, neurons, hidden}) or as binary masks over the "
                                 "original model in a .safetensors (hidden, kv_group.<i>, ffn_neuron.<i>); needs no "
                                 "DeepSpeed", default=None)
-    dtype: str = _help("dtype of the saved weights", choices=("fp32", "bf16", "fp16"), default="fp32")
+    format: str = _help("hf: a transformers directory (safetensors + config + tokenizer); gguf: one "
+                        "<OUT name>.gguf file that llama.cpp (and llama-cpp-python, Ollama) runs: uniform models as "
+                        "'llama', non-uniform ones as 'deci' with per-layer head counts and FFN widths",
+                        choices=("hf", "gguf"), default="hf")
+    dtype: str = _help("dtype of the saved weights; q8_0 (8-bit blocks, llama.cpp's Q8_0) needs --format gguf",
+                       choices=("fp32", "bf16", "fp16", "q8_0"), default="fp32")
     overwrite: bool = _help("replace an existing --out that holds a previous export", default=False)
     max_shard_size: str = _help("largest safetensors shard (e.g. 500MB, 5GB); bigger models are written as shards "
                                 "plus model.safetensors.index.json", default="5GB")
@@ -128,8 +133,9 @@ def build_export_parser() -> ArgumentParser:
     parser = ArgumentParser(
         [ExportArguments],
         prog="launch/export.py",
-        description="Export a run as a merged, physically smaller, dense model (safetensors + config + tokenizer): "
-        "launch/export.py RUN --out DIR, or launch/export.py --model BASE --kept KEPT --out DIR.",
+        description="Export a run as a merged, physically smaller, dense model (safetensors + config + tokenizer, or "
+        "with --format gguf one llama.cpp file): launch/export.py RUN --out DIR, or launch/export.py --model BASE "
+        "--kept KEPT --out DIR.",
     )
     parser.add_argument("run_dir_positional", nargs="?", metavar="RUN", help="same as --run-dir")
     return parser

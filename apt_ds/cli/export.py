@@ -1,4 +1,5 @@
-"""`launch/export.py`: a run (or a plain model plus the units to keep) -> a compact dense model."""
+"""`launch/export.py`: a run (or a plain model plus the units to keep) -> a compact dense model, as a
+transformers directory or (--format gguf) one llama.cpp file."""
 
 from __future__ import annotations
 
@@ -23,14 +24,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give either RUN_DIR [--model BASE], or --model and --kept")
     try:
         from apt_ds.export.merge import export_pruned, export_run
+        from apt_ds.export.writer import check_options
 
         if args.run_dir:
             report_ = export_run(Path(args.run_dir), Path(args.out), dtype=args.dtype, overwrite=args.overwrite,
-                                 model_path=args.model, max_shard_size=args.max_shard_size)
+                                 model_path=args.model, max_shard_size=args.max_shard_size, format=args.format)
         else:
+            check_options(args.dtype, args.max_shard_size, args.format)  # before the (slow) model load
             report_ = export_pruned(*_plain_model_and_kept(args.model, args.kept), Path(args.out), dtype=args.dtype,
                                     tokenizer_dir=Path(args.model), overwrite=args.overwrite,
-                                    max_shard_size=args.max_shard_size)
+                                    max_shard_size=args.max_shard_size, format=args.format)
     except user_errors() as err:
         return report(err)
     print(json.dumps(report_["final"], indent=1))

@@ -121,27 +121,33 @@ def compact_model(model, state: APTModel):
 
 def export_run(run_dir: Path, out: Path, dtype: str = "fp32", overwrite: bool = False,
                model_path: str | Path | None = None, max_shard_size: str | int = DEFAULT_SHARD_SIZE,
-               streaming: bool | None = None) -> dict:
+               streaming: bool | None = None, format: str = "hf") -> dict:
     """Export a run. A base model that is a safetensors directory is streamed tensor by tensor
     (apt_ds.export.streaming: memory for about one shard); the built-in tiny models and GGUF
-    files are rebuilt in memory. `streaming=False` forces the in-memory path (same output)."""
+    files are rebuilt in memory. `streaming=False` forces the in-memory path (same output).
+    `format="gguf"` writes one llama.cpp file instead (apt_ds.export.gguf)."""
     run_dir, out = Path(run_dir), Path(out)
-    check_options(dtype, max_shard_size)
+    check_options(dtype, max_shard_size, format)
     recorded_base = read_meta(run_dir / "checkpoint").get("run_info", {}).get("model")
     bases = [Path(p) for p in (model_path, recorded_base) if p is not None and str(p) not in TINY_MODELS]
     check_export_out(out, overwrite, protected=[run_dir, *bases])
     base = str(model_path) if model_path is not None else recorded_base
     if streaming is not False and base is not None and base not in TINY_MODELS and Path(base).is_dir():
-        return _export_streaming(run_dir, out, Path(base), dtype, max_shard_size)
+        return _export_streaming(run_dir, out, Path(base), dtype, max_shard_size, format)
     model, state, meta = rebuild_trained_model(run_dir, model_path)
     original = ModelShape.from_dict(meta["original_shape"])
     model = compact_model(model, state)
     extra = {"original": summary(original), "run": str(run_dir.resolve()), "step": meta["step"], "finished": meta["finished"]}
+    if format == "gguf":
+        from apt_ds.export.gguf import ModelTensors, write_gguf_export
+
+        return write_gguf_export(out, state.shape, ModelTensors(model), model.config, dtype,
+                                 run_dir / meta["run_info"].get("tokenizer", "tokenizer"), extra)
     return write_export(model, state.shape, out, DTYPES[dtype], tokenizer_dir=run_dir / meta["run_info"].get("tokenizer", "tokenizer"),
                         extra_report=extra, max_shard_size=max_shard_size)
 
 
-def _export_streaming(run_dir: Path, out: Path, base: Path, dtype: str, max_shard_size) -> dict:
+def _export_streaming(run_dir: Path, out: Path, base: Path, dtype: str, max_shard_size, format: str = "hf") -> dict:
     from huggingface_hub.serialization._base import parse_size_to_int
     from safetensors import SafetensorError, safe_open
 
@@ -169,6 +175,11 @@ def _export_streaming(run_dir: Path, out: Path, base: Path, dtype: str, max_shar
         size = max_shard_size if isinstance(max_shard_size, int) else parse_size_to_int(max_shard_size)
         extra = {"original": summary(ModelShape.from_dict(meta["original_shape"])), "run": str(run_dir.resolve()),
                  "step": meta["step"], "finished": meta["finished"]}
+        if format == "gguf":  # streamed too: the GGUF writer asks for one tensor at a time
+            from apt_ds.export.gguf import write_gguf_export
+
+            return write_gguf_export(out, tensors.final_shape, tensors, config, dtype,
+                                     run_dir / meta["run_info"].get("tokenizer", "tokenizer"), extra)
         return write_export_dir(out, tensors.final_shape, lambda directory: stream_weights(tensors, directory, DTYPES[dtype], size),
                                 config, generation_config(base, config), DTYPES[dtype],
                                 tokenizer_dir=run_dir / meta["run_info"].get("tokenizer", "tokenizer"), extra_report=extra)
@@ -213,13 +224,13 @@ def _check_trained_tensors(run_dir: Path, meta: dict, masks: dict, trained: set[
 
 
 def export_pruned(model, kept: dict, out: Path, dtype: str = "fp32", tokenizer_dir: Path | None = None,
-                  overwrite: bool = False, max_shard_size: str | int = DEFAULT_SHARD_SIZE) -> dict:
+                  overwrite: bool = False, max_shard_size: str | int = DEFAULT_SHARD_SIZE, format: str = "hf") -> dict:
     """Export a plain LLaMA (adapters already merged, or none) pruned to `kept` ORIGINAL unit
     indices ({"groups": [[...] per layer], "neurons": [[...] per layer], "hidden": [...]}, as
     in a run's checkpoint/apt_state.json): the binary masks of the run, stated as the units
-    they keep. Needs neither DeepSpeed nor a run directory."""
+    they keep. Needs neither DeepSpeed nor a run directory. `format="gguf"`: one llama.cpp file."""
     out = Path(out)
-    check_options(dtype, max_shard_size)
+    check_options(dtype, max_shard_size, format)
     check_export_out(out, overwrite, protected=[tokenizer_dir] if tokenizer_dir else [])
     from apt_ds.algorithm.shrink import shrink_model
     from apt_ds.algorithm.units import check_llama_model
@@ -233,5 +244,10 @@ def export_pruned(model, kept: dict, out: Path, dtype: str = "fp32", tokenizer_d
     ):
         raise CheckpointError("kept-units record does not fit this model (layer count or unit indices out of range)")
     shape, _ = shrink_model(model, original, groups, neurons, hidden)
+    if format == "gguf":
+        from apt_ds.export.gguf import ModelTensors, write_gguf_export
+
+        return write_gguf_export(out, shape, ModelTensors(model), model.config, dtype, tokenizer_dir,
+                                 {"original": summary(original)})
     return write_export(model.eval(), shape, out, DTYPES[dtype], tokenizer_dir=tokenizer_dir,
                         extra_report={"original": summary(original)}, max_shard_size=max_shard_size)

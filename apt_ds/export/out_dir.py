@@ -44,7 +44,7 @@ def recover_interrupted_overwrite(out: Path) -> None:
     if out.exists() or out.is_symlink():
         return
     for old in _hidden_siblings(out, "old") if out.parent.is_dir() else []:
-        if (old / REPORT_FILE).is_file() and (old / "config.json").is_file():
+        if (old / REPORT_FILE).is_file() and ((old / "config.json").is_file() or any(old.glob("*.gguf"))):
             old.rename(out)
             return
 

@@ -19,6 +19,8 @@ from apt_ds.export.out_dir import REPORT_FILE, recover_interrupted_overwrite, re
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_SHARD_SIZE = "5GB"  # as transformers' save_pretrained
+EXPORT_FORMATS = ("hf", "gguf")  # hf: safetensors + config directory; gguf: one llama.cpp file (export.gguf)
+GGUF_ONLY_DTYPES = ("q8_0",)
 
 
 def exported_config(model_config, shape: ModelShape) -> dict:
@@ -67,15 +69,8 @@ def write_export(model, shape: ModelShape, out: Path, dtype: torch.dtype, tokeni
 def write_export_dir(out: Path, shape: ModelShape, save_weights, config, generation: dict, dtype: torch.dtype,
                      tokenizer_dir: Path | None = None, extra_report: dict | None = None) -> dict:
     """Atomically write an export: `save_weights(directory)` writes the weights and returns the
-    parameter count; then generation config, tokenizer, report and config.json.
-
-    Everything goes into a hidden temporary sibling, config.json last, then one rename: a
-    killed export leaves at most a `.NAME.tmp-*` directory, which the next export removes."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    recover_interrupted_overwrite(out)
-    remove_stale_temporaries(out)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    parameter count; then generation config, tokenizer, report and config.json (last)."""
+    def fill(tmp: Path) -> dict:
         exported_params = save_weights(tmp)
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=1))
         if tokenizer_dir is not None and tokenizer_dir.is_dir():
@@ -85,9 +80,24 @@ def write_export_dir(out: Path, shape: ModelShape, save_weights, config, generat
         report = {"final": summary(shape), "uniform": shape.uniform, "stock_loadable": stock_loadable(shape),
                   "exported_params": exported_params, **(extra_report or {})}
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1))
-        config = exported_config(config, shape)
-        config["dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-        (tmp / "config.json").write_text(json.dumps(config, indent=1))
+        exported = exported_config(config, shape)
+        exported["dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+        (tmp / "config.json").write_text(json.dumps(exported, indent=1))
+        return report
+
+    return write_atomically(out, fill)
+
+
+def write_atomically(out: Path, fill) -> dict:
+    """`fill(directory)` writes an export's files and returns its report; they appear as `out`
+    all at once. Everything goes into a hidden temporary sibling, then one rename: a killed
+    export leaves at most a `.NAME.tmp-*` directory, which the next export removes."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    recover_interrupted_overwrite(out)
+    remove_stale_temporaries(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        report = fill(tmp)
         _make_readable(tmp)
         if out.exists():
             old = out.parent / f".{out.name}.old-{tmp.name.rsplit('-', 1)[-1]}"
@@ -102,11 +112,15 @@ def write_export_dir(out: Path, shape: ModelShape, save_weights, config, generat
     return report
 
 
-def check_options(dtype: str, max_shard_size) -> None:
+def check_options(dtype: str, max_shard_size, format: str = "hf") -> None:
     from huggingface_hub.serialization._base import parse_size_to_int
 
-    if dtype not in DTYPES:
-        raise ConfigError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if format not in EXPORT_FORMATS:
+        raise ConfigError(f"--format must be one of {list(EXPORT_FORMATS)}, got {format!r}")
+    if format == "hf" and dtype in GGUF_ONLY_DTYPES:
+        raise ConfigError(f"--dtype {dtype} is a GGUF quantisation: give --format gguf, or --dtype fp32, bf16 or fp16")
+    if dtype not in DTYPES and dtype not in GGUF_ONLY_DTYPES:
+        raise ConfigError(f"--dtype must be one of {sorted(DTYPES) + list(GGUF_ONLY_DTYPES)}, got {dtype!r}")
     try:
         size = max_shard_size if isinstance(max_shard_size, int) else parse_size_to_int(max_shard_size)
         if size <= 0:

@@ -1,0 +1,238 @@
+"""A pruned model as one GGUF file that stock llama.cpp runs, written tensor by tensor.
+
+Architecture: every layer alike -> `llama`; per-layer KV groups or FFN widths -> `deci`
+(llama.cpp's Nemotron-NAS graph, src/models/deci.cpp), the only one that reads per-layer
+`attention.head_count`, `head_count_kv` and `feed_forward_length` arrays. Both get
+`key_length == value_length == rope.dimension_count == head_dim`, so hidden may differ from
+heads x head_dim. deci skips the attention of a layer with 0 heads (it then has no attention
+tensors) and, with FFN width 0, skips the FFN *and drops that layer's attention output*: a
+layer without neurons is written with one zero neuron instead (its FFN adds exactly 0).
+
+Q and K rows are permuted per layer with that layer's head counts, as llama.cpp's converter
+(LlamaModel.permute) does: HF rotates the two halves of a head, llama.cpp adjacent pairs.
+Norms stay F32 (as the converter writes them); with q8_0 a matrix whose rows do not split into
+32-wide blocks is written as F16 (the converter's fallback too).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from apt_ds.algorithm.units import ModelShape
+from apt_ds.config import ConfigError
+
+GGUF_DTYPES = ("fp32", "fp16", "bf16", "q8_0")
+# HF tensor name (per layer after "model.layers.N.") -> GGUF name (after "blk.N.")
+LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+ATTENTION = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+
+
+def gguf_architecture(shape: ModelShape) -> str:
+    """`llama` reads layer 0's head counts and FFN width for every layer."""
+    return "llama" if shape.uniform and shape.layers[0].num_kv_groups > 0 else "deci"
+
+
+def gguf_package():
+    try:
+        import gguf
+    except ImportError:
+        raise ConfigError("--format gguf needs the gguf package: pip install 'apt-ds[gguf]' (or pip install gguf)") from None
+    return gguf
+
+
+class ModelTensors:
+    """An in-memory compact model's tensors, as `streaming.RunTensors` gives a run's."""
+
+    def __init__(self, model):
+        self.params = {name: p for name, p in model.state_dict().items() if "rotary" not in name}
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self.params[name].detach().float()
+
+
+def write_gguf(path: Path, shape: ModelShape, tensors, config, tokenizer_dir: Path | None, dtype: str) -> int:
+    """Write `path`; `tensors.tensor(hf_name)` gives each exported fp32 tensor (HF names, HF
+    layout), `config` is the exported model's transformers config. Returns the parameter count."""
+    gguf = gguf_package()
+    from apt_ds.export.gguf_vocab import add_vocab
+
+    if dtype not in GGUF_DTYPES:
+        raise ConfigError(f"--dtype must be one of {list(GGUF_DTYPES)} for a GGUF export, got {dtype!r}")
+    arch = gguf_architecture(shape)
+    writer = gguf.GGUFWriter(path, arch)
+    try:
+        _add_hparams(writer, arch, shape, config, path.stem, dtype)
+        add_vocab(writer, tokenizer_dir, shape.vocab)
+        plan = _plan(shape, config, dtype)
+        for gguf_name, _, out_shape, qtype in plan:
+            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+            writer.add_tensor_info(gguf_name, out_shape, np.float32, math.prod(out_shape) // block * type_size,
+                                   raw_dtype=qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        count = 0
+        for gguf_name, make, out_shape, qtype in plan:
+            data = make(tensors)
+            if tuple(data.shape) != tuple(out_shape):
+                raise ConfigError(f"tensor {gguf_name} has shape {tuple(data.shape)}, expected {tuple(out_shape)}")
+            count += data.numel()
+            writer.write_tensor_data(gguf.quantize(data.numpy(), qtype))
+        return count
+    finally:
+        writer.close()
+
+
+def _add_hparams(writer, arch: str, shape: ModelShape, config, name: str, dtype: str) -> None:
+    import gguf
+
+    layers = shape.layers
+    head_dim = layers[0].head_dim
+    per_layer = arch == "deci"
+    writer.add_name(name)
+    writer.add_file_type({"fp32": gguf.LlamaFileType.ALL_F32, "fp16": gguf.LlamaFileType.MOSTLY_F16,
+                          "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_context_length(int(config.max_position_embeddings))
+    writer.add_embedding_length(shape.hidden)
+    writer.add_block_count(len(layers))
+    ffn = [_ffn_rows(layer.ffn) for layer in layers]
+    heads = [layer.num_q_heads for layer in layers]
+    kv_heads = [layer.num_kv_groups for layer in layers]
+    writer.add_feed_forward_length(ffn if per_layer else ffn[0])
+    writer.add_head_count(heads if per_layer else heads[0])
+    writer.add_head_count_kv(kv_heads if per_layer else kv_heads[0])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
+    writer.add_vocab_size(shape.vocab)
+    rope = _rope_parameters(config)
+    writer.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if kind == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+    elif kind not in ("default", "llama3"):  # llama3: rope_freqs.weight, see _rope_freqs
+        raise ConfigError(f"RoPE type {kind!r} is not supported by the GGUF export (default, linear and llama3 are)")
+
+
+def _rope_parameters(config) -> dict:
+    """transformers 5 keeps rope_theta and the scaling in `rope_parameters`, 4.x in rope_theta / rope_scaling."""
+    values = dict(getattr(config, "rope_parameters", None) or {})
+    values.update(getattr(config, "rope_scaling", None) or {})
+    if getattr(config, "rope_theta", None) is not None:
+        values.setdefault("rope_theta", config.rope_theta)
+    return values
+
+
+def _ffn_rows(ffn: int) -> int:
+    return max(ffn, 1)  # a zero neuron rather than deci's FFN-free layer, which drops the attention output
+
+
+def _plan(shape: ModelShape, config, dtype: str) -> list:
+    """(GGUF name, maker(tensors) -> fp32 tensor, shape, GGML type) for every tensor, in file order."""
+    import gguf
+
+    D, plan = shape.hidden, []
+
+    def add(gguf_name: str, make, out_shape: tuple):
+        plan.append((gguf_name, make, out_shape, _ggml_type(out_shape, dtype)))
+
+    add("token_embd.weight", lambda t: t.tensor("model.embed_tokens.weight"), (shape.vocab, D))
+    rope_freqs = _rope_freqs(config, shape.layers[0].head_dim)
+    if rope_freqs is not None:
+        plan.append(("rope_freqs.weight", lambda t: rope_freqs, tuple(rope_freqs.shape), gguf.GGMLQuantizationType.F32))
+    for l, layer in enumerate(shape.layers):
+        q, kv, F = layer.num_q_heads * layer.head_dim, layer.num_kv_groups * layer.head_dim, _ffn_rows(layer.ffn)
+        shapes = {"input_layernorm": (D,), "self_attn.q_proj": (q, D), "self_attn.k_proj": (kv, D),
+                  "self_attn.v_proj": (kv, D), "self_attn.o_proj": (D, q), "post_attention_layernorm": (D,),
+                  "mlp.gate_proj": (F, D), "mlp.up_proj": (F, D), "mlp.down_proj": (D, F)}
+        for hf, gguf_name in LAYER_NAMES.items():
+            if layer.num_kv_groups == 0 and hf in ATTENTION:
+                continue  # deci: a layer with 0 heads has no attention (nor its norm)
+            add(f"blk.{l}.{gguf_name}.weight", _maker(f"model.layers.{l}.{hf}.weight", layer, shapes[hf]), shapes[hf])
+    add("output_norm.weight", lambda t: t.tensor("model.norm.weight"), (D,))
+    if not shape.tied_embeddings:  # llama.cpp reuses token_embd when there is no output tensor
+        add("output.weight", lambda t: t.tensor("lm_head.weight"), (shape.vocab, D))
+    return plan
+
+
+def _maker(hf_name: str, layer, out_shape: tuple):
+    def make(tensors) -> torch.Tensor:
+        if layer.ffn == 0 and ".mlp." in hf_name:  # the zero neuron of _ffn_rows
+            return torch.zeros(out_shape, dtype=torch.float32)
+        weight = tensors.tensor(hf_name)
+        if hf_name.endswith("q_proj.weight"):
+            return _permute(weight, layer.num_q_heads)
+        if hf_name.endswith("k_proj.weight"):
+            return _permute(weight, layer.num_kv_groups)
+        return weight
+    return make
+
+
+def _permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """HF's rotate-half head layout -> llama.cpp's interleaved pairs (convert_hf_to_gguf's permute)."""
+    rows, cols = weight.shape
+    return weight.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def _ggml_type(out_shape: tuple, dtype: str):
+    from gguf import GGMLQuantizationType as T
+
+    if len(out_shape) == 1 or dtype == "fp32":
+        return T.F32
+    if dtype == "q8_0":
+        return T.Q8_0 if out_shape[-1] % 32 == 0 else T.F16
+    return {"fp16": T.F16, "bf16": T.BF16}[dtype]
+
+
+def _rope_freqs(config, head_dim: int) -> torch.Tensor | None:
+    """LLaMA-3.1's frequency-dependent RoPE scaling as llama.cpp applies it: a per-frequency
+    divisor tensor (convert_hf_to_gguf's LlamaModel.generate_extra_tensors)."""
+    rope = _rope_parameters(config)
+    if (rope.get("rope_type") or rope.get("type")) != "llama3":
+        return None
+    base = float(rope.get("rope_theta", 10000.0))
+    factor = float(rope.get("factor", 8.0))
+    low, high = float(rope.get("low_freq_factor", 1.0)), float(rope.get("high_freq_factor", 4.0))
+    old_context = float(rope.get("original_max_position_embeddings", 8192))
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factors = []
+    for freq in freqs.tolist():
+        wavelength = 2 * math.pi / freq
+        if wavelength < old_context / high:
+            factors.append(1.0)
+        elif wavelength > old_context / low:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelength - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32)
+
+
+def write_gguf_export(out: Path, shape: ModelShape, tensors, config, dtype: str, tokenizer_dir: Path | None,
+                      extra_report: dict | None = None) -> dict:
+    """Atomically write `out/<out's name>.gguf` and the report (apt_export.json), as an HF export is written."""
+    import json
+
+    from apt_ds.export.out_dir import REPORT_FILE
+    from apt_ds.export.writer import summary, write_atomically
+
+    filename = f"{out.name or 'model'}.gguf"
+
+    def fill(tmp: Path) -> dict:
+        exported_params = write_gguf(tmp / filename, shape, tensors, config, tokenizer_dir, dtype)
+        report = {"final": summary(shape), "uniform": shape.uniform, "format": "gguf", "file": filename,
+                  "gguf_architecture": gguf_architecture(shape), "dtype": dtype, "exported_params": exported_params,
+                  **(extra_report or {})}
+        (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1))
+        return report
+
+    return write_atomically(out, fill)
