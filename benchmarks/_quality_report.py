@@ -6,7 +6,6 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-
 ONE_LABEL_SHARE = 0.99  # a model answering one label on this share of the test rows or more learned only a prior
 
 
@@ -79,8 +78,8 @@ def markdown(summary: dict, method_order: list[str]) -> str:
 def phase_split(out: Path, summary: dict) -> str:
     """Per task, summed step_time_s of APT 0.7 and LoRA in the phases of APT 0.7's schedule
     (pruning events' own time is not in step_time_s): where APT pays and where it saves."""
-    from apt_ds.io.metrics import read_metrics
     from apt_ds.algorithm.schedule import SALIENCE_WARMUP_STEPS
+    from apt_ds.io.metrics import read_metrics
 
     lines = []
     for task, rows in summary["tasks"].items():

@@ -11,7 +11,14 @@ import time
 from pathlib import Path
 
 from _common import (
-    check_fast_scorer, fast_label_report, hardware, read_json, reset_peak_rss, rss_mb, vm_hwm_mb, write_json,
+    check_fast_scorer,
+    fast_label_report,
+    hardware,
+    read_json,
+    reset_peak_rss,
+    rss_mb,
+    vm_hwm_mb,
+    write_json,
 )
 
 from apt_ds.config import APTConfig
@@ -39,16 +46,16 @@ def run_worker(spec_path: Path) -> None:
 
     spec = read_json(spec_path)
     torch.set_num_threads(spec["threads"])
+    from apt_ds.algorithm.units import ModelShape
     from apt_ds.config import TrainConfig
-    from apt_ds.io.data import batches, load_records, tokenize_dataset
-    from apt_ds.training.evaluate import parameter_bytes
     from apt_ds.export.merge import compact_model, export_run
     from apt_ds.export.writer import weight_files, write_export
-    from apt_ds.training.heap import release_free_heap
+    from apt_ds.io.data import batches, load_records, tokenize_dataset
     from apt_ds.io.modeling import load_model
     from apt_ds.io.tokenizer import load_tokenizer
+    from apt_ds.training.evaluate import parameter_bytes
+    from apt_ds.training.heap import release_free_heap
     from apt_ds.training.trainer import APTrainer
-    from apt_ds.algorithm.units import ModelShape
 
     run_dir, task_dir = Path(spec["run_dir"]), Path(spec["task_dir"])
     if run_dir.exists():

@@ -45,8 +45,8 @@ def memory_worker(export: Path, batch: int, prompt_len: int, new_tokens: int, th
     import torch
 
     torch.set_num_threads(threads)
-    from apt_ds.training.evaluate import decode_speed
     from apt_ds.io.modeling import load_model
+    from apt_ds.training.evaluate import decode_speed
 
     gc.collect()
     before = rss_mb()
@@ -96,11 +96,11 @@ def main(argv=None) -> None:
             raise SystemExit(f"error: no export at {path}; run `python benchmarks/quality.py` first (or pass --dense/--pruned)")
 
     import torch
+    from quality import forward_flops_per_token
 
-    from apt_ds.training.evaluate import decode_speed, directory_bytes, parameter_bytes
     from apt_ds.export.writer import weight_files
     from apt_ds.io.modeling import load_model
-    from quality import forward_flops_per_token
+    from apt_ds.training.evaluate import decode_speed, directory_bytes, parameter_bytes
 
     started = time.perf_counter()
     torch.set_num_threads(args.threads)

@@ -29,7 +29,6 @@ import platform
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 

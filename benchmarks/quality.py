@@ -78,8 +78,8 @@ def measure_speed(exports: dict[str, Path], rounds: int, threads: int, prompt_le
     """Decode/prefill speed of every export at batch 1, interleaved rounds, medians."""
     import torch
 
-    from apt_ds.training.evaluate import decode_speed
     from apt_ds.io.modeling import load_model
+    from apt_ds.training.evaluate import decode_speed
 
     torch.set_num_threads(threads)
     models = {name: load_model(path) for name, path in exports.items()}

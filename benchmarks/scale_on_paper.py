@@ -22,9 +22,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from apt_ds.config import APTConfig  # noqa: E402
 from apt_ds.algorithm.pruner import AdaptivePruner  # noqa: E402
 from apt_ds.algorithm.units import ModelShape  # noqa: E402
+from apt_ds.config import APTConfig  # noqa: E402
 
 LLAMA2 = {  # published parameter counts (Touvron et al. 2023; HF model cards)
     "7B": (dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32), 6_738_415_616),

@@ -23,12 +23,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from apt_ds.algorithm.adapters import add_adapters  # noqa: E402
-from apt_ds.distributed.backend import LocalBackend  # noqa: E402
-from apt_ds.config import APTConfig  # noqa: E402
-from apt_ds.io.modeling import build_tiny_llama  # noqa: E402
 from apt_ds.algorithm.pruner import AdaptivePruner  # noqa: E402
 from apt_ds.algorithm.state import APTModel  # noqa: E402
 from apt_ds.algorithm.tuner import AdaptiveTuner  # noqa: E402
+from apt_ds.config import APTConfig  # noqa: E402
+from apt_ds.distributed.backend import LocalBackend  # noqa: E402
+from apt_ds.io.modeling import build_tiny_llama  # noqa: E402
 
 MODEL = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)
 

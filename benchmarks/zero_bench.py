@@ -188,10 +188,10 @@ def worker_apt_vs_lora(spec: dict) -> dict:
     """(c): two engines in the same processes (same model, same seed), stepped alternately."""
     import torch
 
-    from apt_ds.config import APTConfig
-    from apt_ds.io.modeling import build_tiny_llama
     from apt_ds.algorithm.state import APTModel
     from apt_ds.algorithm.tuner import AdaptiveTuner
+    from apt_ds.config import APTConfig
+    from apt_ds.io.modeling import build_tiny_llama
 
     torch.set_num_threads(1)
     lora_backend = _backend(spec["config"], spec["fp32"])

@@ -7,13 +7,11 @@ import json
 
 import pytest
 import torch
+from conftest import tiny_llama
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from apt_ds import APTConfig, APTrainer, ConfigError, ModelShape, TrainConfig, UnsupportedModelError
 from apt_ds.config import ADAPTER_TARGETS
-
-from conftest import tiny_llama
-
 
 # ---- invalid values name their field ---------------------------------------------------------
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from apt_ds.config import APTConfig
 from apt_ds.algorithm.masks import UnitMasks
 from apt_ds.algorithm.units import ModelShape
+from apt_ds.config import APTConfig
 
 
 class PruningError(ValueError):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from apt_ds.algorithm.adapters import add_adapters, find_adapters
-from apt_ds.config import APTConfig
 from apt_ds.algorithm.distill import TRANSFORM_ATTR, attach_transform, student_adapters
 from apt_ds.algorithm.edits import ShapeChange
 from apt_ds.algorithm.masks import UnitMasks
@@ -18,6 +17,7 @@ from apt_ds.algorithm.pruner import KeepDecision
 from apt_ds.algorithm.salience import SalienceCollector
 from apt_ds.algorithm.shrink import LOCAL_ACCESS, ParamAccess, replace_module_params, shrink_model, slice_linear
 from apt_ds.algorithm.units import ModelShape, check_llama_model
+from apt_ds.config import APTConfig
 
 
 class APTModel:

@@ -14,8 +14,8 @@ from typing import Callable
 import torch
 
 from apt_ds.algorithm.adapters import APTAdapter
-from apt_ds.config import APTConfig
 from apt_ds.algorithm.edits import ShapeChange
+from apt_ds.config import APTConfig
 
 ReadTensor = Callable[[str, torch.nn.Parameter], "torch.Tensor | None"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import secrets
+import sys
 from pathlib import Path
 
 from apt_ds.cli.plot_data import PlotInputError, RunData, read_run

@@ -45,8 +45,13 @@ from apt_ds.algorithm.shrink import ParamAccess
 from apt_ds.distributed import deepspeed_private as private
 from apt_ds.distributed import zero_comm, zero_params, zero_state
 from apt_ds.distributed.backend import LrLambda, TrainingBackend, check_max_grad_norm
-from apt_ds.distributed.ds_config import (DeepSpeedConfigError, engine_dtype, load_ds_config, resolve_config,
-                                          resolve_precision)
+from apt_ds.distributed.ds_config import (
+    DeepSpeedConfigError,
+    engine_dtype,
+    load_ds_config,
+    resolve_config,
+    resolve_precision,
+)
 from apt_ds.distributed.placement import DTYPES, rank_device
 from apt_ds.distributed.zero_checkpoint import load_checkpoint_state, read_checkpoint_meta, write_checkpoint
 from apt_ds.distributed.zero_monitor import build_monitor, metric_events, monitor_config_problem, without_monitor

@@ -8,23 +8,30 @@ export leaves no directory that loads.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from apt_ds.algorithm.adapters import merge_adapters
-from apt_ds.io.checkpoint import CheckpointError, read_meta
-from apt_ds.export.kept import read_kept_record
-from apt_ds.export.out_dir import check_export_out
-from apt_ds.export.writer import DEFAULT_SHARD_SIZE, DTYPES, check_options, summary, write_export, write_export_dir
-from apt_ds.config import APTConfig, ConfigError
 from apt_ds.algorithm.distill import TRANSFORM_ATTR
-from apt_ds.io.modeling import TINY_MODELS, ModelLoadError, build_tiny_llama, file_fingerprint, load_model, model_fingerprint, same_model
 from apt_ds.algorithm.pruner import KeepDecision
 from apt_ds.algorithm.state import APTModel
 from apt_ds.algorithm.units import ModelShape, UnsupportedModelError
+from apt_ds.config import APTConfig, ConfigError
+from apt_ds.export.kept import read_kept_record
+from apt_ds.export.out_dir import check_export_out
+from apt_ds.export.writer import DEFAULT_SHARD_SIZE, DTYPES, check_options, summary, write_export, write_export_dir
+from apt_ds.io.checkpoint import CheckpointError, read_meta
+from apt_ds.io.modeling import (
+    TINY_MODELS,
+    ModelLoadError,
+    build_tiny_llama,
+    file_fingerprint,
+    load_model,
+    model_fingerprint,
+    same_model,
+)
 from apt_ds.io.weights import WeightsError
 
 

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from apt_ds.io.checkpoint import CheckpointError
 from apt_ds.algorithm.shrink import _kept_shape, group_channels, write_shape_to_config
 from apt_ds.algorithm.units import ModelShape
+from apt_ds.io.checkpoint import CheckpointError
 
 
 def _kept_index(record: list[int]) -> torch.Tensor:

@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from apt_ds.algorithm.adapters import merge_adapters
-from apt_ds.config import APTConfig, TrainConfig
-from apt_ds.training.heap import release_free_heap
 from apt_ds.algorithm.pruner import AdaptivePruner, KeepDecision
 from apt_ds.algorithm.state import APTModel
-from apt_ds.training.forward import supervised_forward
-from apt_ds.training.trainer import APTrainer
 from apt_ds.algorithm.units import ModelShape
+from apt_ds.config import APTConfig, TrainConfig
+from apt_ds.training.forward import supervised_forward
+from apt_ds.training.heap import release_free_heap
+from apt_ds.training.trainer import APTrainer
 
 
 @dataclass

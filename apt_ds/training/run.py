@@ -18,16 +18,21 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from apt_ds.distributed.backend import LocalBackend
-from apt_ds.io.checkpoint import read_meta
 from apt_ds.config import APTConfig, ConfigError, TrainConfig
+from apt_ds.distributed.backend import LocalBackend
+from apt_ds.distributed.placement import check_fits, configure_cpu_threads, resolve_base_dtype, resolve_device
+from apt_ds.io.checkpoint import read_meta
 from apt_ds.io.data import TruncationStats, batches, collate, demo_data_path, load_records, tokenize_dataset
 from apt_ds.io.modeling import TINY_MODELS, build_tiny_llama, file_fingerprint, load_model, model_fingerprint
-from apt_ds.distributed.placement import check_fits, configure_cpu_threads, resolve_base_dtype, resolve_device
-from apt_ds.io.templates import check_template
 from apt_ds.io.run_dir import RUN_FILE, check_out_dir, discard, prepare_out_dir, restore
+from apt_ds.io.templates import check_template
 from apt_ds.io.tokenizer import load_tokenizer, train_sentencepiece_tokenizer
-from apt_ds.training.resume import check_resumable, checkpoint_to_resume, clipping_before_max_grad_norm, truncate_metrics
+from apt_ds.training.resume import (
+    check_resumable,
+    checkpoint_to_resume,
+    clipping_before_max_grad_norm,
+    truncate_metrics,
+)
 from apt_ds.training.trainer import APTrainer
 
 # the names these had when they lived here (tests/export and tests/distributed import them)

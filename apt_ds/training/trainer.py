@@ -18,20 +18,25 @@ from typing import Iterator
 import torch
 from tqdm.auto import tqdm
 
-from apt_ds.distributed.backend import LocalBackend, TrainingBackend
-from apt_ds.io.checkpoint import load_checkpoint, save_checkpoint
-from apt_ds.config import APTConfig, TrainConfig
 from apt_ds.algorithm.distill import SelfDistiller
 from apt_ds.algorithm.edits import merge_changes
-from apt_ds.training.heap import release_free_heap
-from apt_ds.io.metrics import MetricsWriter, memory_mb
-from apt_ds.distributed.placement import move_batch
 from apt_ds.algorithm.pruner import AdaptivePruner, GradualMasker
 from apt_ds.algorithm.schedule import SparsityScheduler
 from apt_ds.algorithm.state import APTModel
 from apt_ds.algorithm.tuner import AdaptiveTuner
-from apt_ds.training.forward import (enable_activation_checkpointing, supervised_forward, supervised_positions,
-                                     supervised_token_count, valid_token_count)
+from apt_ds.config import APTConfig, TrainConfig
+from apt_ds.distributed.backend import LocalBackend, TrainingBackend
+from apt_ds.distributed.placement import move_batch
+from apt_ds.io.checkpoint import load_checkpoint, save_checkpoint
+from apt_ds.io.metrics import MetricsWriter, memory_mb
+from apt_ds.training.forward import (
+    enable_activation_checkpointing,
+    supervised_forward,
+    supervised_positions,
+    supervised_token_count,
+    valid_token_count,
+)
+from apt_ds.training.heap import release_free_heap
 from apt_ds.training.lr_schedule import warmup_cosine
 
 

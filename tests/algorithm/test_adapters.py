@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import random_batch, tiny_llama
 from torch import nn
 
 from apt_ds.algorithm.adapters import APTAdapter, add_adapters, find_adapters, merge_adapters
 from apt_ds.algorithm.edits import Grow, Keep, apply_edits, merge_changes
-
-from conftest import random_batch, tiny_llama
 
 
 def _adapter(out_f=24, in_f=40, rank=4, alpha=8.0, seed=0, bias=False) -> tuple[APTAdapter, nn.Linear]:

@@ -5,16 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import random_batch, tiny_llama
 
 from apt_ds.algorithm.adapters import add_adapters
-from apt_ds.config import APTConfig
-from apt_ds.algorithm.distill import (TRANSFORM_ATTR, SelfDistiller, attach_transform, relative_squared_error,
-                             student_adapters)
+from apt_ds.algorithm.distill import (
+    TRANSFORM_ATTR,
+    SelfDistiller,
+    attach_transform,
+    relative_squared_error,
+    student_adapters,
+)
 from apt_ds.algorithm.masks import UnitMasks
 from apt_ds.algorithm.salience import SalienceCollector
 from apt_ds.algorithm.units import ModelShape
-
-from conftest import random_batch, tiny_llama
+from apt_ds.config import APTConfig
 
 TARGETS = ("q_proj", "v_proj", "down_proj")
 

@@ -6,12 +6,11 @@ import random
 
 import pytest
 import torch
+from conftest import TINY_CONFIGS, tiny_llama
 
-from apt_ds.config import APTConfig
 from apt_ds.algorithm.pruner import AdaptivePruner, KeepDecision, PruningError, embedding_columns
 from apt_ds.algorithm.units import LayerShape, ModelShape
-
-from conftest import TINY_CONFIGS, tiny_llama
+from apt_ds.config import APTConfig
 
 SHAPES = {kind: ModelShape.from_model(tiny_llama(kind)) for kind in TINY_CONFIGS}
 # an already-shrunk, non-uniform shape (layers differ) with mixed group sizes

@@ -7,12 +7,11 @@ import threading
 import numpy as np
 import pytest
 import torch
+from conftest import random_batch, tiny_llama
 
 from apt_ds.algorithm.adapters import add_adapters
 from apt_ds.algorithm.salience import SalienceCollector, column_power_sums, unit_kurtosis
 from apt_ds.algorithm.units import ModelShape
-
-from conftest import random_batch, tiny_llama
 
 
 def _model(kind="gqa", seed=0):

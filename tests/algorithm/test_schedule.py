@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from apt_ds.config import APTConfig, ConfigError
 from apt_ds.algorithm.schedule import SALIENCE_WARMUP_STEPS, SparsityScheduler
+from apt_ds.config import APTConfig, ConfigError
 
 
 def _sched(**kwargs) -> SparsityScheduler:

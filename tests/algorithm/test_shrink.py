@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TINY_CONFIGS, random_batch, tiny_llama
 
 from apt_ds.algorithm.adapters import add_adapters
 from apt_ds.algorithm.edits import apply_edits
@@ -11,8 +12,6 @@ from apt_ds.algorithm.masks import UnitMasks
 from apt_ds.algorithm.pruner import GradualMasker, KeepDecision
 from apt_ds.algorithm.shrink import group_channels, shrink_model
 from apt_ds.algorithm.units import ModelShape
-
-from conftest import TINY_CONFIGS, random_batch, tiny_llama
 
 ADAPTER_TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")
 

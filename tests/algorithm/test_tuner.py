@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from apt_ds.algorithm.adapters import APTAdapter
-from apt_ds.config import APTConfig
 from apt_ds.algorithm.tuner import AdaptiveTuner
+from apt_ds.config import APTConfig
 
 
 def _adapters(dims, ranks, seed=0) -> dict[str, APTAdapter]:

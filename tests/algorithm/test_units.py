@@ -9,15 +9,14 @@ import time
 
 import pytest
 import torch
+from conftest import TINY_CONFIGS, tiny_llama
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from apt_ds.config import APTConfig
 from apt_ds.algorithm.pruner import AdaptivePruner
 from apt_ds.algorithm.units import LayerShape, ModelShape
-
-from conftest import TINY_CONFIGS, tiny_llama
+from apt_ds.config import APTConfig
 
 
 def _unique_param_count(model) -> int:

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tree_digest
 from safetensors import SafetensorError
 
-from apt_ds.io import checkpoint as checkpoint_module
 from apt_ds.cli.export import main as export_main
 from apt_ds.cli.train import main as train_main
-from conftest import tree_digest
+from apt_ds.io import checkpoint as checkpoint_module
 
 TEXT_ROWS = [{"text": f"row {i}: the quick brown fox jumps over the lazy dog number {i}."} for i in range(120)]
 BASE = ["--steps", "8", "--max-seq-len", "32", "--micro-batch-size", "2", "--checkpoint-every", "4", "--data", "data.jsonl"]
@@ -361,8 +361,8 @@ def test_set_aside_copies_are_owned_by_a_lock_not_a_pid(in_tmp, capsys):
 
 
 def test_a_user_error_after_overwrite_set_the_run_aside_is_still_one_line(in_tmp, capsys, monkeypatch):
-    from apt_ds.training import trainer as trainer_module
     from apt_ds.config import ConfigError
+    from apt_ds.training import trainer as trainer_module
 
     assert train_main([*BASE, "--out", "run"]) == 0
     before = tree_digest(in_tmp / "run")

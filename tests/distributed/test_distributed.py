@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import check_against_probe
 
 REPO = Path(__file__).resolve().parents[2]
@@ -116,8 +115,8 @@ def test_zero2_two_ranks_identical_masks_and_export_matches(two_rank_zero2):
 
 def exported_eval_loss(out: Path, export_dir: Path, count: int = EVAL_EXAMPLES) -> float:
     """Token-mean loss of the exported model on the run's eval examples (one process, no DeepSpeed)."""
-    from apt_ds.io.data import collate, demo_data_path, load_records, tokenize_dataset
     from apt_ds.export.merge import export_run
+    from apt_ds.io.data import collate, demo_data_path, load_records, tokenize_dataset
     from apt_ds.io.modeling import load_pretrained
     from apt_ds.io.tokenizer import load_tokenizer
 

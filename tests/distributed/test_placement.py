@@ -7,6 +7,7 @@ import traceback
 
 import pytest
 import torch
+from conftest import random_batch, tiny_llama
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from apt_ds import APTConfig, APTrainer, TrainConfig
@@ -14,8 +15,6 @@ from apt_ds.cli.train import main as train_main
 from apt_ds.config import ConfigError
 from apt_ds.distributed.ds_config import DeepSpeedConfigError, resolve_precision
 from apt_ds.distributed.placement import cpu_threads_per_rank, resolve_base_dtype, resolve_device
-
-from conftest import random_batch, tiny_llama
 
 
 @pytest.fixture(scope="module", autouse=True)

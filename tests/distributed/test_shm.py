@@ -7,9 +7,9 @@ import os
 import time
 from pathlib import Path
 
-from apt_ds.distributed.shm import PREFIX, SHM_DIR, remove_stale_buffers
-
 from test_distributed import COMMON, launch
+
+from apt_ds.distributed.shm import PREFIX, SHM_DIR, remove_stale_buffers
 
 
 def _buffers() -> set[Path]:

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]

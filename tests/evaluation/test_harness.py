@@ -18,13 +18,12 @@ if importlib.util.find_spec("olmo_eval") is None:
 
 import datasets  # noqa: E402
 import huggingface_hub.constants  # noqa: E402
+from conftest import tiny_llama  # noqa: E402
 
 from apt_ds.cli.evaluate import main  # noqa: E402
 from apt_ds.evaluation.harness import OFFLINE_VARIABLES, ROUTE_IN_MEMORY, ROUTE_PATH  # noqa: E402
 from apt_ds.evaluation.tasks import DEFAULT_TASKS, TASKS_DIR, task_manager  # noqa: E402
 from apt_ds.evaluation.tasks.shipped import data_root, split_dirs  # noqa: E402
-
-from conftest import tiny_llama  # noqa: E402
 
 TASKS = ["sst2", "arc_easy"]
 SPLITS = {"sst2": "glue/sst2/validation", "arc_easy": "ai2_arc/ARC-Easy/validation"}

@@ -281,9 +281,9 @@ def test_export_from_plain_model_and_kept_units(runs, tmp_path):
     """A plain model + the kept-unit record export without a run directory or DeepSpeed, and the
     result computes what the model masked to those units computes."""
     from apt_ds.algorithm.masks import UnitMasks
+    from apt_ds.algorithm.units import ModelShape
     from apt_ds.io.modeling import build_tiny_llama
     from apt_ds.io.tokenizer import load_tokenizer
-    from apt_ds.algorithm.units import ModelShape
 
     meta = json.loads((runs / "nonuniform" / "checkpoint" / "apt_state.json").read_text())
     tokenizer = load_tokenizer(runs / "nonuniform" / "tokenizer")
@@ -388,8 +388,9 @@ def test_torn_metrics_line_and_changed_data_on_resume(tmp_path, capsys):
 def test_pruning_runs_read_weights_into_memory(runs, tmp_path, monkeypatch):
     """`apt-ds train` loads a model directory unmapped when it prunes (mapped pages would stay
     resident after units are removed) and mapped for LoRA, which never frees weights."""
-    import apt_ds.training.run as run
     from conftest import tiny_llama
+
+    import apt_ds.training.run as run
 
     model_dir = tmp_path / "model"
     tiny_llama("gqa", vocab=512).save_pretrained(str(model_dir))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import check_against_probe
 from safetensors.torch import load_file, save_file
 
 from apt_ds.cli.export import main as export_main
@@ -20,8 +21,6 @@ from apt_ds.cli.train import main as train_main
 from apt_ds.export.merge import export_run
 from apt_ds.export.writer import weight_files
 from apt_ds.io.modeling import load_pretrained
-
-from conftest import check_against_probe
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = str(REPO / "apt_ds" / "io" / "assets" / "demo.jsonl")
@@ -276,9 +275,9 @@ def test_plain_model_with_saved_binary_masks(run, tmp_path, capsys):
     """--kept may be binary masks over the original model (.safetensors): the same export as the
     kept-index record; fractional masks are refused."""
     from apt_ds.algorithm.masks import UnitMasks
+    from apt_ds.algorithm.units import ModelShape
     from apt_ds.io.modeling import build_tiny_llama
     from apt_ds.io.tokenizer import load_tokenizer
-    from apt_ds.algorithm.units import ModelShape
 
     meta = json.loads((run / "checkpoint" / "apt_state.json").read_text())
     plain = tmp_path / "plain"

@@ -9,14 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_llama
 
 from apt_ds.algorithm.pruner import AdaptivePruner
 from apt_ds.algorithm.units import ModelShape
 from apt_ds.cli.export import main as export_main
 from apt_ds.config import APTConfig
 from apt_ds.export import gguf as gguf_export
-
-from conftest import tiny_llama
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("xllamacpp")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_llama
 
 from apt_ds.algorithm.units import LayerShape, ModelShape
 from apt_ds.cli.export import main as export_main
@@ -19,8 +20,6 @@ from apt_ds.cli.train import main as train_main
 from apt_ds.export.gguf import ModelTensors, write_gguf
 from apt_ds.export.merge import export_run
 from apt_ds.io.modeling import load_pretrained
-
-from conftest import tiny_llama
 
 gguf = pytest.importorskip("gguf")
 xllamacpp = pytest.importorskip("xllamacpp")

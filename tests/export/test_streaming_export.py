@@ -13,15 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_llama
 from safetensors.torch import load_file, save_file
 
-from apt_ds.export import streaming as streaming_export
-from apt_ds.io.checkpoint import CheckpointError
 from apt_ds.cli.train import main as train_main
+from apt_ds.export import streaming as streaming_export
 from apt_ds.export.merge import export_run
+from apt_ds.io.checkpoint import CheckpointError
 from apt_ds.io.modeling import file_fingerprint, load_model, model_fingerprint
-
-from conftest import tiny_llama
 
 FAST = ["--steps", "12", "--max-seq-len", "32", "--target-density", "0.5", "--micro-batch-size", "2"]
 

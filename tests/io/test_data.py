@@ -223,8 +223,8 @@ def test_prompt_and_answer_reads_both_labelled_formats_and_refuses_plain_text():
 
 
 def test_label_accuracy_scores_prompt_completion_rows_like_the_alpaca_rows_they_spell(tokenizer):
-    from apt_ds.training.evaluate import label_accuracy
     from apt_ds.io.modeling import build_tiny_llama
+    from apt_ds.training.evaluate import label_accuracy
 
     model = build_tiny_llama(vocab_size=len(tokenizer), seed=3)
     words = "the quick brown fox jumps over the lazy dog".split()

@@ -6,10 +6,10 @@ from __future__ import annotations
 import shutil
 
 import pytest
-
-from apt_ds.training import trainer as trainer_module
-from apt_ds.cli.train import main as train_main
 from conftest import tree_digest
+
+from apt_ds.cli.train import main as train_main
+from apt_ds.training import trainer as trainer_module
 
 FAST = ["--steps", "8", "--max-seq-len", "32", "--micro-batch-size", "2", "--checkpoint-every", "4"]
 

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import random_batch, tiny_llama
 
 from apt_ds import APTConfig, TrainConfig
 from apt_ds.algorithm.adapters import APTAdapter
+from apt_ds.algorithm.units import ModelShape
 from apt_ds.training import baselines
 from apt_ds.training.baselines import one_shot_prune, prune_then_tune
-from apt_ds.algorithm.units import ModelShape
-
-from conftest import random_batch, tiny_llama
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -9,8 +9,8 @@ import psutil
 import pytest
 import torch
 
-from apt_ds.training.heap import release_free_heap
 from apt_ds.io.modeling import build_tiny_llama, load_model
+from apt_ds.training.heap import release_free_heap
 
 
 def _rss_mb() -> float:

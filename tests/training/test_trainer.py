@@ -8,22 +8,21 @@ import math
 
 import pytest
 import torch
+from conftest import random_batch, tiny_llama
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from apt_ds import APTConfig, APTrainer, TrainConfig
-from apt_ds.training import trainer as trainer_module
-from apt_ds.distributed.backend import LocalBackend
 from apt_ds.algorithm.distill import TRANSFORM_ATTR
-from apt_ds.io.metrics import read_metrics
 from apt_ds.algorithm.pruner import KeepDecision
 from apt_ds.algorithm.schedule import SparsityScheduler
 from apt_ds.algorithm.shrink import group_channels
 from apt_ds.algorithm.state import APTModel
-from apt_ds.training.lr_schedule import warmup_cosine
 from apt_ds.algorithm.tuner import AdaptiveTuner
 from apt_ds.algorithm.units import ModelShape
-
-from conftest import random_batch, tiny_llama
+from apt_ds.distributed.backend import LocalBackend
+from apt_ds.io.metrics import read_metrics
+from apt_ds.training import trainer as trainer_module
+from apt_ds.training.lr_schedule import warmup_cosine
 
 STEPS = 40
 METRIC_FIELDS = ("step", "loss", "task_loss", "distill_loss", "grad_norm", "density", "block_params", "adapter_params",

@@ -23,9 +23,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from apt_ds.config import APTConfig, TrainConfig  # noqa: E402
-from apt_ds.training.trainer import APTrainer  # noqa: E402
 from apt_ds.distributed.zero import DeepSpeedBackend  # noqa: E402
 from apt_ds.distributed.zero_init import build_partitioned_llama, partition_bytes  # noqa: E402
+from apt_ds.training.trainer import APTrainer  # noqa: E402
 
 STEPS, SEQ, BATCH = 6, 16, 2
 
