@@ -25,10 +25,6 @@ Shape changes (`apply_shape_change`), the sequence that works on ZeRO-2 and ZeRO
    entries take the new parameter's values) and moments (zeros for grown entries) with
    `zero_state.restore_after_change`, and put the LR schedule and DeepSpeed's step counters back.
 
-Where the pieces live: the process group in `zero_comm` (launchers: `launcher_env`),
-the full state moved across rebuilds in `zero_state`, checkpoints (the same full state as
-safetensors + JSON, loadable under another world size or ZeRO stage) in `zero_checkpoint`, the
-run's DeepSpeed monitor in `zero_monitor`, every DeepSpeed internal in `deepspeed_private`.
 """
 
 from __future__ import annotations
