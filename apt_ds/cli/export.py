@@ -6,18 +6,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from apt_ds.cli.arguments import ExportArguments, build_export_parser
+from apt_ds.cli.arguments import ExportArguments, build_export_parser, parse_with_positional
 from apt_ds.cli.errors import report, user_errors
 from apt_ds.config import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_export_parser()
-    namespace = vars(parser.parse_args(argv))
-    positional = namespace.pop("run_dir_positional")
-    if positional and namespace["run_dir"] and positional != namespace["run_dir"]:
-        parser.error(f"two runs given: {positional} and --run-dir {namespace['run_dir']}")
-    args = ExportArguments(**{**namespace, "run_dir": namespace["run_dir"] or positional})
+    args = parse_with_positional(parser, argv, ExportArguments, "run_dir", "run")
     if args.run_dir and args.kept:
         parser.error("--kept is for exporting a plain model: give either RUN_DIR [--model BASE], or --model and --kept")
     if not args.run_dir and not (args.model and args.kept):

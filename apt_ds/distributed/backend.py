@@ -18,10 +18,25 @@ from typing import Callable, Iterable
 import torch
 from safetensors.torch import load_file, save_file
 
-from apt_ds.algorithm.edits import ShapeChange, apply_edits
+from apt_ds.algorithm.edits import Grow, ShapeChange, apply_edits
 from apt_ds.algorithm.shrink import LOCAL_ACCESS, ParamAccess
 
 LrLambda = Callable[[int], float]
+
+
+def carry_adam_moment(key: str, value: torch.Tensor, edits: list) -> torch.Tensor:
+    """An Adam moment after a shape change: carried entries keep theirs; grown entries start at
+    exp_avg = 0 and exp_avg_sq = the parameter's mean exp_avg_sq before the change.
+
+    Why not zero: torch's Adam keeps ONE step count per parameter, so grown entries inherit its
+    bias correction (about 1 after a few hundred steps). With both moments zero, their first
+    update would be lr * (1 - beta1) / sqrt(1 - beta2), about 3.2 x lr, where a fresh Adam's is lr.
+    Starting the second moment at the parameter's typical value keeps that first update below lr
+    for any gradient up to about 10x the typical one (tests/training/test_trainer.py)."""
+    if key != "exp_avg_sq" or not any(isinstance(e, Grow) for e in edits):
+        return apply_edits(value, edits)
+    grown_shape = apply_edits(value, edits).shape
+    return apply_edits(value, edits, fill=torch.full(grown_shape, float(value.float().mean()), dtype=value.dtype))
 
 
 def check_max_grad_norm(max_grad_norm: float) -> None:
@@ -209,7 +224,7 @@ class LocalBackend(TrainingBackend):
             new_state = {}
             for key, value in old_state[name].items():
                 if torch.is_tensor(value) and value.dim() > 0:
-                    value = apply_edits(value, edits)
+                    value = carry_adam_moment(key, value, edits)
                     if value.shape != param.shape:
                         raise RuntimeError(f"optimizer state {name}.{key} has shape {tuple(value.shape)} != {tuple(param.shape)}")
                 new_state[key] = value

@@ -22,9 +22,8 @@ Shape changes (`apply_shape_change`), the sequence that works on ZeRO-2 and ZeRO
    (`zero_params`). Remaining plain float32 parameters are cast to bf16/fp16 when that is on;
 4. check every rank has the same shapes (a mismatch would hang DeepSpeed), re-run
    `deepspeed.initialize` (it broadcasts new parameters from rank 0), write back masters (grown
-   entries take the new parameter's values) and moments (zeros for grown entries) with
+   entries take the new parameter's values) and moments (`backend.carry_adam_moment`) with
    `zero_state.restore_after_change`, and put the LR schedule and DeepSpeed's step counters back.
-
 """
 
 from __future__ import annotations

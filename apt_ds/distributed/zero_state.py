@@ -15,6 +15,7 @@ import torch
 
 from apt_ds.algorithm.edits import Grow, ShapeChange, apply_edits
 from apt_ds.distributed import deepspeed_private as private
+from apt_ds.distributed.backend import carry_adam_moment
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 FullState = dict[str, torch.Tensor]  # "master", "exp_avg", "exp_avg_sq" -> full fp32 CPU tensor
@@ -116,5 +117,5 @@ def restore_after_change(engine, zero_stage: int, trainable: dict[str, torch.nn.
         master = apply_edits(snap[name]["master"], edits, fill=fill)
         if tuple(master.shape) != full_shape(param):
             raise RuntimeError(f"{name}: edits give shape {tuple(master.shape)} but the new parameter is {full_shape(param)}")
-        moments = {key: apply_edits(snap[name][key], edits) for key in ADAM_MOMENTS} if step is not None else {}
+        moments = {key: carry_adam_moment(key, snap[name][key], edits) for key in ADAM_MOMENTS} if step is not None else {}
         set_full_state(engine, zero_stage, param, master, moments)

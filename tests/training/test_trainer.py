@@ -234,22 +234,23 @@ def test_adam_state_and_lr_carried_across_shrink_and_growth():
     def expect(name, fn):
         new = backend.optimizer.state[params[name]]
         for key in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(new[key], fn(old[name][key]), rtol=0, atol=0)
+            fill = float(old[name][key].mean()) if key == "exp_avg_sq" else 0.0  # grown entries: carry_adam_moment
+            torch.testing.assert_close(new[key], fn(old[name][key], fill), rtol=0, atol=0)
             assert new[key].shape == params[name].shape
         assert float(new["step"]) == float(old[name]["step"]) == 3.0
 
-    pad_rows = lambda t, n: torch.cat([t, t.new_zeros(n - t.shape[0], t.shape[1])], 0)  # noqa: E731
-    pad_cols = lambda t, n: torch.cat([t, t.new_zeros(t.shape[0], n - t.shape[1])], 1)  # noqa: E731
+    pad_rows = lambda t, n, fill: torch.cat([t, t.new_full((n - t.shape[0], t.shape[1]), fill)], 0)  # noqa: E731
+    pad_cols = lambda t, n, fill: torch.cat([t, t.new_full((t.shape[0], n - t.shape[1]), fill)], 1)  # noqa: E731
     p0, p1 = "model.layers.0.", "model.layers.1."
-    expect(p0 + "self_attn.q_proj.lora_A", lambda t: t[:, hidden])
-    expect(p0 + "self_attn.q_proj.lora_B", lambda t: t)  # layer 0 keeps both groups
-    expect(p1 + "self_attn.q_proj.lora_A", lambda t: pad_rows(t[:, hidden], 7))
-    expect(p1 + "self_attn.q_proj.lora_B", lambda t: pad_cols(t[q_ch], 7))
-    expect(p1 + "self_attn.v_proj.lora_B", lambda t: t[16:32])
-    expect(p1 + "self_attn.o_proj.lora_A", lambda t: pad_rows(t[:, q_ch], 6))
-    expect(p1 + "self_attn.o_proj.lora_B", lambda t: pad_cols(t[hidden], 6))
-    expect(p0 + "mlp.down_proj.lora_A", lambda t: t[:, neurons[0]])
-    expect(p1 + "mlp.down_proj.lora_B", lambda t: t[hidden])
+    expect(p0 + "self_attn.q_proj.lora_A", lambda t, f: t[:, hidden])
+    expect(p0 + "self_attn.q_proj.lora_B", lambda t, f: t)  # layer 0 keeps both groups
+    expect(p1 + "self_attn.q_proj.lora_A", lambda t, f: pad_rows(t[:, hidden], 7, f))
+    expect(p1 + "self_attn.q_proj.lora_B", lambda t, f: pad_cols(t[q_ch], 7, f))
+    expect(p1 + "self_attn.v_proj.lora_B", lambda t, f: t[16:32])
+    expect(p1 + "self_attn.o_proj.lora_A", lambda t, f: pad_rows(t[:, q_ch], 6, f))
+    expect(p1 + "self_attn.o_proj.lora_B", lambda t, f: pad_cols(t[hidden], 6, f))
+    expect(p0 + "mlp.down_proj.lora_A", lambda t, f: t[:, neurons[0]])
+    expect(p1 + "mlp.down_proj.lora_B", lambda t, f: t[hidden])
     nonzero = backend.optimizer.state[params[p1 + "self_attn.q_proj.lora_A"]]["exp_avg"]
     assert bool((nonzero[:4] != 0).any()) and bool((nonzero[4:] == 0).all())
     # and training continues on the rebuilt optimizer
@@ -257,6 +258,35 @@ def test_adam_state_and_lr_carried_across_shrink_and_growth():
     backend.step()
     assert backend.optimizer_steps == 4
     assert backend.lr == pytest.approx(1e-2 * lr_lambda(4))
+
+
+def test_grown_entries_first_step_is_no_larger_than_a_fresh_adams():
+    """After many steps Adam's bias correction is ~1; entries grown then (one step count per
+    parameter) must not take a first step of (1 - b1) / sqrt(1 - b2) ~ 3.2 x lr with zero moments."""
+    from apt_ds.algorithm.edits import Grow
+
+    lr = 1e-2
+    weight = torch.nn.Parameter(torch.randn(4, 8))
+    model = torch.nn.Module()
+    model.weight = weight
+    backend = LocalBackend()
+    backend.attach(model, lr, lambda step: 1.0, 0.0, 1, max_grad_norm=0.0)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(300):  # bias correction ~1
+        backend.backward((model.weight * torch.randn(4, 8, generator=gen)).sum())
+        backend.step()
+
+    def change_fn():
+        with torch.no_grad():
+            model.weight = torch.nn.Parameter(torch.cat([model.weight.detach(), torch.zeros(4, 4)], 1))
+        return {"weight": [Grow(1, 12)]}
+
+    backend.apply_shape_change(change_fn)
+    before = model.weight.detach().clone()
+    backend.backward((model.weight * torch.randn(4, 12, generator=gen)).sum())  # gradients of the usual size
+    backend.step()
+    first_step = (model.weight.detach() - before)[:, 8:].abs()
+    assert float(first_step.max()) <= lr * 1.0001  # a fresh Adam's first step is lr in every entry
 
 
 # ---- checkpoint resume -------------------------------------------------------------------------------
