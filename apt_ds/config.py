@@ -66,7 +66,7 @@ def check_field_types(cls, values: dict) -> None:
         if value is None and type(None) in typing.get_args(hints[name]):
             continue
         if kinds and (not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool))):
-            shown = getattr(hints[name], "__name__", str(hints[name]))
+            shown = "list" if tuple in kinds else kinds[-1].__name__  # Optional[str] -> str
             raise ConfigError(f"{cls.__name__}.{name} must be of type {shown}, got {value!r}")
 
 
@@ -112,7 +112,7 @@ class _JsonConfig:
 
 @dataclass
 class APTConfig(_JsonConfig):
-    """APT's algorithm knobs (see APT_SPEC.md for the meaning of each)."""
+    """APT's algorithm knobs (see docs/APT_SPEC.md for the meaning of each)."""
 
     _argument_group_name = "APT knobs (schedule defaults scale with --steps)"  # the --help section
 

@@ -84,6 +84,60 @@ def test_the_allowed_layer_graph_has_no_cycles():
         visit(layer, [])
 
 
+def _resolve(imported: str, modules: dict) -> str | None:
+    """The apt_ds module an import names (`from apt_ds.x import y` may name module x.y or a name in x)."""
+    while imported and imported not in modules:
+        imported = imported.rpartition(".")[0]
+    return imported or None
+
+
+def test_no_module_import_cycles_even_through_lazy_imports():
+    """Module by module, top-level and function-level imports alike (a lazy import only hides a
+    cycle: the two modules still cannot be read or changed one without the other)."""
+    modules = _modules()
+    graph = {name: set() for name in modules}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                targets = [f"{node.module}.{alias.name}" for alias in node.names]
+            for target in targets:
+                resolved = _resolve(target, modules) if target.startswith("apt_ds.") else None
+                if resolved and resolved != name and resolved != "apt_ds" and not name.startswith(resolved + "."):
+                    graph[name].add(resolved)
+    index, low, stack, on_stack, cycles, counter = {}, {}, [], set(), [], [0]
+
+    def connect(node):  # Tarjan's strongly connected components
+        index[node] = low[node] = counter[0]
+        counter[0] += 1
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                connect(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    assert not cycles, f"modules that import each other: {cycles}"
+
+
 def test_only_the_distributed_layer_imports_deepspeed():
     outside = [name for name, path in _modules().items()
                if not name.startswith("apt_ds.distributed")

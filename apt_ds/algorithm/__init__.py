@@ -10,5 +10,6 @@ tuner      adapter importance and rank growth within a parameter budget
 distill    self-distillation from the last event's snapshot
 shrink     physically slicing masked modules (weights, adapters, norms, per-layer config)
 edits      records of shape changes, so a training backend can carry optimizer state along
-state      the algorithm's resumable state as JSON-ready records
+state      APTModel: the model under APT (adapters, masks, salience, shapes), its shrink and rank
+           growth, and its resumable state as JSON-ready records
 """

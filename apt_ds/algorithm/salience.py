@@ -125,7 +125,7 @@ class SalienceCollector:
 
     # ---- hooks ---------------------------------------------------------------------------
     def install(self, model) -> None:
-        """Register before deepspeed.initialize (see DEEPSPEED_NOTES: weights gathered then)."""
+        """Register before deepspeed.initialize (see docs/DEEPSPEED_NOTES.md: weights gathered then)."""
         self.remove()
         self._handles.append(model.register_forward_pre_hook(self._mask_hook, with_kwargs=True, prepend=True))
         for index, layer in enumerate(model.model.layers):

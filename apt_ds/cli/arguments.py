@@ -37,7 +37,7 @@ class ArgumentParser(HfArgumentParser):
     """HfArgumentParser whose errors are one line like every other error here (no usage block)."""
 
     def __init__(self, dataclass_types, **kwargs):
-        super().__init__(dataclass_types, formatter_class=_HelpFormatter, **kwargs)
+        super().__init__(dataclass_types, **{"formatter_class": _HelpFormatter, **kwargs})
 
     def error(self, message: str):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")

@@ -12,7 +12,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     # Imported here: each module's error class comes with its module, and `--help` should not pay for torch.
     from apt_ds.algorithm.pruner import PruningError
     from apt_ds.algorithm.units import UnsupportedModelError
-    from apt_ds.distributed.ds_config import DeepSpeedConfigError
+    from apt_ds.distributed.errors import DeepSpeedConfigError
     from apt_ds.io.checkpoint import CheckpointError
     from apt_ds.io.data import DataError
     from apt_ds.io.modeling import ModelLoadError

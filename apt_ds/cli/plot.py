@@ -1,4 +1,4 @@
-"""`apt-ds-plot RUN [RUN...]`: PNGs of one or several runs (see --help). The numbers come from
+"""`launch/plot.py RUN [RUN...]` (or `apt-ds-plot`): PNGs of one or several runs (see --help). The numbers come from
 apt_ds.cli.plot_data; this module only draws them and writes the files."""
 
 from __future__ import annotations
@@ -7,9 +7,13 @@ import argparse
 import os
 import secrets
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
+from apt_ds.cli.arguments import ArgumentParser, _HelpFormatter
 from apt_ds.cli.plot_data import PlotInputError, RunData, read_run
+from apt_ds.config import _help
 
 CURVES_FILE, SHAPE_FILE = "curves.png", "shape.png"
 DPI = 100
@@ -22,24 +26,30 @@ DESCRIPTION = f"""Draw a run's curves and final shape into PNGs:
 A run without a checkpoint yet gets its curves only."""
 
 
-class _Parser(argparse.ArgumentParser):
-    """Errors as one line, like every other apt-ds error (no usage block)."""
-
-    def error(self, message):
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+class _RawHelpFormatter(_HelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """The description's file list as written; flags as in every apt-ds command."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="apt-ds-plot", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", metavar="RUN", help="run directory written by apt-ds-train --out")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="directory for the PNGs (created; files of the same name are replaced). "
-                             "Default for one run: RUN/plots; required for several runs")
+@dataclass
+class PlotArguments:
+    """launch/plot.py: where the PNGs of one or several runs go (the runs are positional)."""
+
+    _argument_group_name = "plot"
+
+    out: Optional[str] = _help("directory for the PNGs (created; files of the same name are replaced) (default for "
+                               "one run: RUN/plots; required for several runs)", default=None)
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser([PlotArguments], prog="launch/plot.py", description=DESCRIPTION,
+                            formatter_class=_RawHelpFormatter)
+    parser.add_argument("runs", nargs="+", metavar="RUN", help="run directory written by launch/train.py --out")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.out = Path(args.out) if args.out is not None else None
     if args.out is None and len(args.runs) > 1:
         return _fail("plotting several runs needs --out DIR (where the PNGs go)")
     out = args.out if args.out is not None else Path(args.runs[0]) / "plots"

@@ -56,7 +56,7 @@ def shape_matrix(original_shape: dict, kept: dict) -> ShapeMatrix:
     """The heat map of `kept` ({"groups": [[...] per layer], "neurons": [...], "hidden": [...]},
     ORIGINAL indices, as in checkpoint/apt_state.json) over `original_shape` (ModelShape.to_dict)."""
     from apt_ds.algorithm.units import ModelShape
-    from apt_ds.export.merge import read_kept_record
+    from apt_ds.export.kept import read_kept_record
 
     try:
         original = ModelShape.from_dict(original_shape)
@@ -135,9 +135,9 @@ def read_run(path: Path, name: str) -> RunData:
     from apt_ds.io.run_dir import RUN_FILE
 
     if not path.is_dir():
-        raise PlotInputError(f"{path} is not a directory (give run directories written by apt-ds-train --out)")
+        raise PlotInputError(f"{path} is not a directory (give run directories written by launch/train.py --out)")
     if not (path / METRICS_FILE).is_file():
-        raise PlotInputError(f"{path} has no {METRICS_FILE} (is it a run directory written by apt-ds-train --out?)")
+        raise PlotInputError(f"{path} has no {METRICS_FILE} (is it a run directory written by launch/train.py --out?)")
     records, note = read_metrics_lines(path / METRICS_FILE)
     curves, events = curves_of(records)
     run = RunData(path, name, curves, events, target_density=_target_density(path / RUN_FILE))

@@ -36,11 +36,10 @@ import os
 from pathlib import Path
 from typing import Mapping
 
+from apt_ds.distributed.errors import DeepSpeedConfigError
+from apt_ds.distributed.launcher_env import launch_world_size
+
 logger = logging.getLogger(__name__)
-
-
-class DeepSpeedConfigError(ValueError):
-    """The DeepSpeed config cannot be used (missing file, bad JSON, contradicting values)."""
 
 
 def load_ds_config(config: dict | str | os.PathLike) -> tuple[dict, str]:
@@ -103,7 +102,6 @@ def precheck_config(config: str | os.PathLike, *, grad_accum_steps: int, micro_b
     JSON (a ZeRO stage 7, a contradicting clipping value) costs seconds, not a distributed start.
     The world size comes from the launcher's variables; values that need the model ("auto"
     bucket sizes) are checked again, for real, when the engine is built."""
-    from apt_ds.distributed.launcher_env import launch_world_size
 
     user, source = load_ds_config(config)
     user = {k: v for k, v in user.items() if k not in ("optimizer", "scheduler")}  # warned about once, later

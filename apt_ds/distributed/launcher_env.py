@@ -23,7 +23,7 @@ import importlib.util
 import socket
 from typing import Callable, Mapping
 
-from apt_ds.distributed.ds_config import DeepSpeedConfigError
+from apt_ds.distributed.errors import DeepSpeedConfigError
 
 
 def _free_port() -> int:

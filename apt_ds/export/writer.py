@@ -51,10 +51,11 @@ def write_export(model, shape: ModelShape, out: Path, dtype: torch.dtype, tokeni
     """Atomically write an in-memory model's weights (safetensors shards + index when sharded),
     config, generation config, tokenizer and report into `out`.
 
-    Not through `save_pretrained`: a non-uniform shape's config fails transformers' config
-    validation (e.g. hidden 121 with 4 heads), and the streaming export, which never holds a
-    model, must write the same files. Both shard with huggingface_hub's splitter, which is what
-    save_pretrained uses, and name files as it does."""
+    Not through `save_pretrained`: the streaming export, which never holds a model, must write
+    the same files as this in-memory path, and save_pretrained cannot stream; it would also refuse
+    the config of a pruned hidden size that is not a multiple of the head count (e.g. 121 with 4
+    heads: LlamaConfig's validation). Both paths shard with huggingface_hub's splitter, which is
+    what save_pretrained uses, and name the files as it does."""
     def save_weights(directory: Path) -> int:
         state_dict = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items() if "rotary" not in k}
         if shape.tied_embeddings:

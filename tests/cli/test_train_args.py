@@ -75,10 +75,12 @@ def test_every_shipped_recipe_resolves():
         values = load_recipe(path)
         required = [f"--{k.replace('_', '-')}" for k, v in values.items() if v is None]
         argv = ["--config", str(path)] + [a for flag in required for a in (flag, "x")]
-        run, apt, train = resolved(*argv)
+        resolved_configs = resolved(*argv)
         for key, value in values.items():
-            if value is not None and key in {f.name for f in dataclasses.fields(TrainConfig)}:
-                assert getattr(train, key) == value, (path.name, key)
+            owner = next(c for c, cls in zip(resolved_configs, (RunArguments, APTConfig, TrainConfig))
+                         if key in {f.name for f in dataclasses.fields(cls)})
+            expected = tuple(value) if isinstance(value, list) else value
+            assert getattr(owner, key) == (expected if value is not None else "x"), (path.name, key)
 
 
 def test_a_recipe_null_must_come_from_the_command_line(tmp_path):
