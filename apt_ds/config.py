@@ -28,7 +28,7 @@ def _require(condition: bool, cls: str, name: str, allowed: str, value: Any) -> 
         raise ConfigError(f"{cls}.{name} must be {allowed}, got {value!r}")
 
 
-def _help(text: str, choices: tuple | None = None, **kwargs) -> Any:
+def help_field(text: str, choices: tuple | None = None, **kwargs) -> Any:
     """A dataclass field carrying its help text (PEFT style) and allowed values; the CLI reads both."""
     metadata = {"help": text} if choices is None else {"help": text, "choices": choices}  # argparse kwargs as-is
     return field(metadata=metadata, **kwargs)
@@ -116,44 +116,44 @@ class APTConfig(_JsonConfig):
 
     _argument_group_name = "APT knobs (schedule defaults scale with --steps)"  # the --help section
 
-    target_density: float = _help("fraction of block parameters kept at the end, in (0, 1]", default=0.7)
+    target_density: float = help_field("fraction of block parameters kept at the end, in (0, 1]", default=0.7)
     # The schedule's defaults scale with the run's length (for_steps); the help says how, the CLI shows it.
-    pruning_start_step: int = _help("optimizer step where the pruning phase starts (t0) (default: 10% of steps)",
-                                    default=100)
-    pruning_end_step: int = _help("optimizer step of the last pruning event (t1) (default: 50% of steps)", default=1000)
-    num_pruning_events: int = _help("pruning events, evenly spaced in (t0, t1] (default: about one per 3 steps of the "
-                                    "pruning phase, at most 16)", default=16)
-    mask_decay_window: int = _help("steps before each event in which leaving masks decay (default: the spacing "
-                                   "between events - 1)", default=200)
-    mask_decay_step: float = _help("mask change per step inside the decay window (default: 1 / mask_decay_window)",
-                                   default=0.01)
-    prune: bool = _help("prune at all (false gives plain LoRA with the same adapters)", default=True)
-    prune_heads: bool = _help("prune attention KV groups", default=True)
-    prune_neurons: bool = _help("prune FFN neurons", default=True)
-    prune_hidden: bool = _help("prune hidden (residual-stream) channels", default=True)
-    uniform: bool = _help("keep the same shape in every layer (exports as a stock LlamaConfig)", default=False)
-    count_embeddings: bool = _help("count embeddings and lm_head in the density budget", default=False)
-    adapter_targets: list[str] = _help("Linear modules that get APT adapters", choices=ADAPTER_TARGETS,
-                                       default_factory=lambda: ["q_proj", "v_proj"])
-    adapter_rank: int = _help("initial adapter rank", default=8)
-    adapter_alpha: float = _help("adapter scale numerator: s = alpha / initial rank", default=16.0)
-    grow_ranks: bool = _help("grow adapter ranks at pruning events", default=True)
-    rank_budget_multiple: float = _help("final tunable-parameter budget / initial", default=4.0)
-    rank_cap: int = _help("largest rank an adapter may grow to", default=64)
-    salience_beta: float = _help("EMA factor for salience and adapter importance", default=0.85)
-    use_kurtosis: bool = _help("add sqrt(kurtosis) outlier term to group/neuron salience", default=True)
-    distill: bool = _help("self-distillation from the last pruning event's snapshot", default=True)
-    distill_every: int = _help(
+    pruning_start_step: int = help_field("optimizer step where the pruning phase starts (t0) (default: 10% of steps)",
+                                         default=100)
+    pruning_end_step: int = help_field("optimizer step of the last pruning event (t1) (default: 50% of steps)", default=1000)
+    num_pruning_events: int = help_field("pruning events, evenly spaced in (t0, t1] (default: about one per 3 steps of the "
+                                         "pruning phase, at most 16)", default=16)
+    mask_decay_window: int = help_field("steps before each event in which leaving masks decay (default: the spacing "
+                                        "between events - 1)", default=200)
+    mask_decay_step: float = help_field("mask change per step inside the decay window (default: 1 / mask_decay_window)",
+                                        default=0.01)
+    prune: bool = help_field("prune at all (false gives plain LoRA with the same adapters)", default=True)
+    prune_heads: bool = help_field("prune attention KV groups", default=True)
+    prune_neurons: bool = help_field("prune FFN neurons", default=True)
+    prune_hidden: bool = help_field("prune hidden (residual-stream) channels", default=True)
+    uniform: bool = help_field("keep the same shape in every layer (exports as a stock LlamaConfig)", default=False)
+    count_embeddings: bool = help_field("count embeddings and lm_head in the density budget", default=False)
+    adapter_targets: list[str] = help_field("Linear modules that get APT adapters", choices=ADAPTER_TARGETS,
+                                            default_factory=lambda: ["q_proj", "v_proj"])
+    adapter_rank: int = help_field("initial adapter rank", default=8)
+    adapter_alpha: float = help_field("adapter scale numerator: s = alpha / initial rank", default=16.0)
+    grow_ranks: bool = help_field("grow adapter ranks at pruning events", default=True)
+    rank_budget_multiple: float = help_field("final tunable-parameter budget / initial", default=4.0)
+    rank_cap: int = help_field("largest rank an adapter may grow to", default=64)
+    salience_beta: float = help_field("EMA factor for salience and adapter importance", default=0.85)
+    use_kurtosis: bool = help_field("add sqrt(kurtosis) outlier term to group/neuron salience", default=True)
+    distill: bool = help_field("self-distillation from the last pruning event's snapshot", default=True)
+    distill_every: int = help_field(
         "teacher pass on every k-th step of the pruning phase, counted from its start; the steps between train on "
         "the task loss alone (1: every step, as in the paper; the teacher forward costs about half a training step) "
         "(default: 4, or less when the pruning phase has under 16 steps)",
         default=4)
-    distill_kl_weight: float = _help("weight of the logit KL term inside the distillation loss", default=0.1)
-    distill_mse_weight: float = _help(
+    distill_kl_weight: float = help_field("weight of the logit KL term inside the distillation loss", default=0.1)
+    distill_mse_weight: float = help_field(
         "weight of the hidden-state MSE term (per token, relative to the teacher's mean square)", default=0.9)
-    distill_temperature: float = _help("softmax temperature of the KL term", default=2.0 / 3.0)
-    distill_num_blocks: int = _help("layer blocks; one layer is sampled per block for the MSE", default=4)
-    transform_rank: int = _help("adapter rank of the distillation transformation layer", default=8)
+    distill_temperature: float = help_field("softmax temperature of the KL term", default=2.0 / 3.0)
+    distill_num_blocks: int = help_field("layer blocks; one layer is sampled per block for the MSE", default=4)
+    transform_rank: int = help_field("adapter rank of the distillation transformation layer", default=8)
 
     def __post_init__(self) -> None:
         c = "APTConfig"
@@ -238,30 +238,30 @@ class TrainConfig(_JsonConfig):
 
     _argument_group_name = "training loop"  # the --help section
 
-    steps: int = _help("optimizer steps", default=60)
-    micro_batch_size: int = _help("sequences per micro-batch per rank", default=4)
-    grad_accum_steps: int = _help("micro-batches per optimizer step", default=1)
-    lr: float = _help("peak learning rate of adapters", default=2e-3)
-    warmup_steps: int = _help("linear LR warm-up steps (default: 5% of steps, at least 1)", default=5)
-    weight_decay: float = _help("AdamW weight decay", default=0.0)
-    max_grad_norm: float = _help("clip the global gradient norm to this before each step (0: no clipping)", default=1.0)
-    max_seq_len: int = _help("tokens per sequence: a longer instruction row loses prompt tokens from the left, one "
-                             "whose response alone does not fit is dropped, an unpacked text row is cut at the end "
-                             "(counts are printed and recorded in run.json)", default=256)
-    template: str = _help("how instruction/input/output rows become text: alpaca (the Alpaca prompt), chat (the "
-                          "tokenizer's chat template, for chat models), none (prompt and response concatenated); the "
-                          "loss is on the response either way", choices=TEMPLATES, default="alpaca")
-    seed: int = _help("random seed (model init of adapters, data order, layer sampling)", default=0)
-    log_every: int = _help("write a metrics line every N steps", default=1)
-    checkpoint_every: int = _help("save a resumable checkpoint every N steps (0: only at the end) (default: 10% of "
-                                  "steps, at least 10)", default=0)
-    device: str = _help("where one process without DeepSpeed trains: auto (cuda when available, else cpu), cpu, "
-                        "cuda or cuda:N; under DeepSpeed each rank uses its accelerator device", default="auto")
-    base_dtype: str = _help("dtype of the frozen base weights: auto (bf16 on GPUs, fp32 on CPU), bf16, fp16 (GPU "
-                            "only) or fp32; adapters always keep fp32 masters. Under DeepSpeed, bf16/fp16 become the "
-                            "JSON's precision section", choices=BASE_DTYPES, default="auto")
-    gradient_checkpointing: bool = _help("recompute each decoder layer's activations in backward instead of keeping "
-                                         "them (less memory, ~30% more compute); salience is unchanged", default=False)
+    steps: int = help_field("optimizer steps", default=60)
+    micro_batch_size: int = help_field("sequences per micro-batch per rank", default=4)
+    grad_accum_steps: int = help_field("micro-batches per optimizer step", default=1)
+    lr: float = help_field("peak learning rate of adapters", default=2e-3)
+    warmup_steps: int = help_field("linear LR warm-up steps (default: 5% of steps, at least 1)", default=5)
+    weight_decay: float = help_field("AdamW weight decay", default=0.0)
+    max_grad_norm: float = help_field("clip the global gradient norm to this before each step (0: no clipping)", default=1.0)
+    max_seq_len: int = help_field("tokens per sequence: a longer instruction row loses prompt tokens from the left, one "
+                                  "whose response alone does not fit is dropped, an unpacked text row is cut at the end "
+                                  "(counts are printed and recorded in run.json)", default=256)
+    template: str = help_field("how instruction/input/output rows become text: alpaca (the Alpaca prompt), chat (the "
+                               "tokenizer's chat template, for chat models), none (prompt and response concatenated); the "
+                               "loss is on the response either way", choices=TEMPLATES, default="alpaca")
+    seed: int = help_field("random seed (model init of adapters, data order, layer sampling)", default=0)
+    log_every: int = help_field("write a metrics line every N steps", default=1)
+    checkpoint_every: int = help_field("save a resumable checkpoint every N steps (0: only at the end) (default: 10% of "
+                                       "steps, at least 10)", default=0)
+    device: str = help_field("where one process without DeepSpeed trains: auto (cuda when available, else cpu), cpu, "
+                             "cuda or cuda:N; under DeepSpeed each rank uses its accelerator device", default="auto")
+    base_dtype: str = help_field("dtype of the frozen base weights: auto (bf16 on GPUs, fp32 on CPU), bf16, fp16 (GPU "
+                                 "only) or fp32; adapters always keep fp32 masters. Under DeepSpeed, bf16/fp16 become the "
+                                 "JSON's precision section", choices=BASE_DTYPES, default="auto")
+    gradient_checkpointing: bool = help_field("recompute each decoder layer's activations in backward instead of keeping "
+                                              "them (less memory, ~30% more compute); salience is unchanged", default=False)
 
     def __post_init__(self) -> None:
         c = "TrainConfig"

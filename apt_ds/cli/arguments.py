@@ -14,7 +14,7 @@ from typing import Optional
 
 from transformers import HfArgumentParser
 
-from apt_ds.config import APTConfig, TrainConfig, _help
+from apt_ds.config import APTConfig, TrainConfig, help_field
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -68,32 +68,32 @@ class RunArguments:
 
     _argument_group_name = "run"
 
-    model: str = _help("local Hugging Face LLaMA directory, a .gguf file, or 'tiny' (built-in random small LLaMA "
-                       "with GQA) or 'tiny-mha' (one KV head per query head)", default="tiny")
-    data: Optional[str] = _help("training data: JSONL/JSON with 'text', 'instruction'/'input'/'output' or "
-                                "'prompt'/'completion' fields, or a directory saved by `datasets` "
-                                "(default: the shipped demo data)", default=None)
-    eval_data: Optional[str] = _help("held-out data (same formats); eval_loss is logged at each pruning event and "
-                                     "at the end", default=None)
-    out: str = _help("run directory: metrics.jsonl, checkpoint/, tokenizer/", default="runs/demo")
-    deepspeed: Optional[str] = _help("DeepSpeed JSON (ds_configs/zero2.json, zero3.json, ...); omit for one process "
-                                     "without DeepSpeed", default=None)
-    method: str = _help("apt, or lora: the same adapters with no pruning, no rank growth, no distillation",
-                        choices=("apt", "lora"), default="apt")
-    config: Optional[str] = _help("recipe: a YAML (or JSON) file of any of these flags' fields, e.g. "
-                                  "configs/llama2_7b_alpaca.yaml; flags given on the command line override it",
-                                  default=None)
-    resume: bool = _help("continue the run in --out from its last checkpoint", default=False)
-    overwrite: bool = _help("replace a previous run in --out (only an apt-ds run directory or an empty one; anything "
-                            "else is refused). The old run is kept aside until the new one has written its first "
-                            "checkpoint, and put back if the new one fails before that", default=False)
-    global_batch_size: Optional[int] = _help("sequences per optimizer step over all ranks (sets --micro-batch-size)",
-                                             default=None)
-    no_pack: bool = _help("do not pack 'text' data into full blocks", default=False)
-    eval_examples: int = _help("examples of --eval-data used per evaluation", default=64)
-    save_eval_probe: bool = _help("after training, write eval_probe.safetensors: the live model's logits on the "
-                                  "first --eval-data batch and its 20-token greedy continuation of that batch's first "
-                                  "row, to check an export against the run (needs --eval-data)", default=False)
+    model: str = help_field("local Hugging Face LLaMA directory, a .gguf file, or 'tiny' (built-in random small LLaMA "
+                            "with GQA) or 'tiny-mha' (one KV head per query head)", default="tiny")
+    data: Optional[str] = help_field("training data: JSONL/JSON with 'text', 'instruction'/'input'/'output' or "
+                                     "'prompt'/'completion' fields, or a directory saved by `datasets` "
+                                     "(default: the shipped demo data)", default=None)
+    eval_data: Optional[str] = help_field("held-out data (same formats); eval_loss is logged at each pruning event and "
+                                          "at the end", default=None)
+    out: str = help_field("run directory: metrics.jsonl, checkpoint/, tokenizer/", default="runs/demo")
+    deepspeed: Optional[str] = help_field("DeepSpeed JSON (ds_configs/zero2.json, zero3.json, ...); omit for one process "
+                                          "without DeepSpeed", default=None)
+    method: str = help_field("apt, or lora: the same adapters with no pruning, no rank growth, no distillation",
+                             choices=("apt", "lora"), default="apt")
+    config: Optional[str] = help_field("recipe: a YAML (or JSON) file of any of these flags' fields, e.g. "
+                                       "configs/llama2_7b_alpaca.yaml; flags given on the command line override it",
+                                       default=None)
+    resume: bool = help_field("continue the run in --out from its last checkpoint", default=False)
+    overwrite: bool = help_field("replace a previous run in --out (only an apt-ds run directory or an empty one; anything "
+                                 "else is refused). The old run is kept aside until the new one has written its first "
+                                 "checkpoint, and put back if the new one fails before that", default=False)
+    global_batch_size: Optional[int] = help_field("sequences per optimizer step over all ranks (sets --micro-batch-size)",
+                                                  default=None)
+    no_pack: bool = help_field("do not pack 'text' data into full blocks", default=False)
+    eval_examples: int = help_field("examples of --eval-data used per evaluation", default=64)
+    save_eval_probe: bool = help_field("after training, write eval_probe.safetensors: the live model's logits on the "
+                                       "first --eval-data batch and its 20-token greedy continuation of that batch's first "
+                                       "row, to check an export against the run (needs --eval-data)", default=False)
     local_rank: Optional[int] = field(default=None, metadata={"help": argparse.SUPPRESS})  # set by DeepSpeed's launcher
 
 
@@ -118,25 +118,25 @@ class ExportArguments:
 
     _argument_group_name = "export"
 
-    out: str = _help("output directory (must not exist unless --overwrite)")
-    run_dir: Optional[str] = _help("run directory written by launch/train.py (its checkpoint/ is read); also "
-                                   "accepted as the first positional argument", default=None)
-    model: Optional[str] = _help("with a run: the run's base model, when it is no longer at the path the run recorded "
-                                 "(a moved run). Without a run: a plain LLaMA directory (adapters merged or none) to "
-                                 "prune with --kept", default=None)
-    kept: Optional[str] = _help("with --model: the units to keep, as a JSON of ORIGINAL unit indices (a run's "
-                                "checkpoint/apt_state.json, or {groups, neurons, hidden}) or as binary masks over the "
-                                "original model in a .safetensors (hidden, kv_group.<i>, ffn_neuron.<i>); needs no "
-                                "DeepSpeed", default=None)
-    format: str = _help("hf: a transformers directory (safetensors + config + tokenizer); gguf: one "
-                        "<OUT name>.gguf file that llama.cpp (and llama-cpp-python, Ollama) runs: uniform models as "
-                        "'llama', non-uniform ones as 'deci' with per-layer head counts and FFN widths",
-                        choices=("hf", "gguf"), default="hf")
-    dtype: str = _help("dtype of the saved weights; q8_0 (8-bit blocks, llama.cpp's Q8_0) needs --format gguf",
-                       choices=("fp32", "bf16", "fp16", "q8_0"), default="fp32")
-    overwrite: bool = _help("replace an existing --out that holds a previous export", default=False)
-    max_shard_size: str = _help("largest safetensors shard (e.g. 500MB, 5GB); bigger models are written as shards "
-                                "plus model.safetensors.index.json", default="5GB")
+    out: str = help_field("output directory (must not exist unless --overwrite)")
+    run_dir: Optional[str] = help_field("run directory written by launch/train.py (its checkpoint/ is read); also "
+                                        "accepted as the first positional argument", default=None)
+    model: Optional[str] = help_field("with a run: the run's base model, when it is no longer at the path the run recorded "
+                                      "(a moved run). Without a run: a plain LLaMA directory (adapters merged or none) to "
+                                      "prune with --kept", default=None)
+    kept: Optional[str] = help_field("with --model: the units to keep, as a JSON of ORIGINAL unit indices (a run's "
+                                     "checkpoint/apt_state.json, or {groups, neurons, hidden}) or as binary masks over the "
+                                     "original model in a .safetensors (hidden, kv_group.<i>, ffn_neuron.<i>); needs no "
+                                     "DeepSpeed", default=None)
+    format: str = help_field("hf: a transformers directory (safetensors + config + tokenizer); gguf: one "
+                             "<OUT name>.gguf file that llama.cpp (and llama-cpp-python, Ollama) runs: uniform models as "
+                             "'llama', non-uniform ones as 'deci' with per-layer head counts and FFN widths",
+                             choices=("hf", "gguf"), default="hf")
+    dtype: str = help_field("dtype of the saved weights; q8_0 (8-bit blocks, llama.cpp's Q8_0) needs --format gguf",
+                            choices=("fp32", "bf16", "fp16", "q8_0"), default="fp32")
+    overwrite: bool = help_field("replace an existing --out that holds a previous export", default=False)
+    max_shard_size: str = help_field("largest safetensors shard (e.g. 500MB, 5GB); bigger models are written as shards "
+                                     "plus model.safetensors.index.json", default="5GB")
 
 
 def build_export_parser() -> ArgumentParser:

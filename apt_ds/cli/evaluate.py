@@ -10,7 +10,7 @@ from typing import Optional
 
 from apt_ds.cli.arguments import ArgumentParser, parse_with_positional
 from apt_ds.cli.errors import report, user_errors
-from apt_ds.config import _help
+from apt_ds.config import help_field
 from apt_ds.evaluation.tasks import DEFAULT_TASKS
 
 
@@ -20,21 +20,21 @@ class EvaluateArguments:
 
     _argument_group_name = "evaluate"
 
-    out: str = _help("results file (JSON), written when the evaluation ends; its directory must exist")
-    model: Optional[str] = _help("local Hugging Face LLaMA directory, apt_ds export (uniform or not) or .gguf file; "
-                                 "also accepted as the first positional argument", default=None)
-    tasks: str = _help("comma-separated tasks: arc_easy, arc_challenge, hellaswag, piqa, mmlu (or its parts: "
-                       "mmlu_stem, mmlu_humanities, mmlu_social_sciences, mmlu_other, mmlu_<subject>), sst2, boolq",
-                       default=",".join(DEFAULT_TASKS))
-    limit: Optional[int] = _help("score only the first N examples of each task (a quick check; the scores are then "
-                                 "not comparable with published ones) (default: all)", default=None)
-    num_fewshot: Optional[int] = _help("examples shown before each question (default: each task's own, 0 for all "
-                                       "of these)", default=None)
-    batch_size: str = _help("sequences per forward pass, or 'auto' (the harness finds the largest that fits)",
-                            default="8")
-    device: Optional[str] = _help("cuda, cuda:N or cpu (default: cuda when available, else cpu)", default=None)
-    dtype: str = _help("dtype of the weights during evaluation; auto: as saved", choices=("auto", "fp32", "bf16", "fp16"),
-                       default="auto")
+    out: str = help_field("results file (JSON), written when the evaluation ends; its directory must exist")
+    model: Optional[str] = help_field("local Hugging Face LLaMA directory, apt_ds export (uniform or not) or .gguf file; "
+                                      "also accepted as the first positional argument", default=None)
+    tasks: str = help_field("comma-separated tasks: arc_easy, arc_challenge, hellaswag, piqa, mmlu (or its parts: "
+                            "mmlu_stem, mmlu_humanities, mmlu_social_sciences, mmlu_other, mmlu_<subject>), sst2, boolq",
+                            default=",".join(DEFAULT_TASKS))
+    limit: Optional[int] = help_field("score only the first N examples of each task (a quick check; the scores are then "
+                                      "not comparable with published ones) (default: all)", default=None)
+    num_fewshot: Optional[int] = help_field("examples shown before each question (default: each task's own, 0 for all "
+                                            "of these)", default=None)
+    batch_size: str = help_field("sequences per forward pass, or 'auto' (the harness finds the largest that fits)",
+                                 default="8")
+    device: Optional[str] = help_field("cuda, cuda:N or cpu (default: cuda when available, else cpu)", default=None)
+    dtype: str = help_field("dtype of the weights during evaluation; auto: as saved", choices=("auto", "fp32", "bf16", "fp16"),
+                            default="auto")
 
 
 def build_evaluate_parser() -> ArgumentParser:

@@ -13,7 +13,7 @@ from typing import Optional
 
 from apt_ds.cli.arguments import ArgumentParser, _HelpFormatter
 from apt_ds.cli.plot_data import PlotInputError, RunData, read_run
-from apt_ds.config import _help
+from apt_ds.config import help_field
 
 CURVES_FILE, SHAPE_FILE = "curves.png", "shape.png"
 DPI = 100
@@ -36,8 +36,8 @@ class PlotArguments:
 
     _argument_group_name = "plot"
 
-    out: Optional[str] = _help("directory for the PNGs (created; files of the same name are replaced) (default for "
-                               "one run: RUN/plots; required for several runs)", default=None)
+    out: Optional[str] = help_field("directory for the PNGs (created; files of the same name are replaced) (default for "
+                                    "one run: RUN/plots; required for several runs)", default=None)
 
 
 def build_parser() -> ArgumentParser:
