@@ -36,6 +36,7 @@ def help_field(text: str, choices: tuple | None = None, **kwargs) -> Any:
 
 BASE_DTYPES = ("auto", "bf16", "fp16", "fp32")
 TEMPLATES = ("alpaca", "chat", "none")
+SCORE_NORMALIZATIONS = ("kind", "none")
 # Fields whose default is derived from the run's length (APTConfig.for_steps); a LoRA run drops them.
 SCHEDULE_FIELDS = ("pruning_start_step", "pruning_end_step", "num_pruning_events", "mask_decay_window", "mask_decay_step")
 
@@ -132,6 +133,10 @@ class APTConfig(_JsonConfig):
     prune_neurons: bool = help_field("prune FFN neurons", default=True)
     prune_hidden: bool = help_field("prune hidden (residual-stream) channels", default=True)
     uniform: bool = help_field("keep the same shape in every layer (exports as a stock LlamaConfig)", default=False)
+    score_normalization: str = help_field(
+        "how scores of different unit kinds are made comparable before ranking: 'kind' scales each kind (KV groups, "
+        "neurons, hidden channels) so its salience per parameter averages 1; 'none' ranks raw scores",
+        choices=SCORE_NORMALIZATIONS, default="kind")
     count_embeddings: bool = help_field("count embeddings and lm_head in the density budget", default=False)
     adapter_targets: list[str] = help_field("Linear modules that get APT adapters", choices=ADAPTER_TARGETS,
                                             default_factory=lambda: ["q_proj", "v_proj"])
@@ -142,6 +147,9 @@ class APTConfig(_JsonConfig):
     rank_cap: int = help_field("largest rank an adapter may grow to", default=64)
     salience_beta: float = help_field("EMA factor for salience and adapter importance", default=0.85)
     use_kurtosis: bool = help_field("add sqrt(kurtosis) outlier term to group/neuron salience", default=True)
+    kurtosis_weight: float = help_field(
+        "weight of the outlier term, in units of the layer's mean first-order salience (0.25: best of 0, 0.25, 1 on "
+        "SmolLM2 SST-2 over 3 seeds, docs/BENCHMARKS.md)", default=0.25)
     distill: bool = help_field("self-distillation from the last pruning event's snapshot", default=True)
     distill_every: int = help_field(
         "teacher pass on every k-th step of the pruning phase, counted from its start; the steps between train on "
@@ -169,6 +177,9 @@ class APTConfig(_JsonConfig):
             self.num_pruning_events <= self.pruning_end_step - self.pruning_start_step,
             c, "num_pruning_events", "<= pruning_end_step - pruning_start_step", self.num_pruning_events,
         )
+        _require(self.score_normalization in SCORE_NORMALIZATIONS, c, "score_normalization", f"one of {SCORE_NORMALIZATIONS}",
+                 self.score_normalization)
+        _require(self.kurtosis_weight >= 0, c, "kurtosis_weight", ">= 0", self.kurtosis_weight)
         _require(self.mask_decay_window >= 0, c, "mask_decay_window", ">= 0", self.mask_decay_window)
         _require(0.0 < self.mask_decay_step <= 1.0, c, "mask_decay_step", "in (0, 1]", self.mask_decay_step)
         self.adapter_targets = tuple(self.adapter_targets)

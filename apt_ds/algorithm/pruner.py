@@ -66,6 +66,30 @@ def embedding_columns(shape: ModelShape, count_embeddings: bool) -> int:
     return shape.vocab * (1 if shape.tied_embeddings else 2)
 
 
+def normalize_by_kind(shape: ModelShape, group_scores, neuron_scores, hidden_scores, emb: int = 0):
+    """Each kind's scores scaled so that its total equals the parameters it holds.
+
+    A unit's score / cost is then its salience per parameter relative to its kind's average:
+    kinds compete on how concentrated their salience is, not on the scale of their scores.
+    The scales differ by construction: groups and neurons add the sqrt(kurtosis) outlier term
+    (order 1) to a first-order term, hidden channels have the first-order term only (summed
+    over 2L sites). Ranked raw, hidden channels went first: on SmolLM2 / SST-2 non-uniform APT
+    0.7 cut the residual stream 576 -> 456 and scored 0.57 (LoRA 0.84); uniform cut it to 423
+    and kept 94% of every FFN (docs/BENCHMARKS.md, "Salience scales"). Scaling a kind leaves
+    the order inside it unchanged; a kind whose scores are all zero is left as it is."""
+    D = shape.hidden
+
+    def scaled(scores: list[torch.Tensor], costs: list[int]) -> list[torch.Tensor]:
+        total = float(sum(s.sum() for s in scores))
+        params = float(sum(c * s.numel() for s, c in zip(scores, costs)))
+        return [s * (params / total) for s in scores] if total > 0 else scores
+
+    groups = scaled(group_scores, [l.group_cost(D) for l in shape.layers])
+    neurons = scaled(neuron_scores, [3 * D] * len(shape.layers))
+    (hidden,) = scaled([hidden_scores], [shape.hidden_cost() + emb])
+    return groups, neurons, hidden
+
+
 class AdaptivePruner:
     def __init__(self, config: APTConfig):
         self.config = config
@@ -76,6 +100,9 @@ class AdaptivePruner:
         group_scores = [g.detach().double().cpu() for g in group_scores]
         neuron_scores = [n.detach().double().cpu() for n in neuron_scores]
         hidden_scores = hidden_scores.detach().double().cpu()
+        if self.config.score_normalization == "kind":
+            group_scores, neuron_scores, hidden_scores = normalize_by_kind(
+                shape, group_scores, neuron_scores, hidden_scores, embedding_columns(shape, self.config.count_embeddings))
         if self.config.uniform:
             return self._decide_uniform(shape, group_scores, neuron_scores, hidden_scores, target_params)
         return self._decide_ranked(shape, group_scores, neuron_scores, hidden_scores, target_params)

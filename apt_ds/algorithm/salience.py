@@ -14,8 +14,13 @@ product, so scores do not depend on how the global batch is split. Sites:
 - FFN neurons: input of down_proj;
 - hidden channels: outputs of o_proj and down_proj, the product taken per site and summed
   over the 2L sites.
-Outlier term (groups, neurons): sqrt(max(kurtosis(O), 0)) with O = mean_{b,t}(X) * W over the
-unit's own entries of W (o_proj columns of a group, the down_proj column of a neuron). The
+Outlier term (groups, neurons): k = sqrt(max(kurtosis(O), 0)) with O = mean_{b,t}(X) * W over
+the unit's own entries of W (o_proj columns of a group, the down_proj column of a neuron), added
+as w * mean_layer(S) * k / mean_layer(k) (w = APTConfig.kurtosis_weight). The spec adds k itself:
+k is scale-free while S is a loss change, so the sum meant whatever the batch size made it (the
+reference's sum|X| made S ~10^3-10^4 times larger; our mean made k dominate, and non-uniform APT
+0.7 on SST-2 fell from 0.82 to 0.73, one seed). In the layer's own units the term moves salience
+toward outlier units and leaves the layer's total at (1 + w) x its first-order total. The
 kurtosis needs only per-column power sums P_k[j] = sum_i W_ij^k (k = 1..4), read inside the
 module's forward hook (where ZeRO-3 has the weight gathered), so no full weight is kept and
 no collective hides in here.
@@ -102,8 +107,8 @@ class SalienceCollector:
     """Hooks + EMA of unit scores. `reduce_sum` sums a tensor across data-parallel ranks."""
 
     def __init__(self, shape: ModelShape, beta: float, use_kurtosis: bool, reduce_sum: Reduce | None = None,
-                 world_size: int = 1, device: torch.device | str = "cpu"):
-        self.beta, self.use_kurtosis = beta, use_kurtosis
+                 world_size: int = 1, device: torch.device | str = "cpu", kurtosis_weight: float = 0.25):
+        self.beta, self.use_kurtosis, self.kurtosis_weight = beta, use_kurtosis, kurtosis_weight
         self.device = torch.device(device)
         self.reduce_sum = reduce_sum or (lambda t: t)
         self.world_size = world_size
@@ -210,12 +215,16 @@ class SalienceCollector:
 
     def _unit_scores(self, site: _Site, width: int) -> torch.Tensor:
         score = self._channel_scores(site).reshape(-1, width).sum(-1)
-        if self.use_kurtosis and site.power_sums is not None:
+        if self.use_kurtosis and self.kurtosis_weight > 0 and site.power_sums is not None:
             # No host check of the token count (a device sync per layer): with no tokens the
             # mean is 0, its variance 0, and unit_kurtosis gives 0.
             mean_x = site.act_sum.double() / self.tokens.double().clamp_min(1)
-            kurt = unit_kurtosis(mean_x, site.power_sums, rows=self.shape.hidden, unit_width=width)
-            score = score + kurt.clamp_min(0).sqrt().to(score.dtype)
+            outlier = unit_kurtosis(mean_x, site.power_sums, rows=self.shape.hidden, unit_width=width).clamp_min(0).sqrt()
+            # In the layer's first-order units (see the module docstring): the term moves salience
+            # toward outlier units without changing how the layer's units weigh against others.
+            mean_outlier = outlier.mean()
+            relative = torch.where(mean_outlier > 0, outlier / mean_outlier.clamp_min(1e-300), torch.zeros_like(outlier))
+            score = score + (self.kurtosis_weight * score.mean() * relative).to(score.dtype)
         return score
 
     def _update_ema(self, groups, neurons, hidden) -> None:

@@ -39,7 +39,7 @@ class APTModel:
         self.masks = UnitMasks(self.shape, self.device)
         self.masks.install(model)
         self.salience = SalienceCollector(self.shape, config.salience_beta, config.use_kurtosis, reduce_sum, world_size,
-                                          device=self.device)
+                                          device=self.device, kurtosis_weight=config.kurtosis_weight)
         self.salience.install(model)
         self.salience.enabled = False
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import TINY_CONFIGS, tiny_llama
 
-from apt_ds.algorithm.pruner import AdaptivePruner, KeepDecision, PruningError, embedding_columns
+from apt_ds.algorithm.pruner import AdaptivePruner, KeepDecision, PruningError, embedding_columns, normalize_by_kind
 from apt_ds.algorithm.units import LayerShape, ModelShape
 from apt_ds.config import APTConfig
 
@@ -194,3 +194,40 @@ def test_uniform_mode_refuses_ragged_shapes():
               torch.rand(shape.hidden))
     with pytest.raises(PruningError):
         AdaptivePruner(APTConfig(uniform=True)).decide(shape, *scores, 0.7 * shape.block_params())
+
+
+@pytest.mark.parametrize("uniform", [False, True])
+def test_decision_does_not_depend_on_the_scale_of_one_kind(uniform):
+    """Groups and neurons carry an outlier term that hidden channels lack, so the kinds' scores
+    live on different scales. With score_normalization='kind' multiplying one kind's scores by a
+    constant changes nothing; ranked raw ('none'), it decides which kind is pruned (on SmolLM2
+    the residual stream went first: docs/BENCHMARKS.md)."""
+    shape = SHAPES["gqa"]
+    gen = torch.Generator().manual_seed(3)
+    groups = [torch.rand(l.num_kv_groups, generator=gen, dtype=torch.float64) for l in shape.layers]
+    neurons = [torch.rand(l.ffn, generator=gen, dtype=torch.float64) for l in shape.layers]
+    hidden = torch.rand(shape.hidden, generator=gen, dtype=torch.float64)
+    target = 0.7 * shape.block_params()
+
+    def decide(normalization, group_scale, hidden_scale):
+        pruner = AdaptivePruner(APTConfig(uniform=uniform, score_normalization=normalization))
+        return pruner.decide(shape, [g * group_scale for g in groups], neurons, hidden * hidden_scale, target).fingerprint()
+
+    for normalization, invariant in (("kind", True), ("none", False)):
+        reference = decide(normalization, 1.0, 1.0)
+        scaled = {decide(normalization, g, h) for g, h in ((1e3, 1.0), (1.0, 1e-3), (1e-3, 1e3))}
+        assert (scaled == {reference}) is invariant, normalization
+
+
+def test_normalize_by_kind_gives_each_kind_its_parameters():
+    shape = SHAPES["ragged"]
+    gen = torch.Generator().manual_seed(0)
+    groups = [torch.rand(l.num_kv_groups, generator=gen, dtype=torch.float64) * 1e4 for l in shape.layers]
+    neurons = [torch.rand(l.ffn, generator=gen, dtype=torch.float64) for l in shape.layers]
+    hidden = torch.zeros(shape.hidden, dtype=torch.float64)
+    g, n, h = normalize_by_kind(shape, groups, neurons, hidden)
+    assert float(sum(x.sum() for x in g)) == pytest.approx(sum(l.group_cost(shape.hidden) * l.num_kv_groups for l in shape.layers))
+    assert float(sum(x.sum() for x in n)) == pytest.approx(3 * shape.hidden * sum(l.ffn for l in shape.layers))
+    assert torch.equal(h, hidden)  # all zero: left as it is
+    for before, after in zip(groups, g):  # order inside a kind unchanged
+        assert torch.equal(torch.argsort(before), torch.argsort(after))

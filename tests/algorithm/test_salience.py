@@ -251,10 +251,39 @@ def test_collector_kurtosis_term_matches_direct_computation():
             ("neuron", with_k.neuron_scores[l], without.neuron_scores[l], means[f"d{l}"], d_weight, 1),
         ):
             kurt = _numpy_unit_kurtosis(mean_x.numpy(), weight, w)
-            expected = np.sqrt(np.maximum(kurt, 0.0))
-            np.testing.assert_allclose((got - base).numpy(), expected, rtol=1e-5, atol=1e-6, err_msg=f"{kind} layer {l}")
-            positive += int((expected > 0.5).sum())
+            outlier = np.sqrt(np.maximum(kurt, 0.0))
+            # the term is in the layer's first-order units: weight x mean first-order score x k / mean k
+            expected = with_k.kurtosis_weight * base.double().numpy().mean() * outlier / outlier.mean()
+            np.testing.assert_allclose((got - base).double().numpy(), expected, rtol=1e-4, atol=1e-12,
+                                       err_msg=f"{kind} layer {l}")
+            positive += int((outlier > 0.5).sum())
     assert positive >= 10
+
+
+@pytest.mark.parametrize("kind", ["group", "neuron"])
+def test_outlier_term_scales_with_the_first_order_term(kind):
+    """Scaling the loss by c scales every score by c, outlier term included: the term is in the
+    same units as the loss change, so how much it counts does not depend on the loss scale, the
+    batch size or the tokens per step (the spec's raw sqrt(kurtosis) term dominated the scores
+    once the first-order term became a per-token mean, defect 1 of issue 16)."""
+    model = _model("gqa", seed=2)
+    shape = ModelShape.from_model(model)
+    with torch.no_grad():
+        for layer in model.model.layers:  # heavy tails so the outlier term is not zero
+            layer.mlp.down_proj.weight.copy_(0.02 * torch.distributions.StudentT(2.5).sample(layer.mlp.down_proj.weight.shape))
+            layer.self_attn.o_proj.weight.copy_(0.02 * torch.distributions.StudentT(2.5).sample(layer.self_attn.o_proj.weight.shape))
+    batch = random_batch(batch=4, seed=9)
+    scores = []
+    for scale in (1.0, 1000.0):
+        collector = SalienceCollector(shape, beta=0.85, use_kurtosis=True)
+        collector.install(model)
+        model.zero_grad()
+        (scale * model(**batch).loss).backward()
+        collector.end_step()
+        collector.remove()
+        scores.append(collector.group_scores if kind == "group" else collector.neuron_scores)
+    for small, large in zip(*scores):
+        torch.testing.assert_close(large, 1000.0 * small, rtol=1e-4, atol=0.0)
 
 
 def test_power_sums_are_recomputed_only_for_weights_that_change():

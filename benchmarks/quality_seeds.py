@@ -1,0 +1,139 @@
+"""Task quality over several seeds: mean and spread per method (issue 16, item 5).
+
+Runs `benchmarks/quality.py` once per seed (seed = the data order and the adapters'
+initialisation; the model, data split and every setting are the same), each into
+OUT/seed<S>, then reports per task and method the mean, standard deviation and range of
+accuracy and AUC over seeds, accuracy relative to dense LoRA (the mean of the per-seed
+ratios), training time relative to LoRA (median of the per-seed ratios) and the issue's targets:
+
+- non-uniform APT 0.7 keeps >= 95% of LoRA's accuracy, uniform APT 0.7 >= 90% (means);
+- APT beats prune-then-tune at 0.7 and 0.5 by more than the seed spread (the difference of the
+  means exceeds the larger of the two standard deviations);
+- APT 0.7's training time <= 0.9x LoRA's.
+
+    python benchmarks/quality_seeds.py --tasks sst2 --seeds 0 1 2 --out bench_out/quality_seeds
+    python benchmarks/quality_seeds.py --report-only --out bench_out/quality_seeds   # re-read, no runs
+
+Every other option goes to quality.py as it is (e.g. `--methods lora apt_0.7`); a seed whose
+results exist with the same settings is reused by quality.py itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+QUALITY = Path(__file__).resolve().parent / "quality.py"
+METHOD_ORDER = ["zero_shot", "lora", "apt_0.7", "apt_0.7_uniform", "ptt_0.7", "apt_0.5", "apt_0.5_uniform", "ptt_0.5",
+                "apt_0.7_nodistill", "apt_0.5_nodistill"]
+
+
+def spread(values: list[float]) -> dict:
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "min": min(values), "max": max(values), "n": len(values)}
+
+
+def collect(out: Path, seeds: list[int]) -> dict:
+    """{task: {method: {accuracy: spread, auc: spread, ...}}} from OUT/seed<S>/results.json."""
+    per_seed = {}
+    for seed in seeds:
+        path = out / f"seed{seed}" / "results.json"
+        if not path.is_file():
+            raise SystemExit(f"error: {path} is missing: run without --report-only, or drop seed {seed}")
+        per_seed[seed] = json.loads(path.read_text())["tasks"]
+    tasks = {}
+    for task in per_seed[seeds[0]]:
+        rows = {}
+        for method in METHOD_ORDER:
+            runs = [per_seed[s][task][method] for s in seeds if method in per_seed[s].get(task, {})]
+            if not runs:
+                continue
+            lora = [per_seed[s][task].get("lora") for s in seeds if method in per_seed[s].get(task, {})]
+            row = {"seeds": len(runs), "density": statistics.fmean(r["density"] for r in runs),
+                   "accuracy": spread([r["accuracy"] for r in runs]), "per_seed_accuracy": [r["accuracy"] for r in runs]}
+            if all(r.get("auc") is not None for r in runs):
+                row["auc"] = spread([r["auc"] for r in runs])
+            if all(ref for ref in lora):
+                row["acc_vs_lora"] = statistics.fmean(r["accuracy"] / ref["accuracy"] for r, ref in zip(runs, lora))
+                if all(r.get("train_time_s") for r in runs):
+                    row["time_vs_lora"] = statistics.median(r["train_time_s"] / ref["train_time_s"] for r, ref in zip(runs, lora))
+                    row["cpu_vs_lora"] = statistics.median(r["train_cpu_s"] / ref["train_cpu_s"] for r, ref in zip(runs, lora))
+            rows[method] = row
+        tasks[task] = {"methods": rows, "targets": seed_targets(rows)}
+    return tasks
+
+
+def seed_targets(rows: dict) -> dict:
+    def beats(a: str, b: str):
+        if a not in rows or b not in rows:
+            return None
+        gap = rows[a]["accuracy"]["mean"] - rows[b]["accuracy"]["mean"]
+        return gap > max(rows[a]["accuracy"]["std"], rows[b]["accuracy"]["std"])
+
+    found = {
+        "apt0.7_acc_ge_95pct_lora": rows["apt_0.7"]["acc_vs_lora"] >= 0.95 if "acc_vs_lora" in rows.get("apt_0.7", {}) else None,
+        "apt0.7_uniform_acc_ge_90pct_lora": (rows["apt_0.7_uniform"]["acc_vs_lora"] >= 0.90
+                                             if "acc_vs_lora" in rows.get("apt_0.7_uniform", {}) else None),
+        "apt0.7_beats_ptt0.7_by_more_than_spread": beats("apt_0.7", "ptt_0.7"),
+        "apt0.5_beats_ptt0.5_by_more_than_spread": beats("apt_0.5", "ptt_0.5"),
+        "apt0.7_time_le_0.9x_lora": rows["apt_0.7"]["time_vs_lora"] <= 0.9 if "time_vs_lora" in rows.get("apt_0.7", {}) else None,
+    }
+    return {k: v for k, v in found.items() if v is not None}
+
+
+def markdown(tasks: dict, seeds: list[int]) -> str:
+    lines = []
+    for task, found in tasks.items():
+        lines += [f"#### {task}: {len(seeds)} seeds ({', '.join(map(str, seeds))})", "",
+                  "| method | density | accuracy mean ± std | range | per seed | acc / LoRA | AUC mean ± std | time / LoRA |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for method, row in found["methods"].items():
+            acc, auc = row["accuracy"], row.get("auc")
+            cells = [method, f"{row['density']:.3f}", f"{acc['mean']:.3f} ± {acc['std']:.3f}", f"{acc['min']:.3f}–{acc['max']:.3f}",
+                     " / ".join(f"{a:.3f}" for a in row["per_seed_accuracy"]),
+                     f"{row['acc_vs_lora']:.3f}" if "acc_vs_lora" in row else "–",
+                     f"{auc['mean']:.3f} ± {auc['std']:.3f}" if auc else "–",
+                     f"{row['time_vs_lora']:.2f}" if "time_vs_lora" in row else "–"]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines += ["", "targets: " + ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in found["targets"].items()), ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--out", type=Path, default=Path("bench_out/quality_seeds"))
+    parser.add_argument("--report-only", action="store_true", help="aggregate existing OUT/seed<S> results, run nothing")
+    args, passthrough = parser.parse_known_args(argv)
+    if len(set(args.seeds)) != len(args.seeds):
+        parser.error(f"--seeds has repeats: {args.seeds}")
+    bad = [a for a in passthrough if a in ("--seed", "--out", "--img-dir")]
+    if bad:
+        parser.error(f"{bad[0]} is set per seed by this script; leave it out")
+    started = time.perf_counter()
+    if not args.report_only:
+        for seed in args.seeds:
+            seed_out = args.out / f"seed{seed}"
+            command = [sys.executable, str(QUALITY), "--seed", str(seed), "--out", str(seed_out),
+                       "--img-dir", str(seed_out / "img"), "--skip-speed", *passthrough]
+            print(f"[seeds] seed {seed}: {' '.join(command)}", flush=True)
+            if subprocess.run(command, check=False).returncode != 0:
+                raise SystemExit(f"error: quality.py failed for seed {seed}")
+    tasks = collect(args.out, args.seeds)
+    summary = {"seeds": args.seeds, "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "tasks": tasks,
+               "wall_time_s": time.perf_counter() - started}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "seeds.json").write_text(json.dumps(summary, indent=1))
+    table = markdown(tasks, args.seeds)
+    (args.out / "seeds.md").write_text(table)
+    print(table)
+    print(f"[seeds] wall time {summary['wall_time_s'] / 60:.1f} min", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""benchmarks/quality_seeds.py's aggregation: means, spreads and the seed-aware targets, on
+made-up per-seed results (the runs themselves are quality.py's, tested in test_bench_quality)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import quality_seeds  # noqa: E402
+
+ACCURACY = {  # per seed
+    "lora": [0.84, 0.82, 0.86],
+    "apt_0.7": [0.82, 0.80, 0.81],
+    "apt_0.7_uniform": [0.70, 0.78, 0.74],
+    "ptt_0.7": [0.60, 0.80, 0.55],
+    "apt_0.5": [0.70, 0.72, 0.71],
+    "ptt_0.5": [0.55, 0.56, 0.54],
+}
+
+
+def _write(out: Path) -> None:
+    for seed in range(3):
+        rows = {m: {"accuracy": acc[seed], "auc": acc[seed] + 0.05, "density": 0.7 if "0.7" in m else 0.5 if "0.5" in m else 1.0,
+                    "train_time_s": 100.0 if m == "lora" else 85.0, "train_cpu_s": 90.0 if m == "lora" else 80.0}
+                for m, acc in ACCURACY.items()}
+        (out / f"seed{seed}").mkdir(parents=True)
+        (out / f"seed{seed}" / "results.json").write_text(json.dumps({"tasks": {"sst2": rows}}))
+
+
+def test_means_spreads_and_targets(tmp_path, capsys):
+    _write(tmp_path)
+    quality_seeds.main(["--report-only", "--out", str(tmp_path)])
+    found = json.loads((tmp_path / "seeds.json").read_text())["tasks"]["sst2"]
+    apt = found["methods"]["apt_0.7"]
+    assert apt["accuracy"]["mean"] == pytest.approx(0.81)
+    assert apt["accuracy"]["std"] == pytest.approx(0.01)
+    assert apt["acc_vs_lora"] == pytest.approx((0.82 / 0.84 + 0.80 / 0.82 + 0.81 / 0.86) / 3)
+    assert apt["time_vs_lora"] == pytest.approx(0.85)
+    targets = found["targets"]
+    assert targets["apt0.7_acc_ge_95pct_lora"] is (apt["acc_vs_lora"] >= 0.95)
+    assert targets["apt0.7_uniform_acc_ge_90pct_lora"] is False  # per-seed ratios 0.833, 0.951, 0.860
+    # 0.81 vs 0.65 is a gap of 0.16, PTT 0.7's seeds spread by 0.13: more than the spread
+    assert targets["apt0.7_beats_ptt0.7_by_more_than_spread"] is True
+    assert targets["apt0.5_beats_ptt0.5_by_more_than_spread"] is True
+    assert targets["apt0.7_time_le_0.9x_lora"] is True
+    assert "| apt_0.7 | 0.700 | 0.810 ± 0.010 |" in capsys.readouterr().out
+
+
+def test_gap_within_the_spread_is_not_a_win(tmp_path):
+    ACCURACY_PTT_CLOSE = {**ACCURACY, "ptt_0.7": [0.70, 0.95, 0.70]}  # mean 0.783, std 0.144
+    for seed in range(3):
+        rows = {m: {"accuracy": acc[seed], "density": 0.7} for m, acc in ACCURACY_PTT_CLOSE.items()}
+        (tmp_path / f"seed{seed}").mkdir(parents=True)
+        (tmp_path / f"seed{seed}" / "results.json").write_text(json.dumps({"tasks": {"sst2": rows}}))
+    found = quality_seeds.collect(tmp_path, [0, 1, 2])["sst2"]
+    assert found["targets"]["apt0.7_beats_ptt0.7_by_more_than_spread"] is False
+
+
+def test_missing_seed_and_repeated_seeds_are_one_line_errors(tmp_path, capsys):
+    _write(tmp_path)
+    with pytest.raises(SystemExit, match="seed7/results.json is missing"):
+        quality_seeds.main(["--report-only", "--out", str(tmp_path), "--seeds", "0", "7"])
+    with pytest.raises(SystemExit):
+        quality_seeds.main(["--report-only", "--out", str(tmp_path), "--seeds", "0", "0"])
+    assert "--seeds has repeats" in capsys.readouterr().err
