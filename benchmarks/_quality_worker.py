@@ -90,7 +90,7 @@ def run_worker(spec_path: Path) -> None:
     apt = APTConfig.for_steps(steps, target_density=method["density"], uniform=method["uniform"],
                               distill=method.get("distill", True),
                               adapter_rank=spec["rank"], adapter_alpha=2.0 * spec["rank"],
-                              adapter_targets=tuple(spec["adapter_targets"]))
+                              adapter_targets=tuple(spec["adapter_targets"]), **spec.get("apt_overrides", {}))
     train = TrainConfig(steps=steps, micro_batch_size=spec["micro_batch_size"], lr=spec["lr"],
                         warmup_steps=max(1, steps // 10), max_seq_len=seq, seed=spec["seed"], log_every=1)
     records = load_records(task_dir / "train.jsonl")

@@ -45,7 +45,7 @@ from _common import DEFAULT_GGUF, command_line, ensure_hf_model, git_commit, har
 from _quality_report import markdown, phase_split, plots, targets  # noqa: E402
 from _quality_worker import run_worker  # noqa: E402
 
-from apt_ds.config import ADAPTER_TARGETS, APTConfig  # noqa: E402
+from apt_ds.config import ADAPTER_TARGETS, APTConfig, ConfigError  # noqa: E402
 
 # Per task: sequence length (BoolQ prompts are cut from the left: the question survives),
 # optimizer steps and test rows scored (each task's whole test split). BoolQ gets 6x SST-2's
@@ -178,6 +178,8 @@ def run_all(args) -> None:
                 "malloc_trim": not args.no_malloc_trim, "git_commit": commit,  # other code: run again
                 "data_sha256": data_sha256[task],  # other records (e.g. prompt style): run again
             }
+            if args.apt:  # only when given: results of runs without overrides stay reusable
+                spec["apt_overrides"] = args.apt
             spec_path = out / task / f"{method}.spec.json"
             if (run_dir / "result.json").is_file() and not args.overwrite:
                 if read_json(run_dir / "result.json").get("spec") == spec:  # same settings: reuse it
@@ -274,6 +276,27 @@ def _shape_from_config(cfg: dict):
     return ModelShape(cfg["hidden_size"], layers, cfg["vocab_size"], bool(cfg.get("tie_word_embeddings")))
 
 
+def apt_overrides(pairs: list[str]) -> dict:
+    """{'kurtosis_weight': 0.0, ...} from ['kurtosis_weight=0', ...], checked against APTConfig."""
+    import dataclasses
+
+    known = {f.name for f in dataclasses.fields(APTConfig)}
+    found = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep or name not in known:
+            raise ValueError(f"--apt {pair}: expected FIELD=VALUE with FIELD an APTConfig field ({', '.join(sorted(known))})")
+        try:
+            found[name] = json.loads(text)
+        except json.JSONDecodeError:
+            found[name] = text
+    try:
+        APTConfig(**found)
+    except (ConfigError, TypeError) as err:  # the config's own one-line validation message
+        raise ValueError(f"--apt: {err}") from None
+    return found
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
@@ -308,7 +331,14 @@ def main(argv=None) -> None:
     parser.add_argument("--reuse-speed", action="store_true", help="take decode speeds from an existing OUT/results.json (re-report only)")
     parser.add_argument("--overwrite", action="store_true", help="rerun methods that already have a result.json")
     parser.add_argument("--smoke", action="store_true", help="8 steps, 16 eval rows, 2 calibration batches, 1 speed round")
+    parser.add_argument("--apt", nargs="+", default=[], metavar="FIELD=VALUE",
+                        help="APTConfig fields for every APT and prune-then-tune run, e.g. kurtosis_weight=0 "
+                             "score_normalization=none (values read as JSON, else as text)")
     args = parser.parse_args(argv)
+    try:
+        args.apt = apt_overrides(args.apt)
+    except ValueError as err:
+        parser.error(str(err))
     if args.worker:
         run_worker(args.worker)
         return

@@ -10,8 +10,13 @@ layer without neurons is written with one zero neuron instead (its FFN adds exac
 
 Q and K rows are permuted per layer with that layer's head counts, as llama.cpp's converter
 (LlamaModel.permute) does: HF rotates the two halves of a head, llama.cpp adjacent pairs.
-Norms stay F32 (as the converter writes them); with q8_0 a matrix whose rows do not split into
-32-wide blocks is written as F16 (the converter's fallback too).
+Norms stay F32 (as the converter writes them). q8_0 quantizes rows in 32-wide blocks, and pruning
+leaves hidden sizes and FFN widths that are not multiples of 32; rather than fall back to F16 for
+those matrices (llama.cpp's converter does, and a pruned Q8_0 file came out larger than the dense
+one), the q8_0 export pads them with exactly-zero units. A zero neuron adds nothing (its gate and
+up rows are 0). A zero hidden channel is 0 in the embedding and in every o_proj/down_proj output,
+so it stays 0; RMSNorm then averages over D' = D + padding channels instead of D, which is undone
+exactly by scaling the norm weights by sqrt(D / D') and writing eps x D / D' as the model's eps.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from apt_ds.algorithm.units import ModelShape
 from apt_ds.config import ConfigError
 
 GGUF_DTYPES = ("fp32", "fp16", "bf16", "q8_0")
+BLOCK = {"q8_0": 32}  # row block of the quantized dtypes: hidden and FFN widths are padded to it
 # HF tensor name (per layer after "model.layers.N.") -> GGUF name (after "blk.N.")
 LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
@@ -67,9 +73,10 @@ def write_gguf(path: Path, shape: ModelShape, tensors, config, tokenizer_dir: Pa
     arch = gguf_architecture(shape)
     writer = gguf.GGUFWriter(path, arch)
     try:
-        _add_hparams(writer, arch, shape, config, path.stem, dtype)
+        sizes = PaddedSizes.of(shape, BLOCK.get(dtype, 1))
+        _add_hparams(writer, arch, shape, sizes, config, path.stem, dtype)
         add_vocab(writer, tokenizer_dir, shape.vocab)
-        plan = _plan(shape, config, dtype)
+        plan = _plan(shape, sizes, config, dtype)
         for gguf_name, _, out_shape, qtype in plan:
             block, type_size = gguf.GGML_QUANT_SIZES[qtype]
             writer.add_tensor_info(gguf_name, out_shape, np.float32, math.prod(out_shape) // block * type_size,
@@ -89,7 +96,38 @@ def write_gguf(path: Path, shape: ModelShape, tensors, config, tokenizer_dir: Pa
         writer.close()
 
 
-def _add_hparams(writer, arch: str, shape: ModelShape, config, name: str, dtype: str) -> None:
+class PaddedSizes:
+    """Hidden size and per-layer FFN widths as written: rounded up to `block` (1: as they are)."""
+
+    def __init__(self, hidden: int, ffn: list[int], block: int):
+        up = lambda n: -(-n // block) * block  # noqa: E731
+        self.hidden, self.real_hidden = up(hidden), hidden
+        self.ffn = [up(_ffn_rows(f)) for f in ffn]
+
+    @classmethod
+    def of(cls, shape: ModelShape, block: int) -> "PaddedSizes":
+        return cls(shape.hidden, [layer.ffn for layer in shape.layers], block)
+
+    @property
+    def norm_scale(self) -> float:
+        """RMSNorm over D' channels of which D are real: weights x sqrt(D / D') and eps x D / D' undo it."""
+        return math.sqrt(self.real_hidden / self.hidden)
+
+    def padded_channels(self) -> int:
+        return self.hidden - self.real_hidden
+
+
+def _pad(tensor: torch.Tensor, out_shape: tuple) -> torch.Tensor:
+    if tuple(tensor.shape) == tuple(out_shape):
+        return tensor
+    if tensor.dim() != len(out_shape) or any(n > m for n, m in zip(tensor.shape, out_shape)):
+        raise ConfigError(f"tensor of shape {tuple(tensor.shape)} does not fit the padded shape {tuple(out_shape)}")
+    padded = torch.zeros(out_shape, dtype=tensor.dtype)
+    padded[tuple(slice(0, n) for n in tensor.shape)] = tensor
+    return padded
+
+
+def _add_hparams(writer, arch: str, shape: ModelShape, sizes: PaddedSizes, config, name: str, dtype: str) -> None:
     import gguf
 
     layers = shape.layers
@@ -100,9 +138,9 @@ def _add_hparams(writer, arch: str, shape: ModelShape, config, name: str, dtype:
                           "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.add_context_length(int(config.max_position_embeddings))
-    writer.add_embedding_length(shape.hidden)
+    writer.add_embedding_length(sizes.hidden)
     writer.add_block_count(len(layers))
-    ffn = [_ffn_rows(layer.ffn) for layer in layers]
+    ffn = sizes.ffn
     heads = [layer.num_q_heads for layer in layers]
     kv_heads = [layer.num_kv_groups for layer in layers]
     writer.add_feed_forward_length(ffn if per_layer else ffn[0])
@@ -111,7 +149,7 @@ def _add_hparams(writer, arch: str, shape: ModelShape, config, name: str, dtype:
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
-    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
+    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps) * sizes.norm_scale**2)
     writer.add_vocab_size(shape.vocab)
     rope = _rope_parameters(config)
     writer.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
@@ -136,38 +174,43 @@ def _ffn_rows(ffn: int) -> int:
     return max(ffn, 1)  # a zero neuron rather than deci's FFN-free layer, which drops the attention output
 
 
-def _plan(shape: ModelShape, config, dtype: str) -> list:
+def _plan(shape: ModelShape, sizes: PaddedSizes, config, dtype: str) -> list:
     """(GGUF name, maker(tensors) -> fp32 tensor, shape, GGML type) for every tensor, in file order."""
     import gguf
 
-    D, plan = shape.hidden, []
+    D, plan = sizes.hidden, []
 
     def add(gguf_name: str, make, out_shape: tuple):
-        plan.append((gguf_name, make, out_shape, _ggml_type(out_shape, dtype)))
+        plan.append((gguf_name, lambda t: _pad(make(t), out_shape), out_shape, _ggml_type(out_shape, dtype)))
+
+    def norm(hf_name: str):
+        return lambda t: t.tensor(hf_name) * sizes.norm_scale
 
     add("token_embd.weight", lambda t: t.tensor("model.embed_tokens.weight"), (shape.vocab, D))
     rope_freqs = _rope_freqs(config, shape.layers[0].head_dim)
     if rope_freqs is not None:
         plan.append(("rope_freqs.weight", lambda t: rope_freqs, tuple(rope_freqs.shape), gguf.GGMLQuantizationType.F32))
     for l, layer in enumerate(shape.layers):
-        q, kv, F = layer.num_q_heads * layer.head_dim, layer.num_kv_groups * layer.head_dim, _ffn_rows(layer.ffn)
+        q, kv, F = layer.num_q_heads * layer.head_dim, layer.num_kv_groups * layer.head_dim, sizes.ffn[l]
         shapes = {"input_layernorm": (D,), "self_attn.q_proj": (q, D), "self_attn.k_proj": (kv, D),
                   "self_attn.v_proj": (kv, D), "self_attn.o_proj": (D, q), "post_attention_layernorm": (D,),
                   "mlp.gate_proj": (F, D), "mlp.up_proj": (F, D), "mlp.down_proj": (D, F)}
         for hf, gguf_name in LAYER_NAMES.items():
             if layer.num_kv_groups == 0 and hf in ATTENTION:
                 continue  # deci: a layer with 0 heads has no attention (nor its norm)
-            add(f"blk.{l}.{gguf_name}.weight", _maker(f"model.layers.{l}.{hf}.weight", layer, shapes[hf]), shapes[hf])
-    add("output_norm.weight", lambda t: t.tensor("model.norm.weight"), (D,))
+            hf_name = f"model.layers.{l}.{hf}.weight"
+            add(f"blk.{l}.{gguf_name}.weight", norm(hf_name) if hf.endswith("layernorm") else _maker(hf_name, layer),
+                shapes[hf])
+    add("output_norm.weight", norm("model.norm.weight"), (D,))
     if not shape.tied_embeddings:  # llama.cpp reuses token_embd when there is no output tensor
         add("output.weight", lambda t: t.tensor("lm_head.weight"), (shape.vocab, D))
     return plan
 
 
-def _maker(hf_name: str, layer, out_shape: tuple):
+def _maker(hf_name: str, layer):
     def make(tensors) -> torch.Tensor:
-        if layer.ffn == 0 and ".mlp." in hf_name:  # the zero neuron of _ffn_rows
-            return torch.zeros(out_shape, dtype=torch.float32)
+        if layer.ffn == 0 and ".mlp." in hf_name:  # the zero neuron of _ffn_rows (padded by the plan)
+            return torch.zeros(1, 1, dtype=torch.float32)
         weight = tensors.tensor(hf_name)
         if hf_name.endswith("q_proj.weight"):
             return _permute(weight, layer.num_q_heads)
@@ -188,8 +231,8 @@ def _ggml_type(out_shape: tuple, dtype: str):
 
     if len(out_shape) == 1 or dtype == "fp32":
         return T.F32
-    if dtype == "q8_0":
-        return T.Q8_0 if out_shape[-1] % 32 == 0 else T.F16
+    if dtype == "q8_0":  # rows are padded to the block, see the module docstring
+        return T.Q8_0
     return {"fp16": T.F16, "bf16": T.BF16}[dtype]
 
 
@@ -229,8 +272,11 @@ def write_gguf_export(out: Path, shape: ModelShape, tensors, config, dtype: str,
 
     def fill(tmp: Path) -> dict:
         exported_params = write_gguf(tmp / filename, shape, tensors, config, tokenizer_dir, dtype)
+        sizes = PaddedSizes.of(shape, BLOCK.get(dtype, 1))
         report = {"final": summary(shape), "uniform": shape.uniform, "format": "gguf", "file": filename,
                   "gguf_architecture": gguf_architecture(shape), "dtype": dtype, "exported_params": exported_params,
+                  "zero_padding": {"hidden": sizes.padded_channels(),
+                                   "ffn": [p - f for p, f in zip(sizes.ffn, (l.ffn for l in shape.layers))]},
                   **(extra_report or {})}
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1))
         return report

@@ -195,3 +195,17 @@ def test_best_threshold_accuracy_is_the_ceiling_of_any_cut_and_respects_ties():
     # fully tied scores: only "all positive" or "all negative", whatever the rows' order (untied cuts would give 1.0)
     assert best_threshold_accuracy(torch.tensor([0.5, 0.5, 0.5]), torch.tensor([True, True, False])) == pytest.approx(2 / 3)
     assert best_threshold_accuracy(torch.tensor([]), torch.tensor([], dtype=torch.bool)) is None
+
+
+def test_apt_overrides_are_typed_and_checked():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import quality
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert quality.apt_overrides(["kurtosis_weight=0", "score_normalization=none", "uniform=true"]) == {
+        "kurtosis_weight": 0, "score_normalization": "none", "uniform": True}
+    for bad, message in ((["kurtosis_weigth=0"], "APTConfig field"), (["kurtosis_weight"], "FIELD=VALUE"),
+                         (["kurtosis_weight=-1"], "kurtosis_weight"), (["score_normalization=layer"], "score_normalization")):
+        with pytest.raises(ValueError, match=message):
+            quality.apt_overrides(bad)

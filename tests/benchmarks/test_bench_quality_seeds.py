@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import quality_seeds  # noqa: E402
+import quality_seeds
 
 ACCURACY = {  # per seed
     "lora": [0.84, 0.82, 0.86],

@@ -50,14 +50,19 @@ def test_dtypes(plain, tmp_path, dtype, matrix_type):
         assert len(cpp.greedy([1, 5, 9], new_tokens=3)) == 3
 
 
-def test_q8_0_falls_back_to_f16_for_rows_not_in_32_blocks(plain, tmp_path):
-    kept = {"groups": [[0, 1]] * 2, "neurons": [list(range(40))] * 2, "hidden": list(range(64))}
+def test_q8_0_pads_pruned_widths_instead_of_falling_back_to_f16(plain, tmp_path):
+    """Pruned widths (hidden 50, FFN 40) are padded to 32-blocks: every matrix is Q8_0 (llama.cpp's
+    converter would write these as F16, and a pruned Q8_0 file came out larger than the dense one)."""
+    kept = {"groups": [[0, 1]] * 2, "neurons": [list(range(40))] * 2, "hidden": list(range(50))}
     (tmp_path / "kept.json").write_text(json.dumps(kept))
     assert export_main(["--model", str(plain), "--kept", str(tmp_path / "kept.json"), "--out", str(tmp_path / "g"),
                         "--format", "gguf", "--dtype", "q8_0"]) == 0
-    _, tensors = _reader(tmp_path / "g" / "g.gguf")
-    assert tensors["blk.0.ffn_up.weight"].tensor_type.name == "Q8_0"  # rows of 64
-    assert tensors["blk.0.ffn_down.weight"].tensor_type.name == "F16"  # rows of 40
+    fields, tensors = _reader(tmp_path / "g" / "g.gguf")
+    matrices = {t.tensor_type.name for name, t in tensors.items() if len(t.shape) == 2}
+    assert matrices == {"Q8_0"}
+    assert fields["llama.embedding_length"] == 64 and fields["llama.feed_forward_length"] == 64
+    with llama_cpp(tmp_path / "g" / "g.gguf") as cpp:
+        assert len(cpp.greedy([1, 5, 9], new_tokens=3)) == 3
 
 
 @pytest.mark.parametrize("argv, message", [
