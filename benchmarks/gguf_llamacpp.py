@@ -24,10 +24,8 @@ Ratios are against the dense LoRA export of the same dtype. File sizes in MiB (2
 
     # the runs: benchmarks/quality.py --tasks sst2 --methods lora apt_0.7 apt_0.5 apt_0.7_uniform \\
     #     apt_0.5_uniform --out bench_out/quality_gguf --skip-speed     (or any quality.py OUT/sst2)
-    python benchmarks/gguf_llamacpp.py --runs bench_out/quality_gguf/sst2 --out bench_out/gguf_bench \\
-        --json bench_out/gguf_bench/results.json
-    python benchmarks/gguf_llamacpp.py --runs bench_out/quality_seeds/seed0/sst2 --out bench_out/gguf_bench \\
-        --json bench_out/gguf_bench/results.json      # what docs/BENCHMARKS.md reports (8.4 min)
+    python benchmarks/gguf_llamacpp.py --runs bench_out/quality_seeds/seed0/sst2 --out bench_out/gguf_bench2 \\
+        --json bench_out/gguf_bench2/results.json      # what docs/BENCHMARKS.md reports (8.8 min)
 """
 
 from __future__ import annotations
@@ -193,7 +191,8 @@ def export_gguf(run_dir: Path, out_dir: Path, dtype: str, reuse: bool) -> Path:
 
 
 def stored_types(path: Path) -> dict:
-    """Parameters per GGML storage type in the file (Q8_0 falls back to F16 for rows not in 32-blocks)."""
+    """Parameters per GGML storage type in the file, zero padding included (an o_proj whose rows fill no
+    32-block is F16 in a q8_0 file)."""
     import gguf
 
     counts: dict[str, int] = {}

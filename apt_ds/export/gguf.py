@@ -17,6 +17,8 @@ one), the q8_0 export pads them with exactly-zero units. A zero neuron adds noth
 up rows are 0). A zero hidden channel is 0 in the embedding and in every o_proj/down_proj output,
 so it stays 0; RMSNorm then averages over D' = D + padding channels instead of D, which is undone
 exactly by scaling the norm weights by sqrt(D / D') and writing eps x D / D' as the model's eps.
+o_proj's rows (kept heads x head_dim) cannot be padded; when they do not fill whole blocks (e.g.
+head_dim 100 with an odd number of heads kept) that matrix is written as F16.
 """
 
 from __future__ import annotations
@@ -100,12 +102,11 @@ class PaddedSizes:
     """Hidden size and per-layer FFN widths as written: rounded up to `block` (1: as they are)."""
 
     def __init__(self, hidden: int, ffn: list[int], block: int):
-        up = lambda n: -(-n // block) * block  # noqa: E731
-        self.hidden, self.real_hidden = up(hidden), hidden
-        self.ffn = [up(_ffn_rows(f)) for f in ffn]
+        self.hidden, self.real_hidden = _round_up(hidden, block), hidden
+        self.ffn = [_round_up(_ffn_rows(f), block) for f in ffn]
 
     @classmethod
-    def of(cls, shape: ModelShape, block: int) -> "PaddedSizes":
+    def of(cls, shape: ModelShape, block: int) -> PaddedSizes:
         return cls(shape.hidden, [layer.ffn for layer in shape.layers], block)
 
     @property
@@ -115,6 +116,10 @@ class PaddedSizes:
 
     def padded_channels(self) -> int:
         return self.hidden - self.real_hidden
+
+
+def _round_up(n: int, block: int) -> int:
+    return -(-n // block) * block
 
 
 def _pad(tensor: torch.Tensor, out_shape: tuple) -> torch.Tensor:
@@ -231,8 +236,9 @@ def _ggml_type(out_shape: tuple, dtype: str):
 
     if len(out_shape) == 1 or dtype == "fp32":
         return T.F32
-    if dtype == "q8_0":  # rows are padded to the block, see the module docstring
-        return T.Q8_0
+    if dtype == "q8_0":  # hidden and FFN rows are padded to the block (module docstring); o_proj rows
+        # are kept heads x head_dim, a multiple of 32 for head_dim 64/128 but not always (OpenLLaMA: 100)
+        return T.Q8_0 if out_shape[-1] % BLOCK["q8_0"] == 0 else T.F16
     return {"fp16": T.F16, "bf16": T.BF16}[dtype]
 
 

@@ -143,6 +143,10 @@ def load_checkpoint(trainer, directory: Path) -> None:
         raise CheckpointError(f"checkpoint {directory} was made from a different model (original shapes differ)")
     if meta["apt_config"] != trainer.apt_config.to_dict():
         saved, current = meta["apt_config"], trainer.apt_config.to_dict()
+        missing = sorted(set(current) - set(saved))
+        if missing:  # written by an earlier apt-ds whose algorithm lacked these knobs
+            raise CheckpointError(f"checkpoint {directory} was written by an earlier apt-ds without the APT fields {missing} "
+                                  f"and cannot be resumed by this one; export it as it is (launch/export.py) or start a new run")
         changed = sorted(k for k in set(saved) | set(current) if saved.get(k, "<absent>") != current.get(k, "<absent>"))
         raise CheckpointError(f"checkpoint {directory} used a different APT config (fields {changed}); resume with the same one")
     access = trainer.backend.param_access()

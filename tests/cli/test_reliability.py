@@ -64,6 +64,12 @@ def home(tmp_path_factory):
         _write_json(state, {**json.loads(state.read_text()), "finished": False})
         target = root / name / damage
         target.write_bytes(target.read_bytes()[:100])
+    # A run checkpointed by an earlier apt-ds, before kurtosis_weight and score_normalization existed.
+    shutil.copytree(root / "run", root / "old_version")
+    state = root / "old_version" / "checkpoint" / "apt_state.json"
+    meta = {**json.loads(state.read_text()), "finished": False}
+    meta["apt_config"] = {k: v for k, v in meta["apt_config"].items() if k not in ("kurtosis_weight", "score_normalization")}
+    _write_json(state, meta)
     (root / "not_a_model").mkdir()
     (root / "not_a_model" / "weights.bin").write_text("")
     (root / "run_link").symlink_to("run")
@@ -138,6 +144,7 @@ CASES = [
     ("resume-torn-engine", train("--out", "torn_engine", "--resume"), "cannot load optimizer/engine state"),
     ("resume-torn-masks", train("--out", "torn_masks", "--resume"), "corrupt checkpoint file"),
     ("resume-torn-state", train("--out", "torn_state", "--resume"), "corrupt checkpoint"),
+    ("resume-earlier-apt-ds", train("--out", "old_version", "--resume"), "written by an earlier apt-ds"),
     # --config
     ("config-missing", train("--config", "bad/nope.json", "--out", "new"), "cannot read --config"),
     ("config-not-json", train("--config", "bad/not_json.json", "--out", "new"), "cannot read --config"),

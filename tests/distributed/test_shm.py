@@ -17,7 +17,8 @@ def _buffers() -> set[Path]:
 
 
 def test_a_two_rank_run_leaves_no_buffer_and_removes_dead_runs_ones(tmp_path):
-    stale = SHM_DIR / f"{PREFIX}_{os.getuid()}_127.0.0.9_1_0"  # as a killed run leaves it
+    # as a killed run leaves it; the pid in the port field keeps two suites on one machine apart
+    stale = SHM_DIR / f"{PREFIX}_{os.getuid()}_127.0.0.9_{os.getpid()}_0"
     stale.write_bytes(b"\0" * 1024)
     old = time.time() - 600
     os.utime(stale, (old, old))
@@ -30,7 +31,7 @@ def test_a_two_rank_run_leaves_no_buffer_and_removes_dead_runs_ones(tmp_path):
 
 
 def test_fresh_or_mapped_buffers_are_kept(tmp_path):
-    fresh = SHM_DIR / f"{PREFIX}_{os.getuid()}_127.0.0.9_2_0"  # a job that is starting right now
+    fresh = SHM_DIR / f"{PREFIX}_{os.getuid()}_127.0.0.8_{os.getpid()}_0"  # a job that is starting right now
     fresh.write_bytes(b"\0" * 1024)
     try:
         assert fresh not in remove_stale_buffers()

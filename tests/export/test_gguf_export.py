@@ -170,3 +170,21 @@ def test_pruner_keeps_a_neuron_wherever_attention_is_kept(uniform):
         decision = pruner.decide(shape, groups, neurons, hidden, density * shape.block_params())
         for kv, ffn in zip(decision.groups, decision.neurons):
             assert int(kv.sum()) >= 1 and int(ffn.sum()) >= 1
+
+
+def test_q8_0_writes_o_proj_rows_that_fill_no_block_as_f16(tokenizer, tmp_path):
+    """o_proj's rows are kept heads x head_dim and cannot be padded: one MHA head of 16 kept gives
+    rows of 16, written as F16 (was a QuantError traceback); everything else stays Q8_0."""
+    plain = tmp_path / "mha"
+    tiny_llama("mha", vocab=len(tokenizer)).save_pretrained(plain)
+    tokenizer.save_pretrained(str(plain))
+    kept = {"groups": [[0], [1, 2]], "neurons": [list(range(96))] * 2, "hidden": list(range(64))}
+    (tmp_path / "kept.json").write_text(json.dumps(kept))
+    assert export_main(["--model", str(plain), "--kept", str(tmp_path / "kept.json"), "--out", str(tmp_path / "g"),
+                        "--format", "gguf", "--dtype", "q8_0"]) == 0
+    _, tensors = _reader(tmp_path / "g" / "g.gguf")
+    assert tensors["blk.0.attn_output.weight"].tensor_type.name == "F16"  # rows of 16
+    assert tensors["blk.1.attn_output.weight"].tensor_type.name == "Q8_0"  # rows of 32
+    assert tensors["blk.0.attn_q.weight"].tensor_type.name == "Q8_0"
+    with llama_cpp(tmp_path / "g" / "g.gguf") as cpp:
+        assert len(cpp.greedy([1, 5, 9], new_tokens=3)) == 3

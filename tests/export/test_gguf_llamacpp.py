@@ -165,8 +165,9 @@ def test_hidden_not_heads_times_head_dim_from_kept_units(tokenizer, tmp_path):
 def test_zero_padding_to_the_quantization_block_is_exact(tokenizer, tmp_path, monkeypatch):
     """q8_0 pads hidden and FFN widths to multiples of 32 with zero units (the norm weights and eps
     compensate for the longer RMS mean). Written in F32 with the same padding, llama.cpp must still
-    continue as transformers does on the unpadded model: hidden 50 -> 64, FFN 40 and 0 -> 64 and 32,
-    through `deci` (per-layer widths) and `llama`."""
+    continue as transformers does on the unpadded model: hidden 50 -> 64, FFN 40 -> 64 (96 stays),
+    through `deci` (per-layer widths) and `llama`. Layers with 0 neurons or 0 KV groups, padded:
+    test_layers_without_attention_or_neurons."""
     import apt_ds.export.gguf as gguf_export
 
     monkeypatch.setitem(gguf_export.BLOCK, "fp32", 32)
@@ -186,10 +187,15 @@ def test_zero_padding_to_the_quantization_block_is_exact(tokenizer, tmp_path, mo
         assert_same_continuation(tmp_path / name / "gg" / "gg.gguf", load_pretrained(tmp_path / name / "hf"))
 
 
-def test_layers_without_attention_or_neurons(tokenizer, tmp_path):
+@pytest.mark.parametrize("block", [1, 32])
+def test_layers_without_attention_or_neurons(tokenizer, tmp_path, monkeypatch, block):
     """A layer that lost every KV group is written without attention (deci skips it); one that
     lost every neuron but kept attention gets one zero neuron, since deci would drop its
-    attention output. Reference: the model with that attention / FFN output zeroed."""
+    attention output. Reference: the model with that attention / FFN output zeroed. With block
+    32 (q8_0's padding, here in F32) the zero neuron becomes 32 and FFN 96 becomes 96."""
+    import apt_ds.export.gguf as gguf_export
+
+    monkeypatch.setitem(gguf_export.BLOCK, "fp32", block)
     model = tiny_llama("gqa", vocab=len(tokenizer), num_hidden_layers=3)
     tokenizer.save_pretrained(str(tmp_path / "tok"))
     with torch.no_grad():
@@ -208,7 +214,7 @@ def test_layers_without_attention_or_neurons(tokenizer, tmp_path):
 
     write_gguf(tmp_path / "m.gguf", shape, Pruned(model), model.config, tmp_path / "tok", "fp32")
     fields, tensors = _reader(tmp_path / "m.gguf")
-    assert fields["deci.attention.head_count_kv"] == [2, 0, 2] and fields["deci.feed_forward_length"][0] == 1
+    assert fields["deci.attention.head_count_kv"] == [2, 0, 2] and fields["deci.feed_forward_length"][0] == block
     assert "blk.1.attn_q.weight" not in tensors and "blk.1.attn_norm.weight" not in tensors
     assert_same_continuation(tmp_path / "m.gguf", model)
 
