@@ -24,14 +24,14 @@ import json
 import random
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import datasets
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from prepare_tasks import olmo_datasets_root, write_jsonl  # noqa: E402
+from prepare_tasks import olmo_datasets_root, write_jsonl
 
 TASK_NAME = "instruct"
 # the datasets lm-eval scores (apt_ds/evaluation/tasks): never training data, and their question

@@ -58,6 +58,8 @@ def collect(out: Path, seeds: list[int]) -> dict:
                    "accuracy": spread([r["accuracy"] for r in runs]), "per_seed_accuracy": [r["accuracy"] for r in runs]}
             if all(r.get("auc") is not None for r in runs):
                 row["auc"] = spread([r["auc"] for r in runs])
+            if all(r.get("harness") for r in runs):  # the instruct task: accuracy is the mean of these
+                row["harness"] = {name: spread([r["harness"][name] for r in runs]) for name in runs[0]["harness"]}
             if all(ref for ref in lora):
                 row["acc_vs_lora"] = statistics.fmean(r["accuracy"] / ref["accuracy"] for r, ref in zip(runs, lora))
                 if all(r.get("train_time_s") for r in runs):
@@ -101,7 +103,22 @@ def markdown(tasks: dict, seeds: list[int]) -> str:
                      f"{row['time_vs_lora']:.2f}" if "time_vs_lora" in row else "–"]
             lines.append("| " + " | ".join(cells) + " |")
         lines += ["", "targets: " + ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in found["targets"].items()), ""]
+        lines += harness_markdown(task, found["methods"])
     return "\n".join(lines)
+
+
+def harness_markdown(task: str, rows: dict) -> list[str]:
+    """Per harness task, the mean ± std over seeds (the instruct task; nothing for others)."""
+    scored = {method: row["harness"] for method, row in rows.items() if "harness" in row}
+    if not scored:
+        return []
+    names = list(next(iter(scored.values())))
+    lines = [f"#### {task}: zero-shot lm-eval score per task (mean ± std over seeds)", "",
+             "| method | " + " | ".join(names) + " | mean |", "|---" * (len(names) + 2) + "|"]
+    for method, scores in scored.items():
+        cells = [f"{scores[name]['mean']:.3f} ± {scores[name]['std']:.3f}" for name in names]
+        lines.append(f"| {method} | " + " | ".join(cells) + f" | {rows[method]['accuracy']['mean']:.3f} |")
+    return lines + [""]
 
 
 def main(argv=None) -> None:

@@ -209,3 +209,40 @@ def test_apt_overrides_are_typed_and_checked():
                          (["kurtosis_weight=-1"], "kurtosis_weight"), (["score_normalization=layer"], "score_normalization")):
         with pytest.raises(ValueError, match=message):
             quality.apt_overrides(bad)
+
+
+def test_instruct_task_is_scored_zero_shot_by_the_harness(tmp_path, tokenizer):
+    """The instruct task (prepare_instructions.py's Alpaca mix) has no test split: every run,
+    zero-shot included, is scored by lm-eval on the shipped tasks, and its accuracy is their mean."""
+    model_dir = tmp_path / "tiny"
+    build_tiny_llama(vocab_size=len(tokenizer), seed=0).save_pretrained(str(model_dir))
+    tokenizer.save_pretrained(str(model_dir))
+    task_dir = tmp_path / "tasks" / "instruct"
+    task_dir.mkdir(parents=True)
+    (task_dir / "task.json").write_text(json.dumps({"name": "instruct", "prompt_style": "alpaca"}))
+    rng = random.Random(0)
+    words = "the quick brown fox jumps over the lazy dog is it".split()
+    records = [{"instruction": "Answer the question.", "input": " ".join(rng.choices(words, k=6)), "output": rng.choice(words)}
+               for _ in range(40)]
+    (task_dir / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "out"
+    methods = ["zero_shot", "apt_0.7"]
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--model", str(model_dir), "--tasks-dir", str(tmp_path / "tasks"),
+           "--tasks", "instruct", "--methods", *methods, "--steps", "8", "--max-seq-len", "48", "--calibration-batches", "2",
+           "--harness-tasks", "arc_easy", "piqa", "--harness-limit", "3", "--skip-speed", "--jobs", "2",
+           "--out", str(out), "--img-dir", str(out / "img")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((out / "results.json").read_text())["tasks"]["instruct"]
+    assert sorted(rows) == sorted(methods)
+    for method, row in rows.items():
+        assert set(row["harness"]) == {"arc_easy", "piqa"}, method
+        assert row["harness_rows"] == {"arc_easy": 3, "piqa": 3}, method
+        assert row["harness_metric"] == {"arc_easy": "acc_norm", "piqa": "acc_norm"}
+        assert row["accuracy"] == pytest.approx(sum(row["harness"].values()) / 2)
+    assert rows["apt_0.7"]["density"] < 0.95  # the pruned export was the one scored
+
+    missing = subprocess.run(cmd[:2] + ["--tasks-dir", str(tmp_path / "none"), "--tasks", "instruct", "--out", str(out)],
+                             capture_output=True, text=True, cwd=ROOT)
+    assert missing.returncode != 0
+    assert "prepare_instructions.py" in missing.stderr.strip().splitlines()[-1]
