@@ -71,14 +71,15 @@ def test_missing_seed_and_repeated_seeds_are_one_line_errors(tmp_path, capsys):
 
 def test_harness_scores_are_reported_per_task(tmp_path, capsys):
     """The instruct task's accuracy is the mean of lm-eval scores: each task's mean over seeds is reported."""
-    harness = {"lora": [{"arc_easy": 0.5, "piqa": 0.7}, {"arc_easy": 0.6, "piqa": 0.6}],
-               "apt_0.7": [{"arc_easy": 0.4, "piqa": 0.6}, {"arc_easy": 0.4, "piqa": 0.8}]}
+    harness = {"lora": [{"arc_easy": 0.5, "piqa": 0.7, "boolq": 0.25}, {"arc_easy": 0.6, "piqa": 0.6, "boolq": 0.25}],
+               "apt_0.7": [{"arc_easy": 0.4, "piqa": 0.6, "boolq": 0.75}, {"arc_easy": 0.4, "piqa": 0.8, "boolq": 0.75}]}
     for seed in range(2):
-        rows = {m: {"accuracy": sum(h[seed].values()) / 2, "density": 1.0, "harness": h[seed]} for m, h in harness.items()}
+        rows = {m: {"accuracy": sum(h[seed].values()) / 3, "density": 1.0, "harness": h[seed]} for m, h in harness.items()}
         (tmp_path / f"seed{seed}").mkdir(parents=True)
         (tmp_path / f"seed{seed}" / "results.json").write_text(json.dumps({"tasks": {"instruct": rows}}))
     quality_seeds.main(["--report-only", "--seeds", "0", "1", "--out", str(tmp_path)])
     found = json.loads((tmp_path / "seeds.json").read_text())["tasks"]["instruct"]["methods"]
     assert found["apt_0.7"]["harness"]["piqa"]["mean"] == pytest.approx(0.7)
     assert found["lora"]["harness"]["arc_easy"]["std"] == pytest.approx(0.0707, abs=1e-4)
-    assert "| apt_0.7 | 0.400 ± 0.000 | 0.700 ± 0.141 | 0.550 |" in capsys.readouterr().out
+    # the mean with BoolQ, then without it
+    assert "| apt_0.7 | 0.400 ± 0.000 | 0.700 ± 0.141 | 0.750 ± 0.000 | 0.617 | 0.550 |" in capsys.readouterr().out
