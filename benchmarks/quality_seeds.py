@@ -148,14 +148,22 @@ def main(argv=None) -> None:
             if subprocess.run(command, check=False).returncode != 0:
                 raise SystemExit(f"error: quality.py failed for seed {seed}")
     tasks = collect(args.out, args.seeds)
-    summary = {"seeds": args.seeds, "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "tasks": tasks,
+    given = sys.argv[1:] if argv is None else argv
+    summary = {"seeds": args.seeds, "command": " ".join([QUALITY.with_name("quality_seeds.py").name, *given]), "tasks": tasks,
                "wall_time_s": time.perf_counter() - started}
+    previous = args.out / "seeds.json"
+    if args.report_only and previous.is_file():  # a re-report keeps the measuring run's command and time
+        old = json.loads(previous.read_text())
+        summary.update(command=old.get("command", summary["command"]), wall_time_s=old.get("wall_time_s"),
+                       report_command=summary["command"])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "seeds.json").write_text(json.dumps(summary, indent=1))
     table = markdown(tasks, args.seeds)
     (args.out / "seeds.md").write_text(table)
     print(table)
-    print(f"[seeds] wall time {summary['wall_time_s'] / 60:.1f} min", flush=True)
+    if summary["wall_time_s"] is not None:
+        print(f"[seeds] wall time {summary['wall_time_s'] / 60:.1f} min" + (" (the measuring run)" if args.report_only else ""),
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -83,3 +83,12 @@ def test_harness_scores_are_reported_per_task(tmp_path, capsys):
     assert found["lora"]["harness"]["arc_easy"]["std"] == pytest.approx(0.0707, abs=1e-4)
     # the mean with BoolQ, then without it
     assert "| apt_0.7 | 0.400 ± 0.000 | 0.700 ± 0.141 | 0.750 ± 0.000 | 0.617 | 0.550 |" in capsys.readouterr().out
+
+
+def test_a_re_report_keeps_the_measuring_runs_time(tmp_path):
+    _write(tmp_path)
+    (tmp_path / "seeds.json").write_text(json.dumps({"command": "quality_seeds.py --tasks sst2", "wall_time_s": 1200.0}))
+    quality_seeds.main(["--report-only", "--out", str(tmp_path)])
+    found = json.loads((tmp_path / "seeds.json").read_text())
+    assert found["wall_time_s"] == 1200.0 and found["command"] == "quality_seeds.py --tasks sst2"
+    assert "--report-only" in found["report_command"]
