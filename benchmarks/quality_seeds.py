@@ -13,6 +13,7 @@ ratios), training time relative to LoRA (median of the per-seed ratios) and the 
 
     python benchmarks/quality_seeds.py --tasks sst2 --seeds 0 1 2 --out bench_out/quality_seeds
     python benchmarks/quality_seeds.py --report-only --out bench_out/quality_seeds   # re-read, no runs
+    python benchmarks/quality_seeds.py --tasks instruct --out bench_out/instruct_seeds   # 75 min; see prepare_instructions.py
 
 Every other option goes to quality.py as it is (e.g. `--methods lora apt_0.7`); a seed whose
 results exist with the same settings is reused by quality.py itself.
