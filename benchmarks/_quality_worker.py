@@ -48,7 +48,7 @@ def harness_report(model_path: Path, spec: dict) -> dict:
 
     tasks = list(spec["harness_tasks"])
     groups = [([t for t in tasks if t != "mmlu"], spec["harness_limit"]), (["mmlu"] if "mmlu" in tasks else [], spec["mmlu_limit"])]
-    scores, stderr, rows = {}, {}, {}
+    scores, stderr, rows, every_metric = {}, {}, {}, {}
     for names, limit in groups:
         if not names:
             continue
@@ -58,8 +58,12 @@ def harness_report(model_path: Path, spec: dict) -> dict:
             entry = results["results"][name]
             scores[name], stderr[name] = entry[f"{metric},none"], entry.get(f"{metric}_stderr,none")
             rows[name] = entry.get("sample_len") or entry.get("sample_count", {}).get(f"{metric},none")
+            # acc and acc_norm both: at this size acc_norm can sit below chance where acc does not
+            every_metric[name] = {key.split(",")[0]: value for key, value in entry.items()
+                                  if key.endswith(",none") and "stderr" not in key and isinstance(value, float)}
     return {"accuracy": sum(scores.values()) / len(scores), "harness": scores, "harness_stderr": stderr,
-            "harness_rows": rows, "harness_metric": {name: HARNESS_METRIC.get(name, "acc") for name in scores}}
+            "harness_rows": rows, "harness_metric": {name: HARNESS_METRIC.get(name, "acc") for name in scores},
+            "harness_every_metric": every_metric}
 
 
 def _rows(path: Path, n: int | None) -> list[dict]:

