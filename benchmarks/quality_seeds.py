@@ -60,7 +60,8 @@ def collect(out: Path, seeds: list[int]) -> dict:
             if all(r.get("auc") is not None for r in runs):
                 row["auc"] = spread([r["auc"] for r in runs])
             if all(r.get("harness") for r in runs):  # the instruct task: accuracy is the mean of these
-                row["harness"] = {name: spread([r["harness"][name] for r in runs]) for name in runs[0]["harness"]}
+                common = [name for name in runs[0]["harness"] if all(name in r["harness"] for r in runs)]  # seeds scored alike
+                row["harness"] = {name: spread([r["harness"][name] for r in runs]) for name in common}
             if all(ref for ref in lora):
                 row["acc_vs_lora"] = statistics.fmean(r["accuracy"] / ref["accuracy"] for r, ref in zip(runs, lora))
                 if all(r.get("train_time_s") for r in runs):
