@@ -104,19 +104,20 @@ def run_worker(spec_path: Path) -> None:
     tokenizer = load_tokenizer(spec["hf_dir"])
     test_rows = [] if harness else _rows(task_dir / "test.jsonl", spec["eval_examples"])
     result["eval_rows"] = len(test_rows)
-    started = time.perf_counter()
-    model = load_model(spec["hf_dir"], mmap=False)  # as `apt-ds train` loads for pruning: freed weights leave RSS
-    result["load_time_s"] = time.perf_counter() - started
-    original = ModelShape.from_model(model)
+    if method["kind"] == "zero_shot" and harness:  # the harness loads the model itself: only its shape is needed here
+        from transformers import AutoConfig
 
-    if method["kind"] == "zero_shot" and harness:
-        del model
+        original = ModelShape.from_config(AutoConfig.from_pretrained(spec["hf_dir"]))
         started = time.perf_counter()
         result.update(harness_report(Path(spec["hf_dir"]), spec))
         result["eval_time_s"] = time.perf_counter() - started
         result.update(density=1.0, block_params=original.block_params(), total_params=original.total_params())
         write_json(run_dir / "result.json", result)
         return
+    started = time.perf_counter()
+    model = load_model(spec["hf_dir"], mmap=False)  # as `apt-ds train` loads for pruning: freed weights leave RSS
+    result["load_time_s"] = time.perf_counter() - started
+    original = ModelShape.from_model(model)
     if method["kind"] == "zero_shot":
         started = time.perf_counter()
         result.update(fast_label_report(model, tokenizer, test_rows, labels, seq, spec["eval_batch_size"]))

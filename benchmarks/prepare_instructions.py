@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import json
 import random
 import re
@@ -155,10 +156,10 @@ def normalize(text: str) -> str:
 _QUESTION_COLUMNS = ("question", "ctx", "goal", "sentence", "question_stem")
 
 
-def _evaluated_splits(root: Path):
-    for state in sorted(root.rglob("state.json")):
-        if str(state.parent.relative_to(root)).startswith(EVALUATED):
-            yield datasets.load_from_disk(str(state.parent))
+@functools.cache  # read once for both the question set and the n-gram set
+def _evaluated_splits(root: Path) -> tuple:
+    return tuple(datasets.load_from_disk(str(state.parent)) for state in sorted(root.rglob("state.json"))
+                 if str(state.parent.relative_to(root)).startswith(EVALUATED))
 
 
 def evaluated_questions(root: Path) -> set[str]:

@@ -151,7 +151,7 @@ def main(argv=None) -> None:
                 raise SystemExit(f"error: quality.py failed for seed {seed}")
     tasks = collect(args.out, args.seeds)
     given = sys.argv[1:] if argv is None else argv
-    summary = {"seeds": args.seeds, "command": " ".join([QUALITY.with_name("quality_seeds.py").name, *given]), "tasks": tasks,
+    summary = {"seeds": args.seeds, "command": " ".join([Path(__file__).name, *given]), "tasks": tasks,
                "wall_time_s": time.perf_counter() - started}
     previous = args.out / "seeds.json"
     if args.report_only and previous.is_file():  # a re-report keeps the measuring run's command and time

@@ -75,7 +75,7 @@ def write_gguf(path: Path, shape: ModelShape, tensors, config, tokenizer_dir: Pa
     arch = gguf_architecture(shape)
     writer = gguf.GGUFWriter(path, arch)
     try:
-        sizes = PaddedSizes.of(shape, BLOCK.get(dtype, 1))
+        sizes = PaddedSizes.of(shape, dtype)
         _add_hparams(writer, arch, shape, sizes, config, path.stem, dtype)
         add_vocab(writer, tokenizer_dir, shape.vocab)
         plan = _plan(shape, sizes, config, dtype)
@@ -106,16 +106,18 @@ class PaddedSizes:
         self.ffn = [_round_up(_ffn_rows(f), block) for f in ffn]
 
     @classmethod
-    def of(cls, shape: ModelShape, block: int) -> PaddedSizes:
-        return cls(shape.hidden, [layer.ffn for layer in shape.layers], block)
+    def of(cls, shape: ModelShape, dtype: str) -> PaddedSizes:
+        """The sizes a file of `dtype` holds: padded to its quantization block, as they are otherwise."""
+        return cls(shape.hidden, [layer.ffn for layer in shape.layers], BLOCK.get(dtype, 1))
 
     @property
     def norm_scale(self) -> float:
         """RMSNorm over D' channels of which D are real: weights x sqrt(D / D') and eps x D / D' undo it."""
         return math.sqrt(self.real_hidden / self.hidden)
 
-    def padded_channels(self) -> int:
-        return self.hidden - self.real_hidden
+    def zero_padding(self, shape: ModelShape) -> dict:
+        """Zero units added: hidden channels, and per layer FFN neurons (a 0-neuron layer's one zero neuron included)."""
+        return {"hidden": self.hidden - self.real_hidden, "ffn": [p - layer.ffn for p, layer in zip(self.ffn, shape.layers)]}
 
 
 def _round_up(n: int, block: int) -> int:
@@ -278,11 +280,9 @@ def write_gguf_export(out: Path, shape: ModelShape, tensors, config, dtype: str,
 
     def fill(tmp: Path) -> dict:
         exported_params = write_gguf(tmp / filename, shape, tensors, config, tokenizer_dir, dtype)
-        sizes = PaddedSizes.of(shape, BLOCK.get(dtype, 1))
         report = {"final": summary(shape), "uniform": shape.uniform, "format": "gguf", "file": filename,
                   "gguf_architecture": gguf_architecture(shape), "dtype": dtype, "exported_params": exported_params,
-                  "zero_padding": {"hidden": sizes.padded_channels(),
-                                   "ffn": [p - f for p, f in zip(sizes.ffn, (l.ffn for l in shape.layers))]},
+                  "zero_padding": PaddedSizes.of(shape, dtype).zero_padding(shape),
                   **(extra_report or {})}
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1))
         return report
