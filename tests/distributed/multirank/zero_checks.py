@@ -29,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from apt_ds.algorithm.adapters import add_adapters, find_adapters  # noqa: E402
 from apt_ds.distributed.backend import LocalBackend  # noqa: E402
 from apt_ds.distributed.zero import DeepSpeedBackend  # noqa: E402
+from apt_ds.training.heap import release_free_heap  # noqa: E402
+from memory_probes import fixed_mmap_threshold, live_tensor_mb  # noqa: E402
 
 GLOBAL_BATCH, SEQ, VOCAB = 4, 16, 128
 LR, WD = 1e-2, 0.01
@@ -319,44 +321,6 @@ def run_launcher_probe(ds_config) -> dict:
     return {"sum": float(total), "world_size": backend.world_size, "rank_env": views}
 
 
-def fixed_mmap_threshold(nbytes: int = 128 * 1024) -> None:
-    """glibc: serve every allocation >= nbytes by mmap from now on. By default the threshold
-    adapts (it rises to the size of the last freed mmapped chunk), after which same-sized
-    buffers come from the heap and RSS jumps by a buffer size at random rebuilds (measured:
-    +4 MB steps on the ~1M-parameter leak model), which hides or fakes small leaks."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").mallopt(-3, nbytes)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
-
-
-def trim() -> None:
-    """Return freed heap pages to the OS (glibc) so RSS reflects live memory, not allocator caching."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def live_tensor_mb() -> float:
-    """Bytes of distinct storages reachable from Python-tracked tensors: an allocator-independent leak probe."""
-    seen, total = set(), 0
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor):
-            try:
-                storage = obj.untyped_storage()
-            except RuntimeError:
-                continue
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-    return total / 2**20
-
-
 def run_leak(ds_config, gas, micro, rebuilds: int, hidden: int = 64, rank: int = 4):
     """Rebuild `rebuilds` times (one step between); RSS, engine collection, hook counts."""
     import psutil
@@ -382,7 +346,7 @@ def run_leak(ds_config, gas, micro, rebuilds: int, hidden: int = 64, rank: int =
         gc.collect()
         dead.append(old() is None and old_opt() is None and old_offload() is None)
         hooks.append(sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()))
-        trim()
+        release_free_heap()  # RSS then reflects live memory, not allocator caching
         rss.append(proc.memory_info().rss / 2**20)
         if i in (0, rebuilds - 1):  # a gc scan is slow: first and last only
             tensors.append(live_tensor_mb())
