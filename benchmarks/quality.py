@@ -19,12 +19,13 @@ the first micro-batch after the last event step (the same step number for LoRA) 
 the end, i.e. the peak of the recovery phase at the final shapes. The run is then exported
 (`apt_ds.export.merge`: adapters merged, pruned units removed), reloaded from disk and evaluated
 (highest-likelihood label, exact match, on each task's whole test split by default; the instruct
-task instead zero-shot by lm-eval on --harness-tasks, --harness-limit rows each).
+task instead zero-shot by lm-eval on --harness-tasks, --harness-limit rows each, drawn at random
+with --seed: every method of a seed is scored on the same rows, another seed on other rows).
 Finally, in this process, every export's greedy decode speed (batch 1) is measured side by
 side with the dense LoRA-merged export, in interleaved rounds (median).
 
     python benchmarks/quality.py                       # SST-2 and BoolQ (82 min on 2 cores, --jobs 2)
-    python benchmarks/quality.py --tasks instruct --skip-speed   # the instruction protocol, one seed (25 min)
+    python benchmarks/quality.py --tasks instruct --skip-speed   # the instruction protocol, one seed (~28 min)
     python benchmarks/quality.py --smoke               # pipeline check: few steps, few rows
 """
 
@@ -205,7 +206,8 @@ def run_all(args) -> None:
                 "data_sha256": data_sha256[task],  # other records (e.g. prompt style): run again
             }
             if TASKS[task].get("harness"):
-                spec.update(harness_tasks=args.harness_tasks, harness_limit=args.harness_limit, mmlu_limit=args.mmlu_limit)
+                spec.update(harness_tasks=args.harness_tasks, harness_limit=args.harness_limit, mmlu_limit=args.mmlu_limit,
+                            harness_rows="random by seed")  # results scored on the first rows are not reused
             if args.apt:  # only when given: results of runs without overrides stay reusable
                 spec["apt_overrides"] = args.apt
             spec_path = out / task / f"{method}.spec.json"
@@ -353,8 +355,11 @@ def main(argv=None) -> None:
     parser.add_argument("--check-rows", type=int, default=16, help="rows on which the fast scorer is checked against label_accuracy")
     parser.add_argument("--harness-tasks", nargs="+", default=HARNESS_TASKS, choices=HARNESS_TASKS,
                         help="lm-eval tasks that score the instruct task (zero-shot); its accuracy is their mean")
-    parser.add_argument("--harness-limit", type=int, default=60, help="instruct: the first N rows of each harness task")
-    parser.add_argument("--mmlu-limit", type=int, default=2, help="instruct: MMLU questions per subject (57 subjects)")
+    parser.add_argument("--harness-limit", type=int, default=75,
+                        help="instruct: rows of each harness task, drawn at random with --seed (the same rows for every "
+                             "method of a seed)")
+    parser.add_argument("--mmlu-limit", type=int, default=2, help="instruct: MMLU questions per subject (57 subjects), "
+                        "drawn like --harness-limit's")
     parser.add_argument("--calibration-batches", type=int, default=8)
     parser.add_argument("--speed-rounds", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=64)

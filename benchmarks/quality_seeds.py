@@ -8,12 +8,13 @@ ratios), training time relative to LoRA (median of the per-seed ratios) and the 
 
 - non-uniform APT 0.7 keeps >= 95% of LoRA's accuracy, uniform APT 0.7 >= 90% (means);
 - APT beats prune-then-tune at 0.7 and 0.5 by more than the seed spread (the difference of the
-  means exceeds the larger of the two standard deviations);
+  means exceeds the larger of the two standard deviations, and for harness scores also the larger
+  of the two lm-eval row standard errors);
 - APT 0.7's training time <= 0.9x LoRA's.
 
     python benchmarks/quality_seeds.py --tasks sst2 --seeds 0 1 2 --out bench_out/quality_seeds
     python benchmarks/quality_seeds.py --report-only --out bench_out/quality_seeds   # re-read, no runs
-    python benchmarks/quality_seeds.py --tasks instruct --out bench_out/instruct_seeds   # 75 min; see prepare_instructions.py
+    python benchmarks/quality_seeds.py --tasks instruct --out bench_out/instruct_seeds   # ~85 min; see prepare_instructions.py
 
 Every other option goes to quality.py as it is (e.g. `--methods lora apt_0.7`); a seed whose
 results exist with the same settings is reused by quality.py itself.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -62,6 +64,7 @@ def collect(out: Path, seeds: list[int]) -> dict:
             if all(r.get("harness") for r in runs):  # the instruct task: accuracy is the mean of these
                 common = [name for name in runs[0]["harness"] if all(name in r["harness"] for r in runs)]  # seeds scored alike
                 row["harness"] = {name: spread([r["harness"][name] for r in runs]) for name in common}
+                row.update(harness_row_noise(runs))
             if all(ref for ref in lora):
                 row["acc_vs_lora"] = statistics.fmean(r["accuracy"] / ref["accuracy"] for r, ref in zip(runs, lora))
                 if all(r.get("train_time_s") for r in runs):
@@ -72,12 +75,35 @@ def collect(out: Path, seeds: list[int]) -> dict:
     return tasks
 
 
+# A model giving one answer on this share of a task's rows scores that answer's prior there
+ONE_ANSWER_SHARE = 0.95
+
+
+def harness_row_noise(runs: list[dict]) -> dict:
+    """What the rows alone make uncertain, per seed: lm-eval's standard error of the task mean
+    (sqrt of the summed squared task stderrs over the task count), as the mean over seeds; and the
+    tasks on which a seed answered (nearly) one answer only, as {task: seeds}."""
+    found = {}
+    if all(r.get("harness_stderr") and None not in r["harness_stderr"].values() for r in runs):
+        found["row_stderr"] = statistics.fmean(
+            math.sqrt(sum(se ** 2 for se in r["harness_stderr"].values())) / len(r["harness_stderr"]) for r in runs)
+    one_answer = {}
+    for r in runs:
+        for name, share in r.get("harness_answer_share", {}).items():
+            if share >= ONE_ANSWER_SHARE:
+                one_answer[name] = one_answer.get(name, 0) + 1
+    found["one_answer_tasks"] = one_answer
+    return found
+
+
 def seed_targets(rows: dict) -> dict:
     def beats(a: str, b: str):
+        """The gap of the means exceeds the larger seed spread, and lm-eval's row standard error
+        where the scores come from a sample of each benchmark's rows."""
         if a not in rows or b not in rows:
             return None
         gap = rows[a]["accuracy"]["mean"] - rows[b]["accuracy"]["mean"]
-        return gap > max(rows[a]["accuracy"]["std"], rows[b]["accuracy"]["std"])
+        return gap > max(rows[m]["accuracy"]["std"] for m in (a, b)) and gap > max(rows[m].get("row_stderr", 0.0) for m in (a, b))
 
     found = {
         "apt0.7_acc_ge_95pct_lora": rows["apt_0.7"]["acc_vs_lora"] >= 0.95 if "acc_vs_lora" in rows.get("apt_0.7", {}) else None,
@@ -115,18 +141,23 @@ def harness_markdown(task: str, rows: dict) -> list[str]:
     if not scored:
         return []
     names = list(next(iter(scored.values())))
-    # BoolQ's first rows are mostly "yes": a model that answers one label scores near 0.25 or 0.75
-    # there whatever it learned, which moves a 7-task mean by 0.07; the mean without it is shown too
+    # BoolQ is 62% "yes": a model that answers one label scores its prior there whatever it
+    # learned, which moves a 7-task mean by several points; the mean without it is shown too
     others = [name for name in names if name != "boolq"]
     without = len(others) < len(names)
     lines = [f"#### {task}: zero-shot lm-eval score per task (mean ± std over seeds)", "",
-             "| method | " + " | ".join(names) + " | mean |" + (" mean without boolq |" if without else ""),
-             "|---" * (len(names) + 2 + without) + "|"]
+             "| method | " + " | ".join(names) + " | mean |" + (" mean without boolq |" if without else "")
+             + " row stderr | one answer on ≥95% of rows (seeds) |",
+             "|---" * (len(names) + 4 + without) + "|"]
     for method, scores in scored.items():
+        row = rows[method]
         cells = [f"{scores[name]['mean']:.3f} ± {scores[name]['std']:.3f}" for name in names]
         extra = f" {statistics.fmean(scores[name]['mean'] for name in others):.3f} |" if without else ""
-        lines.append(f"| {method} | " + " | ".join(cells) + f" | {rows[method]['accuracy']['mean']:.3f} |" + extra)
-    return lines + [""]
+        noise = f" {row['row_stderr']:.3f} |" if "row_stderr" in row else " – |"
+        one = ", ".join(f"{name} ({n}/{row['seeds']})" for name, n in row.get("one_answer_tasks", {}).items()) or "–"
+        lines.append(f"| {method} | " + " | ".join(cells) + f" | {row['accuracy']['mean']:.3f} |" + extra + noise + f" {one} |")
+    return lines + ["", "row stderr: lm-eval's standard error of one seed's task mean from its sample of rows (mean over "
+                        "seeds); rows are drawn per seed, so the std over seeds includes it.", ""]
 
 
 def main(argv=None) -> None:

@@ -13,6 +13,9 @@ from apt_ds.cli.errors import report, user_errors
 from apt_ds.config import help_field
 from apt_ds.evaluation.tasks import DEFAULT_TASKS
 
+ONE_ANSWER_SHARE = 0.95  # a model this one-sided scores the label prior, not what it learned
+ONE_ANSWER_MIN_ROWS = 20  # on fewer rows one answer throughout is too often chance to remark on
+
 
 @dataclass
 class EvaluateArguments:
@@ -26,8 +29,12 @@ class EvaluateArguments:
     tasks: str = help_field("comma-separated tasks: arc_easy, arc_challenge, hellaswag, piqa, mmlu (or its parts: "
                             "mmlu_stem, mmlu_humanities, mmlu_social_sciences, mmlu_other, mmlu_<subject>), sst2, boolq",
                             default=",".join(DEFAULT_TASKS))
-    limit: Optional[int] = help_field("score only the first N examples of each task (a quick check; the scores are then "
-                                      "not comparable with published ones) (default: all)", default=None)
+    limit: Optional[int] = help_field("score only N examples of each task (of each subject for mmlu): the first N, or N "
+                                      "drawn at random with --sample-seed; a quick check, not comparable with published "
+                                      "scores (default: all)", default=None)
+    sample_seed: Optional[int] = help_field("with --limit: draw the N examples at random with this seed instead of taking "
+                                            "the first N (a file's first rows are often unrepresentative); the indices "
+                                            "go into results.json", default=None)
     num_fewshot: Optional[int] = help_field("examples shown before each question (default: each task's own, 0 for all "
                                             "of these)", default=None)
     batch_size: str = help_field("sequences per forward pass, or 'auto' (the harness finds the largest that fits)",
@@ -66,12 +73,17 @@ def main(argv: list[str] | None = None) -> int:
 
         tasks = [name.strip() for name in args.tasks.split(",") if name.strip()]
         request = Request(model=args.model, tasks=tasks, limit=args.limit, num_fewshot=args.num_fewshot,
-                          device=args.device, dtype=args.dtype,
+                          device=args.device, dtype=args.dtype, sample_seed=args.sample_seed,
                           batch_size=int(args.batch_size) if args.batch_size.isdigit() else args.batch_size)
         results = evaluate(request)
         write_results(results, args.out)
     except (*user_errors(), EvaluationError) as err:
         return report(err)
     print(format_table(table_rows(results, tasks)))
+    for task, share in results["apt_ds"]["most_common_answer_share"].items():
+        rows = results.get("n-samples", {}).get(task, {}).get("effective", 0)
+        if task in tasks and share >= ONE_ANSWER_SHARE and rows >= ONE_ANSWER_MIN_ROWS:
+            print(f"note: {task}: {share:.0%} of the rows got the same answer; the score is mostly that answer's share "
+                  "of the data", file=sys.stderr)
     print(f"results: {args.out}", file=sys.stderr)
     return 0

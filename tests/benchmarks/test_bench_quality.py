@@ -230,20 +230,25 @@ def test_instruct_task_is_scored_zero_shot_by_the_harness(tmp_path, tokenizer):
     methods = ["zero_shot", "apt_0.7"]
     cmd = [sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--model", str(model_dir), "--tasks-dir", str(tmp_path / "tasks"),
            "--tasks", "instruct", "--methods", *methods, "--steps", "8", "--max-seq-len", "48", "--calibration-batches", "2",
-           "--harness-tasks", "arc_easy", "piqa", "--harness-limit", "3", "--skip-speed", "--jobs", "2",
+           "--harness-tasks", "arc_easy", "piqa", "mmlu", "--harness-limit", "3", "--mmlu-limit", "1", "--skip-speed", "--jobs", "2",
            "--out", str(out), "--img-dir", str(out / "img")]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((out / "results.json").read_text())["tasks"]["instruct"]
     assert sorted(rows) == sorted(methods)
     for method, row in rows.items():
-        assert set(row["harness"]) == {"arc_easy", "piqa"}, method
-        assert row["harness_rows"] == {"arc_easy": 3, "piqa": 3}, method
-        assert row["harness_metric"] == {"arc_easy": "acc_norm", "piqa": "acc_norm"}
-        assert row["accuracy"] == pytest.approx(sum(row["harness"].values()) / 2)
-        assert row["harness_every_metric"]["piqa"]["acc_norm"] == row["harness"]["piqa"]
+        assert set(row["harness"]) == {"arc_easy", "piqa", "mmlu"}, method
+        assert row["harness_rows"] == {"arc_easy": 3, "piqa": 3, "mmlu": 57}, method  # one question per subject
+        assert row["harness_metric"] == {"arc_easy": "acc", "piqa": "acc", "mmlu": "acc"}
+        assert row["accuracy"] == pytest.approx(sum(row["harness"].values()) / 3)
+        assert row["harness_every_metric"]["piqa"]["acc"] == row["harness"]["piqa"]
         assert set(row["harness_every_metric"]["arc_easy"]) == {"acc", "acc_norm"}
+        assert set(row["harness_answer_share"]) == {"arc_easy", "piqa"}  # mmlu is a group: its subjects have theirs
+        assert all(0.25 <= share <= 1.0 for share in row["harness_answer_share"].values())
     assert rows["apt_0.7"]["density"] < 0.95  # the pruned export was the one scored
+    # the rows were drawn with the run's seed (0), not taken from the top of each file
+    spec = json.loads((out / "instruct" / "zero_shot" / "result.json").read_text())["spec"]
+    assert spec["seed"] == 0 and spec["harness_rows"] == "random by seed"
 
     missing = subprocess.run(cmd[:2] + ["--tasks-dir", str(tmp_path / "none"), "--tasks", "instruct", "--out", str(out)],
                              capture_output=True, text=True, cwd=ROOT)

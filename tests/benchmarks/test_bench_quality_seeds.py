@@ -81,8 +81,30 @@ def test_harness_scores_are_reported_per_task(tmp_path, capsys):
     found = json.loads((tmp_path / "seeds.json").read_text())["tasks"]["instruct"]["methods"]
     assert found["apt_0.7"]["harness"]["piqa"]["mean"] == pytest.approx(0.7)
     assert found["lora"]["harness"]["arc_easy"]["std"] == pytest.approx(0.0707, abs=1e-4)
-    # the mean with BoolQ, then without it
-    assert "| apt_0.7 | 0.400 ± 0.000 | 0.700 ± 0.141 | 0.750 ± 0.000 | 0.617 | 0.550 |" in capsys.readouterr().out
+    # the mean with BoolQ, then without it; no row stderr or answer shares in these results
+    assert "| apt_0.7 | 0.400 ± 0.000 | 0.700 ± 0.141 | 0.750 ± 0.000 | 0.617 | 0.550 | – | – |" in capsys.readouterr().out
+
+
+def test_row_noise_and_one_answer_tasks_are_reported_and_widen_the_spread(tmp_path, capsys):
+    """lm-eval's per-task standard errors give each seed's row noise (sqrt of the summed squares
+    over the task count); a seed answering one label on >= 95% of a task's rows is counted; a gap
+    larger than the seed spread but not than the row noise does not count as beating."""
+    stderr = {"arc_easy": 0.06, "piqa": 0.08}
+    runs = {"apt_0.7": ({"arc_easy": 0.50, "piqa": 0.60}, {"arc_easy": 0.6, "piqa": 0.97}),
+            "ptt_0.7": ({"arc_easy": 0.45, "piqa": 0.60}, {"arc_easy": 0.6, "piqa": 0.6})}
+    for seed in range(2):
+        rows = {m: {"accuracy": sum(h.values()) / 2 + 0.001 * seed, "density": 0.7, "harness": h, "harness_stderr": stderr,
+                    "harness_answer_share": share if seed == 0 else {"arc_easy": 0.5, "piqa": 0.5}}
+                for m, (h, share) in runs.items()}
+        (tmp_path / f"seed{seed}").mkdir(parents=True)
+        (tmp_path / f"seed{seed}" / "results.json").write_text(json.dumps({"tasks": {"instruct": rows}}))
+    quality_seeds.main(["--report-only", "--seeds", "0", "1", "--out", str(tmp_path)])
+    found = json.loads((tmp_path / "seeds.json").read_text())["tasks"]["instruct"]
+    assert found["methods"]["apt_0.7"]["row_stderr"] == pytest.approx(0.05)  # sqrt(0.06² + 0.08²) / 2
+    assert found["methods"]["apt_0.7"]["one_answer_tasks"] == {"piqa": 1}
+    # gap 0.025 > seed std 0.0007, but < row stderr 0.05
+    assert found["targets"]["apt0.7_beats_ptt0.7_by_more_than_spread"] is False
+    assert "| 0.050 | piqa (1/2) |" in capsys.readouterr().out
 
 
 def test_a_re_report_keeps_the_measuring_runs_time(tmp_path):

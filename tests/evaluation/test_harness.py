@@ -21,7 +21,13 @@ import huggingface_hub.constants  # noqa: E402
 from conftest import tiny_llama  # noqa: E402
 
 from apt_ds.cli.evaluate import main  # noqa: E402
-from apt_ds.evaluation.harness import OFFLINE_VARIABLES, ROUTE_IN_MEMORY, ROUTE_PATH  # noqa: E402
+from apt_ds.evaluation.harness import (  # noqa: E402
+    OFFLINE_VARIABLES,
+    ROUTE_IN_MEMORY,
+    ROUTE_PATH,
+    draw_rows,
+    most_common_answer_share,
+)
 from apt_ds.evaluation.tasks import DEFAULT_TASKS, TASKS_DIR, task_manager  # noqa: E402
 from apt_ds.evaluation.tasks.shipped import data_root, split_dirs  # noqa: E402
 
@@ -132,6 +138,55 @@ def test_table_and_progress_bar_are_shown(models, tmp_path, capfd):
     assert "Running loglikelihood requests" in printed.err and "100%" in printed.err
 
 
+def test_rows_drawn_at_random_depend_only_on_the_seed_and_the_task(models, tmp_path):
+    """--limit N --sample-seed S: N rows per task (per subject of a group) drawn without
+    replacement; the same for the same seed whatever else is asked, others for another seed, not
+    lm-eval's first N; and lm-eval scores exactly those rows (results.json names them)."""
+    manager = task_manager()
+    drawn = draw_rows(manager, ["sst2", "arc_easy", "mmlu_stem"], 6, seed=3)
+    assert drawn["sst2"] == draw_rows(manager, ["sst2"], 6, seed=3)["sst2"]
+    assert drawn["sst2"] != draw_rows(manager, ["sst2"], 6, seed=4)["sst2"]
+    assert "mmlu_anatomy" in drawn and "mmlu_stem" not in drawn  # the subjects, not the group
+    for name, indices in drawn.items():
+        assert len(indices) == 6 and indices == sorted(set(indices)), name
+    assert [drawn[name] == list(range(6)) for name in drawn].count(True) == 0
+    assert draw_rows(manager, ["sst2"], 10_000, seed=3)["sst2"] == list(range(872))  # fewer rows than asked: all
+
+    out = tmp_path / "r.json"
+    assert main([str(models["hf"]), "--tasks", "sst2,arc_easy", "--limit", "5", "--sample-seed", "3", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert results["apt_ds"]["rows"] == {"sample_seed": 3, "indices": draw_rows(manager, ["sst2", "arc_easy"], 5, seed=3)}
+    assert all(results["n-samples"][name]["effective"] == 5 for name in ("sst2", "arc_easy"))
+
+
+def test_scores_of_other_rows_than_drawn_are_refused():
+    from apt_ds.evaluation.errors import EvaluationError
+    from apt_ds.evaluation.harness import _check_scored_rows
+
+    _check_scored_rows({"sst2": [1, 2]}, {"sst2": [{"doc_id": 2}, {"doc_id": 1}]})
+    with pytest.raises(EvaluationError, match="scored other rows of sst2"):
+        _check_scored_rows({"sst2": [1, 2]}, {"sst2": [{"doc_id": 0}, {"doc_id": 1}]})
+
+
+def test_one_sided_answers_are_measured():
+    """The share of a task's rows given its most frequent answer (the argmax choice acc scores)."""
+    def row(*loglikelihoods):
+        return {"doc_id": 0, "filtered_resps": [(ll, False) for ll in loglikelihoods]}
+
+    per_row = {"sst2": [row(-1.0, -2.0), row(-1.0, -0.5), row(-3.0, -2.0), row(-0.1, -9.0)],
+               "arc_easy": [row(-4.0, -3.0, -2.0, -1.0)] * 3, "generated": [{"doc_id": 0, "filtered_resps": ["text"]}]}
+    assert most_common_answer_share(per_row) == {"sst2": 0.5, "arc_easy": 1.0}
+
+
+def test_evaluations_report_their_answer_shares(evaluated):
+    for results in evaluated["results"].values():
+        shares = results["apt_ds"]["most_common_answer_share"]
+        assert set(shares) == set(TASKS)
+        assert 0.5 <= shares["sst2"] <= 1.0 and 0.25 <= shares["arc_easy"] <= 1.0
+        assert shares["sst2"] * LIMIT == pytest.approx(round(shares["sst2"] * LIMIT))
+        assert results["apt_ds"]["rows"] == {"first": LIMIT}
+
+
 @pytest.mark.parametrize("args, message", [
     (["{hf}", "--tasks", "sst2,nonsense"], "unknown task 'nonsense'; known tasks: arc_easy, arc_challenge"),
     (["{tmp}/missing"], "does not exist"),
@@ -139,6 +194,7 @@ def test_table_and_progress_bar_are_shown(models, tmp_path, capfd):
     (["{hf}", "--limit", "many"], "argument --limit: invalid int value"),
     (["{hf}", "--batch-size", "0"], "--batch-size must be a positive number or 'auto'"),
     (["{hf}", "--num-fewshot", "-1"], "--num-fewshot must be 0 or more"),
+    (["{hf}", "--sample-seed", "3"], "--sample-seed draws --limit rows of each task at random: give --limit too"),
     (["{hf}", "--out", "{tmp}/no/such/dir/r.json"], "does not exist"),
     (["{hf}", "--out", "{tmp}"], "is a directory"),
     (["{tmp}/not_a_model"], "has no config.json"),
