@@ -50,7 +50,7 @@ def harness_report(model_path: Path, spec: dict) -> dict:
 
     tasks = list(spec["harness_tasks"])
     groups = [([t for t in tasks if t != "mmlu"], spec["harness_limit"]), (["mmlu"] if "mmlu" in tasks else [], spec["mmlu_limit"])]
-    scores, stderr, rows, every_metric, answer_share = {}, {}, {}, {}, {}
+    scores, stderr, rows, every_metric, answer_share, drawn = {}, {}, {}, {}, {}, {}
     for names, limit in groups:
         if not names:
             continue
@@ -60,15 +60,19 @@ def harness_report(model_path: Path, spec: dict) -> dict:
             metric = HARNESS_METRIC.get(name, "acc")
             entry = results["results"][name]
             scores[name], stderr[name] = entry[f"{metric},none"], entry.get(f"{metric}_stderr,none")
+            if not isinstance(stderr[name], (int, float)):  # lm-eval writes "N/A" for a single row
+                stderr[name] = None
             rows[name] = entry.get("sample_len") or entry.get("sample_count", {}).get(f"{metric},none")
             # acc and acc_norm both, for a reader who prefers the other one
             every_metric[name] = {key.split(",")[0]: value for key, value in entry.items()
                                   if key.endswith(",none") and "stderr" not in key and isinstance(value, float)}
             if name in results["apt_ds"]["most_common_answer_share"]:  # a group (mmlu) has none of its own
                 answer_share[name] = results["apt_ds"]["most_common_answer_share"][name]
+        drawn.update(results["apt_ds"]["rows"]["indices"])  # per single task: mmlu's are its subjects'
     return {"accuracy": sum(scores.values()) / len(scores), "harness": scores, "harness_stderr": stderr,
             "harness_rows": rows, "harness_metric": {name: HARNESS_METRIC.get(name, "acc") for name in scores},
-            "harness_every_metric": every_metric, "harness_answer_share": answer_share}
+            "harness_every_metric": every_metric, "harness_answer_share": answer_share,
+            "harness_rows_drawn": {"sample_seed": spec["seed"], "indices": drawn}}
 
 
 def _rows(path: Path, n: int | None) -> list[dict]:

@@ -8,8 +8,8 @@ ratios), training time relative to LoRA (median of the per-seed ratios) and the 
 
 - non-uniform APT 0.7 keeps >= 95% of LoRA's accuracy, uniform APT 0.7 >= 90% (means);
 - APT beats prune-then-tune at 0.7 and 0.5 by more than the seed spread (the difference of the
-  means exceeds the larger of the two standard deviations, and for harness scores also the larger
-  of the two lm-eval row standard errors);
+  means exceeds the larger of the two standard deviations; for harness scores, whose rows are
+  drawn per seed, that spread includes the row sampling);
 - APT 0.7's training time <= 0.9x LoRA's.
 
     python benchmarks/quality_seeds.py --tasks sst2 --seeds 0 1 2 --out bench_out/quality_seeds
@@ -75,22 +75,21 @@ def collect(out: Path, seeds: list[int]) -> dict:
     return tasks
 
 
-# A model giving one answer on this share of a task's rows scores that answer's prior there
-ONE_ANSWER_SHARE = 0.95
-
-
 def harness_row_noise(runs: list[dict]) -> dict:
-    """What the rows alone make uncertain, per seed: lm-eval's standard error of the task mean
-    (sqrt of the summed squared task stderrs over the task count), as the mean over seeds; and the
-    tasks on which a seed answered (nearly) one answer only, as {task: seeds}."""
+    """What the rows alone make uncertain in one seed: lm-eval's standard error of the task mean
+    (sqrt of the summed squared task stderrs over the task count; none where a task has no
+    stderr), as the mean over seeds; and the tasks on which a seed gave (nearly) one answer only
+    (apt_ds.evaluation.harness's rule), as {task: seeds}."""
+    from apt_ds.evaluation.harness import ONE_ANSWER_MIN_ROWS, ONE_ANSWER_SHARE
+
     found = {}
-    if all(r.get("harness_stderr") and None not in r["harness_stderr"].values() for r in runs):
+    if all(r.get("harness_stderr") and all(isinstance(se, (int, float)) for se in r["harness_stderr"].values()) for r in runs):
         found["row_stderr"] = statistics.fmean(
             math.sqrt(sum(se ** 2 for se in r["harness_stderr"].values())) / len(r["harness_stderr"]) for r in runs)
     one_answer = {}
     for r in runs:
         for name, share in r.get("harness_answer_share", {}).items():
-            if share >= ONE_ANSWER_SHARE:
+            if share >= ONE_ANSWER_SHARE and r.get("harness_rows", {}).get(name, 0) >= ONE_ANSWER_MIN_ROWS:
                 one_answer[name] = one_answer.get(name, 0) + 1
     found["one_answer_tasks"] = one_answer
     return found
@@ -98,12 +97,12 @@ def harness_row_noise(runs: list[dict]) -> dict:
 
 def seed_targets(rows: dict) -> dict:
     def beats(a: str, b: str):
-        """The gap of the means exceeds the larger seed spread, and lm-eval's row standard error
-        where the scores come from a sample of each benchmark's rows."""
+        """The gap of the means exceeds the larger standard deviation over seeds. Harness rows are
+        drawn per seed, so that spread holds the row sampling as well as the training seed."""
         if a not in rows or b not in rows:
             return None
         gap = rows[a]["accuracy"]["mean"] - rows[b]["accuracy"]["mean"]
-        return gap > max(rows[m]["accuracy"]["std"] for m in (a, b)) and gap > max(rows[m].get("row_stderr", 0.0) for m in (a, b))
+        return gap > max(rows[a]["accuracy"]["std"], rows[b]["accuracy"]["std"])
 
     found = {
         "apt0.7_acc_ge_95pct_lora": rows["apt_0.7"]["acc_vs_lora"] >= 0.95 if "acc_vs_lora" in rows.get("apt_0.7", {}) else None,

@@ -13,9 +13,6 @@ from apt_ds.cli.errors import report, user_errors
 from apt_ds.config import help_field
 from apt_ds.evaluation.tasks import DEFAULT_TASKS
 
-ONE_ANSWER_SHARE = 0.95  # a model this one-sided scores the label prior, not what it learned
-ONE_ANSWER_MIN_ROWS = 20  # on fewer rows one answer throughout is too often chance to remark on
-
 
 @dataclass
 class EvaluateArguments:
@@ -69,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         from apt_ds.evaluation.report import check_out_path, format_table, table_rows, write_results
 
         check_out_path(args.out)
-        from apt_ds.evaluation.harness import Request, evaluate
+        from apt_ds.evaluation.harness import ONE_ANSWER_MIN_ROWS, ONE_ANSWER_SHARE, Request, evaluate
 
         tasks = [name.strip() for name in args.tasks.split(",") if name.strip()]
         request = Request(model=args.model, tasks=tasks, limit=args.limit, num_fewshot=args.num_fewshot,

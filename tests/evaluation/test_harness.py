@@ -160,22 +160,31 @@ def test_rows_drawn_at_random_depend_only_on_the_seed_and_the_task(models, tmp_p
 
 
 def test_scores_of_other_rows_than_drawn_are_refused():
+    """lm-eval logs the index it was given whatever document it scored: the documents are compared."""
     from apt_ds.evaluation.errors import EvaluationError
     from apt_ds.evaluation.harness import _check_scored_rows
 
-    _check_scored_rows({"sst2": [1, 2]}, {"sst2": [{"doc_id": 2}, {"doc_id": 1}]})
-    with pytest.raises(EvaluationError, match="scored other rows of sst2"):
-        _check_scored_rows({"sst2": [1, 2]}, {"sst2": [{"doc_id": 0}, {"doc_id": 1}]})
+    drawn = {"sst2": {1: {"sentence": "b"}, 2: {"sentence": "c"}}}
+    _check_scored_rows(drawn, {"sst2": [{"doc_id": 2, "doc": {"sentence": "c"}}, {"doc_id": 1, "doc": {"sentence": "b"}}]})
+    for scored in ([{"doc_id": 1, "doc": {"sentence": "a"}}, {"doc_id": 2, "doc": {"sentence": "c"}}],  # right id, other doc
+                   [{"doc_id": 1, "doc": {"sentence": "b"}}],  # a row left out
+                   [{"doc_id": 1, "doc": {"sentence": "b"}}, {"doc_id": 2, "doc": {"sentence": "c"}}] * 2):  # scored twice
+        with pytest.raises(EvaluationError, match="scored other rows of sst2"):
+            _check_scored_rows(drawn, {"sst2": scored})
+    with pytest.raises(EvaluationError, match=r"scored tasks \['boolq', 'sst2'\]"):  # a task without a draw: all its rows
+        _check_scored_rows(drawn, {"sst2": [], "boolq": []})
 
 
 def test_one_sided_answers_are_measured():
-    """The share of a task's rows given its most frequent answer (the argmax choice acc scores)."""
+    """The share of a task's rows given its most frequent answer: the argmax choice, which acc scores."""
     def row(*loglikelihoods):
         return {"doc_id": 0, "filtered_resps": [(ll, False) for ll in loglikelihoods]}
 
     per_row = {"sst2": [row(-1.0, -2.0), row(-1.0, -0.5), row(-3.0, -2.0), row(-0.1, -9.0)],
-               "arc_easy": [row(-4.0, -3.0, -2.0, -1.0)] * 3, "generated": [{"doc_id": 0, "filtered_resps": ["text"]}]}
-    assert most_common_answer_share(per_row) == {"sst2": 0.5, "arc_easy": 1.0}
+               # argmax answers 0, 0, 2 (2/3); argmin would give 2, 1, 0 (1/3)
+               "arc_easy": [row(-1.0, -2.0, -3.0), row(-1.0, -3.0, -2.0), row(-3.0, -2.0, -1.0)],
+               "generated": [{"doc_id": 0, "filtered_resps": ["text"]}]}
+    assert most_common_answer_share(per_row) == pytest.approx({"sst2": 0.5, "arc_easy": 2 / 3})
 
 
 def test_evaluations_report_their_answer_shares(evaluated):
