@@ -37,6 +37,8 @@ def main(argv=None) -> None:
     parser.add_argument("--distill-every", type=int, nargs="+", default=None,
                         help="one APT trainer per value of APTConfig.distill_every (teacher pass every k-th pruning step; "
                              "default: APTConfig.for_steps' value for --steps)")
+    parser.add_argument("--pruning-end-step", type=int, default=None,
+                        help="APTConfig.pruning_end_step of every APT trainer (default: APTConfig.for_steps' 50%% of --steps)")
     parser.add_argument("--json", type=Path, default=Path("bench_out/phase_cost.json"))
     args = parser.parse_args(argv)
     if any(k < 1 for k in args.distill_every or []):
@@ -56,7 +58,11 @@ def main(argv=None) -> None:
     tokenizer = load_tokenizer(hf_dir)
     records = load_records(Path(args.task) / "train.jsonl")
     examples = tokenize_dataset(records, tokenizer, args.max_seq_len, pack=False)
-    apt = APTConfig.for_steps(args.steps, target_density=args.density, adapter_rank=8, adapter_alpha=16.0)
+    schedule = {} if args.pruning_end_step is None else {"pruning_end_step": args.pruning_end_step}
+    try:
+        apt = APTConfig.for_steps(args.steps, target_density=args.density, adapter_rank=8, adapter_alpha=16.0, **schedule)
+    except ValueError as err:  # ConfigError: an end step outside the run, or before the start
+        parser.error(str(err))
     apt_configs = {f"apt_every{k}": dataclasses.replace(apt, distill_every=k)
                    for k in dict.fromkeys(args.distill_every or [apt.distill_every])}
     configs = {"lora": apt.as_lora(), **apt_configs}
@@ -75,6 +81,7 @@ def main(argv=None) -> None:
     phases = {"warm-up": (0, apt.pruning_start_step), "pruning": (apt.pruning_start_step, apt.pruning_end_step),
               "recovery": (apt.pruning_end_step, args.steps), "total": (0, args.steps)}
     result = {"command": command_line(), "git_commit": git_commit(), "hardware": hardware(), "steps": args.steps, "density": args.density,
+              "pruning_start_step": apt.pruning_start_step, "pruning_end_step": apt.pruning_end_step,
               "task": args.task, "max_seq_len": args.max_seq_len, "micro_batch_size": args.micro_batch_size,
               "final_density": {name: t.state.density() for name, t in trainers.items()}, "cpu_s_per_step": cpu, "phases": {}}
     for phase, (lo, hi) in phases.items():
