@@ -47,22 +47,22 @@ def main(argv=None) -> None:
     import torch
     from tqdm.auto import tqdm
 
-    from apt_ds.config import APTConfig, TrainConfig
+    from apt_ds.config import APTConfig, ConfigError, TrainConfig
     from apt_ds.io.data import batches, load_records, tokenize_dataset
     from apt_ds.io.modeling import load_model
     from apt_ds.io.tokenizer import load_tokenizer
     from apt_ds.training.trainer import APTrainer
 
+    schedule = {} if args.pruning_end_step is None else {"pruning_end_step": args.pruning_end_step}
+    try:  # before the model and data are loaded: an end step outside the run, or before the start
+        apt = APTConfig.for_steps(args.steps, target_density=args.density, adapter_rank=8, adapter_alpha=16.0, **schedule)
+    except ConfigError as err:
+        parser.error(str(err))
     torch.set_num_threads(1)
     hf_dir = ensure_hf_model(args.model, args.hf_cache)
     tokenizer = load_tokenizer(hf_dir)
     records = load_records(Path(args.task) / "train.jsonl")
     examples = tokenize_dataset(records, tokenizer, args.max_seq_len, pack=False)
-    schedule = {} if args.pruning_end_step is None else {"pruning_end_step": args.pruning_end_step}
-    try:
-        apt = APTConfig.for_steps(args.steps, target_density=args.density, adapter_rank=8, adapter_alpha=16.0, **schedule)
-    except ValueError as err:  # ConfigError: an end step outside the run, or before the start
-        parser.error(str(err))
     apt_configs = {f"apt_every{k}": dataclasses.replace(apt, distill_every=k)
                    for k in dict.fromkeys(args.distill_every or [apt.distill_every])}
     configs = {"lora": apt.as_lora(), **apt_configs}

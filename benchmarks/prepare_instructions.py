@@ -45,16 +45,15 @@ NGRAM = 13  # words; shorter shared sequences are mostly stock phrases ("at the 
 
 
 def evaluated_datasets() -> tuple[str, ...]:
-    """The shipped datasets lm-eval scores, from the task YAMLs themselves (`shipped: ...`), so a
-    task added there can never stay training data here."""
-    from apt_ds.evaluation.tasks import TASKS_DIR
+    """The shipped datasets lm-eval scores, from the task definitions themselves, so a task added
+    there can never stay training data here."""
+    from apt_ds.evaluation.errors import EvaluationError
+    from apt_ds.evaluation.tasks import shipped_datasets, task_manager
 
-    found = set()
-    for path in sorted(TASKS_DIR.rglob("*.yaml")):
-        found.update(re.findall(r"""["']?shipped["']?\s*:\s*["']?([\w./-]+)""", path.read_text()))
-    if not found:
-        raise SystemExit(f"error: no `shipped:` dataset found in {TASKS_DIR}'s task YAMLs")
-    return tuple(sorted(found))
+    try:
+        return shipped_datasets(task_manager())
+    except EvaluationError as err:  # lm-eval not installed
+        raise SystemExit(f"error: {err}") from None
 
 
 EVALUATED = evaluated_datasets()

@@ -206,8 +206,7 @@ def run_all(args) -> None:
                 "data_sha256": data_sha256[task],  # other records (e.g. prompt style): run again
             }
             if TASKS[task].get("harness"):
-                spec.update(harness_tasks=args.harness_tasks, harness_limit=args.harness_limit, mmlu_limit=args.mmlu_limit,
-                            harness_rows="random by seed")  # results scored on the first rows are not reused
+                spec.update(harness_tasks=args.harness_tasks, harness_limit=args.harness_limit, mmlu_limit=args.mmlu_limit)
             if args.apt:  # only when given: results of runs without overrides stay reusable
                 spec["apt_overrides"] = args.apt
             spec_path = out / task / f"{method}.spec.json"

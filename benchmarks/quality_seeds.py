@@ -31,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # apt_ds from a checkout without installing
+
 QUALITY = Path(__file__).resolve().parent / "quality.py"
 METHOD_ORDER = ["zero_shot", "lora", "apt_0.7", "apt_0.7_uniform", "ptt_0.7", "apt_0.5", "apt_0.5_uniform", "ptt_0.5",
                 "apt_0.7_nodistill", "apt_0.5_nodistill"]
@@ -79,8 +81,8 @@ def harness_row_noise(runs: list[dict]) -> dict:
     """What the rows alone make uncertain in one seed: lm-eval's standard error of the task mean
     (sqrt of the summed squared task stderrs over the task count; none where a task has no
     stderr), as the mean over seeds; and the tasks on which a seed gave (nearly) one answer only
-    (apt_ds.evaluation.harness's rule), as {task: seeds}."""
-    from apt_ds.evaluation.harness import ONE_ANSWER_MIN_ROWS, ONE_ANSWER_SHARE
+    (apt_ds.evaluation.report's rule), as {task: seeds}."""
+    from apt_ds.evaluation.report import is_one_sided
 
     found = {}
     if all(r.get("harness_stderr") and all(isinstance(se, (int, float)) for se in r["harness_stderr"].values()) for r in runs):
@@ -89,7 +91,7 @@ def harness_row_noise(runs: list[dict]) -> dict:
     one_answer = {}
     for r in runs:
         for name, share in r.get("harness_answer_share", {}).items():
-            if share >= ONE_ANSWER_SHARE and r.get("harness_rows", {}).get(name, 0) >= ONE_ANSWER_MIN_ROWS:
+            if is_one_sided(share, r.get("harness_rows", {}).get(name, 0)):
                 one_answer[name] = one_answer.get(name, 0) + 1
     found["one_answer_tasks"] = one_answer
     return found

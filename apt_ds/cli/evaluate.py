@@ -63,10 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     from apt_ds.evaluation.errors import EvaluationError
 
     try:
-        from apt_ds.evaluation.report import check_out_path, format_table, table_rows, write_results
+        from apt_ds.evaluation.report import check_out_path, format_table, one_answer_notes, table_rows, write_results
 
         check_out_path(args.out)
-        from apt_ds.evaluation.harness import ONE_ANSWER_MIN_ROWS, ONE_ANSWER_SHARE, Request, evaluate
+        from apt_ds.evaluation.harness import Request, evaluate
 
         tasks = [name.strip() for name in args.tasks.split(",") if name.strip()]
         request = Request(model=args.model, tasks=tasks, limit=args.limit, num_fewshot=args.num_fewshot,
@@ -77,10 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     except (*user_errors(), EvaluationError) as err:
         return report(err)
     print(format_table(table_rows(results, tasks)))
-    for task, share in results["apt_ds"]["most_common_answer_share"].items():
-        rows = results.get("n-samples", {}).get(task, {}).get("effective", 0)
-        if task in tasks and share >= ONE_ANSWER_SHARE and rows >= ONE_ANSWER_MIN_ROWS:
-            print(f"note: {task}: {share:.0%} of the rows got the same answer; the score is mostly that answer's share "
-                  "of the data", file=sys.stderr)
+    for note in one_answer_notes(results, tasks):
+        print(note, file=sys.stderr)
     print(f"results: {args.out}", file=sys.stderr)
     return 0

@@ -49,11 +49,6 @@ class Request:
     sample_seed: int | None = None
 
 
-# A model that gives one answer on this share of a task's rows (and at least this many rows: on
-# fewer, one answer throughout is too often chance) scores that answer's prior, not what it learned
-ONE_ANSWER_SHARE = 0.95
-ONE_ANSWER_MIN_ROWS = 20
-
 
 def go_offline() -> None:
     """Nothing may be downloaded. The variables cover libraries imported from now on; the Hub

@@ -11,6 +11,24 @@ from pathlib import Path
 from apt_ds.evaluation.errors import EvaluationError
 
 
+# A model that gives one answer on this share of a task's rows (and at least this many rows: on
+# fewer, one answer throughout is too often chance) scores that answer's prior, not what it learned
+ONE_ANSWER_SHARE = 0.95
+ONE_ANSWER_MIN_ROWS = 20
+
+
+def is_one_sided(share: float, rows: int) -> bool:
+    return share >= ONE_ANSWER_SHARE and rows >= ONE_ANSWER_MIN_ROWS
+
+
+def one_answer_notes(results: dict, requested: list[str]) -> list[str]:
+    """A line for each task asked for on which the model gave (nearly) one answer throughout."""
+    counts = results.get("n-samples", {})
+    return [f"note: {task}: {share:.0%} of the rows got the same answer; the score is mostly that answer's share of the data"
+            for task, share in results["apt_ds"]["most_common_answer_share"].items()
+            if task in requested and is_one_sided(share, counts.get(task, {}).get("effective", 0))]
+
+
 def check_out_path(out: str | Path) -> Path:
     """Refused before the (long) evaluation rather than after it."""
     out = Path(out)

