@@ -137,6 +137,10 @@ class APTConfig(_JsonConfig):
         "how scores of different unit kinds are made comparable before ranking: 'kind' scales each kind (KV groups, "
         "neurons, hidden channels) so its salience per parameter averages 1; 'none' ranks raw scores",
         choices=SCORE_NORMALIZATIONS, default="kind")
+    shape_multiple: int = help_field(
+        "FFN widths and the hidden size are kept at multiples of this (units pruned in blocks of it, by score; a "
+        "dimension under 16 blocks uses the largest power of two giving 16): matmuls run faster at aligned sizes and "
+        "llama.cpp quantizes 32-wide blocks; 1 prunes single units as the paper does", default=32)
     count_embeddings: bool = help_field("count embeddings and lm_head in the density budget", default=False)
     adapter_targets: list[str] = help_field("Linear modules that get APT adapters", choices=ADAPTER_TARGETS,
                                             default_factory=lambda: ["q_proj", "v_proj"])
@@ -181,6 +185,7 @@ class APTConfig(_JsonConfig):
         _require(self.score_normalization in SCORE_NORMALIZATIONS, c, "score_normalization", f"one of {SCORE_NORMALIZATIONS}",
                  self.score_normalization)
         _require(self.kurtosis_weight >= 0, c, "kurtosis_weight", ">= 0", self.kurtosis_weight)
+        _require(self.shape_multiple >= 1, c, "shape_multiple", ">= 1", self.shape_multiple)
         _require(self.mask_decay_window >= 0, c, "mask_decay_window", ">= 0", self.mask_decay_window)
         _require(0.0 < self.mask_decay_step <= 1.0, c, "mask_decay_step", "in (0, 1]", self.mask_decay_step)
         self.adapter_targets = tuple(self.adapter_targets)

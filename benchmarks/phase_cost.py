@@ -9,6 +9,7 @@ Pruning-event time (shrink + optimizer rebuild) is included in the step it follo
 
     python benchmarks/prepare_tasks.py
     python benchmarks/phase_cost.py --distill-every 4 1 --json bench_out/phase_cost.json
+    python benchmarks/phase_cost.py --task bench_out/tasks/instruct --steps 64 --max-seq-len 128 --shape-multiple 32 1
 """
 
 from __future__ import annotations
@@ -39,10 +40,14 @@ def main(argv=None) -> None:
                              "default: APTConfig.for_steps' value for --steps)")
     parser.add_argument("--pruning-end-step", type=int, default=None,
                         help="APTConfig.pruning_end_step of every APT trainer (default: APTConfig.for_steps' 50%% of --steps)")
+    parser.add_argument("--shape-multiple", type=int, nargs="+", default=None,
+                        help="one APT trainer per value of APTConfig.shape_multiple (kept FFN widths and hidden size are "
+                             "multiples of it; 1: single units) for each --distill-every (default: APTConfig's)")
     parser.add_argument("--json", type=Path, default=Path("bench_out/phase_cost.json"))
     args = parser.parse_args(argv)
-    if any(k < 1 for k in args.distill_every or []):
-        parser.error(f"--distill-every values must be >= 1, got {args.distill_every}")
+    for flag, values in (("--distill-every", args.distill_every), ("--shape-multiple", args.shape_multiple)):
+        if any(k < 1 for k in values or []):
+            parser.error(f"{flag} values must be >= 1, got {values}")
 
     import torch
     from tqdm.auto import tqdm
@@ -63,8 +68,10 @@ def main(argv=None) -> None:
     tokenizer = load_tokenizer(hf_dir)
     records = load_records(Path(args.task) / "train.jsonl")
     examples = tokenize_dataset(records, tokenizer, args.max_seq_len, pack=False)
-    apt_configs = {f"apt_every{k}": dataclasses.replace(apt, distill_every=k)
-                   for k in dict.fromkeys(args.distill_every or [apt.distill_every])}
+    multiples = list(dict.fromkeys(args.shape_multiple or [apt.shape_multiple]))
+    apt_configs = {f"apt_every{k}" + (f"_multiple{m}" if len(multiples) > 1 else ""):
+                   dataclasses.replace(apt, distill_every=k, shape_multiple=m)
+                   for k in dict.fromkeys(args.distill_every or [apt.distill_every]) for m in multiples}
     configs = {"lora": apt.as_lora(), **apt_configs}
     train = TrainConfig(steps=args.steps, micro_batch_size=args.micro_batch_size, lr=2e-3,
                         warmup_steps=max(1, args.steps // 10), max_seq_len=args.max_seq_len, seed=0, log_every=1)
@@ -83,7 +90,9 @@ def main(argv=None) -> None:
     result = {"command": command_line(), "git_commit": git_commit(), "hardware": hardware(), "steps": args.steps, "density": args.density,
               "pruning_start_step": apt.pruning_start_step, "pruning_end_step": apt.pruning_end_step,
               "task": args.task, "max_seq_len": args.max_seq_len, "micro_batch_size": args.micro_batch_size,
-              "final_density": {name: t.state.density() for name, t in trainers.items()}, "cpu_s_per_step": cpu, "phases": {}}
+              "final_density": {name: t.state.density() for name, t in trainers.items()},
+              "final_shape": {name: t.state.shape.to_dict() for name, t in trainers.items()},
+              "shape_multiple": {name: configs[name].shape_multiple for name in apt_configs}, "cpu_s_per_step": cpu, "phases": {}}
     for phase, (lo, hi) in phases.items():
         lora_s = sum(cpu["lora"][lo:hi])
         result["phases"][phase] = {"steps": hi - lo, "lora_cpu_s": lora_s}

@@ -1,13 +1,16 @@
 """Choosing which units to keep under an exact parameter budget, and moving masks there.
 
-Non-uniform (APT's default): every unit of every kind gets density = score / cost at the
-current shapes; one sorted list; the longest prefix whose EXACT parameter count fits the
-budget is kept. Because block_params = D * (sum of kept group coefficients + 3 * kept
-neurons + 2L + 1 [+ embedding columns]) depends only on running totals, the count of every
-prefix comes from three cumulative sums: one O(units log units) sort decides everything.
+Non-uniform (APT's default): every block (a KV group, or `block_size` neurons of a layer or
+hidden channels taken in score order) gets density = score / cost at the current shapes; one
+sorted list; the longest prefix whose EXACT parameter count fits the budget is kept (then once
+more with the hidden size fixed, see `_decide_ranked`). Because block_params = D * (sum of kept
+group coefficients + 3 * kept neurons + 2L + 1 [+ embedding columns]) depends only on running
+totals, the count of every prefix comes from three cumulative sums: one sort decides everything.
 Uniform: all layers keep the same (groups, neurons); search the shape (G, N, D) that fits
 and maximizes kept salience (D a multiple of the kept query heads so that a stock
 LlamaConfig accepts it), then pick units per layer by salience.
+Both modes keep FFN widths and the hidden size at multiples of `block_size` (32 by default,
+APTConfig.shape_multiple): aligned sizes run faster and quantize in llama.cpp's 32-wide blocks.
 """
 
 from __future__ import annotations
@@ -90,6 +93,97 @@ def normalize_by_kind(shape: ModelShape, group_scores, neuron_scores, hidden_sco
     return groups, neurons, hidden
 
 
+MIN_BLOCKS = 16  # a dimension is never cut into fewer blocks than this (see block_size)
+
+
+def block_size(size: int, multiple: int) -> int:
+    """How many units of a dimension of `size` are pruned together, so that what is kept stays a
+    multiple of it: `multiple`, or where that leaves fewer than MIN_BLOCKS blocks the largest
+    power of two that leaves MIN_BLOCKS (a small late-layer FFN, a test-sized model), down to 1.
+
+    Why blocks: matmul kernels run best on aligned sizes (measured on this repo's CPU, 512-token
+    matmuls: an FFN width of 1,519 ran at 84-89 GFLOP/s where 1,520 ran at 97-99, docs/BENCHMARKS.md;
+    GPU tensor cores want multiples of 8 or more), and llama.cpp quantizes rows in 32-wide blocks."""
+    if multiple <= 1 or size < 2 * MIN_BLOCKS:
+        return 1
+    if size >= MIN_BLOCKS * multiple:
+        return multiple
+    return 1 << ((size // MIN_BLOCKS).bit_length() - 1)
+
+
+@dataclass
+class _Vector:
+    """One score vector of the ranking: a layer's KV groups or FFN neurons, or the hidden channels."""
+
+    kind: int  # 0 group, 1 neuron, 2 hidden channel
+    scores: torch.Tensor
+    unit_cost: int  # parameters one unit costs at the current shapes
+    coefficient: int  # a group's parameters per hidden channel (0 for the other kinds)
+    prunable: bool
+    block: int  # units per block
+
+
+class _Blocks:
+    """Every vector cut into blocks of its units in score order (block 0: its best `block`
+    units), all blocks in one list. The exact parameter count of any set of blocks comes from
+    three totals: kept hidden channels D, group coefficients C and neurons N give
+    D * (C + 3N + fixed_per_channel)."""
+
+    def __init__(self, vectors: list[_Vector], fixed_per_channel: int):
+        self.vectors, self.fixed_per_channel = vectors, fixed_per_channel
+        self.block_of: list[torch.Tensor] = []  # per vector: the global block of each unit
+        kinds, density, coefficients, neurons, channels, forced = [], [], [], [], [], []
+        offset = 0
+        for v in vectors:
+            n = v.scores.numel()
+            scores = v.scores.double()
+            order = torch.argsort(scores, descending=True, stable=True)
+            rank_block = torch.arange(n) // v.block  # the block of the i-th best unit
+            count = -(-n // v.block)
+            block_of = torch.empty(n, dtype=torch.int64)
+            block_of[order] = rank_block + offset
+            self.block_of.append(block_of)
+            units = torch.bincount(rank_block, minlength=count).double()
+            block_scores = torch.zeros(count, dtype=torch.float64).index_add_(0, rank_block, scores[order])
+            kinds.append(torch.full((count,), v.kind, dtype=torch.int8))
+            density.append(block_scores / (units * v.unit_cost))
+            coefficients.append(units * v.coefficient)
+            neurons.append(units if v.kind == 1 else torch.zeros(count, dtype=torch.float64))
+            channels.append(units if v.kind == 2 else torch.zeros(count, dtype=torch.float64))
+            is_forced = torch.full((count,), not v.prunable, dtype=torch.bool)
+            is_forced[:1] = True  # guard rail: the best block of every vector survives
+            forced.append(is_forced)
+            offset += count
+        self.kinds, self.density, self.forced = torch.cat(kinds), torch.cat(density), torch.cat(forced)
+        self.coefficients, self.neurons, self.channels = torch.cat(coefficients), torch.cat(neurons), torch.cat(channels)
+
+    def fit(self, target: float, forced: torch.Tensor, excluded: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+        """Kept blocks: the forced ones, then by score per parameter, the longest prefix whose exact
+        parameter count fits `target`; `excluded` blocks are never kept. Returns (flags, params)."""
+        candidates = torch.arange(self.density.numel()) if excluded is None else (~excluded).nonzero().flatten()
+        key = torch.where(forced, torch.full_like(self.density, float("inf")), self.density)[candidates]
+        order = candidates[torch.argsort(key, descending=True, stable=True)]
+        channels = torch.cumsum(self.channels[order], 0)
+        counts = channels * (torch.cumsum(self.coefficients[order], 0) + 3 * torch.cumsum(self.neurons[order], 0)
+                             + self.fixed_per_channel)
+        n_forced = int(forced[order].sum())
+        n_keep = int(torch.searchsorted(counts, torch.tensor([float(target)], dtype=torch.float64), right=True))
+        if n_keep < n_forced:
+            raise PruningError(
+                f"target of {int(target):,} parameters is below the smallest model the guard rails allow "
+                f"({int(counts[n_forced - 1]):,}: one KV group and one block of neurons per layer, one block of hidden "
+                f"channels); raise target_density"
+            )
+        kept = torch.zeros(self.density.numel(), dtype=torch.bool)
+        kept[order[:n_keep]] = True
+        return kept, int(counts[n_keep - 1])
+
+    def decision(self, kept: tuple[torch.Tensor, int]) -> KeepDecision:
+        flags, params = kept
+        units = [flags[block_of] for block_of in self.block_of]  # a unit is kept with its block
+        return KeepDecision(units[0:-1:2], units[1:-1:2], units[-1], params)
+
+
 class AdaptivePruner:
     def __init__(self, config: APTConfig):
         self.config = config
@@ -107,63 +201,28 @@ class AdaptivePruner:
             return self._decide_uniform(shape, group_scores, neuron_scores, hidden_scores, target_params)
         return self._decide_ranked(shape, group_scores, neuron_scores, hidden_scores, target_params)
 
-    # ---- non-uniform: one ranked list --------------------------------------------------------
+    # ---- non-uniform: one ranked list of blocks ----------------------------------------------
     def _decide_ranked(self, shape, group_scores, neuron_scores, hidden_scores, target) -> KeepDecision:
-        cfg, D, L = self.config, shape.hidden, len(shape.layers)
+        """Rank blocks (a KV group; `block_size` neurons of a layer or hidden channels, the best-
+        scored together) by score per parameter and keep the longest prefix that fits. The
+        hidden size is then fixed at what that prefix kept, and groups and neuron blocks are
+        ranked again at that size: a hidden block costs ~1/18 of SmolLM2's parameters, and the
+        first prefix stops at the first block that does not fit, leaving up to that much of the
+        budget unused."""
+        cfg, L = self.config, len(shape.layers)
         emb = embedding_columns(shape, cfg.count_embeddings)
-        kinds, layer_of, local, density, coef, forced = [], [], [], [], [], []
-
-        def add(kind, layer, scores, cost, coefficient, prunable):
-            n = scores.numel()
-            scores = scores.double()
-            is_forced = torch.ones(n, dtype=torch.bool) if not prunable else torch.zeros(n, dtype=torch.bool)
-            if n:
-                is_forced[int(torch.argmax(scores))] = True  # guard rail: at least one unit survives
-            kinds.append(torch.full((n,), kind, dtype=torch.int8))
-            layer_of.append(torch.full((n,), layer, dtype=torch.int32))
-            local.append(torch.arange(n, dtype=torch.int64))
-            density.append(scores / cost)
-            coef.append(torch.full((n,), coefficient, dtype=torch.float64))
-            forced.append(is_forced)
-
-        for l, layer in enumerate(shape.layers):
+        vectors = []  # in slot order: groups and neurons of each layer, then hidden channels
+        for layer, (groups, neurons) in zip(shape.layers, zip(group_scores, neuron_scores)):
             c = (2 * layer.group_size + 2) * layer.head_dim
-            add(0, l, group_scores[l], c * D, c, cfg.prune_heads)
-            add(1, l, neuron_scores[l], 3 * D, 0, cfg.prune_neurons)
-        add(2, -1, hidden_scores, shape.hidden_cost() + emb, 0, cfg.prune_hidden)
-
-        kinds, layer_of, local = torch.cat(kinds), torch.cat(layer_of), torch.cat(local)
-        density, coef, forced = torch.cat(density), torch.cat(coef), torch.cat(forced)
-        key = torch.where(forced, torch.full_like(density, float("inf")), density)
-        order = torch.argsort(key, descending=True, stable=True)
-        kinds, layer_of, local, coef = kinds[order], layer_of[order], local[order], coef[order]
-
-        kept_d = torch.cumsum((kinds == 2).double(), 0)
-        kept_coef = torch.cumsum(coef, 0)
-        kept_neurons = torch.cumsum((kinds == 1).double(), 0)
-        counts = kept_d * (kept_coef + 3 * kept_neurons + 2 * L + 1 + emb)
-        n_forced = int(forced.sum())
-        n_keep = int(torch.searchsorted(counts, torch.tensor([float(target)], dtype=torch.float64), right=True))
-        if n_keep < n_forced:
-            minimum = int(counts[n_forced - 1])
-            raise PruningError(
-                f"target of {int(target):,} parameters is below the smallest model the guard rails allow "
-                f"({minimum:,}: one KV group and one neuron per layer); raise target_density"
-            )
-        return self._flags(shape, kinds[:n_keep], layer_of[:n_keep], local[:n_keep], int(counts[n_keep - 1]))
-
-    @staticmethod
-    def _flags(shape, kinds, layer_of, local, params) -> KeepDecision:
-        """Kept flags per layer from the kept prefix, with one scatter (O(units), not O(units x layers))."""
-        L = len(shape.layers)
-        sizes = [n for l in shape.layers for n in (l.num_kv_groups, l.ffn)] + [shape.hidden]
-        offsets = torch.tensor([0] + sizes[:-1], dtype=torch.int64).cumsum(0)
-        # Slot of each unit's vector in the order _decide_ranked concatenated them.
-        slot = torch.where(kinds == 2, torch.full_like(layer_of, 2 * L), 2 * layer_of + kinds.to(layer_of.dtype))
-        flat = torch.zeros(sum(sizes), dtype=torch.bool)
-        flat[offsets[slot.long()] + local] = True
-        pieces = [p.clone() for p in flat.split(sizes)]
-        return KeepDecision(pieces[0 : 2 * L : 2], pieces[1 : 2 * L : 2], pieces[-1], params)
+            vectors.append(_Vector(0, groups, c * shape.hidden, c, cfg.prune_heads, 1))  # a group is aligned already
+            vectors.append(_Vector(1, neurons, 3 * shape.hidden, 0, cfg.prune_neurons, block_size(layer.ffn, cfg.shape_multiple)))
+        vectors.append(_Vector(2, hidden_scores, shape.hidden_cost() + emb, 0, cfg.prune_hidden,
+                               block_size(shape.hidden, cfg.shape_multiple)))
+        blocks = _Blocks(vectors, fixed_per_channel=2 * L + 1 + emb)
+        hidden = blocks.kinds == 2
+        kept_hidden = hidden & blocks.fit(target, blocks.forced)[0]
+        # Second pass: the hidden blocks the first pass kept come first, the other ones are out.
+        return blocks.decision(blocks.fit(target, blocks.forced | kept_hidden, excluded=hidden & ~kept_hidden))
 
     # ---- uniform: one shape for every layer ---------------------------------------------------
     def _decide_uniform(self, shape, group_scores, neuron_scores, hidden_scores, target) -> KeepDecision:
@@ -181,16 +240,18 @@ class AdaptivePruner:
 
         group_prefix, neuron_prefix = prefix(group_scores), prefix(neuron_scores)
         hidden_prefix = torch.cat([torch.zeros(1, dtype=torch.float64), hidden_scores.double().sort(descending=True).values.cumsum(0)])
+        hidden_block, neuron_block = block_size(D0, cfg.shape_multiple), block_size(N0, cfg.shape_multiple)
         best = None
         for G in (range(1, G0 + 1) if cfg.prune_heads else [G0]):
             heads = G * g
             d_options = range(heads, D0 + 1, heads) if cfg.prune_hidden else [D0]
             for D in d_options:
-                if D % heads:
+                if D % heads or (D % hidden_block and D != D0):
                     continue
                 fixed = D * (c * G * L + 2 * L + 1 + emb)
                 if cfg.prune_neurons:
                     N = min(N0, int((target - fixed) // (3 * L * D))) if target >= fixed else 0
+                    N = N if N == N0 else N - N % neuron_block
                 else:
                     N = N0 if fixed + 3 * L * D * N0 <= target else 0
                 if N < 1:
@@ -201,8 +262,9 @@ class AdaptivePruner:
                     best = (value, params, G, N, D)
         if best is None:
             raise PruningError(
-                f"no uniform shape fits {int(target):,} parameters (need >= 1 KV group and 1 neuron per layer "
-                f"and hidden a multiple of the kept query heads); raise target_density"
+                f"no uniform shape fits {int(target):,} parameters (need >= 1 KV group and {neuron_block} neurons per "
+                f"layer, hidden a multiple of the kept query heads and of {hidden_block}); raise target_density or lower "
+                f"shape_multiple"
             )
         _, params, G, N, D = best
         top = lambda scores, k: torch.zeros(scores.numel(), dtype=torch.bool).index_fill_(  # noqa: E731

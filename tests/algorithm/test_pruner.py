@@ -8,7 +8,14 @@ import pytest
 import torch
 from conftest import TINY_CONFIGS, tiny_llama
 
-from apt_ds.algorithm.pruner import AdaptivePruner, KeepDecision, PruningError, embedding_columns, normalize_by_kind
+from apt_ds.algorithm.pruner import (
+    AdaptivePruner,
+    KeepDecision,
+    PruningError,
+    block_size,
+    embedding_columns,
+    normalize_by_kind,
+)
 from apt_ds.algorithm.units import LayerShape, ModelShape
 from apt_ds.config import APTConfig
 
@@ -39,15 +46,18 @@ def _scores(shape: ModelShape, rng: random.Random):
             draw(shape.hidden) * scale_h)
 
 
-def _max_unit_cost(shape: ModelShape, count_embeddings: bool) -> int:
+def _max_block_cost(shape: ModelShape, count_embeddings: bool, multiple: int) -> int:
     group = max(l.group_cost(shape.hidden) for l in shape.layers)
-    return max(group, 3 * shape.hidden, shape.hidden_cost() + embedding_columns(shape, count_embeddings))
+    neurons = max(3 * shape.hidden * block_size(l.ffn, multiple) for l in shape.layers)
+    channels = block_size(shape.hidden, multiple) * (shape.hidden_cost() + embedding_columns(shape, count_embeddings))
+    return max(group, neurons, channels)
 
 
-def _minimum_params(shape: ModelShape, count_embeddings: bool) -> int:
-    """Smallest model the guard rails allow: the cheapest group, one neuron per layer, one channel."""
-    layers = tuple(LayerShape(1, l.group_size, l.head_dim, 1) for l in shape.layers)
-    return ModelShape(1, layers, shape.vocab, shape.tied_embeddings).budget_params(count_embeddings)
+def _minimum_params(shape: ModelShape, count_embeddings: bool, multiple: int = 1) -> int:
+    """Smallest model the guard rails allow: the cheapest group, one block of neurons per layer and of channels."""
+    layers = tuple(LayerShape(1, l.group_size, l.head_dim, block_size(l.ffn, multiple)) for l in shape.layers)
+    hidden = block_size(shape.hidden, multiple)
+    return ModelShape(hidden, layers, shape.vocab, shape.tied_embeddings).budget_params(count_embeddings)
 
 
 def _check_guard_rails(decision: KeepDecision, shape: ModelShape) -> None:
@@ -59,14 +69,15 @@ def _check_guard_rails(decision: KeepDecision, shape: ModelShape) -> None:
     assert decision.hidden.numel() == shape.hidden and bool(decision.hidden.any())
 
 
+@pytest.mark.parametrize("multiple", [1, 32])
 @pytest.mark.parametrize("count_embeddings", [False, True])
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_random_budgets_are_met_within_one_unit(name, count_embeddings):
+def test_random_budgets_are_met_within_one_block(name, count_embeddings, multiple):
     shape = SHAPES[name]
-    pruner = AdaptivePruner(APTConfig(count_embeddings=count_embeddings))
+    pruner = AdaptivePruner(APTConfig(count_embeddings=count_embeddings, shape_multiple=multiple))
     full = shape.budget_params(count_embeddings)
-    floor = _minimum_params(shape, count_embeddings)
-    max_cost = _max_unit_cost(shape, count_embeddings)
+    floor = _minimum_params(shape, count_embeddings, multiple)
+    max_cost = _max_block_cost(shape, count_embeddings, multiple)
     rng = random.Random(f"{name}-{count_embeddings}")
     checked = 0
     for _ in range(60):
@@ -85,11 +96,14 @@ def test_random_budgets_are_met_within_one_unit(name, count_embeddings):
     assert checked >= 30
 
 
+@pytest.mark.parametrize("multiple", [1, 32])
 @pytest.mark.parametrize("name", ["gqa", "ragged"])
-def test_neurons_are_kept_by_score(name):
-    """All neurons cost 3*D, so a kept (unforced) neuron never scores below a pruned one."""
+def test_neurons_are_kept_by_score_in_blocks(name, multiple):
+    """Each layer keeps its best-scored neurons, a multiple of its block (or all of them). With
+    single units (multiple 1) every neuron costs 3*D, so a kept (unforced) neuron never scores
+    below a pruned one anywhere; with blocks that holds for the blocks' means."""
     shape = SHAPES[name]
-    pruner = AdaptivePruner(APTConfig())
+    pruner = AdaptivePruner(APTConfig(shape_multiple=multiple))
     rng = random.Random(3)
     for _ in range(10):
         gen = torch.Generator().manual_seed(rng.randrange(2**31))
@@ -97,8 +111,14 @@ def test_neurons_are_kept_by_score(name):
         neurons = [torch.rand(l.ffn, generator=gen, dtype=torch.float64) for l in shape.layers]
         hidden = torch.rand(shape.hidden, generator=gen, dtype=torch.float64)
         decision = pruner.decide(shape, groups, neurons, hidden, 0.6 * shape.block_params())
+        kept_hidden = int(decision.hidden.sum())
+        assert kept_hidden == shape.hidden or kept_hidden % block_size(shape.hidden, multiple) == 0
         kept, pruned = [], []
-        for scores, flags in zip(neurons, decision.neurons):
+        for scores, flags, layer in zip(neurons, decision.neurons, shape.layers):
+            count = int(flags.sum())
+            assert count == layer.ffn or count % block_size(layer.ffn, multiple) == 0, (count, layer.ffn)
+            if not bool(flags.all()):
+                assert float(scores[flags].min()) >= float(scores[~flags].max())
             forced = int(torch.argmax(scores))
             mask = flags.clone()
             mask[forced] = False
@@ -106,8 +126,29 @@ def test_neurons_are_kept_by_score(name):
             pruned.append(scores[~flags])
         kept, pruned = torch.cat(kept), torch.cat(pruned)
         assert pruned.numel() > 0
-        if kept.numel():
+        if kept.numel() and multiple == 1:
             assert float(kept.min()) >= float(pruned.max())
+
+
+@pytest.mark.parametrize("uniform", [False, True])
+def test_smollm2_sized_decisions_keep_aligned_widths(uniform):
+    """At SmolLM2-135M's shapes every kept FFN width and the hidden size are multiples of 32
+    (single units would leave widths like 1,519 and a hidden size of 575), the budget is still
+    met within one block, and shape_multiple=1 reproduces the unaligned decision."""
+    shape = ModelShape(576, tuple(LayerShape(3, 3, 64, 1536) for _ in range(30)), 49152, True)
+    gen = torch.Generator().manual_seed(0)
+    depth = torch.linspace(1.0, 0.2, 30, dtype=torch.float64)  # later layers matter less, as measured
+    groups = [torch.rand(3, generator=gen, dtype=torch.float64) * d for d in depth]
+    neurons = [torch.rand(1536, generator=gen, dtype=torch.float64) * d for d in depth]
+    hidden = torch.rand(576, generator=gen, dtype=torch.float64)
+    target = 0.7 * shape.block_params()
+    aligned = AdaptivePruner(APTConfig(uniform=uniform)).decide(shape, groups, neurons, hidden, target)
+    single = AdaptivePruner(APTConfig(uniform=uniform, shape_multiple=1)).decide(shape, groups, neurons, hidden, target)
+    widths = [int(n.sum()) for n in aligned.neurons] + [int(aligned.hidden.sum())]
+    assert all(w % 32 == 0 for w in widths), widths
+    assert any(int(n.sum()) % 32 for n in single.neurons) or int(single.hidden.sum()) % 32
+    assert aligned.params <= target and target - aligned.params < _max_block_cost(shape, False, 32)
+    assert aligned.params == aligned.kept_shape(shape).block_params()
 
 
 def test_full_budget_keeps_everything_and_impossible_target_raises():
