@@ -5,7 +5,7 @@ hidden channels taken in score order) gets density = score / cost at the current
 sorted list; the longest prefix whose EXACT parameter count fits the budget is kept (then once
 more with the hidden size fixed, see `_decide_ranked`). Because block_params = D * (sum of kept
 group coefficients + 3 * kept neurons + 2L + 1 [+ embedding columns]) depends only on running
-totals, the count of every prefix comes from three cumulative sums: one sort decides everything.
+totals, the count of every prefix comes from three cumulative sums: a sort per pass decides.
 Uniform: all layers keep the same (groups, neurons); search the shape (G, N, D) that fits
 and maximizes kept salience (D a multiple of the kept query heads so that a stock
 LlamaConfig accepts it), then pick units per layer by salience.
@@ -15,6 +15,7 @@ APTConfig.shape_multiple): aligned sizes run faster and quantize in llama.cpp's 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -111,6 +112,25 @@ def block_size(size: int, multiple: int) -> int:
     return 1 << ((size // MIN_BLOCKS).bit_length() - 1)
 
 
+@dataclass(frozen=True)
+class _BlockSizes:
+    """Units per block of each layer's FFN and of the hidden size, from the unpruned shape."""
+
+    ffn: list[int]
+    hidden: int
+
+
+def _uniform_hidden_step(hidden_block: int, heads: int, hidden: int) -> int:
+    """Uniform hidden sizes are multiples of the kept query heads (a stock LlamaConfig); of those,
+    the multiples of lcm(heads, block), with the block halved until that leaves >= MIN_BLOCKS
+    choices (SmolLM2's 9 heads and 576 channels: lcm(9, 32) = 288 would leave 2, lcm(9, 4) = 36
+    leaves 16)."""
+    block = hidden_block
+    while block > 1 and hidden // math.lcm(heads, block) < MIN_BLOCKS:
+        block //= 2
+    return math.lcm(heads, block)
+
+
 @dataclass
 class _Vector:
     """One score vector of the ranking: a layer's KV groups or FFN neurons, or the hidden channels."""
@@ -146,7 +166,9 @@ class _Blocks:
             units = torch.bincount(rank_block, minlength=count).double()
             block_scores = torch.zeros(count, dtype=torch.float64).index_add_(0, rank_block, scores[order])
             kinds.append(torch.full((count,), v.kind, dtype=torch.int8))
-            density.append(block_scores / (units * v.unit_cost))
+            # Non-increasing along the vector: its blocks hold units in score order, but float sums of
+            # equal scores (a short last block) could otherwise rank a later block first.
+            density.append(torch.cummin(block_scores / (units * v.unit_cost), 0).values if count else block_scores)
             coefficients.append(units * v.coefficient)
             neurons.append(units if v.kind == 1 else torch.zeros(count, dtype=torch.float64))
             channels.append(units if v.kind == 2 else torch.zeros(count, dtype=torch.float64))
@@ -188,9 +210,17 @@ class AdaptivePruner:
     def __init__(self, config: APTConfig):
         self.config = config
 
-    def decide(self, shape: ModelShape, group_scores, neuron_scores, hidden_scores, target_params: float) -> KeepDecision:
+    def decide(self, shape: ModelShape, group_scores, neuron_scores, hidden_scores, target_params: float,
+               original: ModelShape | None = None) -> KeepDecision:
         """Decided on the host in float64 (sorting and a binary search over O(units) values: one
-        copy of the device scores per decision, never inside a step)."""
+        copy of the device scores per decision, never inside a step). `original`: the shape
+        before any pruning (default `shape`); block sizes come from it, so a dimension is cut in
+        the same blocks at every event and what it keeps stays a multiple of its block."""
+        original = original or shape
+        if len(original.layers) != len(shape.layers):
+            raise PruningError(f"original shape has {len(original.layers)} layers, the current one {len(shape.layers)}")
+        multiple = self.config.shape_multiple
+        blocks = _BlockSizes([block_size(l.ffn, multiple) for l in original.layers], block_size(original.hidden, multiple))
         group_scores = [g.detach().double().cpu() for g in group_scores]
         neuron_scores = [n.detach().double().cpu() for n in neuron_scores]
         hidden_scores = hidden_scores.detach().double().cpu()
@@ -198,11 +228,11 @@ class AdaptivePruner:
             group_scores, neuron_scores, hidden_scores = normalize_by_kind(
                 shape, group_scores, neuron_scores, hidden_scores, embedding_columns(shape, self.config.count_embeddings))
         if self.config.uniform:
-            return self._decide_uniform(shape, group_scores, neuron_scores, hidden_scores, target_params)
-        return self._decide_ranked(shape, group_scores, neuron_scores, hidden_scores, target_params)
+            return self._decide_uniform(shape, group_scores, neuron_scores, hidden_scores, target_params, blocks)
+        return self._decide_ranked(shape, group_scores, neuron_scores, hidden_scores, target_params, blocks)
 
     # ---- non-uniform: one ranked list of blocks ----------------------------------------------
-    def _decide_ranked(self, shape, group_scores, neuron_scores, hidden_scores, target) -> KeepDecision:
+    def _decide_ranked(self, shape, group_scores, neuron_scores, hidden_scores, target, sizes) -> KeepDecision:
         """Rank blocks (a KV group; `block_size` neurons of a layer or hidden channels, the best-
         scored together) by score per parameter and keep the longest prefix that fits. The
         hidden size is then fixed at what that prefix kept, and groups and neuron blocks are
@@ -212,12 +242,11 @@ class AdaptivePruner:
         cfg, L = self.config, len(shape.layers)
         emb = embedding_columns(shape, cfg.count_embeddings)
         vectors = []  # in slot order: groups and neurons of each layer, then hidden channels
-        for layer, (groups, neurons) in zip(shape.layers, zip(group_scores, neuron_scores)):
+        for layer, groups, neurons, neuron_block in zip(shape.layers, group_scores, neuron_scores, sizes.ffn):
             c = (2 * layer.group_size + 2) * layer.head_dim
             vectors.append(_Vector(0, groups, c * shape.hidden, c, cfg.prune_heads, 1))  # a group is aligned already
-            vectors.append(_Vector(1, neurons, 3 * shape.hidden, 0, cfg.prune_neurons, block_size(layer.ffn, cfg.shape_multiple)))
-        vectors.append(_Vector(2, hidden_scores, shape.hidden_cost() + emb, 0, cfg.prune_hidden,
-                               block_size(shape.hidden, cfg.shape_multiple)))
+            vectors.append(_Vector(1, neurons, 3 * shape.hidden, 0, cfg.prune_neurons, neuron_block))
+        vectors.append(_Vector(2, hidden_scores, shape.hidden_cost() + emb, 0, cfg.prune_hidden, sizes.hidden))
         blocks = _Blocks(vectors, fixed_per_channel=2 * L + 1 + emb)
         hidden = blocks.kinds == 2
         kept_hidden = hidden & blocks.fit(target, blocks.forced)[0]
@@ -225,7 +254,7 @@ class AdaptivePruner:
         return blocks.decision(blocks.fit(target, blocks.forced | kept_hidden, excluded=hidden & ~kept_hidden))
 
     # ---- uniform: one shape for every layer ---------------------------------------------------
-    def _decide_uniform(self, shape, group_scores, neuron_scores, hidden_scores, target) -> KeepDecision:
+    def _decide_uniform(self, shape, group_scores, neuron_scores, hidden_scores, target, sizes) -> KeepDecision:
         cfg, L = self.config, len(shape.layers)
         first = shape.layers[0]
         if not shape.uniform:
@@ -240,13 +269,14 @@ class AdaptivePruner:
 
         group_prefix, neuron_prefix = prefix(group_scores), prefix(neuron_scores)
         hidden_prefix = torch.cat([torch.zeros(1, dtype=torch.float64), hidden_scores.double().sort(descending=True).values.cumsum(0)])
-        hidden_block, neuron_block = block_size(D0, cfg.shape_multiple), block_size(N0, cfg.shape_multiple)
+        neuron_block = sizes.ffn[0]
         best = None
         for G in (range(1, G0 + 1) if cfg.prune_heads else [G0]):
             heads = G * g
-            d_options = range(heads, D0 + 1, heads) if cfg.prune_hidden else [D0]
+            step = _uniform_hidden_step(sizes.hidden, heads, D0)
+            d_options = [*range(step, D0, step), D0] if cfg.prune_hidden else [D0]
             for D in d_options:
-                if D % heads or (D % hidden_block and D != D0):
+                if D % heads:
                     continue
                 fixed = D * (c * G * L + 2 * L + 1 + emb)
                 if cfg.prune_neurons:
@@ -263,8 +293,8 @@ class AdaptivePruner:
         if best is None:
             raise PruningError(
                 f"no uniform shape fits {int(target):,} parameters (need >= 1 KV group and {neuron_block} neurons per "
-                f"layer, hidden a multiple of the kept query heads and of {hidden_block}); raise target_density or lower "
-                f"shape_multiple"
+                f"layer, and a hidden size that is a multiple of the kept query heads, aligned as far as 16 choices "
+                f"allow); raise target_density, or lower shape_multiple"
             )
         _, params, G, N, D = best
         top = lambda scores, k: torch.zeros(scores.numel(), dtype=torch.bool).index_fill_(  # noqa: E731

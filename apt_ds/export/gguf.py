@@ -10,8 +10,9 @@ layer without neurons is written with one zero neuron instead (its FFN adds exac
 
 Q and K rows are permuted per layer with that layer's head counts, as llama.cpp's converter
 (LlamaModel.permute) does: HF rotates the two halves of a head, llama.cpp adjacent pairs.
-Norms stay F32 (as the converter writes them). q8_0 quantizes rows in 32-wide blocks, and pruning
-leaves hidden sizes and FFN widths that are not multiples of 32; rather than fall back to F16 for
+Norms stay F32 (as the converter writes them). q8_0 quantizes rows in 32-wide blocks; APT keeps
+widths at multiples of 32 by default (APTConfig.shape_multiple), but single-unit pruning, small
+dimensions and other tools leave hidden sizes and FFN widths that are not; rather than fall back to F16 for
 those matrices (llama.cpp's converter does, and a pruned Q8_0 file came out larger than the dense
 one), the q8_0 export pads them with exactly-zero units. A zero neuron adds nothing (its gate and
 up rows are 0). A zero hidden channel is 0 in the embedding and in every o_proj/down_proj output,

@@ -82,7 +82,8 @@ def one_shot_prune(model, calibration_batches: Iterable[dict], target_density: f
         state.salience.end_step()
         s = state.salience
         target = target_density * state.original_shape.budget_params(config.count_embeddings)
-        decision = AdaptivePruner(config).decide(state.shape, s.group_scores, s.neuron_scores, s.hidden_scores, target)
+        decision = AdaptivePruner(config).decide(state.shape, s.group_scores, s.neuron_scores, s.hidden_scores, target,
+                                                 original=state.original_shape)
         if decision.removes_anything():
             state.shrink(decision)
             release_free_heap()  # as APT does after its events (apt_ds.training.heap)

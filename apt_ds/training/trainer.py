@@ -240,7 +240,8 @@ class APTrainer:
     def _decide(self, density: float):
         target = density * self.state.original_shape.budget_params(self.apt_config.count_embeddings)
         s = self.state.salience
-        return self.pruner.decide(self.state.shape, s.group_scores, s.neuron_scores, s.hidden_scores, target)
+        return self.pruner.decide(self.state.shape, s.group_scores, s.neuron_scores, s.hidden_scores, target,
+                                  original=self.state.original_shape)
 
     def _pruning_event(self, step: int) -> dict:
         started = time.perf_counter()

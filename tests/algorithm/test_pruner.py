@@ -17,7 +17,7 @@ from apt_ds.algorithm.pruner import (
     normalize_by_kind,
 )
 from apt_ds.algorithm.units import LayerShape, ModelShape
-from apt_ds.config import APTConfig
+from apt_ds.config import APTConfig, ConfigError
 
 SHAPES = {kind: ModelShape.from_model(tiny_llama(kind)) for kind in TINY_CONFIGS}
 # an already-shrunk, non-uniform shape (layers differ) with mixed group sizes
@@ -130,25 +130,70 @@ def test_neurons_are_kept_by_score_in_blocks(name, multiple):
             assert float(kept.min()) >= float(pruned.max())
 
 
+SMOLLM2 = ModelShape(576, tuple(LayerShape(3, 3, 64, 1536) for _ in range(30)), 49152, True)
+
+
+def _smollm2_scores(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    depth = torch.linspace(1.0, 0.05, 30, dtype=torch.float64)  # later layers matter less, as measured
+    return ([torch.rand(3, generator=gen, dtype=torch.float64) * d for d in depth],
+            [torch.rand(1536, generator=gen, dtype=torch.float64) * d for d in depth],
+            torch.rand(576, generator=gen, dtype=torch.float64))
+
+
 @pytest.mark.parametrize("uniform", [False, True])
-def test_smollm2_sized_decisions_keep_aligned_widths(uniform):
-    """At SmolLM2-135M's shapes every kept FFN width and the hidden size are multiples of 32
-    (single units would leave widths like 1,519 and a hidden size of 575), the budget is still
-    met within one block, and shape_multiple=1 reproduces the unaligned decision."""
-    shape = ModelShape(576, tuple(LayerShape(3, 3, 64, 1536) for _ in range(30)), 49152, True)
-    gen = torch.Generator().manual_seed(0)
-    depth = torch.linspace(1.0, 0.2, 30, dtype=torch.float64)  # later layers matter less, as measured
-    groups = [torch.rand(3, generator=gen, dtype=torch.float64) * d for d in depth]
-    neurons = [torch.rand(1536, generator=gen, dtype=torch.float64) * d for d in depth]
-    hidden = torch.rand(576, generator=gen, dtype=torch.float64)
-    target = 0.7 * shape.block_params()
-    aligned = AdaptivePruner(APTConfig(uniform=uniform)).decide(shape, groups, neurons, hidden, target)
-    single = AdaptivePruner(APTConfig(uniform=uniform, shape_multiple=1)).decide(shape, groups, neurons, hidden, target)
-    widths = [int(n.sum()) for n in aligned.neurons] + [int(aligned.hidden.sum())]
-    assert all(w % 32 == 0 for w in widths), widths
-    assert any(int(n.sum()) % 32 for n in single.neurons) or int(single.hidden.sum()) % 32
-    assert aligned.params <= target and target - aligned.params < _max_block_cost(shape, False, 32)
-    assert aligned.params == aligned.kept_shape(shape).block_params()
+def test_smollm2_sized_schedules_keep_aligned_widths(uniform):
+    """Over a schedule of events at SmolLM2-135M's shapes every kept FFN width stays a multiple of
+    32 (blocks come from the unpruned shape, so a layer cut to a few hundred neurons is not cut
+    in finer blocks at the next event) and the hidden size a multiple of 32 (uniform: of 36, the
+    9 query heads' multiple with 16 choices); the budget holds within one block at each event.
+    Single units leave widths such as 1,519 and a hidden size of 575."""
+    original = SMOLLM2
+    pruner = AdaptivePruner(APTConfig(uniform=uniform))
+    shape, (groups, neurons, hidden) = original, _smollm2_scores()
+    for density in (0.9, 0.8, 0.7, 0.6):
+        target = density * original.block_params()
+        decision = pruner.decide(shape, groups, neurons, hidden, target, original=original)
+        assert decision.params == decision.kept_shape(shape).block_params() <= target
+        if not uniform:  # within one block of 32 (uniform trades the budget for one shape in every layer)
+            block = max(max(l.group_cost(shape.hidden) for l in shape.layers), 32 * 3 * shape.hidden, 32 * shape.hidden_cost())
+            assert target - decision.params < block
+        shape = decision.kept_shape(shape)
+        assert all(l.ffn % 32 == 0 for l in shape.layers), [l.ffn for l in shape.layers]
+        assert shape.hidden % (36 if uniform else 32) == 0, shape.hidden
+        groups = [g[f] for g, f in zip(groups, decision.groups)]
+        neurons = [n[f] for n, f in zip(neurons, decision.neurons)]
+        hidden = hidden[decision.hidden]
+    if not uniform:  # the schedule reached layers where 16 blocks of 32 no longer fit
+        assert min(l.ffn for l in shape.layers) < 512, [l.ffn for l in shape.layers]
+    single = AdaptivePruner(APTConfig(uniform=uniform, shape_multiple=1)).decide(original, *_smollm2_scores(), 0.7 * original.block_params())
+    widths = [int(n.sum()) for n in single.neurons] + [int(single.hidden.sum())]
+    assert any(w % 32 for w in widths), widths
+
+
+def test_equal_scores_keep_whole_blocks():
+    """Float sums of equal scores differ between a full block and a short last one (1,000 = 31 x 32
+    + 8); block densities are kept non-increasing along a vector, so the short block never jumps
+    ahead of full ones and widths stay multiples of the block. Groups and hidden channels score
+    high, so the neurons decide."""
+    for ffn in (250, 619, 1000, 1530):
+        for value in (0.1, 0.7, 1 / 3):
+            shape = ModelShape(64, (LayerShape(2, 2, 8, ffn),), 50, True)
+            groups, hidden = [torch.full((2,), 1e6, dtype=torch.float64)], torch.full((64,), 1e6, dtype=torch.float64)
+            neurons = [torch.full((ffn,), value, dtype=torch.float64)]
+            decision = AdaptivePruner(APTConfig(score_normalization="none")).decide(
+                shape, groups, neurons, hidden, 0.5 * shape.block_params())
+            kept = int(decision.neurons[0].sum())
+            assert kept % block_size(ffn, 32) == 0, (ffn, value, kept)
+
+
+def test_block_sizes():
+    assert block_size(576, 32) == 32 and block_size(11008, 32) == 32 and block_size(512, 32) == 32
+    assert block_size(511, 32) == 16  # under 16 blocks of 32: the largest power of two giving 16
+    assert block_size(96, 32) == 4 and block_size(31, 32) == 1 and block_size(7, 32) == 1
+    assert block_size(576, 1) == 1
+    with pytest.raises(ConfigError, match="shape_multiple"):
+        APTConfig(shape_multiple=0)
 
 
 def test_full_budget_keeps_everything_and_impossible_target_raises():

@@ -46,10 +46,11 @@ def test_export_equals_the_live_run(run, tmp_path):
 
 def test_uniform_shape_with_hidden_not_divisible_by_heads_still_loads(tmp_path):
     """Heads and neurons kept, hidden pruned: every layer alike, but hidden % heads != 0, which a
-    plain LlamaConfig cannot express, so per-layer shapes are recorded and the loader works."""
+    plain LlamaConfig cannot express, so per-layer shapes are recorded and the loader works.
+    Single units (--shape-multiple 1): aligned blocks keep this model's hidden size a multiple of 8."""
     out = tmp_path / "run"
     assert train_main([*FAST, *PROBE, "--target-density", "0.9", "--no-prune-heads", "--no-prune-neurons",
-                       "--out", str(out)]) == 0
+                       "--shape-multiple", "1", "--out", str(out)]) == 0
     report = export_run(out, tmp_path / "e")
     hidden, heads = report["final"]["hidden"], report["final"]["layers"][0]["group_size"] * report["final"]["layers"][0]["num_kv_groups"]
     assert report["uniform"] and hidden % heads  # the case under test
