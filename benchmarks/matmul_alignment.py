@@ -1,10 +1,12 @@
 """Matmul throughput at aligned and unaligned widths: why APTConfig.shape_multiple exists.
 
 A pruned model's matrices have the widths pruning left (single units: an FFN width of 1,519, a
-hidden size of 575). This times `x @ W` for the matrix shapes of a SmolLM2-135M layer at a
-512-token micro-batch, at each width and at the nearest multiple of 32 below it, alternating
-the two within every repeat so both see the same load; reports GFLOP/s medians over repeats
-and the time ratio of each pair. One torch thread by default (as the training benchmarks run).
+hidden size of 575). This times the two matmuls a frozen nn.Linear costs in training, the
+forward `F.linear(x, W)` and the input gradient `dY @ W`, for matrix shapes of a SmolLM2-135M
+layer at a 512-token micro-batch, at each width and at the nearest multiple of 32 below it,
+alternating the two within every repeat so both see the same load. Reports GFLOP/s medians over
+repeats and their ratio (aligned / unaligned throughput: the aligned matrix is slightly smaller,
+so throughput, not time, is compared). One torch thread by default (as the training benchmarks run).
 
     python benchmarks/matmul_alignment.py --json bench_out/matmul_alignment.json
 """
@@ -21,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _common import command_line, git_commit, hardware, write_json  # noqa: E402
 
-# (tokens, in, out) of one unaligned width and where it sits in a layer; its aligned partner
-# rounds the unaligned dimension down to a multiple of 32.
+# (tokens, in, out) of one unaligned nn.Linear and where it sits in a layer; its aligned partner
+# rounds the unaligned dimensions down to multiples of 32.
 SHAPES = {
     "up/gate, FFN 1519": (512, 576, 1519),
     "down, FFN 1519": (512, 1519, 576),
@@ -48,30 +50,36 @@ def main(argv=None) -> None:
         parser.error("--repeats and --threads must be >= 1 and --min-run-time > 0")
 
     import torch
+    import torch.nn.functional as F
     from torch.utils.benchmark import Timer
 
     torch.set_num_threads(args.threads)
 
-    def gflops(shape: tuple[int, int, int]) -> float:
+    def gflops(shape: tuple[int, int, int], op: str) -> float:
         tokens, fan_in, fan_out = shape
-        x, w = torch.randn(tokens, fan_in), torch.randn(fan_in, fan_out)
-        seconds = Timer("x @ w", globals={"x": x, "w": w}).blocked_autorange(min_run_time=args.min_run_time).median
+        weight = torch.randn(fan_out, fan_in)  # nn.Linear's layout
+        if op == "forward":
+            stmt, inputs = "F.linear(x, w)", {"x": torch.randn(tokens, fan_in)}
+        else:  # the input gradient of a frozen Linear: dY (tokens, out) @ W (out, in)
+            stmt, inputs = "g @ w", {"g": torch.randn(tokens, fan_out)}
+        timer = Timer(stmt, globals={"F": F, "w": weight, **inputs})
+        seconds = timer.blocked_autorange(min_run_time=args.min_run_time).median
         return 2 * tokens * fan_in * fan_out / seconds / 1e9
 
     rows = {}
     for name, shape in SHAPES.items():
         pair = {"unaligned": shape, "aligned": aligned(shape)}
-        rates = {kind: [] for kind in pair}
-        for _ in range(args.repeats):
-            for kind, dims in pair.items():
-                rates[kind].append(gflops(dims))
-        medians = {kind: statistics.median(values) for kind, values in rates.items()}
-        flops = {kind: 2 * dims[0] * dims[1] * dims[2] for kind, dims in pair.items()}
-        # time ratio aligned / unaligned from the median rates (the aligned matrix is slightly smaller)
-        time_ratio = (flops["aligned"] / medians["aligned"]) / (flops["unaligned"] / medians["unaligned"])
-        rows[name] = {"shapes": pair, "gflops": rates, "median_gflops": medians, "aligned_time_over_unaligned": time_ratio}
-        print(f"[matmul] {name:32s} {str(shape):18s} {medians['unaligned']:6.1f} GFLOP/s   "
-              f"{str(pair['aligned']):18s} {medians['aligned']:6.1f} GFLOP/s   time ratio {time_ratio:.3f}")
+        for op in ("forward", "input_grad"):
+            rates = {kind: [] for kind in pair}
+            for _ in range(args.repeats):
+                for kind, dims in pair.items():
+                    rates[kind].append(gflops(dims, op))
+            medians = {kind: statistics.median(values) for kind, values in rates.items()}
+            ratio = medians["aligned"] / medians["unaligned"]
+            rows[f"{name} ({op})"] = {"shapes": pair, "op": op, "gflops": rates, "median_gflops": medians,
+                                      "aligned_over_unaligned_throughput": ratio}
+            print(f"[matmul] {name + ' ' + op:44s} {shape!s:18s} {medians['unaligned']:6.1f} GFLOP/s   "
+                  f"{pair['aligned']!s:18s} {medians['aligned']:6.1f} GFLOP/s   throughput ratio {ratio:.3f}")
     write_json(args.json, {"command": command_line(), "git_commit": git_commit(), "hardware": hardware(),
                            "threads": args.threads, "repeats": args.repeats, "rows": rows})
 

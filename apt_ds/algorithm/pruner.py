@@ -102,9 +102,10 @@ def block_size(size: int, multiple: int) -> int:
     multiple of it: `multiple`, or where that leaves fewer than MIN_BLOCKS blocks the largest
     power of two that leaves MIN_BLOCKS (a small late-layer FFN, a test-sized model), down to 1.
 
-    Why blocks: matmul kernels run best on aligned sizes (measured on this repo's CPU, 512-token
-    matmuls: an FFN width of 1,519 ran at 84-89 GFLOP/s where 1,520 ran at 97-99, docs/BENCHMARKS.md;
-    GPU tensor cores want multiples of 8 or more), and llama.cpp quantizes rows in 32-wide blocks."""
+    Why blocks: matmul kernels run best on aligned sizes (this repo's CPU ran matmuls at widths such
+    as 1,519 and 575 slower than at multiples of 32, and an APT 0.7 run with single units took
+    longer than one with blocks: docs/BENCHMARKS.md, "Aligned widths"; GPU tensor cores want
+    multiples of 8 or more), and llama.cpp quantizes rows in 32-wide blocks."""
     if multiple <= 1 or size < 2 * MIN_BLOCKS:
         return 1
     if size >= MIN_BLOCKS * multiple:
@@ -118,13 +119,14 @@ class _BlockSizes:
 
     ffn: list[int]
     hidden: int
+    original_hidden: int  # the unpruned hidden size (uniform mode's hidden step depends on it)
 
 
 def _uniform_hidden_step(hidden_block: int, heads: int, hidden: int) -> int:
     """Uniform hidden sizes are multiples of the kept query heads (a stock LlamaConfig); of those,
-    the multiples of lcm(heads, block), with the block halved until that leaves >= MIN_BLOCKS
-    choices (SmolLM2's 9 heads and 576 channels: lcm(9, 32) = 288 would leave 2, lcm(9, 4) = 36
-    leaves 16)."""
+    the multiples of lcm(heads, block), with the block halved until the unpruned `hidden` holds
+    >= MIN_BLOCKS of them (SmolLM2's 9 heads and 576 channels: lcm(9, 32) = 288 would leave 2,
+    lcm(9, 4) = 36 leaves 16). From the unpruned size, so the step is the same at every event."""
     block = hidden_block
     while block > 1 and hidden // math.lcm(heads, block) < MIN_BLOCKS:
         block //= 2
@@ -220,7 +222,8 @@ class AdaptivePruner:
         if len(original.layers) != len(shape.layers):
             raise PruningError(f"original shape has {len(original.layers)} layers, the current one {len(shape.layers)}")
         multiple = self.config.shape_multiple
-        blocks = _BlockSizes([block_size(l.ffn, multiple) for l in original.layers], block_size(original.hidden, multiple))
+        blocks = _BlockSizes([block_size(l.ffn, multiple) for l in original.layers], block_size(original.hidden, multiple),
+                             original.hidden)
         group_scores = [g.detach().double().cpu() for g in group_scores]
         neuron_scores = [n.detach().double().cpu() for n in neuron_scores]
         hidden_scores = hidden_scores.detach().double().cpu()
@@ -273,7 +276,7 @@ class AdaptivePruner:
         best = None
         for G in (range(1, G0 + 1) if cfg.prune_heads else [G0]):
             heads = G * g
-            step = _uniform_hidden_step(sizes.hidden, heads, D0)
+            step = _uniform_hidden_step(sizes.hidden, heads, sizes.original_hidden)
             d_options = [*range(step, D0, step), D0] if cfg.prune_hidden else [D0]
             for D in d_options:
                 if D % heads:
