@@ -15,18 +15,21 @@ APTConfig.shape_multiple): aligned sizes run faster and quantize in llama.cpp's 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
+from apt_ds.algorithm.blocks import (
+    Blocks,
+    BlockSizes,
+    PruningError,
+    Vector,
+    block_size,
+    uniform_hidden_step,
+)
 from apt_ds.algorithm.masks import UnitMasks
 from apt_ds.algorithm.units import ModelShape
 from apt_ds.config import APTConfig
-
-
-class PruningError(ValueError):
-    """The requested density cannot be reached under the guard rails."""
 
 
 @dataclass
@@ -94,120 +97,6 @@ def normalize_by_kind(shape: ModelShape, group_scores, neuron_scores, hidden_sco
     return groups, neurons, hidden
 
 
-MIN_BLOCKS = 16  # a dimension is never cut into fewer blocks than this (see block_size)
-
-
-def block_size(size: int, multiple: int) -> int:
-    """How many units of a dimension of `size` are pruned together, so that what is kept stays a
-    multiple of it: `multiple`, or where that leaves fewer than MIN_BLOCKS blocks the largest
-    power of two that leaves MIN_BLOCKS (a small late-layer FFN, a test-sized model), down to 1.
-
-    Why blocks: matmul kernels run best on aligned sizes (this repo's CPU ran matmuls at widths such
-    as 1,519 and 575 slower than at multiples of 32, and an APT 0.7 run with single units took
-    longer than one with blocks: docs/BENCHMARKS.md, "Aligned widths"; GPU tensor cores want
-    multiples of 8 or more), and llama.cpp quantizes rows in 32-wide blocks."""
-    if multiple <= 1 or size < 2 * MIN_BLOCKS:
-        return 1
-    if size >= MIN_BLOCKS * multiple:
-        return multiple
-    return 1 << ((size // MIN_BLOCKS).bit_length() - 1)
-
-
-@dataclass(frozen=True)
-class _BlockSizes:
-    """Units per block of each layer's FFN and of the hidden size, from the unpruned shape."""
-
-    ffn: list[int]
-    hidden: int
-    original_hidden: int  # the unpruned hidden size (uniform mode's hidden step depends on it)
-
-
-def _uniform_hidden_step(hidden_block: int, heads: int, hidden: int) -> int:
-    """Uniform hidden sizes are multiples of the kept query heads (a stock LlamaConfig); of those,
-    the multiples of lcm(heads, block), with the block halved until the unpruned `hidden` holds
-    >= MIN_BLOCKS of them (SmolLM2's 9 heads and 576 channels: lcm(9, 32) = 288 would leave 2,
-    lcm(9, 4) = 36 leaves 16). From the unpruned size, so the step is the same at every event."""
-    block = hidden_block
-    while block > 1 and hidden // math.lcm(heads, block) < MIN_BLOCKS:
-        block //= 2
-    return math.lcm(heads, block)
-
-
-@dataclass
-class _Vector:
-    """One score vector of the ranking: a layer's KV groups or FFN neurons, or the hidden channels."""
-
-    kind: int  # 0 group, 1 neuron, 2 hidden channel
-    scores: torch.Tensor
-    unit_cost: int  # parameters one unit costs at the current shapes
-    coefficient: int  # a group's parameters per hidden channel (0 for the other kinds)
-    prunable: bool
-    block: int  # units per block
-
-
-class _Blocks:
-    """Every vector cut into blocks of its units in score order (block 0: its best `block`
-    units), all blocks in one list. The exact parameter count of any set of blocks comes from
-    three totals: kept hidden channels D, group coefficients C and neurons N give
-    D * (C + 3N + fixed_per_channel)."""
-
-    def __init__(self, vectors: list[_Vector], fixed_per_channel: int):
-        self.vectors, self.fixed_per_channel = vectors, fixed_per_channel
-        self.block_of: list[torch.Tensor] = []  # per vector: the global block of each unit
-        kinds, density, coefficients, neurons, channels, forced = [], [], [], [], [], []
-        offset = 0
-        for v in vectors:
-            n = v.scores.numel()
-            scores = v.scores.double()
-            order = torch.argsort(scores, descending=True, stable=True)
-            rank_block = torch.arange(n) // v.block  # the block of the i-th best unit
-            count = -(-n // v.block)
-            block_of = torch.empty(n, dtype=torch.int64)
-            block_of[order] = rank_block + offset
-            self.block_of.append(block_of)
-            units = torch.bincount(rank_block, minlength=count).double()
-            block_scores = torch.zeros(count, dtype=torch.float64).index_add_(0, rank_block, scores[order])
-            kinds.append(torch.full((count,), v.kind, dtype=torch.int8))
-            # Non-increasing along the vector: its blocks hold units in score order, but float sums of
-            # equal scores (a short last block) could otherwise rank a later block first.
-            density.append(torch.cummin(block_scores / (units * v.unit_cost), 0).values if count else block_scores)
-            coefficients.append(units * v.coefficient)
-            neurons.append(units if v.kind == 1 else torch.zeros(count, dtype=torch.float64))
-            channels.append(units if v.kind == 2 else torch.zeros(count, dtype=torch.float64))
-            is_forced = torch.full((count,), not v.prunable, dtype=torch.bool)
-            is_forced[:1] = True  # guard rail: the best block of every vector survives
-            forced.append(is_forced)
-            offset += count
-        self.kinds, self.density, self.forced = torch.cat(kinds), torch.cat(density), torch.cat(forced)
-        self.coefficients, self.neurons, self.channels = torch.cat(coefficients), torch.cat(neurons), torch.cat(channels)
-
-    def fit(self, target: float, forced: torch.Tensor, excluded: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
-        """Kept blocks: the forced ones, then by score per parameter, the longest prefix whose exact
-        parameter count fits `target`; `excluded` blocks are never kept. Returns (flags, params)."""
-        candidates = torch.arange(self.density.numel()) if excluded is None else (~excluded).nonzero().flatten()
-        key = torch.where(forced, torch.full_like(self.density, float("inf")), self.density)[candidates]
-        order = candidates[torch.argsort(key, descending=True, stable=True)]
-        channels = torch.cumsum(self.channels[order], 0)
-        counts = channels * (torch.cumsum(self.coefficients[order], 0) + 3 * torch.cumsum(self.neurons[order], 0)
-                             + self.fixed_per_channel)
-        n_forced = int(forced[order].sum())
-        n_keep = int(torch.searchsorted(counts, torch.tensor([float(target)], dtype=torch.float64), right=True))
-        if n_keep < n_forced:
-            raise PruningError(
-                f"target of {int(target):,} parameters is below the smallest model the guard rails allow "
-                f"({int(counts[n_forced - 1]):,}: one KV group and one block of neurons per layer, one block of hidden "
-                f"channels); raise target_density"
-            )
-        kept = torch.zeros(self.density.numel(), dtype=torch.bool)
-        kept[order[:n_keep]] = True
-        return kept, int(counts[n_keep - 1])
-
-    def decision(self, kept: tuple[torch.Tensor, int]) -> KeepDecision:
-        flags, params = kept
-        units = [flags[block_of] for block_of in self.block_of]  # a unit is kept with its block
-        return KeepDecision(units[0:-1:2], units[1:-1:2], units[-1], params)
-
-
 class AdaptivePruner:
     def __init__(self, config: APTConfig):
         self.config = config
@@ -222,7 +111,7 @@ class AdaptivePruner:
         if len(original.layers) != len(shape.layers):
             raise PruningError(f"original shape has {len(original.layers)} layers, the current one {len(shape.layers)}")
         multiple = self.config.shape_multiple
-        blocks = _BlockSizes([block_size(l.ffn, multiple) for l in original.layers], block_size(original.hidden, multiple),
+        blocks = BlockSizes([block_size(l.ffn, multiple) for l in original.layers], block_size(original.hidden, multiple),
                              original.hidden)
         group_scores = [g.detach().double().cpu() for g in group_scores]
         neuron_scores = [n.detach().double().cpu() for n in neuron_scores]
@@ -247,14 +136,16 @@ class AdaptivePruner:
         vectors = []  # in slot order: groups and neurons of each layer, then hidden channels
         for layer, groups, neurons, neuron_block in zip(shape.layers, group_scores, neuron_scores, sizes.ffn):
             c = (2 * layer.group_size + 2) * layer.head_dim
-            vectors.append(_Vector(0, groups, c * shape.hidden, c, cfg.prune_heads, 1))  # a group is aligned already
-            vectors.append(_Vector(1, neurons, 3 * shape.hidden, 0, cfg.prune_neurons, neuron_block))
-        vectors.append(_Vector(2, hidden_scores, shape.hidden_cost() + emb, 0, cfg.prune_hidden, sizes.hidden))
-        blocks = _Blocks(vectors, fixed_per_channel=2 * L + 1 + emb)
+            vectors.append(Vector(0, groups, c * shape.hidden, c, cfg.prune_heads, 1))  # a group is aligned already
+            vectors.append(Vector(1, neurons, 3 * shape.hidden, 0, cfg.prune_neurons, neuron_block))
+        vectors.append(Vector(2, hidden_scores, shape.hidden_cost() + emb, 0, cfg.prune_hidden, sizes.hidden))
+        blocks = Blocks(vectors, fixed_per_channel=2 * L + 1 + emb)
         hidden = blocks.kinds == 2
         kept_hidden = hidden & blocks.fit(target, blocks.forced)[0]
         # Second pass: the hidden blocks the first pass kept come first, the other ones are out.
-        return blocks.decision(blocks.fit(target, blocks.forced | kept_hidden, excluded=hidden & ~kept_hidden))
+        kept, params = blocks.fit(target, blocks.forced | kept_hidden, excluded=hidden & ~kept_hidden)
+        units = blocks.unit_flags(kept)  # groups and neurons alternate per layer, hidden channels last
+        return KeepDecision(units[0:-1:2], units[1:-1:2], units[-1], params)
 
     # ---- uniform: one shape for every layer ---------------------------------------------------
     def _decide_uniform(self, shape, group_scores, neuron_scores, hidden_scores, target, sizes) -> KeepDecision:
@@ -276,7 +167,7 @@ class AdaptivePruner:
         best = None
         for G in (range(1, G0 + 1) if cfg.prune_heads else [G0]):
             heads = G * g
-            step = _uniform_hidden_step(sizes.hidden, heads, sizes.original_hidden)
+            step = uniform_hidden_step(sizes.hidden, heads, sizes.original_hidden)
             d_options = [*range(step, D0, step), D0] if cfg.prune_hidden else [D0]
             for D in d_options:
                 if D % heads:

@@ -8,14 +8,8 @@ import pytest
 import torch
 from conftest import TINY_CONFIGS, tiny_llama
 
-from apt_ds.algorithm.pruner import (
-    AdaptivePruner,
-    KeepDecision,
-    PruningError,
-    block_size,
-    embedding_columns,
-    normalize_by_kind,
-)
+from apt_ds.algorithm.blocks import block_size
+from apt_ds.algorithm.pruner import AdaptivePruner, KeepDecision, PruningError, embedding_columns, normalize_by_kind
 from apt_ds.algorithm.units import LayerShape, ModelShape
 from apt_ds.config import APTConfig, ConfigError
 
