@@ -139,7 +139,8 @@ class APTConfig(_JsonConfig):
         choices=SCORE_NORMALIZATIONS, default="kind")
     shape_multiple: int = help_field(
         "FFN widths and the hidden size are kept at multiples of this (units pruned in blocks of it, by score; a "
-        "dimension under 16 blocks uses the largest power of two giving 16): matmuls run faster at aligned sizes and "
+        "dimension under 16 blocks uses the largest power of two giving 16; uniform mode's hidden size is a multiple "
+        "of lcm(kept query heads, a block small enough for 16 choices)): matmuls run faster at aligned sizes and "
         "llama.cpp quantizes 32-wide blocks; 1 prunes single units as the paper does", default=32)
     count_embeddings: bool = help_field("count embeddings and lm_head in the density budget", default=False)
     adapter_targets: list[str] = help_field("Linear modules that get APT adapters", choices=ADAPTER_TARGETS,

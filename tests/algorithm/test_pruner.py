@@ -150,9 +150,13 @@ def test_smollm2_sized_schedules_keep_aligned_widths(uniform):
         target = density * original.block_params()
         decision = pruner.decide(shape, groups, neurons, hidden, target, original=original)
         assert decision.params == decision.kept_shape(shape).block_params() <= target
-        if not uniform:  # within one block of 32 (uniform trades the budget for one shape in every layer)
-            block = max(max(l.group_cost(shape.hidden) for l in shape.layers), 32 * 3 * shape.hidden, 32 * shape.hidden_cost())
-            assert target - decision.params < block
+        if not uniform:  # uniform trades the budget for one shape in every layer
+            # Within one KV group or neuron block: the second pass ranks them again at the hidden size the
+            # first kept, so a hidden block (1/18 of the model) that did not fit leaves no larger gap.
+            # (Unless that pass keeps every group and neuron: then the hidden block is the gap.)
+            everything = all(bool(f.all()) for f in [*decision.groups, *decision.neurons])
+            largest = max(max(l.group_cost(shape.hidden) for l in shape.layers), 32 * 3 * shape.hidden)
+            assert target - decision.params < (32 * shape.hidden_cost() if everything else largest)
         shape = decision.kept_shape(shape)
         assert all(l.ffn % 32 == 0 for l in shape.layers), [l.ffn for l in shape.layers]
         assert shape.hidden % (36 if uniform else 32) == 0, shape.hidden

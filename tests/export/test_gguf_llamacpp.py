@@ -81,8 +81,8 @@ def assert_same_continuation(gguf_file: Path, hf_model, prompt=PROMPT, gap: floa
     # A byte-fallback token that starts a UTF-8 character (>= 0x80) is held back by the server and
     # reported merged with the next token, under one id and one step's log-probs (seen: bytes
     # [0xDE, 'a'] under the id of 'a'): compare the steps before the first such entry (random tiny
-    # models pick byte tokens often). Where that leaves under 2 steps, the prompt is shifted by a
-    # token or two (which of a random model's continuations starts with a byte token is chance).
+    # models pick byte tokens often). Where that leaves under 2 steps, the prompt loses its first or
+    # last token or two (which of a random model's continuations starts with a byte token is chance).
     with llama_cpp(gguf_file) as cpp:
         for candidate in (prompt, prompt[1:], prompt[:-1], prompt[2:]):
             steps = cpp.greedy(candidate)
