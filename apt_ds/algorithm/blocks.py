@@ -44,6 +44,12 @@ class BlockSizes:
     hidden: int
     original_hidden: int  # the unpruned hidden size (uniform mode's hidden step depends on it)
 
+    @classmethod
+    def for_shape(cls, original, multiple: int) -> "BlockSizes":
+        """Block sizes of an unpruned ModelShape at `APTConfig.shape_multiple`."""
+        return cls([block_size(l.ffn, multiple) for l in original.layers], block_size(original.hidden, multiple),
+                   original.hidden)
+
 
 def uniform_hidden_step(hidden_block: int, heads: int, hidden: int) -> int:
     """Uniform hidden sizes are multiples of the kept query heads (a stock LlamaConfig); of those,
@@ -75,7 +81,7 @@ class Blocks:
     D * (C + 3N + fixed_per_channel)."""
 
     def __init__(self, vectors: list[Vector], fixed_per_channel: int):
-        self.vectors, self.fixed_per_channel = vectors, fixed_per_channel
+        self.fixed_per_channel = fixed_per_channel
         self.block_of: list[torch.Tensor] = []  # per vector: the global block of each unit
         kinds, density, coefficients, neurons, channels, forced = [], [], [], [], [], []
         offset = 0

@@ -24,7 +24,6 @@ from apt_ds.algorithm.blocks import (
     BlockSizes,
     PruningError,
     Vector,
-    block_size,
     uniform_hidden_step,
 )
 from apt_ds.algorithm.masks import UnitMasks
@@ -110,9 +109,7 @@ class AdaptivePruner:
         original = original or shape
         if len(original.layers) != len(shape.layers):
             raise PruningError(f"original shape has {len(original.layers)} layers, the current one {len(shape.layers)}")
-        multiple = self.config.shape_multiple
-        blocks = BlockSizes([block_size(l.ffn, multiple) for l in original.layers], block_size(original.hidden, multiple),
-                             original.hidden)
+        blocks = BlockSizes.for_shape(original, self.config.shape_multiple)
         group_scores = [g.detach().double().cpu() for g in group_scores]
         neuron_scores = [n.detach().double().cpu() for n in neuron_scores]
         hidden_scores = hidden_scores.detach().double().cpu()
