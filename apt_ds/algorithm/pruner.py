@@ -6,9 +6,10 @@ sorted list; the longest prefix whose EXACT parameter count fits the budget is k
 more with the hidden size fixed, see `_decide_ranked`). Because block_params = D * (sum of kept
 group coefficients + 3 * kept neurons + 2L + 1 [+ embedding columns]) depends only on running
 totals, the count of every prefix comes from three cumulative sums: a sort per pass decides.
-Uniform: all layers keep the same (groups, neurons); search the shape (G, N, D) that fits
-and maximizes kept salience (D a multiple of the kept query heads so that a stock
-LlamaConfig accepts it), then pick units per layer by salience.
+Uniform: all layers keep the same (groups, neurons); search the shapes (G, N, D) that fit
+(D a multiple of the kept query heads so that a stock LlamaConfig accepts it), rank them by
+kept salience (`candidates`; the trainer measures the loss of the best few and may pin one,
+`uniform_shape`), then pick units per layer by salience.
 Both modes keep FFN widths and the hidden size at multiples of `block_size` (32 by default,
 APTConfig.shape_multiple): aligned sizes run faster and quantize in llama.cpp's 32-wide blocks.
 """
@@ -101,11 +102,22 @@ class AdaptivePruner:
         self.config = config
 
     def decide(self, shape: ModelShape, group_scores, neuron_scores, hidden_scores, target_params: float,
-               original: ModelShape | None = None) -> KeepDecision:
+               original: ModelShape | None = None, uniform_shape: tuple[int, int] | None = None) -> KeepDecision:
         """Decided on the host in float64 (sorting and a binary search over O(units) values: one
         copy of the device scores per decision, never inside a step). `original`: the shape
         before any pruning (default `shape`); block sizes come from it, so a dimension is cut in
-        the same blocks at every event and what it keeps stays a multiple of its block."""
+        the same blocks at every event and what it keeps stays a multiple of its block.
+        `uniform_shape`: (KV groups, hidden size) a uniform decision must keep (its FFN width
+        then follows from the budget), e.g. one chosen by measured loss (`uniform_shape_of`)."""
+        return self.candidates(shape, group_scores, neuron_scores, hidden_scores, target_params, original, 1,
+                               uniform_shape)[0]
+
+    def candidates(self, shape: ModelShape, group_scores, neuron_scores, hidden_scores, target_params: float,
+                   original: ModelShape | None = None, count: int = 1,
+                   uniform_shape: tuple[int, int] | None = None) -> list[KeepDecision]:
+        """Uniform mode: the `count` best uniform shapes by kept salience, best first, each with
+        its units chosen by score (for a choice by measured loss, apt_ds.training.shape_trials).
+        Non-uniform mode has one decision."""
         original = original or shape
         if len(original.layers) != len(shape.layers):
             raise PruningError(f"original shape has {len(original.layers)} layers, the current one {len(shape.layers)}")
@@ -117,8 +129,9 @@ class AdaptivePruner:
             group_scores, neuron_scores, hidden_scores = normalize_by_kind(
                 shape, group_scores, neuron_scores, hidden_scores, embedding_columns(shape, self.config.count_embeddings))
         if self.config.uniform:
-            return self._decide_uniform(shape, group_scores, neuron_scores, hidden_scores, target_params, blocks)
-        return self._decide_ranked(shape, group_scores, neuron_scores, hidden_scores, target_params, blocks)
+            return self._decide_uniform(shape, group_scores, neuron_scores, hidden_scores, target_params, blocks,
+                                        count, uniform_shape)
+        return [self._decide_ranked(shape, group_scores, neuron_scores, hidden_scores, target_params, blocks)]
 
     # ---- non-uniform: one ranked list of blocks ----------------------------------------------
     def _decide_ranked(self, shape, group_scores, neuron_scores, hidden_scores, target, sizes) -> KeepDecision:
@@ -145,7 +158,8 @@ class AdaptivePruner:
         return KeepDecision(units[0:-1:2], units[1:-1:2], units[-1], params)
 
     # ---- uniform: one shape for every layer ---------------------------------------------------
-    def _decide_uniform(self, shape, group_scores, neuron_scores, hidden_scores, target, sizes) -> KeepDecision:
+    def _decide_uniform(self, shape, group_scores, neuron_scores, hidden_scores, target, sizes, count=1,
+                        only: tuple[int, int] | None = None) -> list[KeepDecision]:
         cfg, L = self.config, len(shape.layers)
         first = shape.layers[0]
         if not shape.uniform:
@@ -161,13 +175,13 @@ class AdaptivePruner:
         group_prefix, neuron_prefix = prefix(group_scores), prefix(neuron_scores)
         hidden_prefix = torch.cat([torch.zeros(1, dtype=torch.float64), hidden_scores.double().sort(descending=True).values.cumsum(0)])
         neuron_block = sizes.ffn[0]
-        best = None
+        shapes = []  # (kept salience, params, G, N, D): one per (G, D), its N the most the budget allows
         for G in (range(1, G0 + 1) if cfg.prune_heads else [G0]):
             heads = G * g
             step = uniform_hidden_step(sizes.hidden, heads, sizes.original_hidden)
             d_options = [*range(step, D0, step), D0] if cfg.prune_hidden else [D0]
             for D in d_options:
-                if D % heads:
+                if D % heads or (only is not None and (G, D) != tuple(only)):
                     continue
                 fixed = D * (c * G * L + 2 * L + 1 + emb)
                 if cfg.prune_neurons:
@@ -175,25 +189,28 @@ class AdaptivePruner:
                     N = N if N == N0 else N - N % neuron_block
                 else:
                     N = N0 if fixed + 3 * L * D * N0 <= target else 0
-                if N < 1:
-                    continue
-                params = fixed + 3 * L * D * N
-                value = float(group_prefix[G] + neuron_prefix[N] + hidden_prefix[D])
-                if best is None or (value, params) > (best[0], best[1]):
-                    best = (value, params, G, N, D)
-        if best is None:
+                if N >= 1:
+                    shapes.append((float(group_prefix[G] + neuron_prefix[N] + hidden_prefix[D]), fixed + 3 * L * D * N, G, N, D))
+        if not shapes:
+            wanted = f"the shape of {only[0]} KV groups and hidden {only[1]}" if only is not None else "no uniform shape"
             raise PruningError(
-                f"no uniform shape fits {int(target):,} parameters (need >= 1 KV group and {neuron_block} neurons per "
+                f"{wanted} fits {int(target):,} parameters (need >= 1 KV group and {neuron_block} neurons per "
                 f"layer, and a hidden size that is a multiple of the kept query heads, aligned as far as 16 choices "
                 f"allow); raise target_density, or lower shape_multiple"
             )
-        _, params, G, N, D = best
         top = lambda scores, k: torch.zeros(scores.numel(), dtype=torch.bool).index_fill_(  # noqa: E731
             0, torch.argsort(scores.double(), descending=True, stable=True)[:k], True
         )
-        return KeepDecision(
-            [top(s, G) for s in group_scores], [top(s, N) for s in neuron_scores], top(hidden_scores, D), int(params)
-        )
+        shapes.sort(key=lambda entry: (entry[0], entry[1]), reverse=True)  # stable: ties keep the search order
+        return [
+            KeepDecision([top(s, G) for s in group_scores], [top(s, N) for s in neuron_scores], top(hidden_scores, D), int(params))
+            for _, params, G, N, D in shapes[:count]
+        ]
+
+
+def uniform_shape_of(decision: KeepDecision) -> tuple[int, int]:
+    """(KV groups per layer, hidden size) of a uniform decision: what `decide(uniform_shape=)` fixes."""
+    return int(decision.groups[0].sum()), int(decision.hidden.sum())
 
 
 class GradualMasker:

@@ -10,7 +10,6 @@ from pathlib import Path
 
 from apt_ds.evaluation.errors import EvaluationError
 
-
 # A model that gives one answer on this share of a task's rows (and at least this many rows: on
 # fewer, one answer throughout is too often chance) scores that answer's prior, not what it learned
 ONE_ANSWER_SHARE = 0.95

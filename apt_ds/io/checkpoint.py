@@ -85,6 +85,7 @@ def _save_and_rename(trainer, directory: Path, tmp: Path) -> None:
             "step": trainer.step,
             "consumed_micro_batches": trainer.consumed_micro_batches,
             "teacher_ready": trainer.teacher_ready,
+            "uniform_shapes": {str(step): list(shape) for step, shape in trainer.uniform_shapes.items()},
             "finished": trainer.step >= trainer.train_config.steps,
             "world_size": backend.world_size,
             "original_shape": state.original_shape.to_dict(),
@@ -176,3 +177,4 @@ def load_checkpoint(trainer, directory: Path) -> None:
     trainer.tuner.load_state_dict(meta["tuner"])
     trainer.consumed_micro_batches = meta["consumed_micro_batches"]
     trainer.teacher_ready = meta["teacher_ready"]
+    trainer.uniform_shapes = {int(step): tuple(shape) for step, shape in meta.get("uniform_shapes", {}).items()}

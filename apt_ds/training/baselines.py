@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
+import torch
+
 from apt_ds.algorithm.adapters import merge_adapters
 from apt_ds.algorithm.pruner import AdaptivePruner, KeepDecision
 from apt_ds.algorithm.state import APTModel
@@ -30,6 +32,7 @@ from apt_ds.algorithm.units import ModelShape
 from apt_ds.config import APTConfig, TrainConfig
 from apt_ds.training.forward import supervised_forward
 from apt_ds.training.heap import release_free_heap
+from apt_ds.training.shape_trials import choose_by_loss, language_model_batch
 from apt_ds.training.trainer import APTrainer
 
 
@@ -40,6 +43,7 @@ class OneShotResult:
     decision: KeepDecision
     calibration_tokens: int
     calibration_loss: float
+    shape_trials: list[dict] = dataclasses.field(default_factory=list)  # uniform mode: the shapes measured
 
     @property
     def density(self) -> float:
@@ -66,7 +70,7 @@ def one_shot_prune(model, calibration_batches: Iterable[dict], target_density: f
     was_training = model.training
     model.train()
     state = APTModel(model, config, seed=0)
-    tokens, loss_sum, batches_seen = 0, 0.0, 0
+    tokens, loss_sum, batches_seen, first = 0, 0.0, 0, None
     try:
         state.salience.enabled = True
         for batch in calibration_batches:
@@ -76,14 +80,23 @@ def one_shot_prune(model, calibration_batches: Iterable[dict], target_density: f
             loss.backward()
             loss_sum += float(loss.detach())
             batches_seen += 1
+            first = batch if batches_seen == 1 else first
             tokens += int(batch.get("attention_mask", batch["input_ids"]).bool().sum()) if "attention_mask" in batch else batch["input_ids"].numel()
         if batches_seen == 0:
             raise ValueError("one_shot_prune needs at least one calibration batch")
         state.salience.end_step()
         s = state.salience
         target = target_density * state.original_shape.budget_params(config.count_embeddings)
-        decision = AdaptivePruner(config).decide(state.shape, s.group_scores, s.neuron_scores, s.hidden_scores, target,
-                                                 original=state.original_shape)
+        args = (state.shape, s.group_scores, s.neuron_scores, s.hidden_scores, target, state.original_shape)
+        pruner = AdaptivePruner(config)
+        if config.uniform and config.uniform_shape_trials > 1:  # as APT chooses its uniform shapes (shape_trials)
+            state.salience.enabled = False
+            lm_batch = language_model_batch(first)
+            measure = lambda: float(supervised_forward(model, lm_batch)[1])  # noqa: E731
+            with torch.no_grad():
+                decision, trials = choose_by_loss(pruner.candidates(*args, count=config.uniform_shape_trials), state.masks, measure)
+        else:
+            decision, trials = pruner.decide(*args), []
         if decision.removes_anything():
             state.shrink(decision)
             release_free_heap()  # as APT does after its events (apt_ds.training.heap)
@@ -95,7 +108,7 @@ def one_shot_prune(model, calibration_batches: Iterable[dict], target_density: f
             param.grad = None
             param.requires_grad_(False)
         model.train(was_training)
-    return OneShotResult(state.original_shape, state.shape, decision, tokens, loss_sum / batches_seen)
+    return OneShotResult(state.original_shape, state.shape, decision, tokens, loss_sum / batches_seen, trials)
 
 
 def prune_then_tune(

@@ -27,6 +27,7 @@ from apt_ds.io.modeling import TINY_MODELS, build_tiny_llama, file_fingerprint, 
 from apt_ds.io.run_dir import RUN_FILE, check_out_dir, discard, prepare_out_dir, restore
 from apt_ds.io.templates import check_template
 from apt_ds.io.tokenizer import load_tokenizer, train_sentencepiece_tokenizer
+from apt_ds.training.probe import live_probe
 from apt_ds.training.resume import (
     check_resumable,
     checkpoint_to_resume,
@@ -251,7 +252,7 @@ def _train(backend, args, apt, train, out, meta, model, examples, eval_batches, 
                      pad_id=pad_id, start_step=start)
     final = trainer.train(stream, skip_consumed=False)
     if getattr(args, "save_eval_probe", False) and eval_batches:
-        probe = trainer.probe(eval_batches[0])  # every rank: ZeRO-3 gathers weights inside forward
+        probe = live_probe(trainer, eval_batches[0])  # every rank: ZeRO-3 gathers weights inside forward
         if backend.is_main():
             save_file(probe, str(out / PROBE_FILE))
     if backend.is_main():

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from apt_ds.algorithm.distill import SelfDistiller
 from apt_ds.algorithm.edits import merge_changes
-from apt_ds.algorithm.pruner import AdaptivePruner, GradualMasker
+from apt_ds.algorithm.pruner import AdaptivePruner, GradualMasker, uniform_shape_of
 from apt_ds.algorithm.schedule import SparsityScheduler
 from apt_ds.algorithm.state import APTModel
 from apt_ds.algorithm.tuner import AdaptiveTuner
@@ -38,6 +38,7 @@ from apt_ds.training.forward import (
 )
 from apt_ds.training.heap import release_free_heap
 from apt_ds.training.lr_schedule import warmup_cosine
+from apt_ds.training.shape_trials import choose_by_loss, language_model_batch
 
 
 class APTrainer:
@@ -68,6 +69,8 @@ class APTrainer:
         self.growth_generator = torch.Generator().manual_seed(train.seed + 1)
         self.consumed_micro_batches = 0
         self.teacher_ready = False
+        self.uniform_shapes: dict[int, tuple[int, int]] = {}  # event step -> (KV groups, hidden) chosen by loss
+        self.trial_batch: dict | None = None
         self.checkpoint_hooks: list = []  # called once each, on the main rank, after the next checkpoint
         self.history: list[dict] = []
         self.backend.attach(model, train.lr, warmup_cosine(train.warmup_steps, train.steps), train.weight_decay,
@@ -97,7 +100,7 @@ class APTrainer:
                     self._log(record)
                 bar.update(1)
                 bar.set_postfix(self._progress_fields(record))
-                if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < cfg.steps:
+                if self.out_dir and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < cfg.steps:
                     self.save()
         final = {"step": self.step, "final": True, "density": self.state.density(), "world_size": self.backend.world_size,
                  **self._sizes(), **memory_mb()}
@@ -128,12 +131,12 @@ class APTrainer:
             hook()
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean token loss over the eval batches (summed over ranks before dividing)."""
+    def evaluate(self, batches: list[dict] | None = None) -> float:
+        """Mean token loss over `batches` (default: the eval batches), summed over ranks before dividing."""
         totals = torch.zeros(2, dtype=torch.float64)
         was_enabled = self.state.salience.enabled
         self.state.salience.enabled = False
-        for batch in self.eval_batches:
+        for batch in self.eval_batches if batches is None else batches:
             positions = supervised_positions(batch["labels"])
             _, loss, supervised = supervised_forward(self.backend.forward_no_grad, move_batch(batch, self.device), positions)
             tokens = int(supervised.sum())
@@ -152,6 +155,7 @@ class APTrainer:
         mu = self.schedule.distill_weight(step) if self.teacher_ready else 0.0
         gas, world = self.train_config.grad_accum_steps, self.backend.world_size
         micro_batches = [next(batches) for _ in range(gas)]
+        self.trial_batch = micro_batches[0]  # uniform shape trials measure on it (shape_trials)
         self.consumed_micro_batches += gas
         # Normalise by the GLOBAL token counts of this step, so that the gradient (and hence
         # salience) is the same however the global batch is split over ranks/micro-batches:
@@ -202,27 +206,6 @@ class APTrainer:
         kl_sum, mse_sum = self.distiller.loss_sums(self.model, student, teacher, layers, valid, supervised)
         return loss, kl_sum, mse_sum
 
-    def probe(self, batch: dict, new_tokens: int = 20) -> dict[str, torch.Tensor]:
-        """The live (masked, possibly sharded) model's logits on `batch` and its greedy
-        continuation of the batch's first row, for checking an export against the run.
-        Every rank must call it: ZeRO-3 gathers weights inside forward."""
-        was_enabled = self.state.salience.enabled
-        self.state.salience.enabled = False
-        try:
-            inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-            inputs = move_batch(inputs, self.device)
-            logits = self.backend.forward_no_grad(**inputs, use_cache=False).logits.float()
-            ids = inputs["input_ids"][:1, : int(batch["attention_mask"][0].sum())]
-            step_logits = []  # each greedy step's next-token logits: informative even when argmax repeats
-            for _ in range(new_tokens):  # no KV cache: the plain forward the engine runs in training
-                last = self.backend.forward_no_grad(input_ids=ids, use_cache=False).logits[0, -1].float()
-                step_logits.append(last)
-                ids = torch.cat([ids, last.argmax().view(1, 1)], 1)
-        finally:
-            self.state.salience.enabled = was_enabled
-        probe = {**inputs, "logits": logits, "greedy": ids, "greedy_logits": torch.stack(step_logits)}
-        return {k: v.cpu().contiguous() for k, v in probe.items()}
-
     # ---- pruning events ------------------------------------------------------------------
     def _after_step(self) -> dict:
         step, record = self.step, {"event": False}
@@ -231,21 +214,30 @@ class APTrainer:
             record.update(self._pruning_event(step))
         elif self.schedule.in_decay_window(step) and scores.has_scores:
             upcoming = self.schedule.next_event(step)
-            decision = self._decide(self.schedule.density(upcoming))
+            decision = self._decide(upcoming, record)
             self.masker.step_toward(self.state.masks, decision)
         if self.apt_config.prune and not self.teacher_ready and step >= self.apt_config.pruning_start_step and self.apt_config.distill:
             self._snapshot_teacher()
         return record
 
-    def _decide(self, density: float):
-        target = density * self.state.original_shape.budget_params(self.apt_config.count_embeddings)
-        s = self.state.salience
-        return self.pruner.decide(self.state.shape, s.group_scores, s.neuron_scores, s.hidden_scores, target,
-                                  original=self.state.original_shape)
+    def _decide(self, event_step: int, record: dict):
+        """The decision for the event at `event_step`. Uniform mode with shape trials measures
+        its candidate shapes once per event, at the first decision for it (the trials go into
+        `record`), and keeps that shape for the event; units within it follow the scores."""
+        cfg, s = self.apt_config, self.state.salience
+        target = self.schedule.density(event_step) * self.state.original_shape.budget_params(cfg.count_embeddings)
+        args = (self.state.shape, s.group_scores, s.neuron_scores, s.hidden_scores, target, self.state.original_shape)
+        if cfg.uniform and cfg.uniform_shape_trials > 1 and event_step not in self.uniform_shapes:
+            options = self.pruner.candidates(*args, count=cfg.uniform_shape_trials)
+            lm_batch = language_model_batch(self.trial_batch)
+            chosen, record["shape_trials"] = choose_by_loss(options, self.state.masks, lambda: self.evaluate([lm_batch]))
+            self.uniform_shapes[event_step] = uniform_shape_of(chosen)
+        return self.pruner.decide(*args, uniform_shape=self.uniform_shapes.get(event_step))
 
     def _pruning_event(self, step: int) -> dict:
         started = time.perf_counter()
-        decision = self._decide(self.schedule.density(step))
+        record = {}
+        decision = self._decide(step, record)
         prints = self.backend.all_gather_object(decision.fingerprint())
         if len(set(prints)) != 1:
             raise RuntimeError(f"pruning decisions differ across ranks at step {step}: {prints}")
@@ -269,7 +261,7 @@ class APTrainer:
             self._snapshot_teacher()
         if decision.removes_anything():
             release_free_heap()  # the removed units' memory, or RSS would not drop (apt_ds.training.heap)
-        record = {"event": True, "event_time_s": time.perf_counter() - started, "decision": decision.fingerprint()[:16]}
+        record.update({"event": True, "event_time_s": time.perf_counter() - started, "decision": decision.fingerprint()[:16]})
         if self.eval_batches:
             record["eval_loss"] = self.evaluate()
         return record

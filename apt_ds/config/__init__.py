@@ -8,107 +8,17 @@ directory records exactly what produced it.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import types
-import typing
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
+
+from apt_ds.config.base import ConfigError, _JsonConfig, _require, check_field_types, help_field  # noqa: F401 (re-exported)
 
 ADAPTER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-class ConfigError(ValueError):
-    """A configuration value is out of range; the message names the field and the range."""
-
-
-def _require(condition: bool, cls: str, name: str, allowed: str, value: Any) -> None:
-    if not condition:
-        raise ConfigError(f"{cls}.{name} must be {allowed}, got {value!r}")
-
-
-def help_field(text: str, choices: tuple | None = None, **kwargs) -> Any:
-    """A dataclass field carrying its help text (PEFT style) and allowed values; the CLI reads both."""
-    metadata = {"help": text} if choices is None else {"help": text, "choices": choices}  # argparse kwargs as-is
-    return field(metadata=metadata, **kwargs)
-
-
 BASE_DTYPES = ("auto", "bf16", "fp16", "fp32")
 TEMPLATES = ("alpaca", "chat", "none")
 SCORE_NORMALIZATIONS = ("kind", "none")
 # Fields whose default is derived from the run's length (APTConfig.for_steps); a LoRA run drops them.
 SCHEDULE_FIELDS = ("pruning_start_step", "pruning_end_step", "num_pruning_events", "mask_decay_window", "mask_decay_step")
-
-
-def _accepted_types(annotation) -> tuple[type, ...] | None:
-    """The Python types a field of this annotation accepts from a file (None: not checked)."""
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        members = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return _accepted_types(members[0]) if len(members) == 1 else None
-    if annotation is float:
-        return (int, float)
-    if annotation in (int, bool, str):
-        return (annotation,)
-    if annotation in (list, tuple) or typing.get_origin(annotation) in (list, tuple):
-        return (list, tuple)
-    return None
-
-
-def check_field_types(cls, values: dict) -> None:
-    """One-line errors for wrongly typed values (e.g. "lr": "x" in a --config file), before
-    range checks or schedule arithmetic use them; bools are refused where numbers are expected.
-    None is accepted where the field is Optional."""
-    hints = typing.get_type_hints(cls)
-    for name, value in values.items():
-        if name not in hints:
-            continue
-        kinds = _accepted_types(hints[name])
-        if value is None and type(None) in typing.get_args(hints[name]):
-            continue
-        if kinds and (not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool))):
-            shown = "list" if tuple in kinds else kinds[-1].__name__  # Optional[str] -> str
-            raise ConfigError(f"{cls.__name__}.{name} must be of type {shown}, got {value!r}")
-
-
-class _JsonConfig:
-    """JSON round-trip shared by the config dataclasses."""
-
-    def _check_types(self) -> None:
-        check_field_types(type(self), {f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
-
-    def to_dict(self) -> dict:
-        out = dataclasses.asdict(self)
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
-
-    @classmethod
-    def from_dict(cls, data: dict):
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"{cls.__name__}: unknown field(s) {unknown}; known fields: {sorted(known)}")
-        values = dict(data)
-        for f in dataclasses.fields(cls):
-            if f.name in values and isinstance(values[f.name], list):
-                values[f.name] = tuple(values[f.name])
-        return cls(**values)
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
-
-    @classmethod
-    def load(cls, path: str | Path):
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise ConfigError(f"cannot read {cls.__name__} from {path}: {err}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: expected a JSON object for {cls.__name__}")
-        return cls.from_dict(data)
-
-    @classmethod
-    def help_texts(cls) -> dict[str, str]:
-        return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}
 
 
 @dataclass
@@ -142,6 +52,10 @@ class APTConfig(_JsonConfig):
         "dimension under 16 blocks uses the largest power of two giving 16; uniform mode's hidden size is a multiple "
         "of lcm(kept query heads, a block small enough for 16 choices)): matmuls run faster at aligned sizes and "
         "llama.cpp quantizes 32-wide blocks; 1 prunes single units as the paper does", default=32)
+    uniform_shape_trials: int = help_field(
+        "uniform mode: before each pruning event, the language-model loss of this many of the best shapes by salience "
+        "is measured on the step's first micro-batch (one forward pass each) and the lowest-loss shape is kept; "
+        "1 ranks shapes by salience alone", default=4)
     count_embeddings: bool = help_field("count embeddings and lm_head in the density budget", default=False)
     adapter_targets: list[str] = help_field("Linear modules that get APT adapters", choices=ADAPTER_TARGETS,
                                             default_factory=lambda: ["q_proj", "v_proj"])
@@ -187,6 +101,7 @@ class APTConfig(_JsonConfig):
                  self.score_normalization)
         _require(self.kurtosis_weight >= 0, c, "kurtosis_weight", ">= 0", self.kurtosis_weight)
         _require(self.shape_multiple >= 1, c, "shape_multiple", ">= 1", self.shape_multiple)
+        _require(self.uniform_shape_trials >= 1, c, "uniform_shape_trials", ">= 1", self.uniform_shape_trials)
         _require(self.mask_decay_window >= 0, c, "mask_decay_window", ">= 0", self.mask_decay_window)
         _require(0.0 < self.mask_decay_step <= 1.0, c, "mask_decay_step", "in (0, 1]", self.mask_decay_step)
         self.adapter_targets = tuple(self.adapter_targets)

@@ -1,0 +1,184 @@
+"""Uniform mode's shape chosen by measured loss (APTConfig.uniform_shape_trials): the candidate
+shapes, the trial itself, its wiring into APT's events, resume and prune-then-tune."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import random_batch, tiny_llama
+
+from apt_ds import APTConfig, APTrainer, TrainConfig
+from apt_ds.algorithm.masks import UnitMasks
+from apt_ds.algorithm.pruner import AdaptivePruner, PruningError, uniform_shape_of
+from apt_ds.algorithm.units import LayerShape, ModelShape
+from apt_ds.config import ConfigError
+from apt_ds.io.metrics import read_metrics
+from apt_ds.training.baselines import one_shot_prune
+from apt_ds.training.shape_trials import choose_by_loss, language_model_batch
+
+SMOLLM2 = ModelShape(576, tuple(LayerShape(3, 3, 64, 1536) for _ in range(30)), 49152, True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):
+    """Every test here runs with one torch thread (see conftest.one_thread)."""
+
+
+def _scores(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    depth = torch.linspace(1.0, 0.05, 30, dtype=torch.float64)
+    return ([torch.rand(3, generator=gen, dtype=torch.float64) * d for d in depth],
+            [torch.rand(1536, generator=gen, dtype=torch.float64) * d for d in depth],
+            torch.rand(576, generator=gen, dtype=torch.float64))
+
+
+def _is_uniform(decision) -> bool:
+    return (len({int(g.sum()) for g in decision.groups}) == 1 and len({int(n.sum()) for n in decision.neurons}) == 1)
+
+
+def test_candidates_are_distinct_fitting_shapes_best_first():
+    pruner = AdaptivePruner(APTConfig(uniform=True))
+    target = 0.7 * SMOLLM2.block_params()
+    options = pruner.candidates(SMOLLM2, *_scores(), target, count=4)
+    assert len(options) == 4
+    assert len({uniform_shape_of(d) for d in options}) == 4
+    for decision in options:
+        assert _is_uniform(decision) and decision.params <= target
+        assert decision.kept_shape(SMOLLM2).block_params() == decision.params
+        # pinning a candidate's (KV groups, hidden) reproduces it: the FFN width follows from the budget
+        pinned = pruner.decide(SMOLLM2, *_scores(), target, uniform_shape=uniform_shape_of(decision))
+        assert pinned.fingerprint() == decision.fingerprint()
+    assert options[0].fingerprint() == pruner.decide(SMOLLM2, *_scores(), target).fingerprint()
+    # non-uniform mode has one decision whatever the count
+    assert len(AdaptivePruner(APTConfig()).candidates(SMOLLM2, *_scores(), target, count=4)) == 1
+
+
+def test_pinning_a_shape_that_does_not_fit_is_one_line_error():
+    pruner = AdaptivePruner(APTConfig(uniform=True))
+    with pytest.raises(PruningError, match="the shape of 3 KV groups and hidden 577"):
+        pruner.decide(SMOLLM2, *_scores(), 0.7 * SMOLLM2.block_params(), uniform_shape=(3, 577))
+
+
+def test_uniform_shape_trials_must_be_positive():
+    with pytest.raises(ConfigError, match="uniform_shape_trials"):
+        APTConfig(uniform_shape_trials=0)
+
+
+def test_choose_by_loss_takes_the_lowest_and_restores_decayed_masks():
+    pruner = AdaptivePruner(APTConfig(uniform=True))
+    options = pruner.candidates(SMOLLM2, *_scores(), 0.7 * SMOLLM2.block_params(), count=3)
+    masks = UnitMasks(SMOLLM2)
+    masks.hidden[:100] = 0.5  # partly decayed toward an earlier decision
+    masks.ffn_neuron[4][:7] = 0.0
+    masks.refresh()
+    before = masks.state_dict()
+    seen = []
+
+    def measure():  # the masks hold exactly one candidate's kept units while it is measured
+        seen.append(next(i for i, d in enumerate(options) if torch.equal(masks.hidden, d.hidden.float())
+                         and all(torch.equal(m, n.float()) for m, n in zip(masks.ffn_neuron, d.neurons))))
+        return [3.0, 1.5, 2.0][len(seen) - 1]
+
+    chosen, trials = choose_by_loss(options, masks, measure)
+    assert seen == [0, 1, 2]
+    assert chosen is options[1]
+    assert [t["chosen"] for t in trials] == [False, True, False]
+    assert [t["salience_rank"] for t in trials] == [0, 1, 2] and trials[1]["loss"] == 1.5
+    assert (trials[1]["kv_groups"], trials[1]["hidden"]) == uniform_shape_of(options[1])
+    after = masks.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    # ties go to the better shape by salience
+    chosen, _ = choose_by_loss(options, masks, lambda: 1.0)
+    assert chosen is options[0]
+
+
+def test_language_model_batch_labels_every_real_token():
+    batch = random_batch(batch=2, length=6)
+    batch["attention_mask"][1, :2] = 0  # left padding
+    batch["labels"][:, :4] = -100  # a response-only label
+    lm = language_model_batch(batch)
+    assert torch.equal(lm["labels"][0], batch["input_ids"][0])
+    assert lm["labels"][1, :2].tolist() == [-100, -100] and torch.equal(lm["labels"][1, 2:], batch["input_ids"][1, 2:])
+    assert batch["labels"][0, 0] == -100  # the input batch is left as it was
+
+
+def _stream(crash_at: int | None = None):
+    for i in range(10**6):
+        if crash_at is not None and i >= crash_at:
+            raise KeyboardInterrupt
+        yield random_batch(batch=4, length=16, seed=1000 + i)
+
+
+def _uniform_config(**overrides) -> APTConfig:
+    return APTConfig.for_steps(24, target_density=0.5, uniform=True, shape_multiple=1, **overrides)
+
+
+def test_events_keep_the_shape_measured_best(tmp_path):
+    """Measured loss overrides salience: with a 'loss' that rewards the smallest hidden size
+    among the candidates, every event keeps that candidate's (KV groups, hidden), the trials are
+    measured once per event and logged, and at least one event did not take salience's first."""
+    trainer = APTrainer(tiny_llama("gqa"), _uniform_config(), TrainConfig(steps=24), out_dir=tmp_path, progress=False)
+    trainer.evaluate = lambda batches=None: float(trainer.state.masks.hidden.sum())
+    trainer.train(iter(_stream()))
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    with_trials = [r for r in records if r.get("shape_trials")]
+    events = [r for r in records if r.get("event")]
+    assert len(with_trials) == len(trainer.uniform_shapes) == trainer.apt_config.num_pruning_events
+    overridden = 0
+    for record in with_trials:
+        trials = record["shape_trials"]
+        chosen = [t for t in trials if t["chosen"]]
+        assert len(chosen) == 1 and chosen[0]["hidden"] == min(t["hidden"] for t in trials)
+        overridden += chosen[0]["salience_rank"] > 0
+    assert overridden >= 1
+    for step, (groups, hidden) in trainer.uniform_shapes.items():
+        event = next(r for r in events if r["step"] == step)
+        assert event["decision"]
+    final_groups, final_hidden = list(trainer.uniform_shapes.values())[-1]
+    shape = trainer.state.shape
+    assert shape.uniform and (shape.layers[0].num_kv_groups, shape.hidden) == (final_groups, final_hidden)
+
+
+def test_one_trial_is_the_salience_choice(tmp_path):
+    trainer = APTrainer(tiny_llama("gqa"), _uniform_config(uniform_shape_trials=1), TrainConfig(steps=24),
+                        out_dir=tmp_path, progress=False)
+    trainer.train(iter(_stream()))
+    assert trainer.uniform_shapes == {}
+    assert not any(r.get("shape_trials") for r in read_metrics(tmp_path / "metrics.jsonl"))
+
+
+def test_resume_inside_a_decay_window_keeps_the_measured_shape(tmp_path):
+    apt, train = _uniform_config(), TrainConfig(steps=24, checkpoint_every=1)
+    full = APTrainer(tiny_llama("gqa"), apt, train, progress=False)
+    full.train(iter(_stream()))
+    event = sorted(full.uniform_shapes)[2]
+    crash = event - 1  # measured at the window's first step, before the event
+    assert apt.mask_decay_window >= 2 and crash not in full.uniform_shapes
+    crashed = APTrainer(tiny_llama("gqa"), apt, train, out_dir=tmp_path, progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        crashed.train(iter(_stream(crash_at=crash)))
+    meta = json.loads((tmp_path / "checkpoint" / "apt_state.json").read_text())
+    assert str(event) in meta["uniform_shapes"]
+    resumed = APTrainer(tiny_llama("gqa"), apt, train, out_dir=tmp_path, progress=False)
+    resumed.resume(tmp_path / "checkpoint")
+    assert resumed.uniform_shapes == {k: v for k, v in full.uniform_shapes.items() if k <= event}
+    resumed.train(iter(_stream()))
+    assert resumed.uniform_shapes == full.uniform_shapes
+    assert resumed.state.kept_record() == full.state.kept_record()
+
+
+@pytest.mark.parametrize("trials", [1, 3])
+def test_prune_then_tune_measures_uniform_shapes(trials):
+    model = tiny_llama("gqa")
+    calibration = [random_batch(batch=4, length=16, seed=s) for s in range(3)]
+    result = one_shot_prune(model, calibration, 0.5, APTConfig(uniform=True, shape_multiple=1, uniform_shape_trials=trials))
+    assert result.shape.uniform
+    if trials == 1:
+        assert result.shape_trials == []
+        return
+    assert len(result.shape_trials) == 3
+    chosen = [t for t in result.shape_trials if t["chosen"]]
+    assert len(chosen) == 1
+    assert (result.shape.layers[0].num_kv_groups, result.shape.hidden) == (chosen[0]["kv_groups"], chosen[0]["hidden"])
