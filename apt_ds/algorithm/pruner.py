@@ -198,6 +198,10 @@ class AdaptivePruner:
                 f"layer, and a hidden size that is a multiple of the kept query heads, aligned as far as 16 choices "
                 f"allow); raise target_density, or lower shape_multiple"
             )
+        # A shape that another one beats in every dimension leaves budget unused: ranked by salience
+        # it never wins, but a measured loss could prefer it, and once the FFN is at its current
+        # width every smaller hidden size "fits" (a run fell to density 0.03 that way).
+        shapes = [s for s in shapes if not any(o is not s and o[2] >= s[2] and o[3] >= s[3] and o[4] >= s[4] for o in shapes)]
         top = lambda scores, k: torch.zeros(scores.numel(), dtype=torch.bool).index_fill_(  # noqa: E731
             0, torch.argsort(scores.double(), descending=True, stable=True)[:k], True
         )

@@ -24,6 +24,10 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, corrupt, or does not belong to this model/config."""
 
 
+# APT fields added after checkpoints existed, with the value that reproduces what runs did before.
+LEGACY_APT_FIELDS = {"shape_multiple": 1, "uniform_shape_trials": 1}
+
+
 def save_checkpoint(trainer, directory: Path) -> None:
     """Write the checkpoint beside `directory` and rename it into place. A full disk leaves the
     previous checkpoint as it was and raises a CheckpointError saying how much space was needed."""
@@ -142,14 +146,17 @@ def load_checkpoint(trainer, directory: Path) -> None:
     state = trainer.state
     if meta["original_shape"] != state.original_shape.to_dict():
         raise CheckpointError(f"checkpoint {directory} was made from a different model (original shapes differ)")
-    if meta["apt_config"] != trainer.apt_config.to_dict():
-        saved, current = meta["apt_config"], trainer.apt_config.to_dict()
+    # A checkpoint from before these settings existed ran with these values (the old behaviour)
+    saved, current = {**LEGACY_APT_FIELDS, **meta["apt_config"]}, trainer.apt_config.to_dict()
+    if saved != current:
         missing = sorted(set(current) - set(saved))
         if missing:  # written by an earlier apt-ds whose algorithm lacked these knobs
             raise CheckpointError(f"checkpoint {directory} was written by an earlier apt-ds without the APT fields {missing} "
                                   f"and cannot be resumed by this one; export it as it is (launch/export.py) or start a new run")
         changed = sorted(k for k in set(saved) | set(current) if saved.get(k, "<absent>") != current.get(k, "<absent>"))
-        raise CheckpointError(f"checkpoint {directory} used a different APT config (fields {changed}); resume with the same one")
+        legacy = [f"--{k.replace('_', '-')} {saved[k]}" for k in changed if k in LEGACY_APT_FIELDS and k not in meta["apt_config"]]
+        hint = f" (it predates {', '.join(legacy)}: pass that)" if legacy else ""
+        raise CheckpointError(f"checkpoint {directory} used a different APT config (fields {changed}); resume with the same one{hint}")
     access = trainer.backend.param_access()
 
     def rebuild():

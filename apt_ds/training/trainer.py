@@ -70,7 +70,7 @@ class APTrainer:
         self.consumed_micro_batches = 0
         self.teacher_ready = False
         self.uniform_shapes: dict[int, tuple[int, int]] = {}  # event step -> (KV groups, hidden) chosen by loss
-        self.trial_batch: dict | None = None
+        self.trial_batches: list[dict] = []
         self.checkpoint_hooks: list = []  # called once each, on the main rank, after the next checkpoint
         self.history: list[dict] = []
         self.backend.attach(model, train.lr, warmup_cosine(train.warmup_steps, train.steps), train.weight_decay,
@@ -96,7 +96,7 @@ class APTrainer:
             while self.step < cfg.steps:
                 record = self._train_step(batches)
                 record.update(self._after_step())
-                if self.step % cfg.log_every == 0 or record.get("event") or self.step == cfg.steps:
+                if self.step % cfg.log_every == 0 or record.get("event") or "shape_trials" in record or self.step == cfg.steps:
                     self._log(record)
                 bar.update(1)
                 bar.set_postfix(self._progress_fields(record))
@@ -138,7 +138,8 @@ class APTrainer:
         self.state.salience.enabled = False
         for batch in self.eval_batches if batches is None else batches:
             positions = supervised_positions(batch["labels"])
-            _, loss, supervised = supervised_forward(self.backend.forward_no_grad, move_batch(batch, self.device), positions)
+            _, loss, supervised = supervised_forward(self.backend.forward_no_grad, move_batch(batch, self.device), positions,
+                                                     use_cache=False)
             tokens = int(supervised.sum())
             if tokens:
                 totals += torch.tensor([float(loss) * tokens, float(tokens)], dtype=torch.float64)
@@ -155,7 +156,7 @@ class APTrainer:
         mu = self.schedule.distill_weight(step) if self.teacher_ready else 0.0
         gas, world = self.train_config.grad_accum_steps, self.backend.world_size
         micro_batches = [next(batches) for _ in range(gas)]
-        self.trial_batch = micro_batches[0]  # uniform shape trials measure on it (shape_trials)
+        self.trial_batches = micro_batches  # uniform shape trials measure on them (shape_trials)
         self.consumed_micro_batches += gas
         # Normalise by the GLOBAL token counts of this step, so that the gradient (and hence
         # salience) is the same however the global batch is split over ranks/micro-batches:
@@ -229,9 +230,12 @@ class APTrainer:
         args = (self.state.shape, s.group_scores, s.neuron_scores, s.hidden_scores, target, self.state.original_shape)
         if cfg.uniform and cfg.uniform_shape_trials > 1 and event_step not in self.uniform_shapes:
             options = self.pruner.candidates(*args, count=cfg.uniform_shape_trials)
-            lm_batch = language_model_batch(self.trial_batch)
-            chosen, record["shape_trials"] = choose_by_loss(options, self.state.masks, lambda: self.evaluate([lm_batch]))
-            self.uniform_shapes[event_step] = uniform_shape_of(chosen)
+            lm_batches = [language_model_batch(b) for b in self.trial_batches]  # the whole step: split-invariant
+            chosen, record["shape_trials"] = choose_by_loss(options, self.state.masks, lambda: self.evaluate(lm_batches))
+            shapes = self.backend.all_gather_object(uniform_shape_of(chosen))
+            if len(set(shapes)) != 1:
+                raise RuntimeError(f"uniform shapes measured for the event at step {event_step} differ across ranks: {shapes}")
+            self.uniform_shapes[event_step] = shapes[0]
         return self.pruner.decide(*args, uniform_shape=self.uniform_shapes.get(event_step))
 
     def _pruning_event(self, step: int) -> dict:

@@ -55,6 +55,27 @@ def test_candidates_are_distinct_fitting_shapes_best_first():
     assert len(AdaptivePruner(APTConfig()).candidates(SMOLLM2, *_scores(), target, count=4)) == 1
 
 
+def test_candidates_use_the_budget_once_the_ffn_is_at_its_current_width():
+    """After an event cut the FFN to 1,280 neurons, every smaller hidden size 'fits' with all of
+    them; such shapes leave budget unused and must not be candidates (a measured loss chose them
+    and a run fell to density 0.03)."""
+    shrunk = ModelShape(576, tuple(LayerShape(3, 3, 64, 1280) for _ in range(30)), 49152, True)
+    groups, neurons, hidden = _scores()
+    target = 0.7 * SMOLLM2.block_params()
+    options = AdaptivePruner(APTConfig(uniform=True)).candidates(shrunk, groups, [n[:1280] for n in neurons], hidden,
+                                                                  target, original=SMOLLM2, count=1000)
+    assert len(options) >= 2
+    layer_cost = lambda G, N, D: 30 * D * (G * 512 + 3 * N + 2) + D  # noqa: E731
+    for decision in options:
+        G, D = uniform_shape_of(decision)
+        N = int(decision.neurons[0].sum())
+        assert decision.params == layer_cost(G, N, D) <= target
+        # no dimension could grow and still fit: hidden by its step of 36, neurons by 32, one KV group
+        assert D == 576 or layer_cost(G, N, D + 36) > target
+        assert N == 1280 or layer_cost(G, N + 32, D) > target
+        assert G == 3 or layer_cost(G + 1, N, D) > target
+
+
 def test_pinning_a_shape_that_does_not_fit_is_one_line_error():
     pruner = AdaptivePruner(APTConfig(uniform=True))
     with pytest.raises(PruningError, match="the shape of 3 KV groups and hidden 577"):
@@ -94,12 +115,22 @@ def test_choose_by_loss_takes_the_lowest_and_restores_decayed_masks():
     assert chosen is options[0]
 
 
+def test_language_model_batch_labels_a_bounded_number_of_positions():
+    batch = random_batch(batch=2, length=600)
+    batch["attention_mask"][1, :10] = 0
+    lm = language_model_batch(batch, max_positions=256)
+    labelled = lm["labels"] != -100
+    assert labelled.sum(1).max() <= 256 and labelled[0].sum() >= 199  # every 3rd position
+    assert not labelled[:, 0].any() and not labelled[1, :10].any()
+    assert torch.equal(lm["labels"][labelled], batch["input_ids"][labelled])
+
+
 def test_language_model_batch_labels_every_real_token():
     batch = random_batch(batch=2, length=6)
     batch["attention_mask"][1, :2] = 0  # left padding
     batch["labels"][:, :4] = -100  # a response-only label
     lm = language_model_batch(batch)
-    assert torch.equal(lm["labels"][0], batch["input_ids"][0])
+    assert lm["labels"][0, 0] == -100 and torch.equal(lm["labels"][0, 1:], batch["input_ids"][0, 1:])
     assert lm["labels"][1, :2].tolist() == [-100, -100] and torch.equal(lm["labels"][1, 2:], batch["input_ids"][1, 2:])
     assert batch["labels"][0, 0] == -100  # the input batch is left as it was
 
@@ -141,6 +172,45 @@ def test_events_keep_the_shape_measured_best(tmp_path):
     assert shape.uniform and (shape.layers[0].num_kv_groups, shape.hidden) == (final_groups, final_hidden)
 
 
+def test_trials_score_the_whole_step_with_the_real_loss(tmp_path):
+    """Unpatched: each trial's loss is evaluate() on the language-model form of every micro-batch
+    of the step, and the candidates' losses differ (the masks really held each candidate)."""
+    trainer = APTrainer(tiny_llama("gqa"), _uniform_config(), TrainConfig(steps=24, micro_batch_size=2, grad_accum_steps=2),
+                        out_dir=tmp_path, progress=False)
+    calls, real = [], trainer.evaluate
+
+    def recording(batches=None):
+        loss = real(batches)
+        calls.append((batches, loss))
+        return loss
+
+    trainer.evaluate = recording
+    trainer.train(iter(_stream()))
+    trials = [r["shape_trials"] for r in read_metrics(tmp_path / "metrics.jsonl") if r.get("shape_trials")]
+    assert trials and len(calls) == sum(len(t) for t in trials)
+    for batches, _ in calls:
+        assert len(batches) == 2  # both micro-batches of the step
+        for batch in batches:
+            assert (batch["labels"] != -100).sum() == batch["attention_mask"][:, 1:].sum()  # every real token but the first
+    assert [loss for _, loss in calls] == [t["loss"] for step in trials for t in step]
+    assert all(len({t["loss"] for t in step}) == len(step) for step in trials)
+
+
+def test_the_choice_does_not_depend_on_how_the_batch_is_split():
+    def halves():
+        for batch in _stream():
+            yield {k: v[:2] for k, v in batch.items()}
+            yield {k: v[2:] for k, v in batch.items()}
+
+    whole = APTrainer(tiny_llama("gqa"), _uniform_config(), TrainConfig(steps=24), progress=False)
+    whole.train(iter(_stream()))
+    split = APTrainer(tiny_llama("gqa"), _uniform_config(), TrainConfig(steps=24, micro_batch_size=2, grad_accum_steps=2),
+                      progress=False)
+    split.train(halves())
+    assert whole.uniform_shapes and split.uniform_shapes == whole.uniform_shapes
+    assert split.state.kept_record() == whole.state.kept_record()
+
+
 def test_one_trial_is_the_salience_choice(tmp_path):
     trainer = APTrainer(tiny_llama("gqa"), _uniform_config(uniform_shape_trials=1), TrainConfig(steps=24),
                         out_dir=tmp_path, progress=False)
@@ -180,5 +250,6 @@ def test_prune_then_tune_measures_uniform_shapes(trials):
         return
     assert len(result.shape_trials) == 3
     chosen = [t for t in result.shape_trials if t["chosen"]]
-    assert len(chosen) == 1
+    losses = [t["loss"] for t in result.shape_trials]
+    assert len(chosen) == 1 and chosen[0]["loss"] == min(losses) and len(set(losses)) == 3
     assert (result.shape.layers[0].num_kv_groups, result.shape.hidden) == (chosen[0]["kv_groups"], chosen[0]["hidden"])

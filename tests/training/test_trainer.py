@@ -431,6 +431,28 @@ def test_resume_names_config_fields_the_checkpoint_lacks(full_run, tmp_path):
         APTrainer(tiny_llama("gqa"), apt, train, progress=False).resume(checkpoint)
 
 
+def test_resume_of_a_checkpoint_from_before_shape_settings_names_the_values_it_ran_with(full_run, tmp_path):
+    """shape_multiple and uniform_shape_trials came later; a checkpoint without them ran as 1 and 1
+    (single units, salience-ranked uniform shapes): the error names those flags, and passing them resumes."""
+    import dataclasses
+    import shutil
+
+    from apt_ds.io.checkpoint import CheckpointError
+
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(full_run["out"] / "checkpoint", checkpoint)
+    meta = json.loads((checkpoint / "apt_state.json").read_text())
+    del meta["apt_config"]["shape_multiple"], meta["apt_config"]["uniform_shape_trials"]
+    (checkpoint / "apt_state.json").write_text(json.dumps(meta))
+    apt, train = _configs()
+    with pytest.raises(CheckpointError, match=r"predates --shape-multiple 1, --uniform-shape-trials 1: pass that"):
+        APTrainer(tiny_llama("gqa"), apt, train, progress=False).resume(checkpoint)
+    legacy = dataclasses.replace(apt, shape_multiple=1, uniform_shape_trials=1)
+    resumed = APTrainer(tiny_llama("gqa"), legacy, train, progress=False)
+    resumed.resume(checkpoint)
+    assert resumed.step == meta["step"]
+
+
 def test_progress_bar_shows_task_loss_and_distillation_apart_on_unlogged_steps_too():
     model = tiny_llama("gqa")
     apt = APTConfig.for_steps(8, target_density=0.6, distill_every=1)
