@@ -4,7 +4,9 @@
    neuron, hidden channel) by first-order salience on a few calibration batches — per
    channel the product of summed magnitudes (sum |X|) * (sum |dL/dX|), the activation form of
    the weight salience |W * dL/dW| (not Molchanov's |sum X * dL/dX|) — keep the best units under the exact parameter budget (the same
-   `AdaptivePruner` ranking APT uses, uniform or not), and physically remove the rest.
+   `AdaptivePruner` ranking APT uses, uniform or not; a uniform shape is chosen among the best
+   few by the language-model loss on the first calibration batch, as APT's events choose theirs,
+   `training/shape_trials.py`), and physically remove the rest.
 2. Plain LoRA fine-tuning of the shrunk model (`APTConfig.as_lora()`: the same adapters as
    APT, no pruning, no rank growth, no distillation).
 

@@ -229,13 +229,13 @@ class APTrainer:
         target = self.schedule.density(event_step) * self.state.original_shape.budget_params(cfg.count_embeddings)
         args = (self.state.shape, s.group_scores, s.neuron_scores, s.hidden_scores, target, self.state.original_shape)
         if cfg.uniform and cfg.uniform_shape_trials > 1 and event_step not in self.uniform_shapes:
-            options = self.pruner.candidates(*args, count=cfg.uniform_shape_trials)
+            options, started = self.pruner.candidates(*args, count=cfg.uniform_shape_trials), time.perf_counter()
             lm_batches = [language_model_batch(b) for b in self.trial_batches]  # the whole step: split-invariant
             chosen, record["shape_trials"] = choose_by_loss(options, self.state.masks, lambda: self.evaluate(lm_batches))
             shapes = self.backend.all_gather_object(uniform_shape_of(chosen))
             if len(set(shapes)) != 1:
                 raise RuntimeError(f"uniform shapes measured for the event at step {event_step} differ across ranks: {shapes}")
-            self.uniform_shapes[event_step] = shapes[0]
+            self.uniform_shapes[event_step], record["shape_trials_s"] = shapes[0], time.perf_counter() - started
         return self.pruner.decide(*args, uniform_shape=self.uniform_shapes.get(event_step))
 
     def _pruning_event(self, step: int) -> dict:

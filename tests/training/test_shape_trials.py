@@ -188,6 +188,7 @@ def test_trials_score_the_whole_step_with_the_real_loss(tmp_path):
     trainer.train(iter(_stream()))
     trials = [r["shape_trials"] for r in read_metrics(tmp_path / "metrics.jsonl") if r.get("shape_trials")]
     assert trials and len(calls) == sum(len(t) for t in trials)
+    assert all(r["shape_trials_s"] > 0 for r in read_metrics(tmp_path / "metrics.jsonl") if r.get("shape_trials"))
     for batches, _ in calls:
         assert len(batches) == 2  # both micro-batches of the step
         for batch in batches:
