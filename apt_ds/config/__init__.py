@@ -53,9 +53,9 @@ class APTConfig(_JsonConfig):
         "of lcm(kept query heads, a block small enough for 16 choices)): matmuls run faster at aligned sizes and "
         "llama.cpp quantizes 32-wide blocks; 1 prunes single units as the paper does", default=32)
     uniform_shape_trials: int = help_field(
-        "uniform mode: before each pruning event, the language-model loss of this many of the best shapes by salience "
-        "is measured on the step's first micro-batch (one forward pass each) and the lowest-loss shape is kept; "
-        "1 ranks shapes by salience alone", default=4)
+        "uniform mode: before each pruning event, the task loss of this many of the best shapes by salience is "
+        "measured on the step's micro-batches (one forward pass each; prune-then-tune: on its first calibration "
+        "batch) and the lowest-loss shape is kept; 1 ranks shapes by salience alone", default=4)
     count_embeddings: bool = help_field("count embeddings and lm_head in the density budget", default=False)
     adapter_targets: list[str] = help_field("Linear modules that get APT adapters", choices=ADAPTER_TARGETS,
                                             default_factory=lambda: ["q_proj", "v_proj"])

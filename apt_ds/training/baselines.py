@@ -5,7 +5,7 @@
    channel the product of summed magnitudes (sum |X|) * (sum |dL/dX|), the activation form of
    the weight salience |W * dL/dW| (not Molchanov's |sum X * dL/dX|) — keep the best units under the exact parameter budget (the same
    `AdaptivePruner` ranking APT uses, uniform or not; a uniform shape is chosen among the best
-   few by the language-model loss on the first calibration batch, as APT's events choose theirs,
+   few by the task loss on the first calibration batch, as APT's events choose theirs,
    `training/shape_trials.py`), and physically remove the rest.
 2. Plain LoRA fine-tuning of the shrunk model (`APTConfig.as_lora()`: the same adapters as
    APT, no pruning, no rank growth, no distillation).
@@ -34,7 +34,7 @@ from apt_ds.algorithm.units import ModelShape
 from apt_ds.config import APTConfig, TrainConfig
 from apt_ds.training.forward import supervised_forward
 from apt_ds.training.heap import release_free_heap
-from apt_ds.training.shape_trials import choose_by_loss, language_model_batch
+from apt_ds.training.shape_trials import choose_by_loss
 from apt_ds.training.trainer import APTrainer
 
 
@@ -93,8 +93,7 @@ def one_shot_prune(model, calibration_batches: Iterable[dict], target_density: f
         pruner = AdaptivePruner(config)
         if config.uniform and config.uniform_shape_trials > 1:  # as APT chooses its uniform shapes (shape_trials)
             state.salience.enabled = False
-            lm_batch = language_model_batch(first)
-            measure = lambda: float(supervised_forward(model, lm_batch)[1])  # noqa: E731
+            measure = lambda: float(supervised_forward(model, first)[1])  # noqa: E731
             with torch.no_grad():
                 decision, trials = choose_by_loss(pruner.candidates(*args, count=config.uniform_shape_trials), state.masks, measure)
         else:

@@ -1,15 +1,16 @@
 """Choosing uniform mode's shape by measured loss (APTConfig.uniform_shape_trials).
 
 Uniform mode cuts every layer alike, so one (KV groups, FFN width, hidden size) is chosen for
-the whole model. Summed salience ranks those shapes by a first-order estimate, which misjudges
-hidden channels: a residual-stream channel feeds every layer and every RMSNorm's statistics, so
-removing 6% of them is no small perturbation. On SmolLM2-135M at density 0.7 the salience sum
-preferred hidden 504 where keeping all 576 channels (with one KV group or some FFN neurons
-fewer) lost less of the language-model loss (docs/BENCHMARKS.md, "Uniform shapes by measured loss").
-So the best few shapes by salience (only shapes that use the budget: none that another beats in
-every dimension) are tried: the masks are set to each shape's kept units, a forward pass without
-gradients per micro-batch of the step scores the next-token loss over its real tokens, and the
-lowest loss wins. Units inside the chosen shape are still picked by salience.
+the whole model, by summed salience: a first-order estimate, and after a short warm-up a noisy
+one (on SmolLM2 SST-2 after 5 warm-up steps it cut the hidden size to 504 of 576; after 14 it
+kept all 576 and cut only FFN neurons). So the best few shapes by salience (only shapes that use
+the budget: none that another beats in every dimension) are tried: the masks are set to each
+shape's kept units, a forward pass without gradients per micro-batch of the step scores the
+training objective's loss on it, and the lowest loss wins. Units inside the chosen shape are
+still picked by salience. The loss is the task's (the supervised tokens), not a language-model
+loss over all text: once a task is being learned the latter no longer tracks it (on SST-2 it
+preferred dropping KV groups, and accuracy fell; docs/BENCHMARKS.md, "Uniform shapes by
+measured loss").
 
 Every rank tries the same shapes in the same order (ZeRO-3 gathers weights inside forward, a
 collective) and the loss sums are reduced over ranks, so all ranks choose alike.
@@ -20,27 +21,8 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-import torch
-
 from apt_ds.algorithm.masks import UnitMasks
 from apt_ds.algorithm.pruner import GradualMasker, KeepDecision, uniform_shape_of
-
-
-def language_model_batch(batch: dict, max_positions: int = 256) -> dict:
-    """The batch with its real tokens as labels: a shape is judged on the text the model reads,
-    not only the few response tokens an instruction or classification row supervises (SST-2
-    supervises one token per row, too few to rank shapes). Every k-th position is labelled, k
-    chosen so that at most `max_positions` per row are: the trial's (positions x vocabulary)
-    logits stay as small as a training step's (2,048-token rows and a 128k vocabulary would
-    otherwise need ~4 GB per row in fp32)."""
-    ids = batch["input_ids"]
-    stride = -(-ids.shape[1] // max_positions)
-    labels = torch.full_like(ids, -100)
-    labels[:, ::stride] = ids[:, ::stride]
-    labels[:, 0] = -100  # not predicted by any position (the loss shifts by one)
-    if "attention_mask" in batch:
-        labels = labels.masked_fill(batch["attention_mask"] == 0, -100)
-    return {**batch, "labels": labels}
 
 
 def choose_by_loss(candidates: list[KeepDecision], masks: UnitMasks,

@@ -38,7 +38,7 @@ from apt_ds.training.forward import (
 )
 from apt_ds.training.heap import release_free_heap
 from apt_ds.training.lr_schedule import warmup_cosine
-from apt_ds.training.shape_trials import choose_by_loss, language_model_batch
+from apt_ds.training.shape_trials import choose_by_loss
 
 
 class APTrainer:
@@ -230,8 +230,8 @@ class APTrainer:
         args = (self.state.shape, s.group_scores, s.neuron_scores, s.hidden_scores, target, self.state.original_shape)
         if cfg.uniform and cfg.uniform_shape_trials > 1 and event_step not in self.uniform_shapes:
             options, started = self.pruner.candidates(*args, count=cfg.uniform_shape_trials), time.perf_counter()
-            lm_batches = [language_model_batch(b) for b in self.trial_batches]  # the whole step: split-invariant
-            chosen, record["shape_trials"] = choose_by_loss(options, self.state.masks, lambda: self.evaluate(lm_batches))
+            batches = self.trial_batches  # the whole step: the choice does not depend on how it is split
+            chosen, record["shape_trials"] = choose_by_loss(options, self.state.masks, lambda: self.evaluate(batches))
             shapes = self.backend.all_gather_object(uniform_shape_of(chosen))
             if len(set(shapes)) != 1:
                 raise RuntimeError(f"uniform shapes measured for the event at step {event_step} differ across ranks: {shapes}")

@@ -16,7 +16,7 @@ from apt_ds.algorithm.units import LayerShape, ModelShape
 from apt_ds.config import ConfigError
 from apt_ds.io.metrics import read_metrics
 from apt_ds.training.baselines import one_shot_prune
-from apt_ds.training.shape_trials import choose_by_loss, language_model_batch
+from apt_ds.training.shape_trials import choose_by_loss
 
 SMOLLM2 = ModelShape(576, tuple(LayerShape(3, 3, 64, 1536) for _ in range(30)), 49152, True)
 
@@ -115,26 +115,6 @@ def test_choose_by_loss_takes_the_lowest_and_restores_decayed_masks():
     assert chosen is options[0]
 
 
-def test_language_model_batch_labels_a_bounded_number_of_positions():
-    batch = random_batch(batch=2, length=600)
-    batch["attention_mask"][1, :10] = 0
-    lm = language_model_batch(batch, max_positions=256)
-    labelled = lm["labels"] != -100
-    assert labelled.sum(1).max() <= 256 and labelled[0].sum() >= 199  # every 3rd position
-    assert not labelled[:, 0].any() and not labelled[1, :10].any()
-    assert torch.equal(lm["labels"][labelled], batch["input_ids"][labelled])
-
-
-def test_language_model_batch_labels_every_real_token():
-    batch = random_batch(batch=2, length=6)
-    batch["attention_mask"][1, :2] = 0  # left padding
-    batch["labels"][:, :4] = -100  # a response-only label
-    lm = language_model_batch(batch)
-    assert lm["labels"][0, 0] == -100 and torch.equal(lm["labels"][0, 1:], batch["input_ids"][0, 1:])
-    assert lm["labels"][1, :2].tolist() == [-100, -100] and torch.equal(lm["labels"][1, 2:], batch["input_ids"][1, 2:])
-    assert batch["labels"][0, 0] == -100  # the input batch is left as it was
-
-
 def _stream(crash_at: int | None = None):
     for i in range(10**6):
         if crash_at is not None and i >= crash_at:
@@ -173,8 +153,8 @@ def test_events_keep_the_shape_measured_best(tmp_path):
 
 
 def test_trials_score_the_whole_step_with_the_real_loss(tmp_path):
-    """Unpatched: each trial's loss is evaluate() on the language-model form of every micro-batch
-    of the step, and the candidates' losses differ (the masks really held each candidate)."""
+    """Unpatched: each trial's loss is evaluate() on every micro-batch of the step, as trained
+    (the task loss), and the candidates' losses differ (the masks really held each candidate)."""
     trainer = APTrainer(tiny_llama("gqa"), _uniform_config(), TrainConfig(steps=24, micro_batch_size=2, grad_accum_steps=2),
                         out_dir=tmp_path, progress=False)
     calls, real = [], trainer.evaluate
@@ -189,10 +169,11 @@ def test_trials_score_the_whole_step_with_the_real_loss(tmp_path):
     trials = [r["shape_trials"] for r in read_metrics(tmp_path / "metrics.jsonl") if r.get("shape_trials")]
     assert trials and len(calls) == sum(len(t) for t in trials)
     assert all(r["shape_trials_s"] > 0 for r in read_metrics(tmp_path / "metrics.jsonl") if r.get("shape_trials"))
+    served = [random_batch(batch=4, length=16, seed=1000 + i) for i in range(48)]  # 2 micro-batches per step
     for batches, _ in calls:
-        assert len(batches) == 2  # both micro-batches of the step
-        for batch in batches:
-            assert (batch["labels"] != -100).sum() == batch["attention_mask"][:, 1:].sum()  # every real token but the first
+        assert len(batches) == 2  # both micro-batches of the step, labels as trained
+        first = next(i for i in range(0, 48, 2) if torch.equal(served[i]["input_ids"], batches[0]["input_ids"]))
+        assert all(torch.equal(b[key], s[key]) for b, s in zip(batches, served[first:first + 2]) for key in b)
     assert [loss for _, loss in calls] == [t["loss"] for step in trials for t in step]
     assert all(len({t["loss"] for t in step}) == len(step) for step in trials)
 
