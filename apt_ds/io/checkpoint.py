@@ -24,7 +24,7 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, corrupt, or does not belong to this model/config."""
 
 
-# APT fields added after checkpoints existed, with the value that reproduces what runs did before.
+# APT fields added after checkpoints existed, with the value closest to what runs did before (resumable with it).
 LEGACY_APT_FIELDS = {"shape_multiple": 1, "uniform_shape_trials": 1}
 
 
@@ -155,7 +155,7 @@ def load_checkpoint(trainer, directory: Path) -> None:
                                   f"and cannot be resumed by this one; export it as it is (launch/export.py) or start a new run")
         changed = sorted(k for k in set(saved) | set(current) if saved.get(k, "<absent>") != current.get(k, "<absent>"))
         legacy = [f"--{k.replace('_', '-')} {saved[k]}" for k in changed if k in LEGACY_APT_FIELDS and k not in meta["apt_config"]]
-        hint = f" (it predates {', '.join(legacy)}: pass that)" if legacy else ""
+        hint = f" (it predates {', '.join(legacy)}: pass {'them' if len(legacy) > 1 else 'it'})" if legacy else ""
         raise CheckpointError(f"checkpoint {directory} used a different APT config (fields {changed}); resume with the same one{hint}")
     access = trainer.backend.param_access()
 

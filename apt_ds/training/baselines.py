@@ -93,7 +93,7 @@ def one_shot_prune(model, calibration_batches: Iterable[dict], target_density: f
         pruner = AdaptivePruner(config)
         if config.uniform and config.uniform_shape_trials > 1:  # as APT chooses its uniform shapes (shape_trials)
             state.salience.enabled = False
-            measure = lambda: float(supervised_forward(model, first)[1])  # noqa: E731
+            measure = lambda: float(supervised_forward(model, first, use_cache=False)[1])  # noqa: E731
             with torch.no_grad():
                 decision, trials = choose_by_loss(pruner.candidates(*args, count=config.uniform_shape_trials), state.masks, measure)
         else:

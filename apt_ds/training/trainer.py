@@ -228,7 +228,8 @@ class APTrainer:
         cfg, s = self.apt_config, self.state.salience
         target = self.schedule.density(event_step) * self.state.original_shape.budget_params(cfg.count_embeddings)
         args = (self.state.shape, s.group_scores, s.neuron_scores, s.hidden_scores, target, self.state.original_shape)
-        if cfg.uniform and cfg.uniform_shape_trials > 1 and event_step not in self.uniform_shapes:
+        if (cfg.uniform and cfg.uniform_shape_trials > 1 and event_step not in self.uniform_shapes
+                and self._trial_tokens() > 0):  # a step with no supervised token (anywhere) has no loss to compare
             options, started = self.pruner.candidates(*args, count=cfg.uniform_shape_trials), time.perf_counter()
             batches = self.trial_batches  # the whole step: the choice does not depend on how it is split
             chosen, record["shape_trials"] = choose_by_loss(options, self.state.masks, lambda: self.evaluate(batches))
@@ -237,6 +238,10 @@ class APTrainer:
                 raise RuntimeError(f"uniform shapes measured for the event at step {event_step} differ across ranks: {shapes}")
             self.uniform_shapes[event_step], record["shape_trials_s"] = shapes[0], time.perf_counter() - started
         return self.pruner.decide(*args, uniform_shape=self.uniform_shapes.get(event_step))
+
+    def _trial_tokens(self) -> float:
+        counts = torch.tensor([float(sum(supervised_token_count(b) for b in self.trial_batches))], dtype=torch.float64)
+        return float(self.backend.all_reduce_sum(counts)[0])
 
     def _pruning_event(self, step: int) -> dict:
         started = time.perf_counter()

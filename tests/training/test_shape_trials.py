@@ -115,6 +115,15 @@ def test_choose_by_loss_takes_the_lowest_and_restores_decayed_masks():
     assert chosen is options[0]
 
 
+def test_a_nan_loss_never_wins():
+    options = AdaptivePruner(APTConfig(uniform=True)).candidates(SMOLLM2, *_scores(), 0.7 * SMOLLM2.block_params(), count=3)
+    losses = iter([float("nan"), 2.0, 1.0])
+    chosen, trials = choose_by_loss(options, UnitMasks(SMOLLM2), lambda: next(losses))
+    assert chosen is options[2] and trials[0]["loss"] is None
+    chosen, _ = choose_by_loss(options, UnitMasks(SMOLLM2), lambda: float("nan"))
+    assert chosen is options[0]  # nothing measured: salience's order
+
+
 def _stream(crash_at: int | None = None):
     for i in range(10**6):
         if crash_at is not None and i >= crash_at:
@@ -193,6 +202,45 @@ def test_the_choice_does_not_depend_on_how_the_batch_is_split():
     assert split.state.kept_record() == whole.state.kept_record()
 
 
+def test_trials_are_logged_whatever_log_every_is(tmp_path):
+    trainer = APTrainer(tiny_llama("gqa"), _uniform_config(), TrainConfig(steps=24, log_every=100), out_dir=tmp_path,
+                        progress=False)
+    trainer.train(iter(_stream()))
+    logged = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r.get("shape_trials")]
+    assert len(logged) == len(trainer.uniform_shapes) == trainer.apt_config.num_pruning_events
+
+
+def test_a_step_without_supervised_tokens_is_not_measured(tmp_path):
+    """No label anywhere in the step: every loss would read 0, so nothing is measured or pinned
+    on it; the event's next decision, on a step with labels, measures."""
+    apt = _uniform_config()
+    normal = APTrainer(tiny_llama("gqa"), apt, TrainConfig(steps=24), out_dir=tmp_path / "a", progress=False)
+    normal.train(iter(_stream()))
+    first = min(r["step"] for r in read_metrics(tmp_path / "a" / "metrics.jsonl") if r.get("shape_trials"))
+
+    def unlabelled_at_first():
+        for i, batch in enumerate(_stream()):
+            yield {**batch, "labels": torch.full_like(batch["labels"], -100)} if i == first - 1 else batch
+
+    trainer = APTrainer(tiny_llama("gqa"), apt, TrainConfig(steps=24), out_dir=tmp_path / "b", progress=False)
+    trainer.train(unlabelled_at_first())
+    measured = [r for r in read_metrics(tmp_path / "b" / "metrics.jsonl") if r.get("shape_trials")]
+    assert measured[0]["step"] == first + 1 and len(measured) == len(trainer.uniform_shapes)
+    assert all(t["loss"] > 0 for r in measured for t in r["shape_trials"])
+
+
+def test_ranks_that_measure_different_shapes_stop_at_once():
+    from apt_ds.distributed.backend import LocalBackend
+
+    class SplitBrainBackend(LocalBackend):
+        def all_gather_object(self, obj):
+            return [obj, (0, 0)] if isinstance(obj, tuple) else [obj]
+
+    trainer = APTrainer(tiny_llama("gqa"), _uniform_config(), TrainConfig(steps=24), backend=SplitBrainBackend(), progress=False)
+    with pytest.raises(RuntimeError, match="uniform shapes measured for the event at step"):
+        trainer.train(iter(_stream()))
+
+
 def test_one_trial_is_the_salience_choice(tmp_path):
     trainer = APTrainer(tiny_llama("gqa"), _uniform_config(uniform_shape_trials=1), TrainConfig(steps=24),
                         out_dir=tmp_path, progress=False)
@@ -222,9 +270,21 @@ def test_resume_inside_a_decay_window_keeps_the_measured_shape(tmp_path):
 
 
 @pytest.mark.parametrize("trials", [1, 3])
-def test_prune_then_tune_measures_uniform_shapes(trials):
+def test_prune_then_tune_measures_uniform_shapes(trials, monkeypatch):
+    from apt_ds.training import baselines
+
     model = tiny_llama("gqa")
     calibration = [random_batch(batch=4, length=16, seed=s) for s in range(3)]
+    for batch in calibration:
+        batch["labels"][:, :8] = -100  # a response-only label: measured as trained, not as plain text
+    measured, real = [], baselines.supervised_forward
+
+    def recording(forward, batch, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            measured.append(batch)
+        return real(forward, batch, *args, **kwargs)
+
+    monkeypatch.setattr(baselines, "supervised_forward", recording)
     result = one_shot_prune(model, calibration, 0.5, APTConfig(uniform=True, shape_multiple=1, uniform_shape_trials=trials))
     assert result.shape.uniform
     if trials == 1:
@@ -234,4 +294,5 @@ def test_prune_then_tune_measures_uniform_shapes(trials):
     chosen = [t for t in result.shape_trials if t["chosen"]]
     losses = [t["loss"] for t in result.shape_trials]
     assert len(chosen) == 1 and chosen[0]["loss"] == min(losses) and len(set(losses)) == 3
+    assert len(measured) == 3 and all(m is calibration[0] for m in measured)  # its labels as given
     assert (result.shape.layers[0].num_kv_groups, result.shape.hidden) == (chosen[0]["kv_groups"], chosen[0]["hidden"])

@@ -445,7 +445,7 @@ def test_resume_of_a_checkpoint_from_before_shape_settings_names_the_values_it_r
     del meta["apt_config"]["shape_multiple"], meta["apt_config"]["uniform_shape_trials"]
     (checkpoint / "apt_state.json").write_text(json.dumps(meta))
     apt, train = _configs()
-    with pytest.raises(CheckpointError, match=r"predates --shape-multiple 1, --uniform-shape-trials 1: pass that"):
+    with pytest.raises(CheckpointError, match=r"predates --shape-multiple 1, --uniform-shape-trials 1: pass them"):
         APTrainer(tiny_llama("gqa"), apt, train, progress=False).resume(checkpoint)
     legacy = dataclasses.replace(apt, shape_multiple=1, uniform_shape_trials=1)
     resumed = APTrainer(tiny_llama("gqa"), legacy, train, progress=False)
