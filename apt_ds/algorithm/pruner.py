@@ -206,6 +206,11 @@ class AdaptivePruner:
             0, torch.argsort(scores.double(), descending=True, stable=True)[:k], True
         )
         shapes.sort(key=lambda entry: (entry[0], entry[1]), reverse=True)  # stable: ties keep the search order
+        # Alternatives must use the budget about as well as salience's choice (within one FFN block
+        # in every layer): an FFN already at its current width cannot take up what a dropped KV
+        # group frees (a trial kept 2 groups and 608 neurons, density 0.464 for a target of 0.5).
+        slack = target - shapes[0][1]
+        shapes = shapes[:1] + [e for e in shapes[1:] if target - e[1] <= slack + 3 * L * e[4] * neuron_block]
         return [
             KeepDecision([top(s, G) for s in group_scores], [top(s, N) for s in neuron_scores], top(hidden_scores, D), int(params))
             for _, params, G, N, D in shapes[:count]

@@ -146,7 +146,7 @@ def test_zero3_two_ranks_identical_masks_and_export_matches(tmp_path, model, sha
     config = json.loads((tmp_path / "export" / "config.json").read_text())
     if shape_flags:  # uniform MHA: a stock config, its shapes chosen by loss measured on both ranks' batches
         assert "apt_layer_shapes" not in config and config["num_attention_heads"] == config["num_key_value_heads"]
-        assert any(m.get("shape_trials") for m in metrics(out))
+        assert any("shape_trials" in m for m in metrics(out))
 
 
 def test_one_rank_with_double_batch_decides_the_same(two_rank_zero2, tmp_path):

@@ -76,6 +76,20 @@ def test_candidates_use_the_budget_once_the_ffn_is_at_its_current_width():
         assert G == 3 or layer_cost(G + 1, N, D) > target
 
 
+def test_alternatives_use_the_budget_as_well_as_the_salience_choice():
+    """With the FFN at 608 neurons, dropping a KV group frees budget that no dimension can take up
+    (a trial chose 2 groups + 608 neurons: density 0.464 for a target of 0.52): such a shape is
+    no candidate; the others stay within one FFN block per layer of salience's choice."""
+    shrunk = ModelShape(576, tuple(LayerShape(3, 3, 64, 608) for _ in range(30)), 49152, True)
+    groups, neurons, hidden = _scores()
+    target = 0.52 * SMOLLM2.block_params()
+    options = AdaptivePruner(APTConfig(uniform=True)).candidates(shrunk, groups, [n[:608] for n in neurons], hidden,
+                                                                  target, original=SMOLLM2, count=1000)
+    slack = target - options[0].params
+    assert (2, 576) not in {uniform_shape_of(d) for d in options}
+    assert all(target - d.params <= slack + 3 * 30 * int(d.hidden.sum()) * 32 for d in options)
+
+
 def test_pinning_a_shape_that_does_not_fit_is_one_line_error():
     pruner = AdaptivePruner(APTConfig(uniform=True))
     with pytest.raises(PruningError, match="the shape of 3 KV groups and hidden 577"):
@@ -143,12 +157,14 @@ def test_events_keep_the_shape_measured_best(tmp_path):
     trainer.evaluate = lambda batches=None: float(trainer.state.masks.hidden.sum())
     trainer.train(iter(_stream()))
     records = read_metrics(tmp_path / "metrics.jsonl")
-    with_trials = [r for r in records if r.get("shape_trials")]
+    with_trials = [r for r in records if "shape_trials" in r]  # an event with one candidate logs []
     events = [r for r in records if r.get("event")]
     assert len(with_trials) == len(trainer.uniform_shapes) == trainer.apt_config.num_pruning_events
     overridden = 0
     for record in with_trials:
         trials = record["shape_trials"]
+        if not trials:
+            continue
         chosen = [t for t in trials if t["chosen"]]
         assert len(chosen) == 1 and chosen[0]["hidden"] == min(t["hidden"] for t in trials)
         overridden += chosen[0]["salience_rank"] > 0
@@ -177,7 +193,7 @@ def test_trials_score_the_whole_step_with_the_real_loss(tmp_path):
     trainer.train(iter(_stream()))
     trials = [r["shape_trials"] for r in read_metrics(tmp_path / "metrics.jsonl") if r.get("shape_trials")]
     assert trials and len(calls) == sum(len(t) for t in trials)
-    assert all(r["shape_trials_s"] > 0 for r in read_metrics(tmp_path / "metrics.jsonl") if r.get("shape_trials"))
+    assert all(r["shape_trials_s"] > 0 for r in read_metrics(tmp_path / "metrics.jsonl") if "shape_trials" in r)
     served = [random_batch(batch=4, length=16, seed=1000 + i) for i in range(48)]  # 2 micro-batches per step
     for batches, _ in calls:
         assert len(batches) == 2  # both micro-batches of the step, labels as trained
@@ -206,7 +222,7 @@ def test_trials_are_logged_whatever_log_every_is(tmp_path):
     trainer = APTrainer(tiny_llama("gqa"), _uniform_config(), TrainConfig(steps=24, log_every=100), out_dir=tmp_path,
                         progress=False)
     trainer.train(iter(_stream()))
-    logged = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r.get("shape_trials")]
+    logged = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "shape_trials" in r]
     assert len(logged) == len(trainer.uniform_shapes) == trainer.apt_config.num_pruning_events
 
 
@@ -216,7 +232,7 @@ def test_a_step_without_supervised_tokens_is_not_measured(tmp_path):
     apt = _uniform_config()
     normal = APTrainer(tiny_llama("gqa"), apt, TrainConfig(steps=24), out_dir=tmp_path / "a", progress=False)
     normal.train(iter(_stream()))
-    first = min(r["step"] for r in read_metrics(tmp_path / "a" / "metrics.jsonl") if r.get("shape_trials"))
+    first = min(r["step"] for r in read_metrics(tmp_path / "a" / "metrics.jsonl") if "shape_trials" in r)
 
     def unlabelled_at_first():
         for i, batch in enumerate(_stream()):
@@ -224,7 +240,7 @@ def test_a_step_without_supervised_tokens_is_not_measured(tmp_path):
 
     trainer = APTrainer(tiny_llama("gqa"), apt, TrainConfig(steps=24), out_dir=tmp_path / "b", progress=False)
     trainer.train(unlabelled_at_first())
-    measured = [r for r in read_metrics(tmp_path / "b" / "metrics.jsonl") if r.get("shape_trials")]
+    measured = [r for r in read_metrics(tmp_path / "b" / "metrics.jsonl") if "shape_trials" in r]
     assert measured[0]["step"] == first + 1 and len(measured) == len(trainer.uniform_shapes)
     assert all(t["loss"] > 0 for r in measured for t in r["shape_trials"])
 
@@ -246,7 +262,7 @@ def test_one_trial_is_the_salience_choice(tmp_path):
                         out_dir=tmp_path, progress=False)
     trainer.train(iter(_stream()))
     assert trainer.uniform_shapes == {}
-    assert not any(r.get("shape_trials") for r in read_metrics(tmp_path / "metrics.jsonl"))
+    assert not any("shape_trials" in r for r in read_metrics(tmp_path / "metrics.jsonl"))
 
 
 def test_resume_inside_a_decay_window_keeps_the_measured_shape(tmp_path):
