@@ -4,7 +4,8 @@ Uniform mode cuts every layer alike, so one (KV groups, FFN width, hidden size) 
 the whole model, by summed salience: a first-order estimate, and after a short warm-up a noisy
 one (on SmolLM2 SST-2 after 5 warm-up steps it cut the hidden size to 504 of 576; after 14 it
 kept all 576 and cut only FFN neurons). So the best few shapes by salience (only shapes that use
-the budget: none that another beats in every dimension) are tried: the masks are set to each
+the budget: none that another beats in every dimension, none that leaves more than one FFN block
+per layer unused beyond salience's choice) are tried: the masks are set to each
 shape's kept units, a forward pass without gradients per micro-batch of the step scores the
 training objective's loss on it, and the lowest loss wins. Units inside the chosen shape are
 still picked by salience. The loss is the task's (the supervised tokens), not a language-model
