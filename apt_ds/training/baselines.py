@@ -82,7 +82,7 @@ def one_shot_prune(model, calibration_batches: Iterable[dict], target_density: f
             loss.backward()
             loss_sum += float(loss.detach())
             batches_seen += 1
-            first = batch if batches_seen == 1 else first
+            first = first or batch  # uniform shape trials measure on it
             tokens += int(batch.get("attention_mask", batch["input_ids"]).bool().sum()) if "attention_mask" in batch else batch["input_ids"].numel()
         if batches_seen == 0:
             raise ValueError("one_shot_prune needs at least one calibration batch")
