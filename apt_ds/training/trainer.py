@@ -88,7 +88,7 @@ class APTrainer:
     def train(self, batches: Iterator[dict], skip_consumed: bool = True) -> dict:
         """Train to `steps`. A resumed trainer skips the micro-batches it already consumed,
         unless the iterator already starts after them (`skip_consumed=False`)."""
-        cfg = self.train_config
+        cfg, started = self.train_config, time.perf_counter()
         for _ in range(self.consumed_micro_batches if skip_consumed else 0):
             next(batches)
         # `with`: an error closes the bar first, so its message starts a line of its own
@@ -109,6 +109,7 @@ class APTrainer:
         if self.eval_batches:
             final["eval_loss"] = self.evaluate()
             self.backend.log_metrics({"step": self.step, "eval_loss": final["eval_loss"]})  # the monitor's last point
+        final["train_time_s"] = time.perf_counter() - started  # this invocation's loop (a resumed run: since resuming)
         self.metrics.write(final)
         self.history.append(final)
         if self.out_dir:
