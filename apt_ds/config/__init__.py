@@ -17,6 +17,7 @@ ADAPTER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 BASE_DTYPES = ("auto", "bf16", "fp16", "fp32")
 TEMPLATES = ("alpaca", "chat", "none")
 SCORE_NORMALIZATIONS = ("kind", "none")
+SHAPE_METRICS = ("kl", "task")  # how uniform mode's shape trials score a shape (apt_ds.training.shape_trials)
 # Fields whose default is derived from the run's length (APTConfig.for_steps); a LoRA run drops them.
 SCHEDULE_FIELDS = ("pruning_start_step", "pruning_end_step", "num_pruning_events", "mask_decay_window", "mask_decay_step")
 
@@ -53,9 +54,13 @@ class APTConfig(_JsonConfig):
         "of lcm(kept query heads, a block small enough for 16 choices)): matmuls run faster at aligned sizes and "
         "llama.cpp quantizes 32-wide blocks; 1 prunes single units as the paper does", default=32)
     uniform_shape_trials: int = help_field(
-        "uniform mode: before each pruning event, the task loss of this many of the best shapes by salience is "
-        "measured on the step's micro-batches (one forward pass each; prune-then-tune: on its first calibration "
-        "batch) and the lowest-loss shape is kept; 1 ranks shapes by salience alone", default=4)
+        "uniform mode: before each pruning event, this many of the best shapes by salience are measured on the "
+        "step's micro-batches (one forward pass each; prune-then-tune: on its first calibration batch) and the "
+        "lowest-scoring shape (uniform_shape_metric) is kept; 1 ranks shapes by salience alone", default=4)
+    uniform_shape_metric: str = help_field(
+        "what the shape trials score: 'kl' the divergence KL(shape || current model) of next-token distributions "
+        "over the step's tokens (every token, no labels needed); 'task' the task loss on the supervised tokens "
+        "(few on classification data: noisier)", choices=SHAPE_METRICS, default="kl")
     count_embeddings: bool = help_field("count embeddings and lm_head in the density budget", default=False)
     adapter_targets: list[str] = help_field("Linear modules that get APT adapters", choices=ADAPTER_TARGETS,
                                             default_factory=lambda: ["q_proj", "v_proj"])
@@ -102,6 +107,8 @@ class APTConfig(_JsonConfig):
         _require(self.kurtosis_weight >= 0, c, "kurtosis_weight", ">= 0", self.kurtosis_weight)
         _require(self.shape_multiple >= 1, c, "shape_multiple", ">= 1", self.shape_multiple)
         _require(self.uniform_shape_trials >= 1, c, "uniform_shape_trials", ">= 1", self.uniform_shape_trials)
+        _require(self.uniform_shape_metric in SHAPE_METRICS, c, "uniform_shape_metric", f"one of {SHAPE_METRICS}",
+                 self.uniform_shape_metric)
         _require(self.mask_decay_window >= 0, c, "mask_decay_window", ">= 0", self.mask_decay_window)
         _require(0.0 < self.mask_decay_step <= 1.0, c, "mask_decay_step", "in (0, 1]", self.mask_decay_step)
         self.adapter_targets = tuple(self.adapter_targets)

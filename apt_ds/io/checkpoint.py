@@ -25,7 +25,7 @@ class CheckpointError(ValueError):
 
 
 # APT fields added after checkpoints existed, with the value closest to what runs did before (resumable with it).
-LEGACY_APT_FIELDS = {"shape_multiple": 1, "uniform_shape_trials": 1}
+LEGACY_APT_FIELDS = {"shape_multiple": 1, "uniform_shape_trials": 1, "uniform_shape_metric": "task"}
 
 
 def save_checkpoint(trainer, directory: Path) -> None:

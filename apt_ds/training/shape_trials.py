@@ -1,29 +1,39 @@
-"""Choosing uniform mode's shape by measured loss (APTConfig.uniform_shape_trials).
+"""Choosing uniform mode's shape by measurement (APTConfig.uniform_shape_trials / uniform_shape_metric).
 
 Uniform mode cuts every layer alike, so one (KV groups, FFN width, hidden size) is chosen for
 the whole model, by summed salience: a first-order estimate, and after a short warm-up a noisy
 one (on SmolLM2 SST-2 after 5 warm-up steps it cut the hidden size to 504 of 576; after 14 it
 kept all 576 and cut only FFN neurons). So the best few shapes by salience (only shapes that use
 the budget: none that another beats in every dimension, none that leaves more than one FFN block
-per layer unused beyond salience's choice) are tried: the masks are set to each
-shape's kept units, a forward pass without gradients per micro-batch of the step scores the
-training objective's loss on it, and the lowest loss wins. Units inside the chosen shape are
-still picked by salience. The loss is the task's (the supervised tokens), not a language-model
-loss over all text: once a task is being learned the latter no longer tracks it (on SST-2 it
-preferred dropping KV groups, and accuracy fell; docs/BENCHMARKS.md, "Uniform shapes by
-measured loss").
+per layer unused beyond salience's choice) are tried: the masks are set to each shape's kept
+units, forward passes without gradients over the step's micro-batches score it, and the lowest
+score wins. Units inside the chosen shape are still picked by salience.
+
+The default score is KL(shape || current model) of the next-token distributions at every token
+of the step (`divergence_measure`): how far the cut moves what the model computes now, adapters
+included. The alternative is the task loss on the supervised tokens (`Trainer.evaluate`); on
+classification data those are one label per row (8 tokens per SST-2 step), and over 144 steps
+that noise made two of three seeds drop a KV group that salience kept (docs/BENCHMARKS.md,
+"Uniform shapes by measured loss"). A language-model loss over all text was tried too and is not
+offered: once the task is being learned it no longer tracks it.
 
 Every rank tries the same shapes in the same order (ZeRO-3 gathers weights inside forward, a
-collective) and the loss sums are reduced over ranks, so all ranks choose alike.
+collective) and the sums are reduced over ranks, so all ranks choose alike.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from typing import Callable
+
+import torch
+import torch.nn.functional as F
 
 from apt_ds.algorithm.masks import UnitMasks
 from apt_ds.algorithm.pruner import GradualMasker, KeepDecision, uniform_shape_of
+from apt_ds.distributed.placement import move_batch
+from apt_ds.training.forward import supervised_token_count, valid_token_count
 
 
 def choose_by_loss(candidates: list[KeepDecision], masks: UnitMasks,
@@ -50,3 +60,76 @@ def choose_by_loss(candidates: list[KeepDecision], masks: UnitMasks,
         trials.append({"kv_groups": groups, "ffn": int(decision.neurons[0].sum()), "hidden": hidden,
                        "salience_rank": i, "loss": loss if math.isfinite(loss) else None, "chosen": i == best})
     return candidates[best], trials
+
+
+# Positions per micro-batch at which divergence_measure compares distributions: the reference it
+# keeps is (positions x vocabulary) floats per micro-batch (256 x 128k x 4 bytes = 128 MB for a
+# LLaMA-3 vocabulary); shorter micro-batches use every position.
+TRIAL_POSITIONS = 256
+
+
+def trial_positions(attention_mask: torch.Tensor, limit: int = TRIAL_POSITIONS) -> tuple[torch.Tensor, torch.Tensor]:
+    """(1D positions, (batch, positions) bool of the real tokens there): every position some row
+    has a token at, or `limit` of them evenly spaced (the same every time: the trials compare alike)."""
+    columns = attention_mask.bool().any(0).nonzero().flatten()
+    if len(columns) > limit:
+        columns = columns[torch.linspace(0, len(columns) - 1, limit, device=columns.device).round().long()]
+    return columns, attention_mask.bool()[:, columns]
+
+
+def divergence_measure(forward_no_grad, batches: list[dict], reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], float]:
+    """A `measure` for choose_by_loss: the mean over tokens (all ranks) of KL(masked || reference)
+    between next-token distributions, the reference being the model as it is when this is called
+    (its current masks and adapters). `batches` are on the model's device; `forward_no_grad` runs
+    the model without gradients (the caller turns salience collection off)."""
+    prepared = []
+    for batch in batches:
+        mask = batch.get("attention_mask", torch.ones_like(batch["input_ids"]))
+        positions, real = trial_positions(mask)
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        prepared.append((inputs, positions, real))
+
+    def log_probs(inputs, positions, real) -> torch.Tensor:
+        logits = forward_no_grad(**inputs, logits_to_keep=positions, use_cache=False).logits
+        return F.log_softmax(logits[real].float(), -1)
+
+    reference = [log_probs(*entry) for entry in prepared]
+
+    def measure() -> float:
+        totals = torch.zeros(2, dtype=torch.float64)
+        for entry, ref in zip(prepared, reference):
+            candidate = log_probs(*entry)
+            kl = (candidate.exp() * (candidate - ref)).sum()  # KL(candidate || reference), the spec's distillation direction
+            totals += torch.tensor([float(kl), float(candidate.shape[0])], dtype=torch.float64)
+        totals = reduce_sum(totals)
+        return float(totals[0] / totals[1].clamp_min(1))
+
+    return measure
+
+
+def measure_uniform_shape(trainer, candidates: Callable[[], list[KeepDecision]], event_step: int):
+    """Uniform mode's (KV groups, hidden) for the event at `event_step`, measured on the trainer's
+    current step (`trainer.trial_batches`, the whole step: the choice does not depend on how it is
+    split into micro-batches) by `uniform_shape_metric`: ((groups, hidden), trial records,
+    seconds), or None when no rank has a token to measure (the task metric on a step without
+    supervised tokens). Checked identical on every rank."""
+    started, batches, task = time.perf_counter(), trainer.trial_batches, trainer.apt_config.uniform_shape_metric == "task"
+    count = supervised_token_count if task else valid_token_count
+    tokens = trainer.backend.all_reduce_sum(torch.tensor([float(sum(count(b) for b in batches))], dtype=torch.float64))
+    if float(tokens[0]) == 0:
+        return None
+    salience, was_enabled = trainer.state.salience, trainer.state.salience.enabled
+    salience.enabled = False  # the trials' forward passes are not training steps
+    try:
+        if task:
+            measure = lambda: trainer.evaluate(batches)  # noqa: E731
+        else:
+            measure = divergence_measure(trainer.backend.forward_no_grad, [move_batch(b, trainer.device) for b in batches],
+                                         trainer.backend.all_reduce_sum)
+        chosen, trials = choose_by_loss(candidates(), trainer.state.masks, measure)
+    finally:
+        salience.enabled = was_enabled
+    shapes = trainer.backend.all_gather_object(uniform_shape_of(chosen))
+    if len(set(shapes)) != 1:
+        raise RuntimeError(f"uniform shapes measured for the event at step {event_step} differ across ranks: {shapes}")
+    return shapes[0], trials, time.perf_counter() - started

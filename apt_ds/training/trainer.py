@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from apt_ds.algorithm.distill import SelfDistiller
 from apt_ds.algorithm.edits import merge_changes
-from apt_ds.algorithm.pruner import AdaptivePruner, GradualMasker, uniform_shape_of
+from apt_ds.algorithm.pruner import AdaptivePruner, GradualMasker
 from apt_ds.algorithm.schedule import SparsityScheduler
 from apt_ds.algorithm.state import APTModel
 from apt_ds.algorithm.tuner import AdaptiveTuner
@@ -38,7 +38,7 @@ from apt_ds.training.forward import (
 )
 from apt_ds.training.heap import release_free_heap
 from apt_ds.training.lr_schedule import warmup_cosine
-from apt_ds.training.shape_trials import choose_by_loss
+from apt_ds.training.shape_trials import measure_uniform_shape
 
 
 class APTrainer:
@@ -229,20 +229,11 @@ class APTrainer:
         cfg, s = self.apt_config, self.state.salience
         target = self.schedule.density(event_step) * self.state.original_shape.budget_params(cfg.count_embeddings)
         args = (self.state.shape, s.group_scores, s.neuron_scores, s.hidden_scores, target, self.state.original_shape)
-        if (cfg.uniform and cfg.uniform_shape_trials > 1 and event_step not in self.uniform_shapes
-                and self._trial_tokens() > 0):  # a step with no supervised token (anywhere) has no loss to compare
-            options, started = self.pruner.candidates(*args, count=cfg.uniform_shape_trials), time.perf_counter()
-            batches = self.trial_batches  # the whole step: the choice does not depend on how it is split
-            chosen, record["shape_trials"] = choose_by_loss(options, self.state.masks, lambda: self.evaluate(batches))
-            shapes = self.backend.all_gather_object(uniform_shape_of(chosen))
-            if len(set(shapes)) != 1:
-                raise RuntimeError(f"uniform shapes measured for the event at step {event_step} differ across ranks: {shapes}")
-            self.uniform_shapes[event_step], record["shape_trials_s"] = shapes[0], time.perf_counter() - started
+        if cfg.uniform and cfg.uniform_shape_trials > 1 and event_step not in self.uniform_shapes:
+            measured = measure_uniform_shape(self, lambda: self.pruner.candidates(*args, count=cfg.uniform_shape_trials), event_step)
+            if measured is not None:  # None: the step had nothing to measure on
+                self.uniform_shapes[event_step], record["shape_trials"], record["shape_trials_s"] = measured
         return self.pruner.decide(*args, uniform_shape=self.uniform_shapes.get(event_step))
-
-    def _trial_tokens(self) -> float:
-        counts = torch.tensor([float(sum(supervised_token_count(b) for b in self.trial_batches))], dtype=torch.float64)
-        return float(self.backend.all_reduce_sum(counts)[0])
 
     def _pruning_event(self, step: int) -> dict:
         started = time.perf_counter()

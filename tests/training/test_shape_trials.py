@@ -1,5 +1,6 @@
-"""Uniform mode's shape chosen by measured loss (APTConfig.uniform_shape_trials): the candidate
-shapes, the trial itself, its wiring into APT's events, resume and prune-then-tune."""
+"""Uniform mode's shape chosen by measurement (APTConfig.uniform_shape_trials and
+uniform_shape_metric): the candidate shapes, the trial itself, both metrics (the divergence from
+the current model, the task loss), their wiring into APT's events, resume and prune-then-tune."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from apt_ds.algorithm.units import LayerShape, ModelShape
 from apt_ds.config import ConfigError
 from apt_ds.io.metrics import read_metrics
 from apt_ds.training.baselines import one_shot_prune
-from apt_ds.training.shape_trials import choose_by_loss
+from apt_ds.training.shape_trials import TRIAL_POSITIONS, choose_by_loss, divergence_measure, trial_positions
 
 SMOLLM2 = ModelShape(576, tuple(LayerShape(3, 3, 64, 1536) for _ in range(30)), 49152, True)
 
@@ -153,7 +154,8 @@ def test_events_keep_the_shape_measured_best(tmp_path):
     """Measured loss overrides salience: with a 'loss' that rewards the smallest hidden size
     among the candidates, every event keeps that candidate's (KV groups, hidden), the trials are
     measured once per event and logged, and at least one event did not take salience's first."""
-    trainer = APTrainer(tiny_llama("gqa"), _uniform_config(), TrainConfig(steps=24), out_dir=tmp_path, progress=False)
+    trainer = APTrainer(tiny_llama("gqa"), _uniform_config(uniform_shape_metric="task"), TrainConfig(steps=24), out_dir=tmp_path,
+                        progress=False)
     trainer.evaluate = lambda batches=None: float(trainer.state.masks.hidden.sum())
     trainer.train(iter(_stream()))
     records = read_metrics(tmp_path / "metrics.jsonl")
@@ -177,10 +179,11 @@ def test_events_keep_the_shape_measured_best(tmp_path):
     assert shape.uniform and (shape.layers[0].num_kv_groups, shape.hidden) == (final_groups, final_hidden)
 
 
-def test_trials_score_the_whole_step_with_the_real_loss(tmp_path):
+def test_task_trials_score_the_whole_step_with_the_real_loss(tmp_path):
     """Unpatched: each trial's loss is evaluate() on every micro-batch of the step, as trained
     (the task loss), and the candidates' losses differ (the masks really held each candidate)."""
-    trainer = APTrainer(tiny_llama("gqa"), _uniform_config(), TrainConfig(steps=24, micro_batch_size=2, grad_accum_steps=2),
+    trainer = APTrainer(tiny_llama("gqa"), _uniform_config(uniform_shape_metric="task"),
+                        TrainConfig(steps=24, micro_batch_size=2, grad_accum_steps=2),
                         out_dir=tmp_path, progress=False)
     calls, real = [], trainer.evaluate
 
@@ -203,16 +206,17 @@ def test_trials_score_the_whole_step_with_the_real_loss(tmp_path):
     assert all(len({t["loss"] for t in step}) == len(step) for step in trials)
 
 
-def test_the_choice_does_not_depend_on_how_the_batch_is_split():
+@pytest.mark.parametrize("metric", ["kl", "task"])
+def test_the_choice_does_not_depend_on_how_the_batch_is_split(metric):
     def halves():
         for batch in _stream():
             yield {k: v[:2] for k, v in batch.items()}
             yield {k: v[2:] for k, v in batch.items()}
 
-    whole = APTrainer(tiny_llama("gqa"), _uniform_config(), TrainConfig(steps=24), progress=False)
+    apt = _uniform_config(uniform_shape_metric=metric)
+    whole = APTrainer(tiny_llama("gqa"), apt, TrainConfig(steps=24), progress=False)
     whole.train(iter(_stream()))
-    split = APTrainer(tiny_llama("gqa"), _uniform_config(), TrainConfig(steps=24, micro_batch_size=2, grad_accum_steps=2),
-                      progress=False)
+    split = APTrainer(tiny_llama("gqa"), apt, TrainConfig(steps=24, micro_batch_size=2, grad_accum_steps=2), progress=False)
     split.train(halves())
     assert whole.uniform_shapes and split.uniform_shapes == whole.uniform_shapes
     assert split.state.kept_record() == whole.state.kept_record()
@@ -226,10 +230,11 @@ def test_trials_are_logged_whatever_log_every_is(tmp_path):
     assert len(logged) == len(trainer.uniform_shapes) == trainer.apt_config.num_pruning_events
 
 
-def test_a_step_without_supervised_tokens_is_not_measured(tmp_path):
-    """No label anywhere in the step: every loss would read 0, so nothing is measured or pinned
-    on it; the event's next decision, on a step with labels, measures."""
-    apt = _uniform_config()
+def test_a_step_without_supervised_tokens_is_not_measured_by_the_task_loss(tmp_path):
+    """No label anywhere in the step: every task loss would read 0, so nothing is measured or
+    pinned on it; the event's next decision, on a step with labels, measures. (The default, the
+    divergence, needs no labels: test_the_divergence_needs_no_labels.)"""
+    apt = _uniform_config(uniform_shape_metric="task")
     normal = APTrainer(tiny_llama("gqa"), apt, TrainConfig(steps=24), out_dir=tmp_path / "a", progress=False)
     normal.train(iter(_stream()))
     first = min(r["step"] for r in read_metrics(tmp_path / "a" / "metrics.jsonl") if "shape_trials" in r)
@@ -285,30 +290,90 @@ def test_resume_inside_a_decay_window_keeps_the_measured_shape(tmp_path):
     assert resumed.state.kept_record() == full.state.kept_record()
 
 
-@pytest.mark.parametrize("trials", [1, 3])
-def test_prune_then_tune_measures_uniform_shapes(trials, monkeypatch):
+@pytest.mark.parametrize("trials, metric", [(1, "kl"), (3, "kl"), (3, "task")])
+def test_prune_then_tune_measures_uniform_shapes(trials, metric, monkeypatch):
     from apt_ds.training import baselines
 
     model = tiny_llama("gqa")
     calibration = [random_batch(batch=4, length=16, seed=s) for s in range(3)]
     for batch in calibration:
         batch["labels"][:, :8] = -100  # a response-only label: measured as trained, not as plain text
-    measured, real = [], baselines.supervised_forward
+    measured, real_forward, real_divergence = [], baselines.supervised_forward, baselines.divergence_measure
 
     def recording(forward, batch, *args, **kwargs):
         if not torch.is_grad_enabled():
             measured.append(batch)
-        return real(forward, batch, *args, **kwargs)
+        return real_forward(forward, batch, *args, **kwargs)
+
+    def recording_divergence(forward, batches, *args, **kwargs):
+        measured.extend(batches)
+        return real_divergence(forward, batches, *args, **kwargs)
 
     monkeypatch.setattr(baselines, "supervised_forward", recording)
-    result = one_shot_prune(model, calibration, 0.5, APTConfig(uniform=True, shape_multiple=1, uniform_shape_trials=trials))
+    monkeypatch.setattr(baselines, "divergence_measure", recording_divergence)
+    config = APTConfig(uniform=True, shape_multiple=1, uniform_shape_trials=trials, uniform_shape_metric=metric)
+    result = one_shot_prune(model, calibration, 0.5, config)
     assert result.shape.uniform
     if trials == 1:
-        assert result.shape_trials == []
+        assert result.shape_trials == [] and measured == []
         return
     assert len(result.shape_trials) == 3
     chosen = [t for t in result.shape_trials if t["chosen"]]
     losses = [t["loss"] for t in result.shape_trials]
     assert len(chosen) == 1 and chosen[0]["loss"] == min(losses) and len(set(losses)) == 3
-    assert len(measured) == 3 and all(m is calibration[0] for m in measured)  # its labels as given
+    assert all(loss > 0 for loss in losses)  # every candidate cuts something: none equals the unpruned model
+    # the first calibration batch, labels as given: once per trial (task), once for all trials (kl)
+    assert len(measured) == (3 if metric == "task" else 1) and all(m is calibration[0] for m in measured)
     assert (result.shape.layers[0].num_kv_groups, result.shape.hidden) == (chosen[0]["kv_groups"], chosen[0]["hidden"])
+
+
+def test_trial_positions_cover_real_tokens_and_cap_evenly():
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, 6:] = 0  # a shorter row, right-padded
+    positions, real = trial_positions(mask)
+    assert positions.tolist() == list(range(10)) and torch.equal(real, mask.bool())
+    positions, real = trial_positions(mask, limit=4)
+    assert positions.tolist() == [0, 3, 6, 9] and real.tolist() == [[True] * 4, [True, True, False, False]]
+    left = torch.zeros(1, 600, dtype=torch.long)
+    left[0, 100:] = 1  # left padding: the positions are among the real ones only
+    positions, _ = trial_positions(left)
+    assert len(positions) == TRIAL_POSITIONS and positions[0] == 100 and positions[-1] == 599
+
+
+def test_divergence_is_zero_for_the_current_model_and_grows_with_the_cut():
+    """KL(masked || as it was) over the real tokens of every micro-batch: 0 with the masks as they
+    were, larger for a larger cut, equal to the divergence computed by hand, padding excluded."""
+    model = tiny_llama("gqa")
+    masks = UnitMasks(ModelShape.from_model(model))
+    masks.install(model)
+    batches = [random_batch(batch=3, length=12, seed=s) for s in (1, 2)]
+    batches[1]["attention_mask"][0, 9:] = 0
+    forward = torch.no_grad()(model)
+    measure = divergence_measure(forward, batches, reduce_sum=lambda totals: totals)
+    assert measure() == pytest.approx(0.0, abs=1e-7)
+    before = [torch.log_softmax(forward(**{k: v for k, v in b.items() if k != "labels"}).logits.float(), -1) for b in batches]
+    masks.ffn_neuron[0][: masks.ffn_neuron[0].numel() // 2] = 0
+    masks.refresh()
+    small = measure()
+    after = [torch.log_softmax(forward(**{k: v for k, v in b.items() if k != "labels"}).logits.float(), -1) for b in batches]
+    real = [b["attention_mask"].bool() for b in batches]
+    by_hand = sum(float((a.exp() * (a - r)).sum(-1)[m].sum()) for a, r, m in zip(after, before, real)) / sum(int(m.sum()) for m in real)
+    assert small == pytest.approx(by_hand, rel=1e-5) and small > 0
+    masks.kv_group[1][:] = torch.tensor([1.0, 0.0])
+    masks.refresh()
+    assert measure() > small
+
+
+def test_the_divergence_needs_no_labels(tmp_path):
+    """The default metric measures on a step whose rows carry no label at all (text data with
+    the labels masked, or a step of prompts only), where the task loss could not."""
+    def unlabelled():
+        for batch in _stream():
+            yield {**batch, "labels": torch.full_like(batch["labels"], -100)}
+
+    trainer = APTrainer(tiny_llama("gqa"), _uniform_config(), TrainConfig(steps=24), out_dir=tmp_path, progress=False)
+    assert trainer.apt_config.uniform_shape_metric == "kl"
+    trainer.train(unlabelled())
+    measured = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r.get("shape_trials")]
+    assert measured and len(trainer.uniform_shapes) == trainer.apt_config.num_pruning_events
+    assert all(t["loss"] > 0 for r in measured for t in r["shape_trials"])

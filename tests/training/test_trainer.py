@@ -402,8 +402,9 @@ def test_resume_names_config_fields_the_checkpoint_lacks(full_run, tmp_path):
 
 
 def test_resume_of_a_checkpoint_from_before_shape_settings_names_the_values_it_ran_with(full_run, tmp_path):
-    """shape_multiple and uniform_shape_trials came later; a checkpoint without them ran as 1 and 1
-    (single units, salience-ranked uniform shapes): the error names those flags, and passing them resumes."""
+    """shape_multiple, uniform_shape_trials and uniform_shape_metric came later; a checkpoint without
+    them ran as 1, 1 and task (single units, salience-ranked uniform shapes, trials by the task loss):
+    the error names those flags, and passing them resumes."""
     import dataclasses
     import shutil
 
@@ -419,6 +420,15 @@ def test_resume_of_a_checkpoint_from_before_shape_settings_names_the_values_it_r
         APTrainer(tiny_llama("gqa"), apt, train, progress=False).resume(checkpoint)
     legacy = dataclasses.replace(apt, shape_multiple=1, uniform_shape_trials=1)
     resumed = APTrainer(tiny_llama("gqa"), legacy, train, progress=False)
+    resumed.resume(checkpoint)
+    assert resumed.step == meta["step"]
+    # written between the two: shape trials, scored by the task loss (uniform_shape_metric came later)
+    meta = json.loads((full_run["out"] / "checkpoint" / "apt_state.json").read_text())
+    del meta["apt_config"]["uniform_shape_metric"]
+    (checkpoint / "apt_state.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"predates --uniform-shape-metric task: pass it"):
+        APTrainer(tiny_llama("gqa"), apt, train, progress=False).resume(checkpoint)
+    resumed = APTrainer(tiny_llama("gqa"), dataclasses.replace(apt, uniform_shape_metric="task"), train, progress=False)
     resumed.resume(checkpoint)
     assert resumed.step == meta["step"]
 
