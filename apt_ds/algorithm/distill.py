@@ -38,6 +38,11 @@ def attach_transform(model, hidden: int, rank: int, alpha: float, seed: int,
     return transform
 
 
+def kl_divergence_sum(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) summed over rows, from log-probabilities over the last dimension."""
+    return (log_p.exp() * (log_p - log_q)).sum()
+
+
 def relative_squared_error(student_h: torch.Tensor, teacher_h: torch.Tensor) -> torch.Tensor:
     """Per-token mean squared error divided by the teacher token's mean square: (batch, seq).
 
@@ -134,7 +139,7 @@ class SelfDistiller:
         positions = valid if kl_positions is None else kl_positions
         s_logp = F.log_softmax(student_out.logits[positions].float() / temperature, -1)
         t_logp = F.log_softmax(teacher_out.logits[positions].float() / temperature, -1)
-        kl_sum = (s_logp.exp() * (s_logp - t_logp)).sum() * temperature**2  # KL(student || teacher), as the spec
+        kl_sum = kl_divergence_sum(s_logp, t_logp) * temperature**2  # KL(student || teacher), as the spec
         transform = getattr(model, TRANSFORM_ATTR)
         weights = valid.float()
         mse_sum = weights.new_zeros(())

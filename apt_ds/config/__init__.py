@@ -59,8 +59,8 @@ class APTConfig(_JsonConfig):
         "lowest-scoring shape (uniform_shape_metric) is kept; 1 ranks shapes by salience alone", default=4)
     uniform_shape_metric: str = help_field(
         "what the shape trials score: 'kl' the divergence KL(shape || current model) of next-token distributions "
-        "over the step's tokens (every token, no labels needed); 'task' the task loss on the supervised tokens "
-        "(few on classification data: noisier)", choices=SHAPE_METRICS, default="kl")
+        "over the step's tokens (no labels needed; one more forward pass per micro-batch for the reference; at most "
+        "1024 tokens per rank and step); 'task' the task loss on the supervised tokens", choices=SHAPE_METRICS, default="kl")
     count_embeddings: bool = help_field("count embeddings and lm_head in the density budget", default=False)
     adapter_targets: list[str] = help_field("Linear modules that get APT adapters", choices=ADAPTER_TARGETS,
                                             default_factory=lambda: ["q_proj", "v_proj"])

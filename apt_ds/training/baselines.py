@@ -93,12 +93,15 @@ def one_shot_prune(model, calibration_batches: Iterable[dict], target_density: f
         pruner = AdaptivePruner(config)
         if config.uniform and config.uniform_shape_trials > 1:  # as APT chooses its uniform shapes (shape_trials)
             state.salience.enabled = False
+            options = pruner.candidates(*args, count=config.uniform_shape_trials)
             with torch.no_grad():
-                if config.uniform_shape_metric == "task":
+                if len(options) == 1:
+                    measure = None  # nothing to compare
+                elif config.uniform_shape_metric == "task":
                     measure = lambda: float(supervised_forward(model, first, use_cache=False)[1])  # noqa: E731
                 else:  # against the unpruned model (its adapters are still zero)
                     measure = divergence_measure(model, [first], reduce_sum=lambda totals: totals)
-                decision, trials = choose_by_loss(pruner.candidates(*args, count=config.uniform_shape_trials), state.masks, measure)
+                decision, trials = choose_by_loss(options, state.masks, measure)
         else:
             decision, trials = pruner.decide(*args), []
         if decision.removes_anything():

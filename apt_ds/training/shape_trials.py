@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from apt_ds.algorithm.distill import kl_divergence_sum
 from apt_ds.algorithm.masks import UnitMasks
 from apt_ds.algorithm.pruner import GradualMasker, KeepDecision, uniform_shape_of
 from apt_ds.distributed.placement import move_batch
@@ -37,11 +38,11 @@ from apt_ds.training.forward import supervised_token_count, valid_token_count
 
 
 def choose_by_loss(candidates: list[KeepDecision], masks: UnitMasks,
-                   measure: Callable[[], float]) -> tuple[KeepDecision, list[dict]]:
+                   measure: Callable[[], float] | None) -> tuple[KeepDecision, list[dict]]:
     """The candidate with the lowest `measure()` (the loss of the masked model, identical on every
     rank), and one record per trial. The masks are set to each candidate's kept units in turn and
     restored afterwards, so partly decayed masks carry on unchanged. Ties go to the earlier
-    candidate (better by salience)."""
+    candidate (better by salience). A single candidate is taken unmeasured (`measure` may be None)."""
     if len(candidates) == 1:  # nothing to choose (every rank has the same candidates)
         return candidates[0], []
     saved = masks.state_dict()
@@ -62,13 +63,14 @@ def choose_by_loss(candidates: list[KeepDecision], masks: UnitMasks,
     return candidates[best], trials
 
 
-# Positions per micro-batch at which divergence_measure compares distributions: the reference it
-# keeps is (positions x vocabulary) floats per micro-batch (256 x 128k x 4 bytes = 128 MB for a
-# LLaMA-3 vocabulary); shorter micro-batches use every position.
-TRIAL_POSITIONS = 256
+# Real tokens per rank and step at which divergence_measure compares distributions: it keeps the
+# reference's (tokens x vocabulary) log-probabilities, at most 1024 x 128k x 4 bytes = 512 MB for a
+# LLaMA-3 vocabulary (128 MB for LLaMA-2's 32k). Steps with fewer tokens use every one (SmolLM2's
+# SST-2 and instruction steps: 160 and 512).
+TRIAL_TOKENS = 1024
 
 
-def trial_positions(attention_mask: torch.Tensor, limit: int = TRIAL_POSITIONS) -> tuple[torch.Tensor, torch.Tensor]:
+def trial_positions(attention_mask: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(1D positions, (batch, positions) bool of the real tokens there): every position some row
     has a token at, or `limit` of them evenly spaced (the same every time: the trials compare alike)."""
     columns = attention_mask.bool().any(0).nonzero().flatten()
@@ -77,15 +79,19 @@ def trial_positions(attention_mask: torch.Tensor, limit: int = TRIAL_POSITIONS) 
     return columns, attention_mask.bool()[:, columns]
 
 
-def divergence_measure(forward_no_grad, batches: list[dict], reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], float]:
+def divergence_measure(forward_no_grad, batches: list[dict], reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+                       token_budget: int = TRIAL_TOKENS) -> Callable[[], float]:
     """A `measure` for choose_by_loss: the mean over tokens (all ranks) of KL(masked || reference)
     between next-token distributions, the reference being the model as it is when this is called
-    (its current masks and adapters). `batches` are on the model's device; `forward_no_grad` runs
-    the model without gradients (the caller turns salience collection off)."""
+    (its current masks and adapters; computed here, so before any candidate's masks are set).
+    `batches` are on the model's device; `forward_no_grad` runs the model without gradients (which
+    also keeps salience from counting these passes). Each micro-batch's rows share
+    `token_budget` / micro-batches / rows positions."""
     prepared = []
     for batch in batches:
         mask = batch.get("attention_mask", torch.ones_like(batch["input_ids"]))
-        positions, real = trial_positions(mask)
+        limit = max(1, token_budget // (len(batches) * mask.shape[0]))
+        positions, real = trial_positions(mask, limit)
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         prepared.append((inputs, positions, real))
 
@@ -99,7 +105,7 @@ def divergence_measure(forward_no_grad, batches: list[dict], reduce_sum: Callabl
         totals = torch.zeros(2, dtype=torch.float64)
         for entry, ref in zip(prepared, reference):
             candidate = log_probs(*entry)
-            kl = (candidate.exp() * (candidate - ref)).sum()  # KL(candidate || reference), the spec's distillation direction
+            kl = kl_divergence_sum(candidate, ref)  # KL(candidate || reference): the spec's distillation direction
             totals += torch.tensor([float(kl), float(candidate.shape[0])], dtype=torch.float64)
         totals = reduce_sum(totals)
         return float(totals[0] / totals[1].clamp_min(1))
@@ -113,22 +119,21 @@ def measure_uniform_shape(trainer, candidates: Callable[[], list[KeepDecision]],
     split into micro-batches) by `uniform_shape_metric`: ((groups, hidden), trial records,
     seconds), or None when no rank has a token to measure (the task metric on a step without
     supervised tokens). Checked identical on every rank."""
-    started, batches, task = time.perf_counter(), trainer.trial_batches, trainer.apt_config.uniform_shape_metric == "task"
+    started = time.perf_counter()
+    batches, task = trainer.trial_batches, trainer.apt_config.uniform_shape_metric == "task"
     count = supervised_token_count if task else valid_token_count
     tokens = trainer.backend.all_reduce_sum(torch.tensor([float(sum(count(b) for b in batches))], dtype=torch.float64))
     if float(tokens[0]) == 0:
         return None
-    salience, was_enabled = trainer.state.salience, trainer.state.salience.enabled
-    salience.enabled = False  # the trials' forward passes are not training steps
-    try:
-        if task:
-            measure = lambda: trainer.evaluate(batches)  # noqa: E731
-        else:
-            measure = divergence_measure(trainer.backend.forward_no_grad, [move_batch(b, trainer.device) for b in batches],
-                                         trainer.backend.all_reduce_sum)
-        chosen, trials = choose_by_loss(candidates(), trainer.state.masks, measure)
-    finally:
-        salience.enabled = was_enabled
+    options = candidates()  # the same on every rank, so every rank skips or runs the forward passes alike
+    if len(options) == 1:
+        measure = None  # nothing to compare: choose_by_loss takes it without measuring
+    elif task:
+        measure = lambda: trainer.evaluate(batches)  # noqa: E731
+    else:
+        device_batches = [move_batch(b, trainer.device) for b in batches]
+        measure = divergence_measure(trainer.backend.forward_no_grad, device_batches, trainer.backend.all_reduce_sum)
+    chosen, trials = choose_by_loss(options, trainer.state.masks, measure)
     shapes = trainer.backend.all_gather_object(uniform_shape_of(chosen))
     if len(set(shapes)) != 1:
         raise RuntimeError(f"uniform shapes measured for the event at step {event_step} differ across ranks: {shapes}")

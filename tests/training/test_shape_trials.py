@@ -17,7 +17,7 @@ from apt_ds.algorithm.units import LayerShape, ModelShape
 from apt_ds.config import ConfigError
 from apt_ds.io.metrics import read_metrics
 from apt_ds.training.baselines import one_shot_prune
-from apt_ds.training.shape_trials import TRIAL_POSITIONS, choose_by_loss, divergence_measure, trial_positions
+from apt_ds.training.shape_trials import choose_by_loss, divergence_measure, measure_uniform_shape, trial_positions
 
 SMOLLM2 = ModelShape(576, tuple(LayerShape(3, 3, 64, 1536) for _ in range(30)), 49152, True)
 
@@ -330,14 +330,31 @@ def test_prune_then_tune_measures_uniform_shapes(trials, metric, monkeypatch):
 def test_trial_positions_cover_real_tokens_and_cap_evenly():
     mask = torch.ones(2, 10, dtype=torch.long)
     mask[1, 6:] = 0  # a shorter row, right-padded
-    positions, real = trial_positions(mask)
+    positions, real = trial_positions(mask, limit=256)
     assert positions.tolist() == list(range(10)) and torch.equal(real, mask.bool())
     positions, real = trial_positions(mask, limit=4)
     assert positions.tolist() == [0, 3, 6, 9] and real.tolist() == [[True] * 4, [True, True, False, False]]
     left = torch.zeros(1, 600, dtype=torch.long)
     left[0, 100:] = 1  # left padding: the positions are among the real ones only
-    positions, _ = trial_positions(left)
-    assert len(positions) == TRIAL_POSITIONS and positions[0] == 100 and positions[-1] == 599
+    positions, _ = trial_positions(left, limit=256)
+    assert len(positions) == 256 and positions[0] == 100 and positions[-1] == 599
+
+
+def test_divergence_shares_its_token_budget_over_the_step():
+    """The reference it keeps is bounded by the token budget however the step is split."""
+    seen = []
+
+    def forward(input_ids, attention_mask, logits_to_keep, use_cache):
+        seen.append(len(logits_to_keep))
+        return type("Out", (), {"logits": torch.zeros(input_ids.shape[0], len(logits_to_keep), 5)})()
+
+    batches = [{"input_ids": torch.ones(4, 300, dtype=torch.long), "attention_mask": torch.ones(4, 300, dtype=torch.long)}
+               for _ in range(2)]
+    divergence_measure(forward, batches, lambda t: t, token_budget=1024)
+    assert seen == [128, 128]  # 1024 tokens / 2 micro-batches / 4 rows
+    seen.clear()
+    divergence_measure(forward, batches[:1], lambda t: t, token_budget=1024)
+    assert seen == [256]
 
 
 def test_divergence_is_zero_for_the_current_model_and_grows_with_the_cut():
@@ -350,6 +367,8 @@ def test_divergence_is_zero_for_the_current_model_and_grows_with_the_cut():
     batches[1]["attention_mask"][0, 9:] = 0
     forward = torch.no_grad()(model)
     measure = divergence_measure(forward, batches, reduce_sum=lambda totals: totals)
+    # a second rank's (KL sum, tokens) joins the totals before the division
+    other_rank = divergence_measure(forward, batches, reduce_sum=lambda totals: totals + torch.tensor([30.0, 10.0], dtype=torch.float64))
     assert measure() == pytest.approx(0.0, abs=1e-7)
     before = [torch.log_softmax(forward(**{k: v for k, v in b.items() if k != "labels"}).logits.float(), -1) for b in batches]
     masks.ffn_neuron[0][: masks.ffn_neuron[0].numel() // 2] = 0
@@ -362,6 +381,31 @@ def test_divergence_is_zero_for_the_current_model_and_grows_with_the_cut():
     masks.kv_group[1][:] = torch.tensor([1.0, 0.0])
     masks.refresh()
     assert measure() > small
+    own = sum(int(m.sum()) for m in real)
+    assert other_rank() == pytest.approx((measure() * own + 30.0) / (own + 10), rel=1e-6)
+
+
+@pytest.mark.parametrize("metric", ["kl", "task"])
+def test_one_candidate_is_taken_without_a_forward_pass(metric):
+    """An event with one candidate shape (most events late in a run) measures nothing: no
+    reference pass either (over 144 SST-2 steps that pass was most of the divergence's cost)."""
+    from apt_ds.algorithm.pruner import KeepDecision
+
+    trainer = APTrainer(tiny_llama("gqa"), _uniform_config(uniform_shape_metric=metric), TrainConfig(steps=24), progress=False)
+    trainer.trial_batches = [random_batch(batch=4, length=16, seed=1)]
+    calls = []
+    trainer.backend.forward_no_grad = lambda **kwargs: calls.append(kwargs)
+    trainer.evaluate = lambda batches=None: calls.append(batches)
+    shape = trainer.state.shape
+    only = KeepDecision([torch.tensor([True] * layer.num_kv_groups) for layer in shape.layers],
+                        [torch.ones(layer.ffn, dtype=torch.bool) for layer in shape.layers], torch.ones(shape.hidden, dtype=torch.bool), 0)
+    (groups, hidden), trials, seconds = measure_uniform_shape(trainer, lambda: [only], event_step=8)
+    assert (groups, hidden) == (shape.layers[0].num_kv_groups, shape.hidden) and trials == [] and calls == []
+
+
+def test_a_bad_metric_is_a_config_error():
+    with pytest.raises(ConfigError, match="uniform_shape_metric"):
+        APTConfig(uniform_shape_metric="loss")
 
 
 def test_the_divergence_needs_no_labels(tmp_path):

@@ -404,7 +404,8 @@ def test_resume_names_config_fields_the_checkpoint_lacks(full_run, tmp_path):
 def test_resume_of_a_checkpoint_from_before_shape_settings_names_the_values_it_ran_with(full_run, tmp_path):
     """shape_multiple, uniform_shape_trials and uniform_shape_metric came later; a checkpoint without
     them ran as 1, 1 and task (single units, salience-ranked uniform shapes, trials by the task loss):
-    the error names those flags, and passing them resumes."""
+    the error names the flags that changed what it did, and passing them resumes. The metric is
+    asked for only where trials ran (uniform mode, more than one trial)."""
     import dataclasses
     import shutil
 
@@ -412,25 +413,34 @@ def test_resume_of_a_checkpoint_from_before_shape_settings_names_the_values_it_r
 
     checkpoint = tmp_path / "checkpoint"
     shutil.copytree(full_run["out"] / "checkpoint", checkpoint)
-    meta = json.loads((checkpoint / "apt_state.json").read_text())
-    del meta["apt_config"]["shape_multiple"], meta["apt_config"]["uniform_shape_trials"]
-    (checkpoint / "apt_state.json").write_text(json.dumps(meta))
+    original = json.loads((checkpoint / "apt_state.json").read_text())
+
+    def write_without(*fields, **changes):
+        meta = json.loads(json.dumps(original))
+        for field in fields:
+            del meta["apt_config"][field]
+        meta["apt_config"].update(changes)
+        (checkpoint / "apt_state.json").write_text(json.dumps(meta))
+
     apt, train = _configs()
-    with pytest.raises(CheckpointError, match=r"predates --shape-multiple 1, --uniform-shape-trials 1: pass them"):
+    write_without("shape_multiple", "uniform_shape_trials", "uniform_shape_metric")  # before all three
+    with pytest.raises(CheckpointError, match=r"predates --shape-multiple 1, --uniform-shape-trials 1: pass them\)"):
         APTrainer(tiny_llama("gqa"), apt, train, progress=False).resume(checkpoint)
     legacy = dataclasses.replace(apt, shape_multiple=1, uniform_shape_trials=1)
     resumed = APTrainer(tiny_llama("gqa"), legacy, train, progress=False)
     resumed.resume(checkpoint)
-    assert resumed.step == meta["step"]
-    # written between the two: shape trials, scored by the task loss (uniform_shape_metric came later)
-    meta = json.loads((full_run["out"] / "checkpoint" / "apt_state.json").read_text())
-    del meta["apt_config"]["uniform_shape_metric"]
-    (checkpoint / "apt_state.json").write_text(json.dumps(meta))
-    with pytest.raises(CheckpointError, match=r"predates --uniform-shape-metric task: pass it"):
-        APTrainer(tiny_llama("gqa"), apt, train, progress=False).resume(checkpoint)
-    resumed = APTrainer(tiny_llama("gqa"), dataclasses.replace(apt, uniform_shape_metric="task"), train, progress=False)
+    assert resumed.step == original["step"]
+    # written between the two (shape trials by the task loss), by a uniform run whose trials ran
+    write_without("uniform_shape_metric", uniform=True)
+    uniform = dataclasses.replace(apt, uniform=True)
+    with pytest.raises(CheckpointError, match=r"predates --uniform-shape-metric task: pass it\)"):
+        APTrainer(tiny_llama("gqa"), uniform, train, progress=False).resume(checkpoint)
+    resumed = APTrainer(tiny_llama("gqa"), dataclasses.replace(uniform, uniform_shape_metric="task"), train, progress=False)
     resumed.resume(checkpoint)
-    assert resumed.step == meta["step"]
+    assert resumed.step == original["step"]
+    # the same from a non-uniform run: no trial ran, so the metric is not asked for
+    write_without("uniform_shape_metric")
+    APTrainer(tiny_llama("gqa"), apt, train, progress=False).resume(checkpoint)
 
 
 def test_progress_bar_shows_task_loss_and_distillation_apart_on_unlogged_steps_too():
