@@ -17,7 +17,7 @@ ADAPTER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 BASE_DTYPES = ("auto", "bf16", "fp16", "fp32")
 TEMPLATES = ("alpaca", "chat", "none")
 SCORE_NORMALIZATIONS = ("kind", "none")
-SHAPE_METRICS = ("kl", "task")  # how uniform mode's shape trials score a shape (apt_ds.training.shape_trials)
+SHAPE_METRICS = ("task", "kl")  # how uniform mode's shape trials score a shape (apt_ds.training.shape_trials)
 # Fields whose default is derived from the run's length (APTConfig.for_steps); a LoRA run drops them.
 SCHEDULE_FIELDS = ("pruning_start_step", "pruning_end_step", "num_pruning_events", "mask_decay_window", "mask_decay_step")
 
@@ -58,9 +58,10 @@ class APTConfig(_JsonConfig):
         "step's micro-batches (one forward pass each; prune-then-tune: on its first calibration batch) and the "
         "lowest-scoring shape (uniform_shape_metric) is kept; 1 ranks shapes by salience alone", default=4)
     uniform_shape_metric: str = help_field(
-        "what the shape trials score: 'kl' the divergence KL(shape || current model) of next-token distributions "
-        "over the step's tokens (no labels needed; one more forward pass per micro-batch for the reference; at most "
-        "1024 tokens per rank and step); 'task' the task loss on the supervised tokens", choices=SHAPE_METRICS, default="kl")
+        "what the shape trials score: 'task' the task loss on the supervised tokens; 'kl' the divergence "
+        "KL(shape || current model) of next-token distributions over the step's tokens, for steps without labels "
+        "(one more forward pass per micro-batch for the reference; at most 1024 tokens per rank and step)",
+        choices=SHAPE_METRICS, default="task")
     count_embeddings: bool = help_field("count embeddings and lm_head in the density budget", default=False)
     adapter_targets: list[str] = help_field("Linear modules that get APT adapters", choices=ADAPTER_TARGETS,
                                             default_factory=lambda: ["q_proj", "v_proj"])

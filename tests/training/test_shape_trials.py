@@ -232,8 +232,8 @@ def test_trials_are_logged_whatever_log_every_is(tmp_path):
 
 def test_a_step_without_supervised_tokens_is_not_measured_by_the_task_loss(tmp_path):
     """No label anywhere in the step: every task loss would read 0, so nothing is measured or
-    pinned on it; the event's next decision, on a step with labels, measures. (The default, the
-    divergence, needs no labels: test_the_divergence_needs_no_labels.)"""
+    pinned on it; the event's next decision, on a step with labels, measures. (The divergence needs
+    no labels: test_the_divergence_needs_no_labels.)"""
     apt = _uniform_config(uniform_shape_metric="task")
     normal = APTrainer(tiny_llama("gqa"), apt, TrainConfig(steps=24), out_dir=tmp_path / "a", progress=False)
     normal.train(iter(_stream()))
@@ -409,14 +409,14 @@ def test_a_bad_metric_is_a_config_error():
 
 
 def test_the_divergence_needs_no_labels(tmp_path):
-    """The default metric measures on a step whose rows carry no label at all (text data with
+    """The divergence measures on a step whose rows carry no label at all (text data with
     the labels masked, or a step of prompts only), where the task loss could not."""
     def unlabelled():
         for batch in _stream():
             yield {**batch, "labels": torch.full_like(batch["labels"], -100)}
 
-    trainer = APTrainer(tiny_llama("gqa"), _uniform_config(), TrainConfig(steps=24), out_dir=tmp_path, progress=False)
-    assert trainer.apt_config.uniform_shape_metric == "kl"
+    trainer = APTrainer(tiny_llama("gqa"), _uniform_config(uniform_shape_metric="kl"), TrainConfig(steps=24), out_dir=tmp_path,
+                        progress=False)
     trainer.train(unlabelled())
     measured = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r.get("shape_trials")]
     assert measured and len(trainer.uniform_shapes) == trainer.apt_config.num_pruning_events

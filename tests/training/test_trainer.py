@@ -434,13 +434,13 @@ def test_resume_of_a_checkpoint_from_before_shape_settings_names_the_values_it_r
     write_without("uniform_shape_metric", uniform=True)
     uniform = dataclasses.replace(apt, uniform=True)
     with pytest.raises(CheckpointError, match=r"predates --uniform-shape-metric task: pass it\)"):
-        APTrainer(tiny_llama("gqa"), uniform, train, progress=False).resume(checkpoint)
-    resumed = APTrainer(tiny_llama("gqa"), dataclasses.replace(uniform, uniform_shape_metric="task"), train, progress=False)
+        APTrainer(tiny_llama("gqa"), dataclasses.replace(uniform, uniform_shape_metric="kl"), train, progress=False).resume(checkpoint)
+    resumed = APTrainer(tiny_llama("gqa"), uniform, train, progress=False)  # the default is the task loss
     resumed.resume(checkpoint)
     assert resumed.step == original["step"]
     # the same from a non-uniform run: no trial ran, so the metric is not asked for
     write_without("uniform_shape_metric")
-    APTrainer(tiny_llama("gqa"), apt, train, progress=False).resume(checkpoint)
+    APTrainer(tiny_llama("gqa"), dataclasses.replace(apt, uniform_shape_metric="kl"), train, progress=False).resume(checkpoint)
 
 
 def test_progress_bar_shows_task_loss_and_distillation_apart_on_unlogged_steps_too():
