@@ -60,7 +60,7 @@ class APTConfig(_JsonConfig):
     uniform_shape_metric: str = help_field(
         "what the shape trials score: 'task' the task loss on the supervised tokens; 'kl' the divergence "
         "KL(shape || current model) of next-token distributions over the step's tokens, for steps without labels "
-        "(one more forward pass per micro-batch for the reference; at most 1024 tokens per rank and step)",
+        "(one more forward pass per micro-batch for the reference; about 1024 tokens per rank and step at most)",
         choices=SHAPE_METRICS, default="task")
     count_embeddings: bool = help_field("count embeddings and lm_head in the density budget", default=False)
     adapter_targets: list[str] = help_field("Linear modules that get APT adapters", choices=ADAPTER_TARGETS,

@@ -148,8 +148,10 @@ def load_checkpoint(trainer, directory: Path) -> None:
         raise CheckpointError(f"checkpoint {directory} was made from a different model (original shapes differ)")
     # A checkpoint from before these settings existed ran with these values (the old behaviour)
     saved, current = {**LEGACY_APT_FIELDS, **meta["apt_config"]}, trainer.apt_config.to_dict()
-    if "uniform_shape_metric" not in meta["apt_config"] and not (saved.get("uniform") and saved["uniform_shape_trials"] > 1):
-        saved["uniform_shape_metric"] = current["uniform_shape_metric"]  # no trials ran: the metric changed nothing
+    trials_ran = saved.get("uniform") and saved["uniform_shape_trials"] > 1
+    for field in ("uniform_shape_trials", "uniform_shape_metric"):  # without uniform trials they changed nothing
+        if field not in meta["apt_config"] and not (trials_ran if field == "uniform_shape_metric" else saved.get("uniform")):
+            saved[field] = current[field]
     if saved != current:
         missing = sorted(set(current) - set(saved))
         if missing:  # written by an earlier apt-ds whose algorithm lacked these knobs

@@ -63,9 +63,10 @@ def choose_by_loss(candidates: list[KeepDecision], masks: UnitMasks,
 
 
 # Real tokens per rank and step at which divergence_measure compares distributions: it keeps the
-# reference's (tokens x vocabulary) log-probabilities, at most 1024 x 128k x 4 bytes = 512 MB for a
-# LLaMA-3 vocabulary (128 MB for LLaMA-2's 32k). Steps with fewer tokens use every one (SmolLM2's
-# SST-2 and instruction steps: 160 and 512).
+# reference's (tokens x vocabulary) log-probabilities, 1024 x 128k x 4 bytes = 512 MB for a LLaMA-3
+# vocabulary (128 MB for LLaMA-2's 32k). Every row keeps at least one position, so a rank with more
+# than 1024 rows per step exceeds it. Steps with fewer tokens use every one (SmolLM2: an SST-2 step
+# has about 140, an instruction step at most 512).
 TRIAL_TOKENS = 1024
 
 
@@ -124,7 +125,10 @@ def measure_uniform_shape(trainer, candidates: Callable[[], list[KeepDecision]],
     tokens = trainer.backend.all_reduce_sum(torch.tensor([float(sum(count(b) for b in batches))], dtype=torch.float64))
     if float(tokens[0]) == 0:
         return None
-    options = candidates()  # the same on every rank, so every rank skips or runs the forward passes alike
+    options = candidates()
+    counts = trainer.backend.all_gather_object(len(options))  # whether forwards run must agree: ZeRO-3's are collective
+    if len(set(counts)) != 1:
+        raise RuntimeError(f"uniform shape candidates for the event at step {event_step} differ across ranks: {counts}")
     if len(options) == 1:
         measure = None  # nothing to compare: choose_by_loss takes it without measuring
     elif task:

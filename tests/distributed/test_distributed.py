@@ -130,10 +130,11 @@ def exported_eval_loss(out: Path, export_dir: Path, count: int = EVAL_EXAMPLES) 
     return float(loss)
 
 
-# the uniform case scores its shape trials by the divergence: its extra reference pass and position
-# selection run under ZeRO-3's gathered forward (the task loss is the trainer's evaluate(), as eval_loss)
-@pytest.mark.parametrize("model, shape_flags", [("tiny", []), ("tiny-mha", ["--uniform", "--uniform_shape_metric", "kl"])],
-                         ids=["gqa-nonuniform", "mha-uniform"])
+# uniform cases: shape trials by the task loss (the default) and by the divergence (its reference
+# pass and position selection), both under ZeRO-3's gathered forward on two ranks
+@pytest.mark.parametrize("model, shape_flags", [("tiny", []), ("tiny-mha", ["--uniform"]),
+                                                ("tiny-mha", ["--uniform", "--uniform_shape_metric", "kl"])],
+                         ids=["gqa-nonuniform", "mha-uniform", "mha-uniform-kl"])
 def test_zero3_two_ranks_identical_masks_and_export_matches(tmp_path, model, shape_flags):
     """The export's logits and greedy trajectory equal the live ZeRO-3 engine's, whose weights are
     partitioned over 2 ranks (the ZeRO-2 test covers GQA non-uniform)."""

@@ -262,6 +262,20 @@ def test_ranks_that_measure_different_shapes_stop_at_once():
         trainer.train(iter(_stream()))
 
 
+def test_ranks_with_different_candidate_counts_stop_before_any_forward():
+    """Whether the trials' forward passes run depends on the candidates: ranks that disagree
+    would leave ZeRO-3's collective forward waiting, so the counts are compared first."""
+    from apt_ds.distributed.backend import LocalBackend
+
+    class DisagreeingBackend(LocalBackend):
+        def all_gather_object(self, obj):
+            return [obj, obj + 1] if isinstance(obj, int) else [obj]
+
+    trainer = APTrainer(tiny_llama("gqa"), _uniform_config(), TrainConfig(steps=24), backend=DisagreeingBackend(), progress=False)
+    with pytest.raises(RuntimeError, match="uniform shape candidates for the event at step .* differ across ranks"):
+        trainer.train(iter(_stream()))
+
+
 def test_one_trial_is_the_salience_choice(tmp_path):
     trainer = APTrainer(tiny_llama("gqa"), _uniform_config(uniform_shape_trials=1), TrainConfig(steps=24),
                         out_dir=tmp_path, progress=False)
@@ -325,6 +339,25 @@ def test_prune_then_tune_measures_uniform_shapes(trials, metric, monkeypatch):
     # the first calibration batch, labels as given: once per trial (task), once for all trials (kl)
     assert len(measured) == (3 if metric == "task" else 1) and all(m is calibration[0] for m in measured)
     assert (result.shape.layers[0].num_kv_groups, result.shape.hidden) == (chosen[0]["kv_groups"], chosen[0]["hidden"])
+
+
+@pytest.mark.parametrize("metric", ["kl", "task"])
+def test_prune_then_tune_with_one_candidate_measures_nothing(metric, monkeypatch):
+    from apt_ds.training import baselines
+
+    measured, real_forward, original = [], baselines.supervised_forward, AdaptivePruner.candidates
+
+    def recording(forward, batch, *args, **kwargs):
+        if not torch.is_grad_enabled():  # a trial; calibration runs with gradients
+            measured.append("task")
+        return real_forward(forward, batch, *args, **kwargs)
+
+    monkeypatch.setattr(baselines, "divergence_measure", lambda *args, **kwargs: measured.append("kl"))
+    monkeypatch.setattr(baselines, "supervised_forward", recording)
+    monkeypatch.setattr(AdaptivePruner, "candidates", lambda self, *args, **kwargs: original(self, *args, **kwargs)[:1])
+    config = APTConfig(uniform=True, shape_multiple=1, uniform_shape_trials=3, uniform_shape_metric=metric)
+    result = one_shot_prune(tiny_llama("gqa"), [random_batch(batch=4, length=16, seed=1)], 0.5, config)
+    assert result.shape.uniform and result.shape_trials == [] and measured == []
 
 
 def test_trial_positions_cover_real_tokens_and_cap_evenly():
@@ -399,7 +432,7 @@ def test_one_candidate_is_taken_without_a_forward_pass(metric):
     shape = trainer.state.shape
     only = KeepDecision([torch.tensor([True] * layer.num_kv_groups) for layer in shape.layers],
                         [torch.ones(layer.ffn, dtype=torch.bool) for layer in shape.layers], torch.ones(shape.hidden, dtype=torch.bool), 0)
-    (groups, hidden), trials, seconds = measure_uniform_shape(trainer, lambda: [only], event_step=8)
+    (groups, hidden), trials, _ = measure_uniform_shape(trainer, lambda: [only], event_step=8)
     assert (groups, hidden) == (shape.layers[0].num_kv_groups, shape.hidden) and trials == [] and calls == []
 
 
