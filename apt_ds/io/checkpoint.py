@@ -148,9 +148,11 @@ def load_checkpoint(trainer, directory: Path) -> None:
         raise CheckpointError(f"checkpoint {directory} was made from a different model (original shapes differ)")
     # A checkpoint from before these settings existed ran with these values (the old behaviour)
     saved, current = {**LEGACY_APT_FIELDS, **meta["apt_config"]}, trainer.apt_config.to_dict()
-    trials_ran = saved.get("uniform") and saved["uniform_shape_trials"] > 1
-    for field in ("uniform_shape_trials", "uniform_shape_metric"):  # without uniform trials they changed nothing
-        if field not in meta["apt_config"] and not (trials_ran if field == "uniform_shape_metric" else saved.get("uniform")):
+    # ... but trial fields changed nothing where no trials could run: those it lacks compare as given now
+    unused = {"uniform_shape_trials": not saved.get("uniform"),
+              "uniform_shape_metric": not (saved.get("uniform") and saved["uniform_shape_trials"] > 1)}
+    for field, changed_nothing in unused.items():
+        if changed_nothing and field not in meta["apt_config"]:
             saved[field] = current[field]
     if saved != current:
         missing = sorted(set(current) - set(saved))
