@@ -38,6 +38,12 @@ def _smollm2_gguf() -> str:
 DEFAULT_GGUF = _smollm2_gguf()
 
 
+def add_model_arguments(parser) -> None:
+    """--model and --hf-cache, as every SmolLM2 benchmark takes them (see ensure_hf_model)."""
+    parser.add_argument("--model", default=DEFAULT_GGUF, help="a .gguf file or an HF LLaMA directory")
+    parser.add_argument("--hf-cache", default="bench_out/smollm2-135m-hf", help="where a .gguf is converted once")
+
+
 def ensure_hf_model(model: str | Path, cache_dir: str | Path) -> Path:
     """An HF model directory for `model`: itself if it is a directory, else a one-time
     conversion of the .gguf into `cache_dir` (written atomically: tmp dir + rename)."""

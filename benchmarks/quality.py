@@ -45,7 +45,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import DEFAULT_GGUF, command_line, ensure_hf_model, git_commit, hardware, read_json, write_json  # noqa: E402
+from _common import add_model_arguments, command_line, ensure_hf_model, git_commit, hardware, read_json, write_json  # noqa: E402
 from _quality_report import markdown, phase_split, plots, targets  # noqa: E402
 from _quality_worker import run_worker  # noqa: E402
 
@@ -331,8 +331,7 @@ def apt_overrides(pairs: list[str]) -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--model", default=DEFAULT_GGUF, help="a .gguf file or an HF LLaMA directory")
-    parser.add_argument("--hf-cache", default="bench_out/smollm2-135m-hf", help="where a .gguf is converted once")
+    add_model_arguments(parser)
     parser.add_argument("--tasks-dir", default="bench_out/tasks")
     parser.add_argument("--out", default=None, help="default bench_out/quality (bench_out/quality_smoke with --smoke)")
     parser.add_argument("--img-dir", default=None, help="default docs/img (OUT/img with --smoke)")

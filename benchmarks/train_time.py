@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import DEFAULT_GGUF, command_line, ensure_hf_model, git_commit, hardware, write_json  # noqa: E402
+from _common import add_model_arguments, command_line, ensure_hf_model, git_commit, hardware, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,8 +63,7 @@ def run_once(command: list[str], out: Path, threads: int) -> dict:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=DEFAULT_GGUF, help="a .gguf file or an HF LLaMA directory")
-    parser.add_argument("--hf-cache", default="bench_out/smollm2-135m-hf", help="where a .gguf is converted once")
+    add_model_arguments(parser)
     parser.add_argument("--task", default="bench_out/tasks/instruct", help="a task directory (prepare_instructions.py, prepare_tasks.py)")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--density", type=float, default=0.7, help="APT's target density")

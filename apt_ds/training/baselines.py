@@ -34,7 +34,7 @@ from apt_ds.algorithm.units import ModelShape
 from apt_ds.config import APTConfig, TrainConfig
 from apt_ds.training.forward import supervised_forward
 from apt_ds.training.heap import release_free_heap
-from apt_ds.training.shape_trials import choose_by_loss, divergence_measure
+from apt_ds.training.shape_trials import choose_by_loss, metric_measure
 from apt_ds.training.trainer import APTrainer
 
 
@@ -93,15 +93,11 @@ def one_shot_prune(model, calibration_batches: Iterable[dict], target_density: f
         pruner = AdaptivePruner(config)
         if config.uniform and config.uniform_shape_trials > 1:  # as APT chooses its uniform shapes (shape_trials)
             state.salience.enabled = False
-            options = pruner.candidates(*args, count=config.uniform_shape_trials)
+            # the divergence is taken from the unpruned model (its adapters are still zero)
+            make_measure = metric_measure(config.uniform_shape_metric, lambda: float(supervised_forward(model, first, use_cache=False)[1]),
+                                          model, [first], reduce_sum=lambda totals: totals)
             with torch.no_grad():
-                if len(options) == 1:
-                    measure = None  # nothing to compare
-                elif config.uniform_shape_metric == "task":
-                    measure = lambda: float(supervised_forward(model, first, use_cache=False)[1])  # noqa: E731
-                else:  # against the unpruned model (its adapters are still zero)
-                    measure = divergence_measure(model, [first], reduce_sum=lambda totals: totals)
-                decision, trials = choose_by_loss(options, state.masks, measure)
+                decision, trials = choose_by_loss(pruner.candidates(*args, count=config.uniform_shape_trials), state.masks, make_measure)
         else:
             decision, trials = pruner.decide(*args), []
         if decision.removes_anything():

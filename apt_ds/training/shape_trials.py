@@ -35,15 +35,20 @@ from apt_ds.algorithm.pruner import GradualMasker, KeepDecision, uniform_shape_o
 from apt_ds.distributed.placement import move_batch
 from apt_ds.training.forward import supervised_token_count, valid_token_count
 
+Measure = Callable[[], float]  # the loss of the model with the masks as they are set
+
 
 def choose_by_loss(candidates: list[KeepDecision], masks: UnitMasks,
-                   measure: Callable[[], float] | None) -> tuple[KeepDecision, list[dict]]:
-    """The candidate with the lowest `measure()` (the loss of the masked model, identical on every
-    rank), and one record per trial. The masks are set to each candidate's kept units in turn and
-    restored afterwards, so partly decayed masks carry on unchanged. Ties go to the earlier
-    candidate (better by salience). A single candidate is taken unmeasured (`measure` may be None)."""
+                   make_measure: Callable[[], Measure]) -> tuple[KeepDecision, list[dict]]:
+    """The candidate with the lowest measure (the loss of the masked model, identical on every
+    rank), and one record per trial. `make_measure()` is called once, only when there is a choice
+    (a single candidate is taken without a forward pass) and before any candidate's masks are set
+    (the divergence takes its reference then). The masks are set to each candidate's kept units in
+    turn and restored afterwards, so partly decayed masks carry on unchanged. Ties go to the
+    earlier candidate (better by salience)."""
     if len(candidates) == 1:  # nothing to choose (every rank has the same candidates)
         return candidates[0], []
+    measure = make_measure()
     saved = masks.state_dict()
     losses = []
     try:
@@ -113,6 +118,15 @@ def divergence_measure(forward_no_grad, batches: list[dict], reduce_sum: Callabl
     return measure
 
 
+def metric_measure(metric: str, task_loss: Measure, forward_no_grad, batches: list[dict],
+                   reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], Measure]:
+    """choose_by_loss's `make_measure` for APTConfig.uniform_shape_metric: `task_loss` as given,
+    or the divergence on `batches` (on the model's device)."""
+    if metric == "task":
+        return lambda: task_loss
+    return lambda: divergence_measure(forward_no_grad, batches, reduce_sum)
+
+
 def measure_uniform_shape(trainer, candidates: Callable[[], list[KeepDecision]], event_step: int):
     """Uniform mode's (KV groups, hidden) for the event at `event_step`, measured on the trainer's
     current step (`trainer.trial_batches`, the whole step: the choice does not depend on how it is
@@ -120,8 +134,8 @@ def measure_uniform_shape(trainer, candidates: Callable[[], list[KeepDecision]],
     seconds), or None when no rank has a token to measure (the task metric on a step without
     supervised tokens). Checked identical on every rank."""
     started = time.perf_counter()
-    batches, task = trainer.trial_batches, trainer.apt_config.uniform_shape_metric == "task"
-    count = supervised_token_count if task else valid_token_count
+    batches = trainer.trial_batches
+    count = supervised_token_count if trainer.apt_config.uniform_shape_metric == "task" else valid_token_count
     tokens = trainer.backend.all_reduce_sum(torch.tensor([float(sum(count(b) for b in batches))], dtype=torch.float64))
     if float(tokens[0]) == 0:
         return None
@@ -129,14 +143,10 @@ def measure_uniform_shape(trainer, candidates: Callable[[], list[KeepDecision]],
     counts = trainer.backend.all_gather_object(len(options))  # whether forwards run must agree: ZeRO-3's are collective
     if len(set(counts)) != 1:
         raise RuntimeError(f"uniform shape candidates for the event at step {event_step} differ across ranks: {counts}")
-    if len(options) == 1:
-        measure = None  # nothing to compare: choose_by_loss takes it without measuring
-    elif task:
-        measure = lambda: trainer.evaluate(batches)  # noqa: E731
-    else:
-        device_batches = [move_batch(b, trainer.device) for b in batches]
-        measure = divergence_measure(trainer.backend.forward_no_grad, device_batches, trainer.backend.all_reduce_sum)
-    chosen, trials = choose_by_loss(options, trainer.state.masks, measure)
+    make_measure = metric_measure(trainer.apt_config.uniform_shape_metric, lambda: trainer.evaluate(batches),
+                                  trainer.backend.forward_no_grad, [move_batch(b, trainer.device) for b in batches],
+                                  trainer.backend.all_reduce_sum)
+    chosen, trials = choose_by_loss(options, trainer.state.masks, make_measure)
     shapes = trainer.backend.all_gather_object(uniform_shape_of(chosen))
     if len(set(shapes)) != 1:
         raise RuntimeError(f"uniform shapes measured for the event at step {event_step} differ across ranks: {shapes}")

@@ -16,8 +16,9 @@ from apt_ds.algorithm.pruner import AdaptivePruner, PruningError, uniform_shape_
 from apt_ds.algorithm.units import LayerShape, ModelShape
 from apt_ds.config import ConfigError
 from apt_ds.io.metrics import read_metrics
+from apt_ds.training import shape_trials
 from apt_ds.training.baselines import one_shot_prune
-from apt_ds.training.shape_trials import choose_by_loss, divergence_measure, measure_uniform_shape, trial_positions
+from apt_ds.training.shape_trials import choose_by_loss, measure_uniform_shape
 
 SMOLLM2 = ModelShape(576, tuple(LayerShape(3, 3, 64, 1536) for _ in range(30)), 49152, True)
 
@@ -117,7 +118,7 @@ def test_choose_by_loss_takes_the_lowest_and_restores_decayed_masks():
                          and all(torch.equal(m, n.float()) for m, n in zip(masks.ffn_neuron, d.neurons))))
         return [3.0, 1.5, 2.0][len(seen) - 1]
 
-    chosen, trials = choose_by_loss(options, masks, measure)
+    chosen, trials = choose_by_loss(options, masks, lambda: measure)
     assert seen == [0, 1, 2]
     assert chosen is options[1]
     assert [t["chosen"] for t in trials] == [False, True, False]
@@ -126,16 +127,16 @@ def test_choose_by_loss_takes_the_lowest_and_restores_decayed_masks():
     after = masks.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     # ties go to the better shape by salience
-    chosen, _ = choose_by_loss(options, masks, lambda: 1.0)
+    chosen, _ = choose_by_loss(options, masks, lambda: lambda: 1.0)
     assert chosen is options[0]
 
 
 def test_a_nan_loss_never_wins():
     options = AdaptivePruner(APTConfig(uniform=True)).candidates(SMOLLM2, *_scores(), 0.7 * SMOLLM2.block_params(), count=3)
     losses = iter([float("nan"), 2.0, 1.0])
-    chosen, trials = choose_by_loss(options, UnitMasks(SMOLLM2), lambda: next(losses))
+    chosen, trials = choose_by_loss(options, UnitMasks(SMOLLM2), lambda: lambda: next(losses))
     assert chosen is options[2] and trials[0]["loss"] is None
-    chosen, _ = choose_by_loss(options, UnitMasks(SMOLLM2), lambda: float("nan"))
+    chosen, _ = choose_by_loss(options, UnitMasks(SMOLLM2), lambda: lambda: float("nan"))
     assert chosen is options[0]  # nothing measured: salience's order
 
 
@@ -312,7 +313,7 @@ def test_prune_then_tune_measures_uniform_shapes(trials, metric, monkeypatch):
     calibration = [random_batch(batch=4, length=16, seed=s) for s in range(3)]
     for batch in calibration:
         batch["labels"][:, :8] = -100  # a response-only label: measured as trained, not as plain text
-    measured, real_forward, real_divergence = [], baselines.supervised_forward, baselines.divergence_measure
+    measured, real_forward, real_divergence = [], baselines.supervised_forward, shape_trials.divergence_measure
 
     def recording(forward, batch, *args, **kwargs):
         if not torch.is_grad_enabled():
@@ -324,7 +325,7 @@ def test_prune_then_tune_measures_uniform_shapes(trials, metric, monkeypatch):
         return real_divergence(forward, batches, *args, **kwargs)
 
     monkeypatch.setattr(baselines, "supervised_forward", recording)
-    monkeypatch.setattr(baselines, "divergence_measure", recording_divergence)
+    monkeypatch.setattr(shape_trials, "divergence_measure", recording_divergence)
     config = APTConfig(uniform=True, shape_multiple=1, uniform_shape_trials=trials, uniform_shape_metric=metric)
     result = one_shot_prune(model, calibration, 0.5, config)
     assert result.shape.uniform
@@ -352,70 +353,12 @@ def test_prune_then_tune_with_one_candidate_measures_nothing(metric, monkeypatch
             measured.append("task")
         return real_forward(forward, batch, *args, **kwargs)
 
-    monkeypatch.setattr(baselines, "divergence_measure", lambda *args, **kwargs: measured.append("kl"))
+    monkeypatch.setattr(shape_trials, "divergence_measure", lambda *args, **kwargs: measured.append("kl"))
     monkeypatch.setattr(baselines, "supervised_forward", recording)
     monkeypatch.setattr(AdaptivePruner, "candidates", lambda self, *args, **kwargs: original(self, *args, **kwargs)[:1])
     config = APTConfig(uniform=True, shape_multiple=1, uniform_shape_trials=3, uniform_shape_metric=metric)
     result = one_shot_prune(tiny_llama("gqa"), [random_batch(batch=4, length=16, seed=1)], 0.5, config)
     assert result.shape.uniform and result.shape_trials == [] and measured == []
-
-
-def test_trial_positions_cover_real_tokens_and_cap_evenly():
-    mask = torch.ones(2, 10, dtype=torch.long)
-    mask[1, 6:] = 0  # a shorter row, right-padded
-    positions, real = trial_positions(mask, limit=256)
-    assert positions.tolist() == list(range(10)) and torch.equal(real, mask.bool())
-    positions, real = trial_positions(mask, limit=4)
-    assert positions.tolist() == [0, 3, 6, 9] and real.tolist() == [[True] * 4, [True, True, False, False]]
-    left = torch.zeros(1, 600, dtype=torch.long)
-    left[0, 100:] = 1  # left padding: the positions are among the real ones only
-    positions, _ = trial_positions(left, limit=256)
-    assert len(positions) == 256 and positions[0] == 100 and positions[-1] == 599
-
-
-def test_divergence_shares_its_token_budget_over_the_step():
-    """The reference it keeps is bounded by the token budget however the step is split."""
-    seen = []
-
-    def forward(input_ids, attention_mask, logits_to_keep, use_cache):
-        seen.append(len(logits_to_keep))
-        return type("Out", (), {"logits": torch.zeros(input_ids.shape[0], len(logits_to_keep), 5)})()
-
-    batches = [{"input_ids": torch.ones(4, 300, dtype=torch.long), "attention_mask": torch.ones(4, 300, dtype=torch.long)}
-               for _ in range(2)]
-    divergence_measure(forward, batches, lambda t: t, token_budget=1024)
-    assert seen == [128, 128]  # 1024 tokens / 2 micro-batches / 4 rows
-    seen.clear()
-    divergence_measure(forward, batches[:1], lambda t: t, token_budget=1024)
-    assert seen == [256]
-
-
-def test_divergence_is_zero_for_the_current_model_and_grows_with_the_cut():
-    """KL(masked || as it was) over the real tokens of every micro-batch: 0 with the masks as they
-    were, larger for a larger cut, equal to the divergence computed by hand, padding excluded."""
-    model = tiny_llama("gqa")
-    masks = UnitMasks(ModelShape.from_model(model))
-    masks.install(model)
-    batches = [random_batch(batch=3, length=12, seed=s) for s in (1, 2)]
-    batches[1]["attention_mask"][0, 9:] = 0
-    forward = torch.no_grad()(model)
-    measure = divergence_measure(forward, batches, reduce_sum=lambda totals: totals)
-    # a second rank's (KL sum, tokens) joins the totals before the division
-    other_rank = divergence_measure(forward, batches, reduce_sum=lambda totals: totals + torch.tensor([30.0, 10.0], dtype=torch.float64))
-    assert measure() == pytest.approx(0.0, abs=1e-7)
-    before = [torch.log_softmax(forward(**{k: v for k, v in b.items() if k != "labels"}).logits.float(), -1) for b in batches]
-    masks.ffn_neuron[0][: masks.ffn_neuron[0].numel() // 2] = 0
-    masks.refresh()
-    small = measure()
-    after = [torch.log_softmax(forward(**{k: v for k, v in b.items() if k != "labels"}).logits.float(), -1) for b in batches]
-    real = [b["attention_mask"].bool() for b in batches]
-    by_hand = sum(float((a.exp() * (a - r)).sum(-1)[m].sum()) for a, r, m in zip(after, before, real)) / sum(int(m.sum()) for m in real)
-    assert small == pytest.approx(by_hand, rel=1e-5) and small > 0
-    masks.kv_group[1][:] = torch.tensor([1.0, 0.0])
-    masks.refresh()
-    assert measure() > small
-    own = sum(int(m.sum()) for m in real)
-    assert other_rank() == pytest.approx((measure() * own + 30.0) / (own + 10), rel=1e-6)
 
 
 @pytest.mark.parametrize("metric", ["kl", "task"])
