@@ -58,7 +58,7 @@ def run_once(command: list[str], out: Path, threads: int) -> dict:
     final = next(r for r in reversed(records) if r.get("final"))
     return {"train_time_s": final["train_time_s"], "process_wall_s": wall,
             "process_cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
-            "density": final["density"]}
+            "density": final["density"], "rss_mb": final.get("rss_mb"), "peak_rss_mb": final.get("peak_rss_mb")}
 
 
 def main(argv=None) -> None:

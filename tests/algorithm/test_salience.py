@@ -10,7 +10,9 @@ import torch
 from conftest import random_batch, tiny_llama
 
 from apt_ds.algorithm.adapters import add_adapters
+import apt_ds.algorithm.salience as salience_module
 from apt_ds.algorithm.salience import SalienceCollector, column_power_sums, unit_kurtosis
+from apt_ds.algorithm.shrink import shrink_model
 from apt_ds.algorithm.units import ModelShape
 
 
@@ -304,6 +306,33 @@ def test_power_sums_are_recomputed_only_for_weights_that_change():
     assert collector.ffn_sites[0].power_sums is frozen_sums  # not recomputed
     torch.testing.assert_close(collector.attn_sites[0].power_sums, column_power_sums(o_proj.merged_weight()))
     assert not torch.allclose(collector.attn_sites[0].power_sums, adapted_sums)
+
+
+@pytest.mark.parametrize("prune_hidden", [False, True])
+def test_power_sums_after_a_shrink_match_the_shrunk_weights(prune_hidden, monkeypatch):
+    """A shrink that keeps every hidden channel removes columns only: the kept columns' power sums
+    are carried over, not recomputed; one that prunes hidden channels changes every column's sum."""
+    model = tiny_llama("gqa", seed=5)
+    add_adapters(model, ("q_proj", "v_proj"), rank=4, alpha=8.0, seed=5)  # o_proj, down_proj frozen
+    shape = ModelShape.from_model(model)
+    collector = SalienceCollector(shape, beta=0.85, use_kurtosis=True)
+    collector.install(model)
+    model(**random_batch(batch=2, seed=6)).loss.backward()
+    collector.end_step()
+    groups = [torch.tensor([1]), torch.tensor([0, 1])]
+    neurons = [torch.arange(0, shape.layers[0].ffn, 3), torch.arange(5, 40)]
+    hidden = torch.arange(1, shape.hidden, 2) if prune_hidden else torch.arange(shape.hidden)
+    new_shape, _ = shrink_model(model, shape, groups, neurons, hidden)
+    collector.keep(new_shape, groups, neurons, hidden)
+    computed = []
+    monkeypatch.setattr(salience_module, "column_power_sums", lambda w: computed.append(w) or column_power_sums(w))
+    model(**random_batch(batch=2, seed=7)).loss.backward()
+    collector.end_step()
+    assert len(computed) == (2 * len(new_shape.layers) if prune_hidden else 0)
+    for layer, attn, ffn in zip(model.model.layers, collector.attn_sites, collector.ffn_sites):
+        torch.testing.assert_close(attn.power_sums, column_power_sums(layer.self_attn.o_proj.weight), rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(ffn.power_sums, column_power_sums(layer.mlp.down_proj.weight), rtol=1e-12, atol=1e-15)
+    collector.remove()
 
 
 # ---- EMA, masks of state ---------------------------------------------------------------------------

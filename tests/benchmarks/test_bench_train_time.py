@@ -32,6 +32,7 @@ def test_times_both_methods_and_reports_ratios(tmp_path, tokenizer):
     assert all(r["density"] < 0.8 for r in result["runs"]["apt"])  # APT pruned: the runs are what they say
     for run in result["runs"]["lora"] + result["runs"]["apt"]:
         assert 0 < run["train_time_s"] < run["process_wall_s"]
+        assert run["rss_mb"] > 0 and run["peak_rss_mb"] > 0
     loop = result["apt_over_lora"]["train_time_s"]
     assert loop == pytest.approx([a["train_time_s"] / l["train_time_s"] for a, l in zip(result["runs"]["apt"], result["runs"]["lora"])])
     assert result["apt_over_lora_median"]["train_time_s"] == pytest.approx(sum(loop) / 2)

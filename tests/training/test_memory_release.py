@@ -4,13 +4,15 @@ weights read into memory (not file-mapped) for pruning runs."""
 from __future__ import annotations
 
 import ctypes.util
+import gc
+import weakref
 
 import psutil
 import pytest
 import torch
 
 from apt_ds.io.modeling import build_tiny_llama, load_model
-from apt_ds.training.heap import release_free_heap
+from apt_ds.training.heap import release_free_heap, startup_objects_frozen
 
 
 def _rss_mb() -> float:
@@ -40,3 +42,37 @@ def test_load_without_mmap_gives_the_same_model(tmp_path):
     ids = torch.arange(8)[None]
     with torch.no_grad():
         assert torch.equal(mapped(ids).logits, read(ids).logits)
+
+
+class _Node:
+    def __init__(self):
+        self.other = self  # a reference cycle: only the cyclic collector frees it
+
+
+def test_frozen_startup_objects_are_skipped_but_new_cycles_are_collected():
+    old = _Node()
+    old_ref = weakref.ref(old)
+    with startup_objects_frozen():
+        assert gc.get_freeze_count() > 0
+        del old
+        gc.collect()
+        assert old_ref() is not None  # frozen: the collection did not walk it
+        new = _Node()
+        new_ref = weakref.ref(new)
+        del new
+        gc.collect()
+        assert new_ref() is None  # created inside the block: collected as before
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert old_ref() is None  # unfrozen at the end: collected at last
+
+
+def test_objects_frozen_by_someone_else_stay_frozen():
+    gc.freeze()
+    try:
+        count = gc.get_freeze_count()
+        with startup_objects_frozen():
+            pass
+        assert gc.get_freeze_count() == count
+    finally:
+        gc.unfreeze()
