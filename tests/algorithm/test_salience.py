@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import random_batch, tiny_llama
 
-from apt_ds.algorithm.adapters import add_adapters
 import apt_ds.algorithm.salience as salience_module
+from apt_ds.algorithm.adapters import add_adapters
 from apt_ds.algorithm.salience import SalienceCollector, column_power_sums, unit_kurtosis
 from apt_ds.algorithm.shrink import shrink_model
 from apt_ds.algorithm.units import ModelShape
