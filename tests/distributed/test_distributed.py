@@ -62,13 +62,13 @@ def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def check_identical_and_pruned(out: Path, ranks: int, since_step: int = 0) -> dict:
+def check_identical_and_pruned(out: Path, ranks: int, since_step: int = 0, density: float = 0.5) -> dict:
     records = rank_records(out)
     assert len(records) == ranks
     for record in records[1:]:
         assert record["kept"] == records[0]["kept"] and record["ranks"] == records[0]["ranks"]
     final = metrics(out)[-1]
-    assert final["final"] and final["density"] <= 0.5 + 1e-9
+    assert final["final"] and final["density"] <= density + 1e-9
     steps = [m for m in metrics(out) if not m.get("final")]
     assert all(m["world_size"] == ranks for m in steps if m["step"] > since_step)
     assert all(m["loss"] == m["loss"] and m["loss"] < 100 for m in steps)  # finite
@@ -131,10 +131,12 @@ def exported_eval_loss(out: Path, export_dir: Path, count: int = EVAL_EXAMPLES) 
 
 
 # uniform cases: shape trials by the task loss (the default) and by the divergence (its reference
-# pass and position selection), both under ZeRO-3's gathered forward on two ranks
+# pass and position selection), both under ZeRO-3's gathered forward on two ranks. At density 0.7
+# the second event has a single candidate: both ranks must skip its forward passes together.
 @pytest.mark.parametrize("model, shape_flags", [("tiny", []), ("tiny-mha", ["--uniform"]),
-                                                ("tiny-mha", ["--uniform", "--uniform_shape_metric", "kl"])],
-                         ids=["gqa-nonuniform", "mha-uniform", "mha-uniform-kl"])
+                                                ("tiny-mha", ["--uniform", "--uniform_shape_metric", "kl",
+                                                              "--target-density", "0.7"])],
+                         ids=["gqa-nonuniform", "mha-uniform", "mha-uniform-kl-one-candidate"])
 def test_zero3_two_ranks_identical_masks_and_export_matches(tmp_path, model, shape_flags):
     """The export's logits and greedy trajectory equal the live ZeRO-3 engine's, whose weights are
     partitioned over 2 ranks (the ZeRO-2 test covers GQA non-uniform)."""
@@ -143,15 +145,19 @@ def test_zero3_two_ranks_identical_masks_and_export_matches(tmp_path, model, sha
     result = launch(2, ["--deepspeed", ds_config(tmp_path, 3), *COMMON, *odd_eval, "--model", model, *shape_flags,
                         "--save-eval-probe", "--micro-batch-size", "2", "--out", str(out)])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    check_identical_and_pruned(out, 2)
+    density = float(shape_flags[shape_flags.index("--target-density") + 1]) if "--target-density" in shape_flags else 0.5
+    check_identical_and_pruned(out, 2, density=density)
     live = metrics(out)[-1]["eval_loss"]  # the masked model inside the ZeRO-3 engine, both ranks
     assert abs(exported_eval_loss(out, tmp_path / "export", EVAL_EXAMPLES - 2) - live) < 1e-4 * max(1.0, abs(live))
     check_against_probe(out, tmp_path / "export")
     config = json.loads((tmp_path / "export" / "config.json").read_text())
     if shape_flags:  # uniform MHA: a stock config, its shapes chosen by trials measured on both ranks' batches
         assert "apt_layer_shapes" not in config and config["num_attention_heads"] == config["num_key_value_heads"]
-        trials = [t for m in metrics(out) for t in m.get("shape_trials", [])]
+        events = [m["shape_trials"] for m in metrics(out) if "shape_trials" in m]
+        trials = [t for event in events for t in event]
         assert trials and all(t["loss"] > 0 for t in trials) and any(t["chosen"] for t in trials)
+        if "0.7" in shape_flags:
+            assert [len(event) for event in events] == [4, 0]  # the second: one candidate, no trial forward
 
 
 def test_one_rank_with_double_batch_decides_the_same(two_rank_zero2, tmp_path):
