@@ -37,11 +37,13 @@ def startup_objects_frozen() -> Iterator[None]:
     """Hide every object alive now from the cyclic garbage collector until the block ends
     (`gc.freeze`), so the collections after pruning events only walk what training created.
     Frozen objects are still freed when their last reference goes; only cycles among them wait
-    for the block's end. A no-op when something else (a pre-fork server) already froze objects:
-    unfreezing would undo its choice."""
+    for the block's end. A collection first, so that cycles already unreachable (say, a
+    loader's leftovers holding weights) are not kept for the whole block. A no-op when something
+    else (a pre-fork server) already froze objects: unfreezing would undo its choice."""
     if gc.get_freeze_count():
         yield
         return
+    gc.collect()
     gc.freeze()
     try:
         yield

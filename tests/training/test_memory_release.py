@@ -50,9 +50,11 @@ class _Node:
 
 
 def test_frozen_startup_objects_are_skipped_but_new_cycles_are_collected():
-    old = _Node()
-    old_ref = weakref.ref(old)
+    old, leftover = _Node(), _Node()
+    old_ref, leftover_ref = weakref.ref(old), weakref.ref(leftover)
+    del leftover  # unreachable before the block: collected on entry, not frozen with the rest
     with startup_objects_frozen():
+        assert leftover_ref() is None
         assert gc.get_freeze_count() > 0
         del old
         gc.collect()
