@@ -48,9 +48,14 @@ def main(argv: list[str] | None = None) -> int:
         run, apt, train = resolve(given)
         out = run.out
         check_inputs_early(run, train)
-        from apt_ds.training.run import run_training
+        from apt_ds.training.heap import startup_objects_frozen
+        from apt_ds.training.run import import_training_libraries, run_training
 
-        run_training(run, apt, train)
+        import_training_libraries(with_deepspeed=bool(run.deepspeed))
+        # After the imports, before the model and the engine exist: those must stay visible to
+        # the collector, or pruned weights held in an old engine's cycles would outlive events.
+        with startup_objects_frozen():
+            run_training(run, apt, train)
     except user_errors() as err:
         return report(err)
     except KeyboardInterrupt:

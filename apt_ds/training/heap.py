@@ -7,9 +7,11 @@ Measured on SmolLM2-135M/BoolQ (docs/BENCHMARKS.md): untrimmed, APT 0.7's RSS af
 pruning event was 1.05x dense LoRA's (1,715 vs 1,634 MB); trimmed after each event, 0.90x.
 
 The full garbage collection before the trim finds what a shape change leaves in reference
-cycles (an old optimizer's state, autograd leftovers). It would also walk every object alive
-since start-up (transformers and DeepSpeed import ~440k of them: 0.21 s a collection on a 2-vCPU
-EPYC), so the training loop runs inside `startup_objects_frozen()`."""
+cycles: under DeepSpeed an old engine refers to itself and the parameters it managed carry
+bound methods pointing back at it, so replaced weights are freed only by this collection. It
+would also walk every object alive since start-up (importing transformers and the model code
+makes ~440k: 0.21 s a collection on a 2-vCPU EPYC), so the CLI runs training inside
+`startup_objects_frozen()`, entered after the imports and before the model is loaded."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import contextlib
 import ctypes
 import gc
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 
 def release_free_heap() -> bool:
@@ -35,11 +37,12 @@ def release_free_heap() -> bool:
 @contextlib.contextmanager
 def startup_objects_frozen() -> Iterator[None]:
     """Hide every object alive now from the cyclic garbage collector until the block ends
-    (`gc.freeze`), so the collections after pruning events only walk what training created.
-    Frozen objects are still freed when their last reference goes; only cycles among them wait
-    for the block's end. A collection first, so that cycles already unreachable (say, a
-    loader's leftovers holding weights) are not kept for the whole block. A no-op when something
-    else (a pre-fork server) already froze objects: unfreezing would undo its choice."""
+    (`gc.freeze`), so that collections inside it only walk what the block created. Enter it
+    before creating anything that may end up in garbage cycles (a model, an engine): frozen
+    objects are still freed when their last reference goes, but a frozen cycle is not found
+    until the block ends, and is collected then. A collection first, so that cycles already
+    unreachable are not kept through the block. A no-op when something else (a pre-fork
+    server) already froze objects: unfreezing would undo its choice."""
     if gc.get_freeze_count():
         yield
         return
@@ -49,3 +52,4 @@ def startup_objects_frozen() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+        gc.collect()

@@ -36,7 +36,7 @@ from apt_ds.training.forward import (
     supervised_token_count,
     valid_token_count,
 )
-from apt_ds.training.heap import release_free_heap, startup_objects_frozen
+from apt_ds.training.heap import release_free_heap
 from apt_ds.training.lr_schedule import warmup_cosine
 from apt_ds.training.shape_trials import measure_uniform_shape
 
@@ -92,8 +92,7 @@ class APTrainer:
         for _ in range(self.consumed_micro_batches if skip_consumed else 0):
             next(batches)
         # `with`: an error closes the bar first, so its message starts a line of its own
-        with startup_objects_frozen(), tqdm(total=cfg.steps, initial=self.step,
-                                            disable=not (self.progress and self.backend.is_main()), desc="apt") as bar:
+        with tqdm(total=cfg.steps, initial=self.step, disable=not (self.progress and self.backend.is_main()), desc="apt") as bar:
             while self.step < cfg.steps:
                 record = self._train_step(batches)
                 record.update(self._after_step())

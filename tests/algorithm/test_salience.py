@@ -308,12 +308,15 @@ def test_power_sums_are_recomputed_only_for_weights_that_change():
     assert not torch.allclose(collector.attn_sites[0].power_sums, adapted_sums)
 
 
-@pytest.mark.parametrize("prune_hidden", [False, True])
-def test_power_sums_after_a_shrink_match_the_shrunk_weights(prune_hidden, monkeypatch):
+@pytest.mark.parametrize("prune_hidden, adapted", [(False, False), (True, False), (False, True)],
+                         ids=["hidden-kept", "hidden-pruned", "adapted-sites"])
+def test_power_sums_after_a_shrink_match_the_shrunk_weights(prune_hidden, adapted, monkeypatch):
     """A shrink that keeps every hidden channel removes columns only: the kept columns' power sums
-    are carried over, not recomputed; one that prunes hidden channels changes every column's sum."""
+    are carried over, not recomputed; one that prunes hidden channels changes every column's sum;
+    a site whose module carries an adapter is recomputed at every step whatever the shrink."""
     model = tiny_llama("gqa", seed=5)
-    add_adapters(model, ("q_proj", "v_proj"), rank=4, alpha=8.0, seed=5)  # o_proj, down_proj frozen
+    targets = ("q_proj", "v_proj", "o_proj", "down_proj") if adapted else ("q_proj", "v_proj")  # else o/down frozen
+    add_adapters(model, targets, rank=4, alpha=8.0, seed=5)
     shape = ModelShape.from_model(model)
     collector = SalienceCollector(shape, beta=0.85, use_kurtosis=True)
     collector.install(model)
@@ -324,14 +327,21 @@ def test_power_sums_after_a_shrink_match_the_shrunk_weights(prune_hidden, monkey
     hidden = torch.arange(1, shape.hidden, 2) if prune_hidden else torch.arange(shape.hidden)
     new_shape, _ = shrink_model(model, shape, groups, neurons, hidden)
     collector.keep(new_shape, groups, neurons, hidden)
+    if adapted:
+        with torch.no_grad():  # what an optimizer step does to the effective weights
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.lora_B.add_(0.3)
+                layer.mlp.down_proj.lora_B.add_(0.3)
     computed = []
     monkeypatch.setattr(salience_module, "column_power_sums", lambda w: computed.append(w) or column_power_sums(w))
     model(**random_batch(batch=2, seed=7)).loss.backward()
     collector.end_step()
-    assert len(computed) == (2 * len(new_shape.layers) if prune_hidden else 0)
+    assert len(computed) == (2 * len(new_shape.layers) if prune_hidden or adapted else 0)
     for layer, attn, ffn in zip(model.model.layers, collector.attn_sites, collector.ffn_sites):
-        torch.testing.assert_close(attn.power_sums, column_power_sums(layer.self_attn.o_proj.weight), rtol=1e-12, atol=1e-15)
-        torch.testing.assert_close(ffn.power_sums, column_power_sums(layer.mlp.down_proj.weight), rtol=1e-12, atol=1e-15)
+        o_proj, down = layer.self_attn.o_proj, layer.mlp.down_proj
+        expected = [column_power_sums(m.merged_weight() if adapted else m.weight) for m in (o_proj, down)]
+        torch.testing.assert_close(attn.power_sums, expected[0], rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(ffn.power_sums, expected[1], rtol=1e-12, atol=1e-15)
     collector.remove()
 
 

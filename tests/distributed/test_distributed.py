@@ -133,19 +133,17 @@ def exported_eval_loss(out: Path, export_dir: Path, count: int = EVAL_EXAMPLES) 
 # uniform cases: shape trials by the task loss (the default) and by the divergence (its reference
 # pass and position selection), both under ZeRO-3's gathered forward on two ranks. At density 0.7
 # the second event has a single candidate: both ranks must skip its forward passes together.
-@pytest.mark.parametrize("model, shape_flags", [("tiny", []), ("tiny-mha", ["--uniform"]),
-                                                ("tiny-mha", ["--uniform", "--uniform_shape_metric", "kl",
-                                                              "--target-density", "0.7"])],
+@pytest.mark.parametrize("model, shape_flags, density", [("tiny", [], 0.5), ("tiny-mha", ["--uniform"], 0.5),
+                                                         ("tiny-mha", ["--uniform", "--uniform_shape_metric", "kl"], 0.7)],
                          ids=["gqa-nonuniform", "mha-uniform", "mha-uniform-kl-one-candidate"])
-def test_zero3_two_ranks_identical_masks_and_export_matches(tmp_path, model, shape_flags):
+def test_zero3_two_ranks_identical_masks_and_export_matches(tmp_path, model, shape_flags, density):
     """The export's logits and greedy trajectory equal the live ZeRO-3 engine's, whose weights are
     partitioned over 2 ranks (the ZeRO-2 test covers GQA non-uniform)."""
     out = tmp_path / "run"
     odd_eval = [EVAL[0], EVAL[1], "--eval-examples", str(EVAL_EXAMPLES - 1)]  # trimmed to a multiple of 2 ranks
     result = launch(2, ["--deepspeed", ds_config(tmp_path, 3), *COMMON, *odd_eval, "--model", model, *shape_flags,
-                        "--save-eval-probe", "--micro-batch-size", "2", "--out", str(out)])
+                        "--target-density", str(density), "--save-eval-probe", "--micro-batch-size", "2", "--out", str(out)])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    density = float(shape_flags[shape_flags.index("--target-density") + 1]) if "--target-density" in shape_flags else 0.5
     check_identical_and_pruned(out, 2, density=density)
     live = metrics(out)[-1]["eval_loss"]  # the masked model inside the ZeRO-3 engine, both ranks
     assert abs(exported_eval_loss(out, tmp_path / "export", EVAL_EXAMPLES - 2) - live) < 1e-4 * max(1.0, abs(live))
@@ -156,7 +154,7 @@ def test_zero3_two_ranks_identical_masks_and_export_matches(tmp_path, model, sha
         events = [m["shape_trials"] for m in metrics(out) if "shape_trials" in m]
         trials = [t for event in events for t in event]
         assert trials and all(t["loss"] > 0 for t in trials) and any(t["chosen"] for t in trials)
-        if "0.7" in shape_flags:
+        if density == 0.7:
             assert [len(event) for event in events] == [4, 0]  # the second: one candidate, no trial forward
 
 

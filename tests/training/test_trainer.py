@@ -3,7 +3,6 @@ optimizer/LR state across shape changes, and exact checkpoint resume."""
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 
@@ -78,8 +77,7 @@ def full_run(tmp_path_factory):
     optimizer_steps, heap_releases = [], []
     handle = register_optimizer_step_post_hook(lambda opt, args, kwargs: optimizer_steps.append(1))
     release = trainer_module.release_free_heap
-    # each event's collection runs with the start-up objects frozen (apt_ds.training.heap)
-    trainer_module.release_free_heap = lambda: heap_releases.append(gc.get_freeze_count() > 0) or release()
+    trainer_module.release_free_heap = lambda: heap_releases.append(1) or release()
     try:
         trainer = APTrainer(model, apt, train, out_dir=out, progress=False)
         initial_rank = trainer.state.total_rank()
@@ -90,7 +88,7 @@ def full_run(tmp_path_factory):
         trainer_module.release_free_heap = release
     return dict(trainer=trainer, model=model, out=out, final=final, initial_sizes=initial_sizes,
                 initial_rank=initial_rank, micro_batches=batches.served, optimizer_steps=len(optimizer_steps),
-                heap_releases=len(heap_releases), frozen_at_releases=all(heap_releases))
+                heap_releases=len(heap_releases))
 
 
 def test_training_reaches_target_density_with_smaller_model(full_run):
@@ -134,7 +132,6 @@ def test_events_metrics_and_distillation(full_run):
     # every event that removed units gave the freed heap back to the OS (apt_ds.training.heap)
     shrinking_events = sum(1 for before, r in zip([1.0] + densities, steps) if r.get("event") and r["density"] < before)
     assert shrinking_events > 0 and full_run["heap_releases"] == shrinking_events
-    assert full_run["frozen_at_releases"] and gc.get_freeze_count() == 0  # frozen in the loop only
     assert all(a >= b for a, b in zip(densities, densities[1:]))
     assert densities[0] == 1.0 and densities[-1] <= 0.5
     for r in steps:  # never below the schedule's target for that step by more than a unit's worth
