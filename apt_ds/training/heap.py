@@ -47,8 +47,8 @@ def startup_objects_frozen() -> Iterator[None]:
         yield
         return
     gc.collect()
-    gc.freeze()
     try:
+        gc.freeze()  # inside the try: an interrupt right after it still unfreezes
         yield
     finally:
         gc.unfreeze()
