@@ -9,8 +9,8 @@ pruning event was 1.05x dense LoRA's (1,715 vs 1,634 MB); trimmed after each eve
 The full garbage collection before the trim finds what a shape change leaves in reference
 cycles: under DeepSpeed an old engine refers to itself and the parameters it managed carry
 bound methods pointing back at it, so replaced weights are freed only by this collection. It
-would also walk every object alive since start-up (importing transformers and the model code
-makes ~440k: 0.21 s a collection on a 2-vCPU EPYC), so the CLI runs training inside
+would also walk every object alive since start-up (transformers, DeepSpeed and a loaded
+SmolLM2 make ~440k: 0.21 s a collection on a 2-vCPU EPYC), so the CLI runs training inside
 `startup_objects_frozen()`, entered after the imports and before the model is loaded."""
 
 from __future__ import annotations
