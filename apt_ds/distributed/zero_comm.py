@@ -15,6 +15,11 @@ import torch
 from apt_ds.distributed.launcher_env import launcher_env
 
 
+def import_deepspeed() -> None:
+    """Import DeepSpeed ahead of its first use (`apt_ds.training.run.import_training_libraries`)."""
+    import deepspeed  # noqa: F401
+
+
 def init_process_group() -> None:
     """Start torch.distributed through DeepSpeed unless it runs already."""
     import deepspeed

@@ -174,7 +174,9 @@ def import_training_libraries(with_deepspeed: bool) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM  # noqa: F401 (transformers is lazy: naming the classes imports them)
 
     if with_deepspeed:
-        import deepspeed  # noqa: F401
+        from apt_ds.distributed.zero_comm import import_deepspeed
+
+        import_deepspeed()
 
 
 def run_training(args, apt: APTConfig, train: TrainConfig) -> dict:
