@@ -59,8 +59,9 @@ def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def write_model(directory: Path, config: dict) -> None:
-    """Random weights (N(0, 0.02); norms 1 + N(0, 0.1)) in fp32, one shard in memory at a time."""
+def write_model(directory: Path, config: dict, dtype: str = "float32", device: str = "cpu") -> None:
+    """Random weights (N(0, 0.02); norms 1 + N(0, 0.1)) in `dtype` (a torch dtype's name), one
+    shard in memory at a time, drawn on `device` (a GPU draws a 7B model in seconds)."""
     import torch
     from safetensors.torch import save_file
     from transformers import LlamaConfig
@@ -72,11 +73,12 @@ def write_model(directory: Path, config: dict) -> None:
         print(f"reusing the model in {directory}")
         return
     directory.mkdir(parents=True, exist_ok=True)
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator(device).manual_seed(0)
+    torch_dtype, element_bytes = getattr(torch, dtype), getattr(torch, dtype).itemsize
     shapes = tensor_shapes(config)
     groups, current, size = [], [], 0
     for name, shape in shapes.items():
-        nbytes = math.prod(shape) * 4
+        nbytes = math.prod(shape) * element_bytes
         if current and size + nbytes > SHARD_BYTES:
             groups.append(current)
             current, size = [], 0
@@ -88,18 +90,17 @@ def write_model(directory: Path, config: dict) -> None:
         filename = f"model-{index:05d}-of-{len(groups):05d}.safetensors"
         shard = {}
         for name in names:
-            if name.endswith("norm.weight"):
-                shard[name] = 1 + 0.1 * torch.randn(shapes[name], generator=generator)
-            else:
-                shard[name] = 0.02 * torch.randn(shapes[name], generator=generator)
+            scale, shift = (0.1, 1.0) if name.endswith("norm.weight") else (0.02, 0.0)
+            drawn = torch.randn(shapes[name], generator=generator, device=device)
+            shard[name] = (shift + scale * drawn).to(torch_dtype).cpu()
             weight_map[name] = filename
         save_file(shard, str(directory / filename), metadata={"format": "pt"})
         print(f"wrote {filename} ({len(names)} tensors)", flush=True)
         del shard
-    total = sum(math.prod(s) * 4 for s in shapes.values())
+    total = sum(math.prod(s) * element_bytes for s in shapes.values())
     (directory / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    LlamaConfig(**config, architectures=["LlamaForCausalLM"]).save_pretrained(str(directory))
+    LlamaConfig(**config, architectures=["LlamaForCausalLM"], dtype=dtype).save_pretrained(str(directory))
     texts = [json.loads(line)["output"] for line in demo_data_path().read_text().splitlines()]
     train_sentencepiece_tokenizer(texts, directory / "_tokenizer", vocab_size=512).save_pretrained(str(directory))
 

@@ -7,13 +7,19 @@ import resource
 from pathlib import Path
 
 import psutil
+import torch
 
 
 def memory_mb() -> dict:
-    """Current and peak resident set size of this process, in MiB."""
+    """Current and peak resident set size of this process, in MiB, plus the CUDA caching
+    allocator's current and peak allocation on this process's device once CUDA is in use."""
     rss = psutil.Process().memory_info().rss / 2**20
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-    return {"rss_mb": round(rss, 1), "peak_rss_mb": round(peak, 1)}
+    record = {"rss_mb": round(rss, 1), "peak_rss_mb": round(peak, 1)}
+    if torch.cuda.is_initialized():  # never initialise CUDA just to read it
+        record["cuda_mb"] = round(torch.cuda.memory_allocated() / 2**20, 1)
+        record["cuda_peak_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+    return record
 
 
 class MetricsWriter:

@@ -1,0 +1,278 @@
+"""GPU check: the paths that only a GPU exercises, end to end on one CUDA device, as a user runs
+them (`launch/train.py` and `launch/export.py` as subprocesses).
+
+    python benchmarks/gpu_check.py --out bench_out/gpu_check                      # one GPU
+    python benchmarks/gpu_check.py --device cpu --scale small --out /tmp/gpu_check  # the same flow on CPU
+
+Stages (a failing stage is recorded and the next one runs; each gets what is left of --budget-s):
+1. `local-fp32`: one process on the device, the built-in tiny model, fp32 base weights, APT to
+   0.7 with an eval probe; fp32 export; the export, loaded on the device, must reproduce the live
+   run's logits (max |diff| <= 1e-3) and its 20-token greedy continuation.
+2. `local-auto`: the same with the device's default base dtype (bf16 on GPUs): the difference
+   between the bf16 run and its fp32 export is reported, not asserted.
+3. `zero2`, `zero3`: the deepspeed launcher with 1 rank (NCCL on a GPU), the tiny model; the
+   ZeRO-3 run is exported and checked like stage 1.
+4. `scale-apt`, `scale-lora`: a random model of `--scale`'s shape (default LLaMA-2-7B, written
+   on the device in bf16), under ZeRO-3 on one device: APT to 0.7 with 3 pruning events, then
+   LoRA with the same adapters and data; step times and peak device memory per step.
+5. `scale-export`: the APT run's streaming export in bf16, loaded back on the device and
+   compared with the run's probe (reported).
+
+Results: OUT/gpu_check.json (per stage: ok, seconds, numbers, the log's tail on failure) and
+every subprocess's output in OUT/gpu_check.log. Nothing is asserted beyond each stage's own check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.llama_scale import LLAMA_3B, write_model  # noqa: E402
+
+LLAMA2_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=32, head_dim=128, vocab_size=32000, tie_word_embeddings=False,
+                 max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0)
+SMALL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
+             num_key_value_heads=4, head_dim=64, vocab_size=1024, tie_word_embeddings=False,
+             max_position_embeddings=1024, rms_norm_eps=1e-5, rope_theta=10000.0)
+SCALES = {"llama2-7b": LLAMA2_7B, "llama3.2-3b": LLAMA_3B, "small": SMALL}
+
+
+class Check:
+    """Runs stages against a wall-clock budget, logging every subprocess to one file."""
+
+    def __init__(self, out: Path, work: Path, device: str, budget_s: float):
+        self.out, self.work, self.device, self.deadline = out, work, device, time.monotonic() + budget_s
+        for directory in (out, work):
+            directory.mkdir(parents=True, exist_ok=True)
+        self.log = out / "gpu_check.log"
+        self.log.write_text("")
+        self.results: list[dict] = []
+        self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+                    "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+        if device == "cpu":
+            self.env["DS_ACCELERATOR"] = "cpu"
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def sh(self, cmd: list[str], timeout: float | None = None) -> None:
+        """Run `cmd`, appending its output to the log; raise with the output's tail if it fails."""
+        timeout = min(timeout or 1e9, self.left())
+        if timeout < 5:
+            raise TimeoutError("no budget left")
+        with self.log.open("a") as handle:
+            handle.write(f"\n$ {' '.join(cmd)}\n")
+            handle.flush()
+            start = handle.tell()
+            try:
+                code = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT,
+                                      timeout=timeout).returncode
+            except subprocess.TimeoutExpired:
+                code = "timeout"
+        if code != 0:
+            tail = self.log.read_text(errors="replace")[start:][-3000:]
+            raise RuntimeError(f"{' '.join(cmd[:8])} ... exited {code}:\n{tail}")
+
+    def stage(self, name: str, fn) -> dict:
+        print(f"[{name}] {self.left():.0f} s of budget left", flush=True)
+        started, result = time.monotonic(), {"stage": name}
+        try:
+            result.update(fn() or {})
+            result.setdefault("ok", True)
+        except Exception as err:  # a stage's failure is a result, not the end of the check
+            result.update(ok=False, error=f"{type(err).__name__}: {err}"[-4000:])
+            if not isinstance(err, (RuntimeError, TimeoutError)):
+                result["traceback"] = traceback.format_exc()[-3000:]
+        result["seconds"] = round(time.monotonic() - started, 1)
+        print(f"[{name}] ok={result['ok']} in {result['seconds']} s", flush=True)
+        self.results.append(result)
+        self.write()
+        return result
+
+    def write(self) -> None:
+        (self.out / "gpu_check.json").write_text(json.dumps({"device": self.device, "stages": self.results}, indent=1))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def train_command(check: Check, run_dir: Path, extra: list[str], deepspeed: str | None = None) -> list[str]:
+    if deepspeed is None:
+        launcher = [sys.executable, "launch/train.py", "--device", check.device]
+    else:
+        launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1",
+                    "--master_port", str(free_port()), "launch/train.py", "--deepspeed", deepspeed]
+    return [*launcher, "--out", str(run_dir), "--overwrite", "--checkpoint-every", "0", "--log-every", "1", *extra]
+
+
+def run_summary(run_dir: Path) -> dict:
+    """The numbers a reader wants from a run's metrics.jsonl."""
+    from apt_ds.io.metrics import read_metrics
+
+    records = read_metrics(run_dir / "metrics.jsonl")
+    steps, final = [r for r in records if not r.get("final")], records[-1]
+    keep = ("density", "total_params", "train_time_s", "eval_loss", "cuda_peak_mb", "peak_rss_mb")
+    return {
+        **{k: final[k] for k in keep if k in final},
+        "losses": [round(r["loss"], 4) for r in steps if "loss" in r],
+        "step_time_s": [round(r["step_time_s"], 3) for r in steps if "step_time_s" in r],
+        "event_steps": [r["step"] for r in steps if r.get("event")],
+        "cuda_peak_mb_by_step": [r.get("cuda_peak_mb") for r in steps],
+    }
+
+
+def compare_with_probe(run_dir: Path, export_dir: Path, device: str, atol: float | None) -> dict:
+    """The export, loaded on `device` in its saved dtype, against the run's eval probe."""
+    import torch
+    from safetensors.torch import load_file
+
+    from apt_ds.io.modeling import load_pretrained
+
+    probe = load_file(str(run_dir / "eval_probe.safetensors"))
+    model = load_pretrained(export_dir).to(device).eval()
+    attended = probe["attention_mask"].bool()
+    prompt_len = int(probe["attention_mask"][0].sum())
+    with torch.no_grad():
+        logits = model(input_ids=probe["input_ids"].to(device), attention_mask=probe["attention_mask"].to(device)).logits
+        ids = probe["greedy"][:, :prompt_len].to(device)
+        for _ in range(probe["greedy"].shape[1] - prompt_len):
+            ids = torch.cat([ids, model(input_ids=ids).logits[:, -1:].argmax(-1)], 1)
+    diff = (logits.float().cpu()[attended] - probe["logits"][attended]).abs().max().item()
+    same_greedy = bool(torch.equal(ids.cpu(), probe["greedy"]))
+    result = {"export_dtype": str(next(model.parameters()).dtype), "max_logit_diff": round(diff, 6),
+              "greedy_matches": same_greedy,
+              "greedy_tokens_matching": int((ids.cpu() == probe["greedy"]).long().cumprod(1).sum().item()) - prompt_len}
+    if atol is not None:
+        result["ok"] = diff <= atol and same_greedy
+    del model
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return result
+
+
+def environment(device: str) -> dict:
+    import importlib.metadata
+
+    import torch
+
+    info = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda_available": torch.cuda.is_available()}
+    for package in ("transformers", "deepspeed", "datasets", "pyarrow", "safetensors", "tokenizers"):
+        try:
+            info[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            info[package] = None
+    if torch.cuda.is_available():
+        info.update(gpu=torch.cuda.get_device_name(0), cuda=torch.version.cuda,
+                    gpu_memory_gb=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1))
+    import datasets  # noqa: F401  (fails here, not in every stage, if its pyarrow is too old)
+    import deepspeed  # noqa: F401
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda but torch sees no CUDA device")
+    return info
+
+
+def tiny_stage(check: Check, name: str, extra: list[str], deepspeed: str | None = None, atol: float | None = None,
+               export: bool = True) -> dict:
+    from apt_ds.io.records import demo_data_path
+
+    run_dir, export_dir = check.work / name, check.work / f"{name}-export"
+    check.sh(train_command(check, run_dir, ["--steps", "24", "--eval-data", str(demo_data_path()), "--eval-examples", "8",
+                                            "--save-eval-probe", *extra], deepspeed), timeout=300)
+    result = run_summary(run_dir)
+    if export:
+        check.sh([sys.executable, "launch/export.py", str(run_dir), "--out", str(export_dir), "--overwrite"], timeout=200)
+        result.update(compare_with_probe(run_dir, export_dir, check.device, atol))
+    return result
+
+
+def scale_data(check: Check) -> Path:
+    """Plain text rows packed into full --max-seq-len blocks: every step sees full sequences."""
+    from apt_ds.io.records import demo_data_path
+
+    rows = [json.loads(line) for line in demo_data_path().read_text().splitlines() if line.strip()]
+    texts = [f"{r.get('instruction', '')} {r.get('input', '')} {r.get('output', '')}".strip() for r in rows]
+    path = check.work / "scale_text.jsonl"
+    path.write_text("".join(json.dumps({"text": " ".join(texts[i:] + texts[:i])}) + "\n" for i in range(32)))
+    return path
+
+
+def scale_stage(check: Check, args, method: str) -> dict:
+    model_dir, started = check.work / f"model-{args.scale}", time.monotonic()
+    write_model(model_dir, SCALES[args.scale], dtype="bfloat16" if check.device != "cpu" else "float32",
+                device=check.device)
+    run_dir = check.work / f"scale-{method}"
+    extra = ["--model", str(model_dir), "--data", str(scale_data(check)), "--method", method,
+             "--max-seq-len", str(args.scale_seq_len), "--micro-batch-size", "4", "--grad-accum-steps", "1",
+             "--steps", str(args.scale_steps), "--target-density", "0.7", "--pruning-start-step", "2",
+             "--pruning-end-step", "8", "--num-pruning-events", "3", "--gradient-checkpointing"]
+    if method == "apt":
+        extra += ["--eval-data", str(scale_data(check)), "--eval-examples", "4", "--save-eval-probe"]
+    ds_config = "ds_configs/zero3.json"
+    written = time.monotonic()
+    check.sh(train_command(check, run_dir, extra, ds_config), timeout=args.scale_timeout)
+    return {"model": args.scale, "seq_len": args.scale_seq_len, "write_model_s": round(written - started, 1),
+            "run_s": round(time.monotonic() - written, 1), **run_summary(run_dir)}
+
+
+def scale_export(check: Check, args) -> dict:
+    run_dir, export_dir = check.work / "scale-apt", check.work / "scale-apt-export"
+    started = time.monotonic()
+    check.sh([sys.executable, "launch/export.py", str(run_dir), "--out", str(export_dir), "--overwrite",
+              "--dtype", "bf16" if check.device != "cpu" else "fp32"], timeout=400)
+    exported = sum(p.stat().st_size for p in export_dir.glob("*.safetensors"))
+    return {"export_s": round(time.monotonic() - started, 1), "exported_gb": round(exported / 1e9, 2),
+            **compare_with_probe(run_dir, export_dir, check.device, atol=None)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "bench_out" / "gpu_check", help="gpu_check.json and .log")
+    parser.add_argument("--work", type=Path, help="runs, exports and the random model (default: OUT/work)")
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (the same flow, for trying it out)")
+    parser.add_argument("--scale", choices=[*SCALES, "none"], default="llama2-7b", help="the random model of stage 4")
+    parser.add_argument("--scale-steps", type=int, default=16, help="at least 8: events at steps 4, 6, 8")
+    parser.add_argument("--scale-seq-len", type=int, default=512)
+    parser.add_argument("--scale-timeout", type=float, default=240, help="seconds per scale training run")
+    parser.add_argument("--budget-s", type=float, default=480, help="wall-clock budget of the whole check")
+    parser.add_argument("--skip", nargs="*", default=[], help="stage names to leave out")
+    args = parser.parse_args()
+    if args.scale_steps < 8:
+        parser.error("--scale-steps must be at least 8 (pruning events at steps 4, 6 and 8)")
+    check = Check(args.out, args.work or args.out / "work", args.device, args.budget_s)
+    stages = [
+        ("env", lambda: environment(args.device)),
+        ("local-fp32", lambda: tiny_stage(check, "local-fp32", ["--base-dtype", "fp32"], atol=1e-3)),
+        ("zero3", lambda: tiny_stage(check, "zero3", ["--base-dtype", "fp32"], "ds_configs/zero3.json", atol=1e-3)),
+        ("local-auto", lambda: tiny_stage(check, "local-auto", [])),
+        ("zero2", lambda: tiny_stage(check, "zero2", [], "ds_configs/zero2.json", export=False)),
+    ]
+    if args.scale != "none":
+        stages += [("scale-apt", lambda: scale_stage(check, args, "apt")),
+                   ("scale-export", lambda: scale_export(check, args)),
+                   ("scale-lora", lambda: scale_stage(check, args, "lora"))]
+    for name, fn in stages:
+        if name not in args.skip:
+            check.stage(name, fn)
+    failed = [r["stage"] for r in check.results if not r["ok"]]
+    print(json.dumps({"device": args.device, "failed": failed}, indent=1))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
