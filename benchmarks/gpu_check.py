@@ -12,9 +12,10 @@ Stages (a failing stage is recorded and the next one runs; each gets what is lef
    between the bf16 run and its fp32 export is reported, not asserted.
 3. `zero2`, `zero3`: the deepspeed launcher with 1 rank (NCCL on a GPU), the tiny model; the
    ZeRO-3 run is exported and checked like stage 1.
-4. `scale-apt`, `scale-lora`: a random model of `--scale`'s shape (default LLaMA-2-7B, written
-   on the device in bf16), under ZeRO-3 on one device: APT to 0.7 with 3 pruning events, then
-   LoRA with the same adapters and data; step times and peak device memory per step.
+4. `scale-apt-<backend>`, `scale-lora-<backend>`: a random model of `--scale`'s shape (default
+   LLaMA-2-7B, written on the device in bf16), under ZeRO-3 on one device and/or in one process
+   (`--scale-backends`): APT to 0.7 with 3 pruning events, then LoRA with the same adapters and
+   data; step times and peak device memory per step.
 5. `scale-export`: the APT run's streaming export in bf16, loaded back on the device and
    compared with the run's probe (reported).
 
@@ -47,6 +48,7 @@ SMALL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_a
              num_key_value_heads=4, head_dim=64, vocab_size=1024, tie_word_embeddings=False,
              max_position_embeddings=1024, rms_norm_eps=1e-5, rope_theta=10000.0)
 SCALES = {"llama2-7b": LLAMA2_7B, "llama3.2-3b": LLAMA_3B, "small": SMALL}
+SCALE_BACKENDS = {"zero3": "ds_configs/zero3.json", "local": None}  # local: one process, no DeepSpeed
 
 
 class Check:
@@ -212,26 +214,31 @@ def scale_data(check: Check) -> Path:
     return path
 
 
-def scale_stage(check: Check, args, method: str) -> dict:
+def scale_stage(check: Check, args, method: str, backend: str, profile: bool = False) -> dict:
     model_dir, started = check.work / f"model-{args.scale}", time.monotonic()
     write_model(model_dir, SCALES[args.scale], dtype="bfloat16" if check.device != "cpu" else "float32",
                 device=check.device)
-    run_dir = check.work / f"scale-{method}"
+    run_dir = check.work / f"scale-{method}-{backend}"
     extra = ["--model", str(model_dir), "--data", str(scale_data(check)), "--method", method,
              "--max-seq-len", str(args.scale_seq_len), "--micro-batch-size", "4", "--grad-accum-steps", "1",
              "--steps", str(args.scale_steps), "--target-density", "0.7", "--pruning-start-step", "2",
              "--pruning-end-step", "8", "--num-pruning-events", "3", "--gradient-checkpointing"]
     if method == "apt":
         extra += ["--eval-data", str(scale_data(check)), "--eval-examples", "4", "--save-eval-probe"]
-    ds_config = "ds_configs/zero3.json"
     written = time.monotonic()
-    check.sh(train_command(check, run_dir, extra, ds_config), timeout=args.scale_timeout)
-    return {"model": args.scale, "seq_len": args.scale_seq_len, "write_model_s": round(written - started, 1),
+    command = train_command(check, run_dir, extra, SCALE_BACKENDS[backend])
+    if profile:  # the same run, its last two steps under torch.profiler (benchmarks/step_profile.py)
+        steps = args.scale_steps
+        command = [sys.executable, "benchmarks/step_profile.py", "--steps-to-profile", str(steps - 3), str(steps - 1),
+                   "--table", str(check.out / f"profile_{method}_{backend}.txt"), "--", *command[2:]]
+    check.sh(command, timeout=args.scale_timeout)
+    return {"model": args.scale, "backend": backend, "seq_len": args.scale_seq_len, "write_model_s": round(written - started, 1),
             "run_s": round(time.monotonic() - written, 1), **run_summary(run_dir)}
 
 
 def scale_export(check: Check, args) -> dict:
-    run_dir, export_dir = check.work / "scale-apt", check.work / "scale-apt-export"
+    run_dir = check.work / f"scale-apt-{args.scale_backends[0]}"
+    export_dir = run_dir.with_name(run_dir.name + "-export")
     started = time.monotonic()
     check.sh([sys.executable, "launch/export.py", str(run_dir), "--out", str(export_dir), "--overwrite",
               "--dtype", "bf16" if check.device != "cpu" else "fp32"], timeout=400)
@@ -240,18 +247,22 @@ def scale_export(check: Check, args) -> dict:
             **compare_with_probe(run_dir, export_dir, check.device, atol=None)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "bench_out" / "gpu_check", help="gpu_check.json and .log")
     parser.add_argument("--work", type=Path, help="runs, exports and the random model (default: OUT/work)")
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (the same flow, for trying it out)")
     parser.add_argument("--scale", choices=[*SCALES, "none"], default="llama2-7b", help="the random model of stage 4")
+    parser.add_argument("--scale-backends", nargs="+", choices=list(SCALE_BACKENDS), default=["zero3"],
+                        help="how the scale runs train: under ZeRO-3 on one rank, and/or in one process")
     parser.add_argument("--scale-steps", type=int, default=16, help="at least 8: events at steps 4, 6, 8")
     parser.add_argument("--scale-seq-len", type=int, default=512)
     parser.add_argument("--scale-timeout", type=float, default=240, help="seconds per scale training run")
     parser.add_argument("--budget-s", type=float, default=480, help="wall-clock budget of the whole check")
     parser.add_argument("--skip", nargs="*", default=[], help="stage names to leave out")
-    args = parser.parse_args()
+    parser.add_argument("--profile", action="store_true",
+                        help="profile two late steps of each one-process scale run (OUT/profile_<method>_local.txt)")
+    args = parser.parse_args(argv)
     if args.scale_steps < 8:
         parser.error("--scale-steps must be at least 8 (pruning events at steps 4, 6 and 8)")
     check = Check(args.out, args.work or args.out / "work", args.device, args.budget_s)
@@ -263,16 +274,19 @@ def main() -> None:
         ("zero2", lambda: tiny_stage(check, "zero2", [], "ds_configs/zero2.json", export=False)),
     ]
     if args.scale != "none":
-        stages += [("scale-apt", lambda: scale_stage(check, args, "apt")),
-                   ("scale-export", lambda: scale_export(check, args)),
-                   ("scale-lora", lambda: scale_stage(check, args, "lora"))]
+        for index, backend in enumerate(args.scale_backends):
+            profile = args.profile and backend == "local"
+            stages.append((f"scale-apt-{backend}", lambda b=backend, p=profile: scale_stage(check, args, "apt", b, p)))
+            if index == 0:
+                stages.append(("scale-export", lambda: scale_export(check, args)))
+            stages.append((f"scale-lora-{backend}", lambda b=backend, p=profile: scale_stage(check, args, "lora", b, p)))
     for name, fn in stages:
         if name not in args.skip:
             check.stage(name, fn)
     failed = [r["stage"] for r in check.results if not r["ok"]]
     print(json.dumps({"device": args.device, "failed": failed}, indent=1))
-    sys.exit(1 if failed else 0)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

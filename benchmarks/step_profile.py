@@ -1,0 +1,90 @@
+"""Profile chosen optimizer steps of a `launch/train.py` run with torch.profiler: where a step's
+time goes (operators by CPU and device time), for APT against LoRA on the same settings.
+
+    python benchmarks/step_profile.py --steps-to-profile 20 22 --table OUT/profile_apt.txt -- \
+        --device cuda --model M --data D --steps 24 --out /tmp/run --overwrite
+
+Everything after `--` is launch/train.py's command line; the run is the CLI's own, in this
+process, with the trainer's step wrapped for the chosen steps [first, last). Written: tables of
+the operators by self device time (on GPUs) and by self CPU time, and the profiled steps' wall
+times measured with the device synchronised before and after each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def profiled_train(train_argv: list[str], first: int, last: int, table: Path, rows: int = 40) -> int:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from apt_ds.cli.train import main as train_main
+    from apt_ds.training.trainer import APTrainer
+
+    original = APTrainer._train_step
+    wall: list[float] = []
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    profiler = profile(activities=activities)
+
+    def sync() -> None:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+    def wrapped(self, batches):
+        if not first <= self.step < last:
+            return original(self, batches)
+        if self.step == first:
+            profiler.__enter__()
+        sync()
+        started = time.perf_counter()
+        record = original(self, batches)
+        sync()
+        wall.append(time.perf_counter() - started)
+        if self.step == last - 1:
+            profiler.__exit__(None, None, None)
+        return record
+
+    APTrainer._train_step = wrapped
+    try:
+        code = train_main(train_argv)
+    finally:
+        APTrainer._train_step = original
+    if not wall:
+        raise SystemExit(f"error: the run never reached step {first} (steps are counted from 0)")
+    if len(wall) < last - first:  # the run ended inside the window: close the profiler anyway
+        profiler.__exit__(None, None, None)
+    averages = profiler.key_averages()
+    tables = [("self CPU time", averages.table(sort_by="self_cpu_time_total", row_limit=rows))]
+    if ProfilerActivity.CUDA in activities:  # device time first: what the GPU was busy with
+        tables.insert(0, ("self device time", averages.table(sort_by="self_device_time_total", row_limit=rows)))
+    table.parent.mkdir(parents=True, exist_ok=True)
+    table.write_text(f"train: {' '.join(train_argv)}\nprofiled steps [{first}, {last}): wall s {[round(w, 4) for w in wall]}\n"
+                     + "".join(f"\n== operators by {title}\n{text}\n" for title, text in tables))
+    return code
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps-to-profile", type=int, nargs=2, metavar=("FIRST", "LAST"), required=True,
+                        help="profile the optimizer steps FIRST .. LAST-1 (counted from 0)")
+    parser.add_argument("--table", type=Path, required=True, help="where the operator table goes")
+    parser.add_argument("--rows", type=int, default=40)
+    args, rest = parser.parse_known_args()
+    if rest[:1] == ["--"]:
+        rest = rest[1:]
+    first, last = args.steps_to_profile
+    if not 0 <= first < last:
+        parser.error("--steps-to-profile needs 0 <= FIRST < LAST")
+    sys.exit(profiled_train(rest, first, last, args.table, args.rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""benchmarks/gpu_check.py and benchmarks/step_profile.py, run through their CPU flow (the GPU
+numbers they produced: docs/BENCHMARKS.md, "On a GPU")."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from apt_ds.io.metrics import memory_mb
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import gpu_check
+
+
+def test_cpu_flow_trains_exports_and_profiles(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    code = gpu_check.main(["--device", "cpu", "--scale", "small", "--scale-seq-len", "32", "--scale-steps", "8",
+                           "--scale-backends", "local", "--profile", "--out", str(out), "--work", str(work),
+                           "--skip", "local-auto", "zero3", "zero2"])
+    stages = {s["stage"]: s for s in json.loads((out / "gpu_check.json").read_text())["stages"]}
+    assert code == 0 and list(stages) == ["env", "local-fp32", "scale-apt-local", "scale-export", "scale-lora-local"]
+    assert all(s["ok"] for s in stages.values())
+    tiny = stages["local-fp32"]
+    assert tiny["max_logit_diff"] <= 1e-3 and tiny["greedy_matches"] and tiny["greedy_tokens_matching"] == 20
+    apt, lora = stages["scale-apt-local"], stages["scale-lora-local"]
+    assert apt["event_steps"] == [4, 6, 8] and abs(apt["density"] - 0.7) < 0.05 and lora["density"] == 1.0
+    assert apt["total_params"] < lora["total_params"] and len(apt["step_time_s"]) == 8
+    assert stages["scale-export"]["greedy_matches"]
+    for method in ("apt", "lora"):  # the profiled run's last steps: wall times and the operator table
+        table = (out / f"profile_{method}_local.txt").read_text()
+        assert "profiled steps [5, 7)" in table and "aten::mm" in table and "== operators by self CPU time" in table
+    assert "$ " in (out / "gpu_check.log").read_text()  # every subprocess's command and output
+
+
+def test_a_failing_stage_is_recorded_and_the_next_one_runs(tmp_path):
+    check = gpu_check.Check(tmp_path / "out", tmp_path / "work", "cpu", budget_s=60)
+
+    def broken():
+        raise ValueError("planted")
+
+    check.stage("broken", broken)
+    check.stage("fine", lambda: {"value": 1})
+    stages = json.loads((tmp_path / "out" / "gpu_check.json").read_text())["stages"]
+    assert [(s["stage"], s["ok"]) for s in stages] == [("broken", False), ("fine", True)]
+    assert "planted" in stages[0]["error"] and "traceback" in stages[0] and stages[1]["value"] == 1
+
+
+def test_a_failing_command_reports_its_output(tmp_path):
+    check = gpu_check.Check(tmp_path / "out", tmp_path / "work", "cpu", budget_s=60)
+    result = check.stage("fails", lambda: check.sh([sys.executable, "-c", "print('said this'); raise SystemExit(3)"]))
+    assert not result["ok"] and "exited 3" in result["error"] and "said this" in result["error"]
+
+
+def test_memory_record_has_no_cuda_fields_without_cuda_in_use():
+    record = memory_mb()
+    assert record["rss_mb"] > 0 and "cuda_mb" not in record and "cuda_peak_mb" not in record
