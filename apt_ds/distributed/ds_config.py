@@ -33,6 +33,7 @@ import copy
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Mapping
 
@@ -220,6 +221,25 @@ def _resolve_zero(cfg: dict, hidden_size: int | None, fail) -> None:
         if cfg.get("zero_force_ds_cpu_optimizer") is True:
             fail("offload_optimizer with the client torch AdamW needs \"zero_force_ds_cpu_optimizer\": false")
         cfg["zero_force_ds_cpu_optimizer"] = False
+
+
+def single_rank_zero3_warning(cfg: dict, world_size: int, device_type: str) -> str | None:
+    """A note for ZeRO-3 on one GPU without offload: nothing is partitioned, every step pays for
+    the per-module gathers anyway (measured on one H200: a 7B step took 4x a one-process step)."""
+    zero = cfg.get("zero_optimization") or {}
+    offloaded = any((zero.get(key) or {}).get("device", "none") not in ("none", None)
+                    for key in ("offload_param", "offload_optimizer"))
+    if world_size != 1 or zero.get("stage") != 3 or offloaded or device_type == "cpu":
+        return None
+    return ("warning: ZeRO-3 on a single rank partitions nothing but still gathers every module's weights each "
+            "step: on one H200 a 7B step took 4x a one-process step (docs/BENCHMARKS.md, \"On a GPU\"). If the "
+            "model fits on the device, run without --deepspeed; ZeRO-3 pays off across ranks or with offload.")
+
+
+def warn_single_rank_zero3(cfg: dict, world_size: int, device_type: str, main_rank: bool = True) -> None:
+    warning = single_rank_zero3_warning(cfg, world_size, device_type)
+    if warning and main_rank:
+        print(warning, file=sys.stderr)
 
 
 def _auto_paths(node, prefix="") -> list[str]:

@@ -46,6 +46,7 @@ from apt_ds.distributed.ds_config import (
     load_ds_config,
     resolve_config,
     resolve_precision,
+    warn_single_rank_zero3,
 )
 from apt_ds.distributed.placement import DTYPES, rank_device
 from apt_ds.distributed.zero_checkpoint import load_checkpoint_state, read_checkpoint_meta, write_checkpoint
@@ -133,7 +134,8 @@ class DeepSpeedBackend(TrainingBackend):
         return resolved
 
     def validate(self, model, grad_accum_steps: int, max_grad_norm: float) -> None:
-        self.resolved_config(model, grad_accum_steps, max_grad_norm)
+        resolved = self.resolved_config(model, grad_accum_steps, max_grad_norm)
+        warn_single_rank_zero3(resolved, self.world_size, self.device.type, self.is_main())
 
     def _trainable(self) -> dict[str, torch.nn.Parameter]:
         return {n: p for n, p in self.module.named_parameters() if p.requires_grad}

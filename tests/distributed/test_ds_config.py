@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from apt_ds.distributed.ds_config import DeepSpeedConfigError, load_ds_config, precheck_config, resolve_config
+from apt_ds.distributed.ds_config import (
+    DeepSpeedConfigError,
+    load_ds_config,
+    precheck_config,
+    resolve_config,
+    single_rank_zero3_warning,
+    warn_single_rank_zero3,
+)
 from apt_ds.distributed.launcher_env import deepspeed_maps_platform, launch_world_size, launcher_env
 from apt_ds.distributed.zero_monitor import metric_events, monitor_config_problem, without_monitor
 
@@ -217,3 +224,23 @@ def test_metric_events_are_the_numbers_of_a_record():
     events = metric_events(record)
     assert [e[0] for e in events] == ["apt/loss", "apt/task_loss", "apt/total_rank", "apt/eval_loss"]
     assert all(step == 7 for _, _, step in events) and events[2][1] == 12
+
+
+# ---- ZeRO-3 on one GPU -------------------------------------------------------------------------
+@pytest.mark.parametrize("name, world_size, device, warned", [
+    ("zero3.json", 1, "cuda", True),         # one GPU, nothing offloaded: the only case
+    ("zero3.json", 2, "cuda", False),        # partitions across ranks
+    ("zero3.json", 1, "cpu", False),         # the CPU accelerator (tests, emulation)
+    ("zero3_offload.json", 1, "cuda", False),  # offload is why one would use it on one GPU
+    ("zero2.json", 1, "cuda", False),
+])
+def test_single_rank_zero3_on_a_gpu_is_pointed_out(name, world_size, device, warned, capsys):
+    cfg = _resolve(json.loads((CONFIGS / name).read_text()), world_size=world_size, micro_batch_size=1)
+    message = single_rank_zero3_warning(cfg, world_size, device)
+    assert (message is not None) == warned
+    warn_single_rank_zero3(cfg, world_size, device, main_rank=True)
+    warn_single_rank_zero3(cfg, world_size, device, main_rank=False)
+    printed = capsys.readouterr().err
+    assert printed.count("ZeRO-3 on a single rank") == (1 if warned else 0)
+    if warned:
+        assert "run without --deepspeed" in printed and printed.count("\n") == 1
