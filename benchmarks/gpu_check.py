@@ -5,18 +5,20 @@ them (`launch/train.py` and `launch/export.py` as subprocesses).
     python benchmarks/gpu_check.py --device cpu --scale small --out /tmp/gpu_check  # the same flow on CPU
 
 Stages (a failing stage is recorded and the next one runs; each gets what is left of --budget-s):
-1. `local-fp32`: one process on the device, the built-in tiny model, fp32 base weights, APT to
+1. `env`: versions, the GPU, and that datasets and deepspeed import.
+2. `local-fp32`: one process on the device, the built-in tiny model, fp32 base weights, APT to
    0.7 with an eval probe; fp32 export; the export, loaded on the device, must reproduce the live
    run's logits (max |diff| <= 1e-3) and its 20-token greedy continuation.
-2. `local-auto`: the same with the device's default base dtype (bf16 on GPUs): the difference
+3. `zero3`: the deepspeed launcher with 1 rank (NCCL on a GPU), the tiny model, fp32; exported
+   and checked like stage 2.
+4. `local-auto`: stage 2 with the device's default base dtype (bf16 on GPUs): the difference
    between the bf16 run and its fp32 export is reported, not asserted.
-3. `zero2`, `zero3`: the deepspeed launcher with 1 rank (NCCL on a GPU), the tiny model; the
-   ZeRO-3 run is exported and checked like stage 1.
-4. `scale-apt-<backend>`, `scale-lora-<backend>`: a random model of `--scale`'s shape (default
+5. `zero2`: one-rank ZeRO-2 in the default dtype (trained, not exported).
+6. `scale-apt-<backend>`, `scale-lora-<backend>`: a random model of `--scale`'s shape (default
    LLaMA-2-7B, written on the device in bf16), under ZeRO-3 on one device and/or in one process
    (`--scale-backends`): APT to 0.7 with 3 pruning events, then LoRA with the same adapters and
    data; step times and peak device memory per step.
-5. `scale-export`: the APT run's streaming export in bf16, loaded back on the device and
+7. `scale-export` (after the first backend's APT run): its streaming export in bf16, loaded back on the device and
    compared with the run's probe (reported).
 
 Results: OUT/gpu_check.json (per stage: ok, seconds, numbers, the log's tail on failure) and
@@ -239,6 +241,8 @@ def scale_stage(check: Check, args, method: str, backend: str, profile: bool = F
 def scale_export(check: Check, args) -> dict:
     run_dir = check.work / f"scale-apt-{args.scale_backends[0]}"
     export_dir = run_dir.with_name(run_dir.name + "-export")
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise RuntimeError(f"no APT run in {run_dir}: stage {run_dir.name} was skipped or failed")
     started = time.monotonic()
     check.sh([sys.executable, "launch/export.py", str(run_dir), "--out", str(export_dir), "--overwrite",
               "--dtype", "bf16" if check.device != "cpu" else "fp32"], timeout=400)
@@ -265,6 +269,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.scale_steps < 8:
         parser.error("--scale-steps must be at least 8 (pruning events at steps 4, 6 and 8)")
+    stage_names = {"env", "local-fp32", "zero3", "local-auto", "zero2", "scale-export"}
+    stage_names |= {f"scale-{m}-{b}" for m in ("apt", "lora") for b in SCALE_BACKENDS}
+    unknown = sorted(set(args.skip) - stage_names)
+    if unknown:
+        parser.error(f"--skip: no stage named {', '.join(unknown)}; stages: {', '.join(sorted(stage_names))}")
     check = Check(args.out, args.work or args.out / "work", args.device, args.budget_s)
     stages = [
         ("env", lambda: environment(args.device)),

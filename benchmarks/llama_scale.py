@@ -70,6 +70,9 @@ def write_model(directory: Path, config: dict, dtype: str = "float32", device: s
     from apt_ds.io.tokenizer import train_sentencepiece_tokenizer
 
     if (directory / "config.json").is_file():
+        saved = json.loads((directory / "config.json").read_text()).get("dtype") or "float32"
+        if saved != dtype:
+            raise SystemExit(f"error: {directory} holds a {saved} model, not {dtype}: pass another directory")
         print(f"reusing the model in {directory}")
         return
     directory.mkdir(parents=True, exist_ok=True)

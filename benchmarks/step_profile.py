@@ -31,6 +31,7 @@ def profiled_train(train_argv: list[str], first: int, last: int, table: Path, ro
 
     original = APTrainer._train_step
     wall: list[float] = []
+    opened: list[bool] = []  # [True] while the profiler is recording
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     profiler = profile(activities=activities)
 
@@ -43,12 +44,14 @@ def profiled_train(train_argv: list[str], first: int, last: int, table: Path, ro
             return original(self, batches)
         if self.step == first:
             profiler.__enter__()
+            opened.append(True)
         sync()
         started = time.perf_counter()
         record = original(self, batches)
         sync()
         wall.append(time.perf_counter() - started)
         if self.step == last - 1:
+            opened.pop()
             profiler.__exit__(None, None, None)
         return record
 
@@ -57,10 +60,10 @@ def profiled_train(train_argv: list[str], first: int, last: int, table: Path, ro
         code = train_main(train_argv)
     finally:
         APTrainer._train_step = original
+        if opened:  # the run ended (or failed) inside the window: close the profiler anyway
+            profiler.__exit__(None, None, None)
     if not wall:
         raise SystemExit(f"error: the run never reached step {first} (steps are counted from 0)")
-    if len(wall) < last - first:  # the run ended inside the window: close the profiler anyway
-        profiler.__exit__(None, None, None)
     averages = profiler.key_averages()
     tables = [("self CPU time", averages.table(sort_by="self_cpu_time_total", row_limit=rows))]
     if ProfilerActivity.CUDA in activities:  # device time first: what the GPU was busy with

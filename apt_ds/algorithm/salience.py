@@ -104,6 +104,10 @@ class SalienceCollector:
         hidden = [shape.hidden] * (2 * len(layers))
         per_kind = sum(attn) + sum(ffn) + sum(hidden)
         self._sizes = {"attn": attn, "ffn": ffn, "hidden": hidden}
+        # each unit's layer, per kind, made once per shape: indexing with it spreads per-layer
+        # means over the units without a host sync (repeat_interleave by counts would sync)
+        self._unit_layer = {kind: torch.repeat_interleave(torch.arange(len(units)), torch.tensor(units)).to(self.device)
+                            for kind, units in (("attn", [l.num_kv_groups for l in layers]), ("ffn", ffn))}
         self._buffer = torch.zeros(3 * per_kind - sum(hidden) + 1, dtype=torch.float32, device=self.device)
         act, grad = self._buffer[:per_kind], self._buffer[per_kind : 2 * per_kind]
         sums = self._buffer[2 * per_kind : -1]
@@ -182,9 +186,9 @@ class SalienceCollector:
         a, f = sum(sizes["attn"]), sum(sizes["ffn"])
         group_width = {l.group_size * l.head_dim for l in self.shape.layers}
         groups = self._kind_scores(act[:a], grad[:a], sums[:a], tokens, self.attn_sites,
-                                   [l.num_kv_groups for l in self.shape.layers], group_width)
+                                   [l.num_kv_groups for l in self.shape.layers], group_width, self._unit_layer["attn"])
         neurons = self._kind_scores(act[a : a + f], grad[a : a + f], sums[a : a + f], tokens, self.ffn_sites,
-                                    sizes["ffn"], {1})
+                                    sizes["ffn"], {1}, self._unit_layer["ffn"])
         hidden_channels = self._channel_scores(act[a + f :], grad[a + f :], tokens).view(len(sizes["hidden"]), -1)
         hidden = sum(hidden_channels.unbind(0))  # site by site, in the order the hooks number them
         self._update_ema(groups, neurons, hidden)
@@ -198,10 +202,12 @@ class SalienceCollector:
         mean_abs = act_abs / tokens.clamp_min(1)  # tokens: this step's, summed over ranks
         return mean_abs * (grad_abs / self.world_size)
 
-    def _kind_scores(self, act_abs, grad_abs, act_sum, tokens, sites, units: list[int], widths: set[int]) -> list[torch.Tensor]:
+    def _kind_scores(self, act_abs, grad_abs, act_sum, tokens, sites, units: list[int], widths: set[int],
+                     unit_layer: torch.Tensor) -> list[torch.Tensor]:
         """One kind's unit scores, every layer at once (its channels are consecutive in the
         buffer), returned per layer. Each number is computed by the same operations on the same
-        values as a layer-by-layer loop would: the results are bit-identical to it."""
+        values as a layer-by-layer loop would: on a CPU the results are bit-identical to it (a GPU's
+        reduction over a view may round the last bit differently)."""
         channel = self._channel_scores(act_abs, grad_abs, tokens)
         width = next(iter(widths))
         if len(widths) != 1:  # units of different widths in different layers: layer by layer
@@ -221,11 +227,10 @@ class SalienceCollector:
         mean_x = act_sum.double() / tokens.double().clamp_min(1)
         power_sums = torch.cat([site.power_sums for site in sites], dim=1)
         outlier = unit_kurtosis(mean_x, power_sums, rows=self.shape.hidden, unit_width=width).clamp_min(0).sqrt()
-        counts = torch.tensor(units, device=score.device)
         # In each layer's first-order units (see the module docstring): the term moves salience
         # toward outlier units without changing how the layer's units weigh against others.
-        mean_outlier = torch.stack([o.mean() for o in outlier.split(units)]).repeat_interleave(counts)
-        mean_score = torch.stack([self.kurtosis_weight * s.mean() for s in score.split(units)]).repeat_interleave(counts)
+        mean_outlier = torch.stack([o.mean() for o in outlier.split(units)])[unit_layer]
+        mean_score = torch.stack([self.kurtosis_weight * s.mean() for s in score.split(units)])[unit_layer]
         relative = torch.where(mean_outlier > 0, outlier / mean_outlier.clamp_min(1e-300), torch.zeros_like(outlier))
         return list((score + (mean_score * relative).to(score.dtype)).split(units))
 

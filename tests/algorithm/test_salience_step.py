@@ -13,10 +13,13 @@ from apt_ds.algorithm.salience import SalienceCollector
 from apt_ds.algorithm.units import LayerShape, ModelShape
 
 
-def _random_shape(seed: int) -> ModelShape:
+def _random_shape(seed: int, mixed_widths: bool = False) -> ModelShape:
+    """Random layer shapes; `mixed_widths`: KV-group widths differ between layers (the general path)."""
     rng = random.Random(seed)
-    group_size, head_dim = rng.choice([(1, 8), (3, 16), (2, 4)])
-    layers = tuple(LayerShape(rng.randint(1, 4), group_size, head_dim, rng.randint(1, 70)) for _ in range(rng.randint(1, 5)))
+    widths = [(1, 8), (3, 16), (2, 4)]
+    group_size, head_dim = rng.choice(widths)
+    layers = tuple(LayerShape(rng.randint(1, 4), *(widths[i % 3] if mixed_widths else (group_size, head_dim)),
+                              rng.randint(1, 70)) for i in range(rng.randint(2, 5)))
     return ModelShape(hidden=rng.randint(4, 40), layers=layers, vocab=50, tied_embeddings=False)
 
 
@@ -46,21 +49,33 @@ def _layer_by_layer(collector: SalienceCollector):
     return groups, neurons, hidden
 
 
+def _assert_equal_lists(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
+    assert len(actual) == len(expected)
+    assert all(torch.equal(a, b) for a, b in zip(actual, expected))
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_scores_equal_the_layer_by_layer_formula_bit_for_bit(seed):
-    shape = _random_shape(seed)
-    use_kurtosis, weight = seed % 4 != 3, (0.25, 1.0, 0.0)[seed % 3]
+    shape = _random_shape(seed, mixed_widths=seed % 4 == 2)
+    use_kurtosis, weight = seed % 4 != 3, (0.25, 1.0)[seed % 2]
     collector = SalienceCollector(shape, beta=0.85, use_kurtosis=use_kurtosis, kurtosis_weight=weight)
     generator = torch.Generator().manual_seed(seed)
-    # seeds 5 and 10: one site without power sums (the general path for that kind); some steps with no tokens
-    _fill(collector, generator, tokens=float(seed * 7 % 50), skip_power_sums=0 if seed in (5, 10) else None)
-    expected = _layer_by_layer(collector)
-    collector.end_step()
-    assert all(torch.equal(a, b) for a, b in zip(collector.group_scores, expected[0]))
-    assert all(torch.equal(a, b) for a, b in zip(collector.neuron_scores, expected[1]))
-    assert torch.equal(collector.hidden_scores, expected[2])
-    assert all(bool((s.act_abs == 0).all() and (s.grad_abs == 0).all()) for s in collector.hidden_sites)
-    assert float(collector.tokens) == 0
+    expected_ema = None
+    for step in range(2):  # the first step starts the EMA, the second blends into it
+        # seeds 5 and 9: one site without power sums (the general path for its kind); seed 0 has no tokens
+        _fill(collector, generator, tokens=float(seed * 7 % 50 + step), skip_power_sums=0 if seed in (5, 9) else None)
+        expected = _layer_by_layer(collector)
+        if expected_ema is None:
+            expected_ema = expected
+        else:
+            expected_ema = tuple([0.85 * old + (1 - 0.85) * new for old, new in zip(olds, news)]
+                                 for olds, news in zip(expected_ema[:2], expected[:2])) + (0.85 * expected_ema[2] + (1 - 0.85) * expected[2],)
+        collector.end_step()
+        _assert_equal_lists(collector.group_scores, expected_ema[0])
+        _assert_equal_lists(collector.neuron_scores, expected_ema[1])
+        assert torch.equal(collector.hidden_scores, expected_ema[2])
+        assert all(bool((s.act_abs == 0).all() and (s.grad_abs == 0).all()) for s in collector.hidden_sites)
+        assert float(collector.tokens) == 0
 
 
 class _CountOperations(TorchDispatchMode):

@@ -52,6 +52,13 @@ def test_a_failing_command_reports_its_output(tmp_path):
     assert not result["ok"] and "exited 3" in result["error"] and "said this" in result["error"]
 
 
-def test_memory_record_has_no_cuda_fields_without_cuda_in_use():
+def test_memory_record_has_cuda_fields_only_once_cuda_is_in_use(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     record = memory_mb()
     assert record["rss_mb"] > 0 and "cuda_mb" not in record and "cuda_peak_mb" not in record
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 3 * 2**20)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 5 * 2**20)
+    assert (memory_mb()["cuda_mb"], memory_mb()["cuda_peak_mb"]) == (3.0, 5.0)
