@@ -41,6 +41,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--decision-model", choices=list(LLAMA2), default="70B", help="the shapes the decisions are timed on")
+    parser.add_argument("--shape-multiple", type=int, default=None,
+                        help="APTConfig.shape_multiple of the decisions (default: its default; 1 = single units)")
     args = parser.parse_args()
     result = {"counts": {}}
     for name, (values, published) in LLAMA2.items():
@@ -51,7 +54,8 @@ def main() -> None:
         shape = ModelShape.from_config(config)
         result["counts"][name] = {"published": published, "units_py": shape.total_params(), "meta_model": meta_count,
                                   "match": published == shape.total_params() == meta_count}
-    shape = ModelShape.from_config(LlamaConfig(vocab_size=32000, **LLAMA2["70B"][0]))
+    shape = ModelShape.from_config(LlamaConfig(vocab_size=32000, **LLAMA2[args.decision_model][0]))
+    tag = args.decision_model.lower()
     generator = torch.Generator().manual_seed(0)
     groups = [torch.rand(l.num_kv_groups, generator=generator, dtype=torch.float64) for l in shape.layers]
     neurons = [torch.rand(l.ffn, generator=generator, dtype=torch.float64) for l in shape.layers]
@@ -59,16 +63,18 @@ def main() -> None:
     units = sum(g.numel() for g in groups) + sum(n.numel() for n in neurons) + hidden.numel()
     before = peak_rss_mb()
     for uniform in (False, True):
-        pruner = AdaptivePruner(APTConfig(target_density=0.5, pruning_start_step=0, pruning_end_step=10, num_pruning_events=1, uniform=uniform))
+        blocks = {} if args.shape_multiple is None else {"shape_multiple": args.shape_multiple}
+        pruner = AdaptivePruner(APTConfig(target_density=0.5, pruning_start_step=0, pruning_end_step=10, num_pruning_events=1,
+                                          uniform=uniform, **blocks))
         times = []
         for _ in range(args.repeats):
             start = time.perf_counter()
             decision = pruner.decide(shape, groups, neurons, hidden, 0.5 * shape.block_params())
             times.append(time.perf_counter() - start)
         key = "uniform" if uniform else "non_uniform"
-        result[f"decision_70b_{key}_s"] = statistics.median(times)
-        result[f"decision_70b_{key}_density"] = decision.params / shape.block_params()
-    result["units_70b"] = units
+        result[f"decision_{tag}_{key}_s"] = statistics.median(times)
+        result[f"decision_{tag}_{key}_density"] = decision.params / shape.block_params()
+    result[f"units_{tag}"] = units
     result["peak_rss_growth_mb"] = peak_rss_mb() - before
     result["bytes_per_unit"] = result["peak_rss_growth_mb"] * 2**20 / units
     print(json.dumps(result, indent=1))

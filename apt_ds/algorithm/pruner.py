@@ -201,7 +201,7 @@ class AdaptivePruner:
         # A shape that another one beats in every dimension leaves budget unused: ranked by salience
         # it never wins, but a measured loss could prefer it, and once the FFN is at its current
         # width every smaller hidden size "fits" (a run fell to density 0.03 that way).
-        shapes = [s for s in shapes if not any(o is not s and o[2] >= s[2] and o[3] >= s[3] and o[4] >= s[4] for o in shapes)]
+        shapes = undominated(shapes)
         top = lambda scores, k: torch.zeros(scores.numel(), dtype=torch.bool).index_fill_(  # noqa: E731
             0, torch.argsort(scores.double(), descending=True, stable=True)[:k], True
         )
@@ -215,6 +215,28 @@ class AdaptivePruner:
             KeepDecision([top(s, G) for s in group_scores], [top(s, N) for s in neuron_scores], top(hidden_scores, D), int(params))
             for _, params, G, N, D in shapes[:count]
         ]
+
+
+def undominated(shapes: list[tuple]) -> list[tuple]:
+    """The (salience, params, G, N, D) shapes that no other one matches or beats in KV groups G,
+    neurons N and hidden size D at once, in their order. One sweep by G (descending, then D)
+    with a Fenwick tree of the largest N seen at each hidden size or above: O(n log n), where the
+    pairwise check took 16 s for LLaMA-2-7B's 16k uniform shapes at shape_multiple 1."""
+    sizes = sorted({shape[4] for shape in shapes}, reverse=True)
+    rank = {d: i + 1 for i, d in enumerate(sizes)}  # rank 1: the largest hidden size
+    tree = [-1] * (len(sizes) + 1)  # prefix maxima over ranks: the largest N at hidden >= D
+    dominated = set()
+    for index in sorted(range(len(shapes)), key=lambda i: (-shapes[i][2], -shapes[i][4])):
+        _, _, _, kept_neurons, hidden = shapes[index]
+        best, i = -1, rank[hidden]
+        while i > 0:  # every shape seen so far has as many KV groups; (G, D) pairs are distinct
+            best, i = max(best, tree[i]), i - (i & -i)
+        if best >= kept_neurons:
+            dominated.add(index)
+        i = rank[hidden]
+        while i <= len(sizes):
+            tree[i], i = max(tree[i], kept_neurons), i + (i & -i)
+    return [shape for index, shape in enumerate(shapes) if index not in dominated]
 
 
 def uniform_shape_of(decision: KeepDecision) -> tuple[int, int]:

@@ -9,7 +9,14 @@ import torch
 from conftest import TINY_CONFIGS, tiny_llama
 
 from apt_ds.algorithm.blocks import block_size
-from apt_ds.algorithm.pruner import AdaptivePruner, KeepDecision, PruningError, embedding_columns, normalize_by_kind
+from apt_ds.algorithm.pruner import (
+    AdaptivePruner,
+    KeepDecision,
+    PruningError,
+    embedding_columns,
+    normalize_by_kind,
+    undominated,
+)
 from apt_ds.algorithm.units import LayerShape, ModelShape
 from apt_ds.config import APTConfig, ConfigError
 
@@ -316,3 +323,13 @@ def test_normalize_by_kind_gives_each_kind_its_parameters():
     assert torch.equal(h, hidden)  # all zero: left as it is
     for before, after in zip(groups, g):  # order inside a kind unchanged
         assert torch.equal(torch.argsort(before), torch.argsort(after))
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_undominated_keeps_exactly_the_shapes_no_other_beats_everywhere(seed):
+    """Against the pairwise definition, on random (G, D) grids with many equal neuron counts."""
+    rng = random.Random(seed)
+    pairs = rng.sample([(g, d) for g in range(1, 7) for d in range(1, 9)], rng.randint(0, 30))
+    shapes = [(rng.random(), rng.randint(0, 100), g, rng.randint(0, 6), d) for g, d in pairs]
+    pairwise = [s for s in shapes if not any(o is not s and o[2] >= s[2] and o[3] >= s[3] and o[4] >= s[4] for o in shapes)]
+    assert undominated(shapes) == pairwise
