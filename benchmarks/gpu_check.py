@@ -241,8 +241,8 @@ def scale_stage(check: Check, args, method: str, backend: str, profile: bool = F
 def scale_export(check: Check, args) -> dict:
     run_dir = check.work / f"scale-apt-{args.scale_backends[0]}"
     export_dir = run_dir.with_name(run_dir.name + "-export")
-    if not (run_dir / "metrics.jsonl").is_file():
-        raise RuntimeError(f"no APT run in {run_dir}: stage {run_dir.name} was skipped or failed")
+    if not any(r["stage"] == run_dir.name and r["ok"] for r in check.results):  # not a stale run in a reused --work
+        raise RuntimeError(f"stage {run_dir.name} did not run or failed in this check: nothing to export")
     started = time.monotonic()
     check.sh([sys.executable, "launch/export.py", str(run_dir), "--out", str(export_dir), "--overwrite",
               "--dtype", "bf16" if check.device != "cpu" else "fp32"], timeout=400)
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "bench_out" / "gpu_check", help="gpu_check.json and .log")
     parser.add_argument("--work", type=Path, help="runs, exports and the random model (default: OUT/work)")
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (the same flow, for trying it out)")
-    parser.add_argument("--scale", choices=[*SCALES, "none"], default="llama2-7b", help="the random model of stage 4")
+    parser.add_argument("--scale", choices=[*SCALES, "none"], default="llama2-7b", help="the random model of the scale stages")
     parser.add_argument("--scale-backends", nargs="+", choices=list(SCALE_BACKENDS), default=["zero3"],
                         help="how the scale runs train: under ZeRO-3 on one rank, and/or in one process")
     parser.add_argument("--scale-steps", type=int, default=16, help="at least 8: events at steps 4, 6, 8")

@@ -1,10 +1,12 @@
 """Unit accounting and pruning decisions at LLaMA-2 scale, without any weights.
 
 Builds the models on the meta device (no memory), checks the exact parameter counts against
-the published sizes, then times one pruning decision on LLaMA-2-70B shapes with synthetic
-salience (median of repeats) and reports the process's peak RSS growth.
+the published sizes, then times one pruning decision (non-uniform and uniform) on LLaMA-2-70B
+shapes (or `--decision-model 7B` / `13B`) with synthetic salience (median of repeats) and reports
+the process's peak RSS growth.
 
     python benchmarks/scale_on_paper.py --repeats 3 --json bench_out/scale_on_paper.json
+    python benchmarks/scale_on_paper.py --decision-model 7B --shape-multiple 1
 """
 
 from __future__ import annotations

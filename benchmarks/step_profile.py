@@ -42,7 +42,7 @@ def profiled_train(train_argv: list[str], first: int, last: int, table: Path, ro
     def wrapped(self, batches):
         if not first <= self.step < last:
             return original(self, batches)
-        if self.step == first:
+        if not opened and not wall:  # the first profiled step (also when a resumed run starts inside the window)
             profiler.__enter__()
             opened.append(True)
         sync()
@@ -50,7 +50,7 @@ def profiled_train(train_argv: list[str], first: int, last: int, table: Path, ro
         record = original(self, batches)
         sync()
         wall.append(time.perf_counter() - started)
-        if self.step == last - 1:
+        if self.step == last - 1 and opened:
             opened.pop()
             profiler.__exit__(None, None, None)
         return record

@@ -219,9 +219,10 @@ class AdaptivePruner:
 
 def undominated(shapes: list[tuple]) -> list[tuple]:
     """The (salience, params, G, N, D) shapes that no other one matches or beats in KV groups G,
-    neurons N and hidden size D at once, in their order. One sweep by G (descending, then D)
-    with a Fenwick tree of the largest N seen at each hidden size or above: O(n log n), where the
-    pairwise check took 16 s for LLaMA-2-7B's 16k uniform shapes at shape_multiple 1."""
+    neurons N and hidden size D at once, in their order. Needs distinct (G, D) pairs and N >= 0
+    (as the uniform search makes them). One sweep by G (descending, then D) with a Fenwick tree
+    of the largest N seen at each hidden size or above: O(n log n); with the pairwise check a
+    uniform single-unit decision on LLaMA-2-7B's ~16k shapes took 6.1 s (docs/BENCHMARKS.md)."""
     sizes = sorted({shape[4] for shape in shapes}, reverse=True)
     rank = {d: i + 1 for i, d in enumerate(sizes)}  # rank 1: the largest hidden size
     tree = [-1] * (len(sizes) + 1)  # prefix maxima over ranks: the largest N at hidden >= D
@@ -229,7 +230,7 @@ def undominated(shapes: list[tuple]) -> list[tuple]:
     for index in sorted(range(len(shapes)), key=lambda i: (-shapes[i][2], -shapes[i][4])):
         _, _, _, kept_neurons, hidden = shapes[index]
         best, i = -1, rank[hidden]
-        while i > 0:  # every shape seen so far has as many KV groups; (G, D) pairs are distinct
+        while i > 0:  # every shape seen so far has at least as many KV groups; (G, D) pairs are distinct
             best, i = max(best, tree[i]), i - (i & -i)
         if best >= kept_neurons:
             dominated.add(index)

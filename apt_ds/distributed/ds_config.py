@@ -214,9 +214,11 @@ def _resolve_zero(cfg: dict, hidden_size: int | None, fail) -> None:
             if not hidden_size:
                 fail(f"zero_optimization.{key} is \"auto\" but the model config has no hidden_size")
             zero[key] = rule(hidden_size)
+    for key in ("offload_param", "offload_optimizer"):
+        section = zero.get(key) or {}
+        if not isinstance(section, dict):
+            fail(f"zero_optimization.{key} must be an object such as {{\"device\": \"cpu\"}}, got {section!r}")
     offload = zero.get("offload_optimizer") or {}
-    if not isinstance(offload, dict):
-        fail(f"zero_optimization.offload_optimizer must be an object such as {{\"device\": \"cpu\"}}, got {offload!r}")
     if offload.get("device", "none") not in ("none", None):
         if cfg.get("zero_force_ds_cpu_optimizer") is True:
             fail("offload_optimizer with the client torch AdamW needs \"zero_force_ds_cpu_optimizer\": false")

@@ -57,13 +57,13 @@ def _assert_equal_lists(actual: list[torch.Tensor], expected: list[torch.Tensor]
 @pytest.mark.parametrize("seed", range(12))
 def test_scores_equal_the_layer_by_layer_formula_bit_for_bit(seed):
     shape = _random_shape(seed, mixed_widths=seed % 4 == 2)
-    use_kurtosis, weight = seed % 4 != 3, (0.25, 1.0)[seed % 2]
+    use_kurtosis, weight = seed % 4 != 3, (0.25, 1.0, 0.0)[seed % 3]
     collector = SalienceCollector(shape, beta=0.85, use_kurtosis=use_kurtosis, kurtosis_weight=weight)
     generator = torch.Generator().manual_seed(seed)
     expected_ema = None
     for step in range(2):  # the first step starts the EMA, the second blends into it
-        # seeds 5 and 9: one site without power sums (the general path for its kind); seed 0 has no tokens
-        _fill(collector, generator, tokens=float(seed * 7 % 50 + step), skip_power_sums=0 if seed in (5, 9) else None)
+        # seeds 4 and 10: one site without power sums (the general path for its kind); seed 0 has no tokens
+        _fill(collector, generator, tokens=float(seed * 7 % 50 + step), skip_power_sums=0 if seed in (4, 10) else None)
         expected = _layer_by_layer(collector)
         if expected_ema is None:
             expected_ema = expected

@@ -62,3 +62,11 @@ def test_memory_record_has_cuda_fields_only_once_cuda_is_in_use(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 3 * 2**20)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 5 * 2**20)
     assert (memory_mb()["cuda_mb"], memory_mb()["cuda_peak_mb"]) == (3.0, 5.0)
+
+
+def test_unknown_stage_names_are_refused(tmp_path, capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--device", "cpu", "--out", str(tmp_path), "--skip", "zero4"])
+    assert "no stage named zero4" in capsys.readouterr().err

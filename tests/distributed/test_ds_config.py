@@ -244,3 +244,9 @@ def test_single_rank_zero3_on_a_gpu_is_pointed_out(name, world_size, device, war
     assert printed.count("ZeRO-3 on a single rank") == (1 if warned else 0)
     if warned:
         assert "run without --deepspeed" in printed and printed.count("\n") == 1
+
+
+@pytest.mark.parametrize("key", ["offload_param", "offload_optimizer"])
+def test_an_offload_section_that_is_not_an_object_is_a_config_error(key):
+    with pytest.raises(DeepSpeedConfigError, match=f"zero_optimization.{key} must be an object"):
+        _resolve({"zero_optimization": {"stage": 3, key: "cpu"}}, micro_batch_size=1)
