@@ -215,9 +215,10 @@ class APTrainer:
         if self.schedule.is_event(step) and scores.has_scores:
             record.update(self._pruning_event(step))
         elif self.schedule.in_decay_window(step) and scores.has_scores:
-            upcoming = self.schedule.next_event(step)
-            decision = self._decide(upcoming, record)
+            started = time.perf_counter()
+            decision = self._decide(self.schedule.next_event(step), record)
             self.masker.step_toward(self.state.masks, decision)
+            record["mask_refresh_s"] = time.perf_counter() - started  # this step's decision + mask decay
         if self.apt_config.prune and not self.teacher_ready and step >= self.apt_config.pruning_start_step and self.apt_config.distill:
             self._snapshot_teacher()
         return record

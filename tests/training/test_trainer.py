@@ -127,6 +127,10 @@ def test_events_metrics_and_distillation(full_run):
     schedule = SparsityScheduler(trainer.apt_config)
     events = [r["step"] for r in steps if r.get("event")]
     assert events == schedule.event_steps
+    # the steps whose masks decay toward the coming event log what their decision cost
+    refreshed = [r["step"] for r in steps if "mask_refresh_s" in r]
+    assert refreshed and refreshed == [r["step"] for r in steps if not r.get("event") and schedule.in_decay_window(r["step"])]
+    assert all(r["mask_refresh_s"] > 0 for r in steps if "mask_refresh_s" in r)
     # density falls at events only, and monotonically
     densities = [r["density"] for r in steps]
     # every event that removed units gave the freed heap back to the OS (apt_ds.training.heap)
