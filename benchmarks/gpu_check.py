@@ -222,16 +222,17 @@ def scale_stage(check: Check, args, method: str, backend: str, profile: bool = F
                 device=check.device)
     run_dir = check.work / f"scale-{method}-{backend}"
     extra = ["--model", str(model_dir), "--data", str(scale_data(check)), "--method", method,
-             "--max-seq-len", str(args.scale_seq_len), "--micro-batch-size", "4", "--grad-accum-steps", "1",
+             "--max-seq-len", str(args.scale_seq_len), "--micro-batch-size", str(args.scale_micro_batch),
+             "--grad-accum-steps", "1",
              "--steps", str(args.scale_steps), "--target-density", "0.7", "--pruning-start-step", "2",
              "--pruning-end-step", "8", "--num-pruning-events", "3", "--gradient-checkpointing"]
     if method == "apt":
         extra += ["--eval-data", str(scale_data(check)), "--eval-examples", "4", "--save-eval-probe"]
     written = time.monotonic()
     command = train_command(check, run_dir, extra, SCALE_BACKENDS[backend])
-    if profile:  # the same run, its last two steps under torch.profiler (benchmarks/step_profile.py)
-        steps = args.scale_steps
-        command = [sys.executable, "benchmarks/step_profile.py", "--steps-to-profile", str(steps - 3), str(steps - 1),
+    if profile:  # the same run, some of its steps under torch.profiler (benchmarks/step_profile.py)
+        first, last = args.profile_steps or (args.scale_steps - 3, args.scale_steps - 1)
+        command = [sys.executable, "benchmarks/step_profile.py", "--steps-to-profile", str(first), str(last),
                    "--table", str(check.out / f"profile_{method}_{backend}.txt"), "--", *command[2:]]
     check.sh(command, timeout=args.scale_timeout)
     return {"model": args.scale, "backend": backend, "seq_len": args.scale_seq_len, "write_model_s": round(written - started, 1),
@@ -261,11 +262,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="how the scale runs train: under ZeRO-3 on one rank, and/or in one process")
     parser.add_argument("--scale-steps", type=int, default=16, help="at least 8: events at steps 4, 6, 8")
     parser.add_argument("--scale-seq-len", type=int, default=512)
+    parser.add_argument("--scale-micro-batch", type=int, default=4, help="sequences per micro-batch of the scale runs")
     parser.add_argument("--scale-timeout", type=float, default=240, help="seconds per scale training run")
     parser.add_argument("--budget-s", type=float, default=480, help="wall-clock budget of the whole check")
     parser.add_argument("--skip", nargs="*", default=[], help="stage names to leave out")
     parser.add_argument("--profile", action="store_true",
                         help="profile two late steps of each one-process scale run (OUT/profile_<method>_local.txt)")
+    parser.add_argument("--profile-steps", type=int, nargs=2, metavar=("FIRST", "LAST"),
+                        help="with --profile: the steps FIRST .. LAST-1 (counted from 0; e.g. 4 6 for the pruning phase)")
     args = parser.parse_args(argv)
     if args.scale_steps < 8:
         parser.error("--scale-steps must be at least 8 (pruning events at steps 4, 6 and 8)")

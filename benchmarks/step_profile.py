@@ -40,7 +40,8 @@ def profiled_train(train_argv: list[str], first: int, last: int, table: Path, ro
             torch.cuda.synchronize()
 
     def wrapped(self, batches):
-        if not first <= self.step < last:
+        index = self.step  # the step about to run (self.step counts the optimizer steps done)
+        if not first <= index < last:
             return original(self, batches)
         if not opened and not wall:  # the first profiled step (also when a resumed run starts inside the window)
             profiler.__enter__()
@@ -50,7 +51,7 @@ def profiled_train(train_argv: list[str], first: int, last: int, table: Path, ro
         record = original(self, batches)
         sync()
         wall.append(time.perf_counter() - started)
-        if self.step == last - 1 and opened:
+        if index == last - 1 and opened:
             opened.pop()
             profiler.__exit__(None, None, None)
         return record
@@ -65,11 +66,13 @@ def profiled_train(train_argv: list[str], first: int, last: int, table: Path, ro
     if not wall:
         raise SystemExit(f"error: the run never reached step {first} (steps are counted from 0)")
     averages = profiler.key_averages()
+    optimizer_steps = sum(event.count for event in averages if event.key.startswith("Optimizer.step#"))
     tables = [("self CPU time", averages.table(sort_by="self_cpu_time_total", row_limit=rows))]
     if ProfilerActivity.CUDA in activities:  # device time first: what the GPU was busy with
         tables.insert(0, ("self device time", averages.table(sort_by="self_device_time_total", row_limit=rows)))
     table.parent.mkdir(parents=True, exist_ok=True)
     table.write_text(f"train: {' '.join(train_argv)}\nprofiled steps [{first}, {last}): wall s {[round(w, 4) for w in wall]}\n"
+                     f"optimizer steps inside the profile: {optimizer_steps}\n"
                      + "".join(f"\n== operators by {title}\n{text}\n" for title, text in tables))
     return code
 

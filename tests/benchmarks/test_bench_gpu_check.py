@@ -30,6 +30,7 @@ def test_cpu_flow_trains_exports_and_profiles(tmp_path):
     for method in ("apt", "lora"):  # the profiled run's last steps: wall times and the operator table
         table = (out / f"profile_{method}_local.txt").read_text()
         assert "profiled steps [5, 7)" in table and "aten::mm" in table and "== operators by self CPU time" in table
+        assert "optimizer steps inside the profile: 2\n" in table  # both steps, not only the first
     assert "$ " in (out / "gpu_check.log").read_text()  # every subprocess's command and output
 
 
