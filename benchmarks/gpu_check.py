@@ -235,7 +235,8 @@ def scale_stage(check: Check, args, method: str, backend: str, profile: bool = F
         command = [sys.executable, "benchmarks/step_profile.py", "--steps-to-profile", str(first), str(last),
                    "--table", str(check.out / f"profile_{method}_{backend}.txt"), "--", *command[2:]]
     check.sh(command, timeout=args.scale_timeout)
-    return {"model": args.scale, "backend": backend, "seq_len": args.scale_seq_len, "write_model_s": round(written - started, 1),
+    return {"model": args.scale, "backend": backend, "seq_len": args.scale_seq_len, "micro_batch": args.scale_micro_batch,
+            **({"profiled_steps": [int(command[3]), int(command[4])]} if profile else {}), "write_model_s": round(written - started, 1),
             "run_s": round(time.monotonic() - written, 1), **run_summary(run_dir)}
 
 
@@ -273,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.scale_steps < 8:
         parser.error("--scale-steps must be at least 8 (pruning events at steps 4, 6 and 8)")
+    if args.profile_steps and not (args.profile and 0 <= args.profile_steps[0] < args.profile_steps[1] <= args.scale_steps):
+        parser.error(f"--profile-steps needs --profile and 0 <= FIRST < LAST <= --scale-steps ({args.scale_steps})")
     stage_names = {"env", "local-fp32", "zero3", "local-auto", "zero2", "scale-export"}
     stage_names |= {f"scale-{m}-{b}" for m in ("apt", "lora") for b in SCALE_BACKENDS}
     unknown = sorted(set(args.skip) - stage_names)

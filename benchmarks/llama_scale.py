@@ -158,18 +158,21 @@ def peak_by_rank(samples: list[dict], start: float, end: float) -> list[float]:
             for pid in pids]
 
 
+def _step_start(m: dict) -> float:
+    """When the step of record `m` began: its record is written after the step and what follows
+    it (an event, or a decay-window step's decision and mask refresh)."""
+    return m["time"] - m["step_time_s"] - m.get("event_time_s", 0.0) - m.get("mask_refresh_s", 0.0)
+
+
 def phases(samples: list[dict], metrics: list[dict], started: float) -> dict:
     steps = [m for m in metrics if not m.get("final")]
-    first_start = steps[0]["time"] - steps[0]["step_time_s"] - steps[0].get("event_time_s", 0.0)
-    out = {"load": peak_by_rank(samples, started, first_start)}
+    out = {"load": peak_by_rank(samples, started, _step_start(steps[0]))}
     steady = [m for m in steps if not m.get("event")]
-    out["steady_steps"] = [max(v) for v in zip(*[peak_by_rank(samples, m["time"] - m["step_time_s"], m["time"])
-                                                for m in steady])]
+    out["steady_steps"] = [max(v) for v in zip(*[peak_by_rank(samples, _step_start(m), m["time"]) for m in steady])]
     for m in steps:
         if m.get("event"):
             out[f"event_step_{m['step']}"] = peak_by_rank(samples, m["time"] - m["event_time_s"], m["time"])
-    out["per_step"] = {m["step"]: peak_by_rank(samples, m["time"] - m["step_time_s"] - m.get("event_time_s", 0.0), m["time"])
-                       for m in steps}
+    out["per_step"] = {m["step"]: peak_by_rank(samples, _step_start(m), m["time"]) for m in steps}
     out["whole_run"] = peak_by_rank(samples, started, time.time())
     return out
 

@@ -5,9 +5,11 @@ time goes (operators by CPU and device time), for APT against LoRA on the same s
         --device cuda --model M --data D --steps 24 --out /tmp/run --overwrite
 
 Everything after `--` is launch/train.py's command line; the run is the CLI's own, in this
-process, with the trainer's step wrapped for the chosen steps [first, last). Written: tables of
-the operators by self device time (on GPUs) and by self CPU time, and the profiled steps' wall
-times measured with the device synchronised before and after each.
+process, with the trainer wrapped for the chosen steps [first, last): each profiled step is the
+training step and what the loop does after it (a pruning event, or a decay-window step's decision
+and mask refresh). Written: tables of the operators by self device time (on GPUs) and by self CPU
+time, the profiled steps' wall times (device synchronised before and after each), and how many
+optimizer steps the profile holds.
 """
 
 from __future__ import annotations
@@ -24,13 +26,15 @@ if str(ROOT) not in sys.path:
 
 def profiled_train(train_argv: list[str], first: int, last: int, table: Path, rows: int = 40) -> int:
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from apt_ds.cli.train import main as train_main
     from apt_ds.training.trainer import APTrainer
 
-    original = APTrainer._train_step
+    train_step, after_step = APTrainer._train_step, APTrainer._after_step
     wall: list[float] = []
+    started: list[float] = []  # the start of the step being profiled
     opened: list[bool] = []  # [True] while the profiler is recording
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     profiler = profile(activities=activities)
@@ -39,39 +43,50 @@ def profiled_train(train_argv: list[str], first: int, last: int, table: Path, ro
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
 
-    def wrapped(self, batches):
-        index = self.step  # the step about to run (self.step counts the optimizer steps done)
-        if not first <= index < last:
-            return original(self, batches)
-        if not opened and not wall:  # the first profiled step (also when a resumed run starts inside the window)
-            profiler.__enter__()
-            opened.append(True)
-        sync()
-        started = time.perf_counter()
-        record = original(self, batches)
-        sync()
-        wall.append(time.perf_counter() - started)
-        if index == last - 1 and opened:
+    def close() -> None:
+        if opened:
             opened.pop()
             profiler.__exit__(None, None, None)
+
+    # One profiled step = the training step and what follows it in the loop (a pruning event, or
+    # a decay-window step's decision and mask refresh), so nothing between steps goes unaccounted.
+    def wrapped_train_step(self, batches):
+        if first <= self.step < last:  # self.step: the optimizer steps done, i.e. this step's index
+            if not opened and not wall:  # the window's first step (also when a resumed run starts inside it)
+                profiler.__enter__()
+                opened.append(True)
+            sync()
+            started[:] = [time.perf_counter()]
+        return train_step(self, batches)
+
+    def wrapped_after_step(self):
+        record = after_step(self)
+        if started:
+            sync()
+            wall.append(time.perf_counter() - started.pop())
+            if self.step >= last or self.step >= self.train_config.steps:  # the window or the run is over
+                close()
         return record
 
-    APTrainer._train_step = wrapped
+    APTrainer._train_step, APTrainer._after_step = wrapped_train_step, wrapped_after_step
     try:
         code = train_main(train_argv)
     finally:
-        APTrainer._train_step = original
-        if opened:  # the run ended (or failed) inside the window: close the profiler anyway
-            profiler.__exit__(None, None, None)
+        APTrainer._train_step, APTrainer._after_step = train_step, after_step
+        close()  # the run failed inside the window
     if not wall:
-        raise SystemExit(f"error: the run never reached step {first} (steps are counted from 0)")
+        raise SystemExit(f"error: no step in [{first}, {last}) ran (steps are counted from 0; a resumed run "
+                         f"starts where it stopped)")
     averages = profiler.key_averages()
-    optimizer_steps = sum(event.count for event in averages if event.key.startswith("Optimizer.step#"))
+    # one row per device type: the optimizer's CPU row counts each step once
+    optimizer_steps = sum(e.count for e in averages if e.key.startswith("Optimizer.step#") and e.device_type == DeviceType.CPU)
     tables = [("self CPU time", averages.table(sort_by="self_cpu_time_total", row_limit=rows))]
     if ProfilerActivity.CUDA in activities:  # device time first: what the GPU was busy with
         tables.insert(0, ("self device time", averages.table(sort_by="self_device_time_total", row_limit=rows)))
     table.parent.mkdir(parents=True, exist_ok=True)
-    table.write_text(f"train: {' '.join(train_argv)}\nprofiled steps [{first}, {last}): wall s {[round(w, 4) for w in wall]}\n"
+    table.write_text(f"train: {' '.join(train_argv)}\n"
+                     f"profiled steps [{first}, {last}), each with what follows it (event, or decision and mask "
+                     f"refresh): wall s {[round(w, 4) for w in wall]}\n"
                      f"optimizer steps inside the profile: {optimizer_steps}\n"
                      + "".join(f"\n== operators by {title}\n{text}\n" for title, text in tables))
     return code

@@ -215,8 +215,8 @@ def _resolve_zero(cfg: dict, hidden_size: int | None, fail) -> None:
                 fail(f"zero_optimization.{key} is \"auto\" but the model config has no hidden_size")
             zero[key] = rule(hidden_size)
     for key in ("offload_param", "offload_optimizer"):
-        section = zero.get(key) or {}
-        if not isinstance(section, dict):
+        section = zero.get(key)
+        if section is not None and not isinstance(section, dict):
             fail(f"zero_optimization.{key} must be an object such as {{\"device\": \"cpu\"}}, got {section!r}")
     offload = zero.get("offload_optimizer") or {}
     if offload.get("device", "none") not in ("none", None):

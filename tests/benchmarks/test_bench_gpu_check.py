@@ -15,7 +15,7 @@ import gpu_check
 
 def test_cpu_flow_trains_exports_and_profiles(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
-    code = gpu_check.main(["--device", "cpu", "--scale", "small", "--scale-seq-len", "32", "--scale-steps", "8",
+    code = gpu_check.main(["--device", "cpu", "--scale", "small", "--scale-seq-len", "32", "--scale-steps", "8", "--scale-micro-batch", "2",
                            "--scale-backends", "local", "--profile", "--out", str(out), "--work", str(work),
                            "--skip", "local-auto", "zero3", "zero2"])
     stages = {s["stage"]: s for s in json.loads((out / "gpu_check.json").read_text())["stages"]}
@@ -26,10 +26,12 @@ def test_cpu_flow_trains_exports_and_profiles(tmp_path):
     apt, lora = stages["scale-apt-local"], stages["scale-lora-local"]
     assert apt["event_steps"] == [4, 6, 8] and abs(apt["density"] - 0.7) < 0.05 and lora["density"] == 1.0
     assert apt["total_params"] < lora["total_params"] and len(apt["step_time_s"]) == 8
+    assert (apt["micro_batch"], apt["profiled_steps"]) == (2, [5, 7])
     assert stages["scale-export"]["greedy_matches"]
     for method in ("apt", "lora"):  # the profiled run's last steps: wall times and the operator table
         table = (out / f"profile_{method}_local.txt").read_text()
-        assert "profiled steps [5, 7)" in table and "aten::mm" in table and "== operators by self CPU time" in table
+        assert "profiled steps [5, 7), each with what follows it" in table and "aten::mm" in table
+        assert "== operators by self CPU time" in table
         assert "optimizer steps inside the profile: 2\n" in table  # both steps, not only the first
     assert "$ " in (out / "gpu_check.log").read_text()  # every subprocess's command and output
 
@@ -65,9 +67,12 @@ def test_memory_record_has_cuda_fields_only_once_cuda_is_in_use(monkeypatch):
     assert (memory_mb()["cuda_mb"], memory_mb()["cuda_peak_mb"]) == (3.0, 5.0)
 
 
-def test_unknown_stage_names_are_refused(tmp_path, capsys):
+def test_unknown_stage_names_and_profile_windows_outside_the_run_are_refused(tmp_path, capsys):
     import pytest
 
-    with pytest.raises(SystemExit):
-        gpu_check.main(["--device", "cpu", "--out", str(tmp_path), "--skip", "zero4"])
-    assert "no stage named zero4" in capsys.readouterr().err
+    for argv, message in ((["--skip", "zero4"], "no stage named zero4"),
+                          (["--profile", "--profile-steps", "4", "30"], "--profile-steps needs --profile and"),
+                          (["--profile-steps", "4", "6"], "--profile-steps needs --profile and")):
+        with pytest.raises(SystemExit):
+            gpu_check.main(["--device", "cpu", "--out", str(tmp_path), *argv])
+        assert message in capsys.readouterr().err

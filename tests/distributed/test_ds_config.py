@@ -247,6 +247,7 @@ def test_single_rank_zero3_on_a_gpu_is_pointed_out(name, world_size, device, war
 
 
 @pytest.mark.parametrize("key", ["offload_param", "offload_optimizer"])
-def test_an_offload_section_that_is_not_an_object_is_a_config_error(key):
+@pytest.mark.parametrize("value", ["cpu", False, [], 0])
+def test_an_offload_section_that_is_not_an_object_is_a_config_error(key, value):
     with pytest.raises(DeepSpeedConfigError, match=f"zero_optimization.{key} must be an object"):
-        _resolve({"zero_optimization": {"stage": 3, key: "cpu"}}, micro_batch_size=1)
+        _resolve({"zero_optimization": {"stage": 3, key: value}}, micro_batch_size=1)
