@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -41,10 +40,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.llama_scale import LLAMA_3B, write_model  # noqa: E402
+from benchmarks.llama_scale import LLAMA_3B, free_port, write_model  # noqa: E402
+from benchmarks.scale_on_paper import LLAMA2  # noqa: E402
 
-LLAMA2_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                 num_key_value_heads=32, head_dim=128, vocab_size=32000, tie_word_embeddings=False,
+LLAMA2_7B = dict(LLAMA2["7B"][0], head_dim=128, vocab_size=32000, tie_word_embeddings=False,
                  max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0)
 SMALL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, head_dim=64, vocab_size=1024, tie_word_embeddings=False,
@@ -107,12 +106,6 @@ class Check:
 
     def write(self) -> None:
         (self.out / "gpu_check.json").write_text(json.dumps({"device": self.device, "stages": self.results}, indent=1))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def train_command(check: Check, run_dir: Path, extra: list[str], deepspeed: str | None = None) -> list[str]:

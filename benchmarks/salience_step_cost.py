@@ -41,6 +41,13 @@ class _Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def dispatched_operations(fn) -> int:
+    """How many operations `fn()` dispatches (on a GPU, each is at least one launch)."""
+    with _Count() as counter:
+        fn()
+    return counter.count
+
+
 def _fill(collector: SalienceCollector, generator: torch.Generator) -> None:
     for site in collector.attn_sites + collector.ffn_sites + collector.hidden_sites:
         for name in ("act_abs", "grad_abs", "act_sum"):
@@ -69,9 +76,8 @@ def measure(name: str, repeats: int, device: str) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - started)
     _fill(collector, generator)
-    with _Count() as counter:
-        collector.end_step()
-    return {"shape": name, "median_ms": round(1000 * statistics.median(times[2:]), 2), "operations": counter.count}
+    operations = dispatched_operations(collector.end_step)
+    return {"shape": name, "median_ms": round(1000 * statistics.median(times[2:]), 2), "operations": operations}
 
 
 def main() -> None:

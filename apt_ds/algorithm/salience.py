@@ -184,11 +184,11 @@ class SalienceCollector:
         act, grad = flat[:per_kind], flat[per_kind : 2 * per_kind]
         sums, tokens = flat[2 * per_kind : -1], flat[-1:]
         a, f = sum(sizes["attn"]), sum(sizes["ffn"])
-        group_width = {l.group_size * l.head_dim for l in self.shape.layers}
-        groups = self._kind_scores(act[:a], grad[:a], sums[:a], tokens, self.attn_sites,
-                                   [l.num_kv_groups for l in self.shape.layers], group_width, self._unit_layer["attn"])
+        layers = self.shape.layers
+        groups = self._kind_scores(act[:a], grad[:a], sums[:a], tokens, self.attn_sites, [l.num_kv_groups for l in layers],
+                                   [l.group_size * l.head_dim for l in layers], self._unit_layer["attn"])
         neurons = self._kind_scores(act[a : a + f], grad[a : a + f], sums[a : a + f], tokens, self.ffn_sites,
-                                    sizes["ffn"], {1}, self._unit_layer["ffn"])
+                                    sizes["ffn"], [1] * len(layers), self._unit_layer["ffn"])
         hidden_channels = self._channel_scores(act[a + f :], grad[a + f :], tokens).view(len(sizes["hidden"]), -1)
         hidden = sum(hidden_channels.unbind(0))  # site by site, in the order the hooks number them
         self._update_ema(groups, neurons, hidden)
@@ -202,47 +202,45 @@ class SalienceCollector:
         mean_abs = act_abs / tokens.clamp_min(1)  # tokens: this step's, summed over ranks
         return mean_abs * (grad_abs / self.world_size)
 
-    def _kind_scores(self, act_abs, grad_abs, act_sum, tokens, sites, units: list[int], widths: set[int],
+    def _kind_scores(self, act_abs, grad_abs, act_sum, tokens, sites, units: list[int], widths: list[int],
                      unit_layer: torch.Tensor) -> list[torch.Tensor]:
         """One kind's unit scores, every layer at once (its channels are consecutive in the
-        buffer), returned per layer. Each number is computed by the same operations on the same
-        values as a layer-by-layer loop would: on a CPU the results are bit-identical to it (a GPU's
+        buffer), returned per layer; layer by layer through the same code when the layers' unit
+        widths differ or only some sites have power sums. Each number is computed by the same
+        operations on the same values either way: on a CPU the results are bit-identical (a GPU's
         reduction over a view may round the last bit differently)."""
         channel = self._channel_scores(act_abs, grad_abs, tokens)
-        width = next(iter(widths))
-        if len(widths) != 1:  # units of different widths in different layers: layer by layer
-            layer_widths = [l.group_size * l.head_dim for l in self.shape.layers]
-            bounds = [n * w for n, w in zip(units, layer_widths)]
-            return [self._layer_scores(c.reshape(-1, w).sum(-1), site, m, tokens, w)
-                    for c, site, m, w in zip(channel.split(bounds), sites, act_sum.split(bounds), layer_widths)]
-        score = channel.reshape(-1, width).sum(-1)
-        with_outliers = [site.power_sums is not None for site in sites]
-        if not (self.use_kurtosis and self.kurtosis_weight > 0 and any(with_outliers)):
+        outliers = self.use_kurtosis and self.kurtosis_weight > 0
+        with_sums = [site.power_sums is not None for site in sites]
+        if len(set(widths)) == 1 and (not outliers or all(with_sums) or not any(with_sums)):
+            score = channel.reshape(-1, widths[0]).sum(-1)
+            if outliers and all(with_sums):
+                power_sums = torch.cat([site.power_sums for site in sites], dim=1)
+                score = self._with_outliers(score, act_sum, tokens, power_sums, widths[0], units, unit_layer)
             return list(score.split(units))
-        if not all(with_outliers):
-            return [self._layer_scores(sc, site, m, tokens, width)
-                    for sc, site, m in zip(score.split(units), sites, act_sum.split([n * width for n in units]))]
+        bounds = [n * w for n, w in zip(units, widths)]
+        scores = []
+        for c, m, site, n, w in zip(channel.split(bounds), act_sum.split(bounds), sites, units, widths):
+            score = c.reshape(-1, w).sum(-1)
+            if outliers and site.power_sums is not None:
+                one_layer = torch.zeros(n, dtype=torch.long, device=score.device)
+                score = self._with_outliers(score, m, tokens, site.power_sums, w, [n], one_layer)
+            scores.append(score)
+        return scores
+
+    def _with_outliers(self, score, act_sum, tokens, power_sums, width: int, units: list[int], unit_layer) -> torch.Tensor:
+        """`score` (consecutive layers of `units` units) plus the outlier term, in each layer's
+        first-order units (see the module docstring): it moves salience toward outlier units
+        without changing how the layer's units weigh against others. `unit_layer`: each unit's
+        layer, so per-layer means spread over the units without a host sync."""
         # No host check of the token count (a device sync): with no tokens the mean is 0, its
         # variance 0, and unit_kurtosis gives 0.
         mean_x = act_sum.double() / tokens.double().clamp_min(1)
-        power_sums = torch.cat([site.power_sums for site in sites], dim=1)
         outlier = unit_kurtosis(mean_x, power_sums, rows=self.shape.hidden, unit_width=width).clamp_min(0).sqrt()
-        # In each layer's first-order units (see the module docstring): the term moves salience
-        # toward outlier units without changing how the layer's units weigh against others.
         mean_outlier = torch.stack([o.mean() for o in outlier.split(units)])[unit_layer]
         mean_score = torch.stack([self.kurtosis_weight * s.mean() for s in score.split(units)])[unit_layer]
         relative = torch.where(mean_outlier > 0, outlier / mean_outlier.clamp_min(1e-300), torch.zeros_like(outlier))
-        return list((score + (mean_score * relative).to(score.dtype)).split(units))
-
-    def _layer_scores(self, score, site, act_sum, tokens, width) -> torch.Tensor:
-        """One layer's unit scores with its outlier term: the general path of `_kind_scores`."""
-        if not (self.use_kurtosis and self.kurtosis_weight > 0 and site.power_sums is not None):
-            return score
-        mean_x = act_sum.double() / tokens.double().clamp_min(1)
-        outlier = unit_kurtosis(mean_x, site.power_sums, rows=self.shape.hidden, unit_width=width).clamp_min(0).sqrt()
-        mean_outlier = outlier.mean()
-        relative = torch.where(mean_outlier > 0, outlier / mean_outlier.clamp_min(1e-300), torch.zeros_like(outlier))
-        return score + (self.kurtosis_weight * score.mean() * relative).to(score.dtype)
+        return score + (mean_score * relative).to(score.dtype)
 
     def _update_ema(self, groups, neurons, hidden) -> None:
         if self.group_scores is None:

@@ -218,19 +218,23 @@ def _resolve_zero(cfg: dict, hidden_size: int | None, fail) -> None:
         section = zero.get(key)
         if section is not None and not isinstance(section, dict):
             fail(f"zero_optimization.{key} must be an object such as {{\"device\": \"cpu\"}}, got {section!r}")
-    offload = zero.get("offload_optimizer") or {}
-    if offload.get("device", "none") not in ("none", None):
+    if _offloads(zero, "offload_optimizer"):
         if cfg.get("zero_force_ds_cpu_optimizer") is True:
             fail("offload_optimizer with the client torch AdamW needs \"zero_force_ds_cpu_optimizer\": false")
         cfg["zero_force_ds_cpu_optimizer"] = False
+
+
+def _offloads(zero: dict, key: str) -> bool:
+    """Whether zero_optimization's `key` section (offload_param / offload_optimizer) moves
+    something off the device; an object or absent (checked in _resolve_zero)."""
+    return (zero.get(key) or {}).get("device", "none") not in ("none", None)
 
 
 def single_rank_zero3_warning(cfg: dict, world_size: int, device_type: str) -> str | None:
     """A note for ZeRO-3 on one GPU without offload: nothing is partitioned, every step pays for
     the per-module gathers anyway (measured on one H200: a 7B step took 4x a one-process step)."""
     zero = cfg.get("zero_optimization") or {}
-    offloaded = any((zero.get(key) or {}).get("device", "none") not in ("none", None)
-                    for key in ("offload_param", "offload_optimizer"))
+    offloaded = _offloads(zero, "offload_param") or _offloads(zero, "offload_optimizer")
     if world_size != 1 or zero.get("stage") != 3 or offloaded or device_type == "cpu":
         return None
     return ("warning: ZeRO-3 on a single rank partitions nothing but still gathers every module's weights each "
