@@ -16,10 +16,11 @@ Stages (a failing stage is recorded and the next one runs; each gets what is lef
 5. `zero2`: one-rank ZeRO-2 in the default dtype (trained, not exported).
 6. `scale-apt-<backend>`, `scale-lora-<backend>`: a random model of `--scale`'s shape (default
    LLaMA-2-7B, written on the device in bf16), under ZeRO-3 on one device and/or in one process
-   (`--scale-backends`): APT to 0.7 with 3 pruning events, then LoRA with the same adapters and
-   data; step times and peak device memory per step.
-7. `scale-export` (after the first backend's APT run): its streaming export in bf16, loaded back on the device and
-   compared with the run's probe (reported).
+   (`--scale-backends`): APT to 0.7 with 3 pruning events (or, with `--scale-schedule recipe`,
+   `apt-ds train`'s own schedule for `--scale-steps`), then LoRA with the same adapters and data;
+   step times, where the loop's time went by phase of the schedule, peak device memory per step.
+7. `scale-export` (after the first backend's APT run, short schedule only): its streaming export in
+   bf16, loaded back on the device and compared with the run's probe (reported).
 
 Results: OUT/gpu_check.json (per stage: ok, seconds, numbers, the log's tail on failure) and
 every subprocess's output in OUT/gpu_check.log. Nothing is asserted beyond each stage's own check.
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -62,6 +64,7 @@ class Check:
         self.log = out / "gpu_check.log"
         self.log.write_text("")
         self.results: list[dict] = []
+        self.summary: dict = {}
         self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                     "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
         if device == "cpu":
@@ -105,7 +108,8 @@ class Check:
         return result
 
     def write(self) -> None:
-        (self.out / "gpu_check.json").write_text(json.dumps({"device": self.device, "stages": self.results}, indent=1))
+        record = {"device": self.device, "stages": self.results, **({"summary": self.summary} if self.summary else {})}
+        (self.out / "gpu_check.json").write_text(json.dumps(record, indent=1))
 
 
 def train_command(check: Check, run_dir: Path, extra: list[str], deepspeed: str | None = None) -> list[str]:
@@ -129,8 +133,68 @@ def run_summary(run_dir: Path) -> dict:
         "losses": [round(r["loss"], 4) for r in steps if "loss" in r],
         "step_time_s": [round(r["step_time_s"], 3) for r in steps if "step_time_s" in r],
         "event_steps": [r["step"] for r in steps if r.get("event")],
+        "event_time_s": [round(r["event_time_s"], 3) for r in steps if r.get("event")],
+        "mask_refresh_s": [round(r.get("mask_refresh_s", 0.0), 3) for r in steps],
+        "distilled_steps": [r["step"] for r in steps if r.get("mu", 0) > 0],
         "cuda_peak_mb_by_step": [r.get("cuda_peak_mb") for r in steps],
+        "phases": phase_times(run_dir, steps),
     }
+
+
+def scale_ratios(results: list[dict]) -> dict:
+    """Per backend, APT/LoRA ratios of the scale runs that passed, paired by repeat: the loop
+    (`train_time_s`: steps, events and refreshes) and the median step after the last event; the
+    median over repeats and each repeat's value."""
+    import statistics
+
+    runs = {r["stage"]: r for r in results if r["stage"].startswith("scale-") and r["ok"] and "train_time_s" in r}
+    summary = {}
+    for name, apt in runs.items():
+        if not name.startswith("scale-apt-"):
+            continue
+        lora = runs.get(name.replace("scale-apt-", "scale-lora-", 1))
+        if lora is None:
+            continue
+        backend = apt["backend"]
+        entry = summary.setdefault(backend, {"train_time": [], "recovery_step": []})
+        entry["train_time"].append(round(apt["train_time_s"] / lora["train_time_s"], 3))
+        recovery = (apt["phases"].get("recovery"), lora["phases"].get("recovery"))
+        if all(recovery):
+            entry["recovery_step"].append(round(recovery[0]["median_s"] / recovery[1]["median_s"], 3))
+    for entry in summary.values():
+        for key in list(entry):
+            if entry[key]:
+                entry[f"{key}_median"] = round(statistics.median(entry[key]), 3)
+    return {"apt_over_lora": summary} if summary else {}
+
+
+def phase_times(run_dir: Path, steps: list[dict]) -> dict:
+    """Where a run's loop time went, by phase of APT's schedule (the same step ranges for a LoRA
+    run, from its run.json): per phase the steps, their summed and median `step_time_s`; events
+    and the decay-window refreshes, which `step_time_s` leaves out, summed apart. The pruning
+    phase is split into steps with a teacher pass (mu > 0) and without."""
+    import statistics
+
+    apt = json.loads((run_dir / "run.json").read_text())["apt_config"]
+    start, end = apt["pruning_start_step"], apt["pruning_end_step"]
+
+    def phase(record: dict) -> str:
+        index = record["step"] - 1  # the record of optimizer step i (from 0) says step i + 1
+        if index < start:
+            return "warmup"
+        if index >= end:
+            return "recovery"
+        return "pruning_teacher" if record.get("mu", 0) > 0 else "pruning"
+
+    times: dict[str, list[float]] = {}
+    for record in steps:
+        if "step_time_s" in record:
+            times.setdefault(phase(record), []).append(record["step_time_s"])
+    summary = {name: {"steps": len(values), "sum_s": round(sum(values), 3), "median_s": round(statistics.median(values), 4)}
+               for name, values in times.items()}
+    summary["events_sum_s"] = round(sum(r.get("event_time_s", 0.0) for r in steps), 3)
+    summary["mask_refresh_sum_s"] = round(sum(r.get("mask_refresh_s", 0.0) for r in steps), 3)
+    return summary
 
 
 def compare_with_probe(run_dir: Path, export_dir: Path, device: str, atol: float | None) -> dict:
@@ -209,18 +273,18 @@ def scale_data(check: Check) -> Path:
     return path
 
 
-def scale_stage(check: Check, args, method: str, backend: str, profile: bool = False) -> dict:
+def scale_stage(check: Check, args, method: str, backend: str, profile: bool = False, suffix: str = "") -> dict:
     model_dir, started = check.work / f"model-{args.scale}", time.monotonic()
     write_model(model_dir, SCALES[args.scale], dtype="bfloat16" if check.device != "cpu" else "float32",
                 device=check.device)
-    run_dir = check.work / f"scale-{method}-{backend}"
+    run_dir = check.work / f"scale-{method}-{backend}{suffix}"
     extra = ["--model", str(model_dir), "--data", str(scale_data(check)), "--method", method,
              "--max-seq-len", str(args.scale_seq_len), "--micro-batch-size", str(args.scale_micro_batch),
-             "--grad-accum-steps", "1",
-             "--steps", str(args.scale_steps), "--target-density", "0.7", "--pruning-start-step", "2",
-             "--pruning-end-step", "8", "--num-pruning-events", "3", "--gradient-checkpointing"]
-    if method == "apt":
-        extra += ["--eval-data", str(scale_data(check)), "--eval-examples", "4", "--save-eval-probe"]
+             "--grad-accum-steps", "1", "--steps", str(args.scale_steps), "--target-density", "0.7", "--gradient-checkpointing"]
+    if args.scale_schedule == "short":
+        extra += ["--pruning-start-step", "2", "--pruning-end-step", "8", "--num-pruning-events", "3"]
+        if method == "apt":  # the probe scale-export compares with; the recipe runs evaluate nothing, so their loops compare
+            extra += ["--eval-data", str(scale_data(check)), "--eval-examples", "4", "--save-eval-probe"]
     written = time.monotonic()
     command = train_command(check, run_dir, extra, SCALE_BACKENDS[backend])
     if profile:  # the same run, some of its steps under torch.profiler (benchmarks/step_profile.py)
@@ -228,7 +292,8 @@ def scale_stage(check: Check, args, method: str, backend: str, profile: bool = F
         command = [sys.executable, "benchmarks/step_profile.py", "--steps-to-profile", str(first), str(last),
                    "--table", str(check.out / f"profile_{method}_{backend}.txt"), "--", *command[2:]]
     check.sh(command, timeout=args.scale_timeout)
-    return {"model": args.scale, "backend": backend, "seq_len": args.scale_seq_len, "micro_batch": args.scale_micro_batch,
+    return {"model": args.scale, "backend": backend, "schedule": args.scale_schedule, "seq_len": args.scale_seq_len,
+            "micro_batch": args.scale_micro_batch, "steps": args.scale_steps,
             **({"profiled_steps": [int(command[3]), int(command[4])]} if profile else {}), "write_model_s": round(written - started, 1),
             "run_s": round(time.monotonic() - written, 1), **run_summary(run_dir)}
 
@@ -254,7 +319,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", choices=[*SCALES, "none"], default="llama2-7b", help="the random model of the scale stages")
     parser.add_argument("--scale-backends", nargs="+", choices=list(SCALE_BACKENDS), default=["zero3"],
                         help="how the scale runs train: under ZeRO-3 on one rank, and/or in one process")
-    parser.add_argument("--scale-steps", type=int, default=16, help="at least 8: events at steps 4, 6, 8")
+    parser.add_argument("--scale-steps", type=int, default=16, help="at least 8 (the short schedule's events are at steps 4, 6, 8)")
+    parser.add_argument("--scale-schedule", choices=["short", "recipe"], default="short",
+                        help="short: prune between steps 2 and 8 in 3 events, distilling on every step, then export "
+                             "APT's run; recipe: apt-ds train's own schedule for --scale-steps (warm up 10%%, prune "
+                             "10-50%% with a teacher pass every 4th step, recover the last half), no eval and no export, "
+                             "so the two runs' train_time_s compare")
+    parser.add_argument("--scale-repeats", type=int, default=1,
+                        help="run each APT/LoRA pair this many times, alternating which goes first; "
+                             "gpu_check.json's summary gives the median of the APT/LoRA ratios")
     parser.add_argument("--scale-seq-len", type=int, default=512)
     parser.add_argument("--scale-micro-batch", type=int, default=4, help="sequences per micro-batch of the scale runs")
     parser.add_argument("--scale-timeout", type=float, default=240, help="seconds per scale training run")
@@ -265,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-steps", type=int, nargs=2, metavar=("FIRST", "LAST"),
                         help="with --profile: the steps FIRST .. LAST-1 (counted from 0; e.g. 4 6 for the pruning phase)")
     args = parser.parse_args(argv)
+    if args.scale_repeats < 1:
+        parser.error("--scale-repeats must be at least 1")
     if args.scale_steps < 8:
         parser.error("--scale-steps must be at least 8 (pruning events at steps 4, 6 and 8)")
     if args.profile_steps and not (args.profile and 0 <= args.profile_steps[0] < args.profile_steps[1] <= args.scale_steps):
@@ -283,15 +358,22 @@ def main(argv: list[str] | None = None) -> int:
         ("zero2", lambda: tiny_stage(check, "zero2", [], "ds_configs/zero2.json", export=False)),
     ]
     if args.scale != "none":
-        for index, backend in enumerate(args.scale_backends):
-            profile = args.profile and backend == "local"
-            stages.append((f"scale-apt-{backend}", lambda b=backend, p=profile: scale_stage(check, args, "apt", b, p)))
-            if index == 0:
-                stages.append(("scale-export", lambda: scale_export(check, args)))
-            stages.append((f"scale-lora-{backend}", lambda b=backend, p=profile: scale_stage(check, args, "lora", b, p)))
+        for repeat in range(args.scale_repeats):
+            # Repeats alternate the order (APT, LoRA, LoRA, APT, ...) so that a drift in the
+            # machine's speed does not favour one method; their names end in -2, -3, ...
+            suffix = f"-{repeat + 1}" if repeat else ""
+            for index, backend in enumerate(args.scale_backends):
+                profile = args.profile and backend == "local"
+                for method in ("apt", "lora") if repeat % 2 == 0 else ("lora", "apt"):
+                    stages.append((f"scale-{method}-{backend}{suffix}",
+                                   lambda m=method, b=backend, p=profile, x=suffix: scale_stage(check, args, m, b, p, x)))
+                    if (repeat, index, method) == (0, 0, "apt") and args.scale_schedule == "short":  # recipe runs save no probe
+                        stages.append(("scale-export", lambda: scale_export(check, args)))
     for name, fn in stages:
-        if name not in args.skip:
+        if re.sub(r"^(scale-.*)-\d+$", r"\1", name) not in args.skip:  # --skip names a scale run's every repeat
             check.stage(name, fn)
+    check.summary = scale_ratios(check.results)
+    check.write()
     failed = [r["stage"] for r in check.results if not r["ok"]]
     print(json.dumps({"device": args.device, "failed": failed}, indent=1))
     return 1 if failed else 0

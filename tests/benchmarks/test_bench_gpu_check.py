@@ -76,3 +76,33 @@ def test_unknown_stage_names_and_profile_windows_outside_the_run_are_refused(tmp
         with pytest.raises(SystemExit):
             gpu_check.main(["--device", "cpu", "--out", str(tmp_path), *argv])
         assert message in capsys.readouterr().err
+
+
+def test_recipe_schedule_repeats_alternate_and_summarise_ratios(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    code = gpu_check.main(["--device", "cpu", "--scale", "small", "--scale-seq-len", "32", "--scale-steps", "12", "--scale-micro-batch", "2",
+                           "--scale-backends", "local", "--scale-schedule", "recipe", "--scale-repeats", "2", "--out", str(out),
+                           "--work", str(work), "--skip", "local-fp32", "local-auto", "zero3", "zero2"])
+    record = json.loads((out / "gpu_check.json").read_text())
+    stages = {s["stage"]: s for s in record["stages"]}
+    # the second repeat runs LoRA first; a recipe run saves no probe, so nothing is exported
+    assert code == 0 and list(stages) == ["env", "scale-apt-local", "scale-lora-local", "scale-lora-local-2", "scale-apt-local-2"]
+    apt = stages["scale-apt-local"]
+    run = json.loads((work / "scale-apt-local" / "run.json").read_text())["apt_config"]
+    assert (run["pruning_start_step"], run["pruning_end_step"]) == (1, 6)  # apt-ds train's own schedule for 12 steps
+    phases = apt["phases"]
+    assert sum(phases[p]["steps"] for p in ("warmup", "pruning", "pruning_teacher", "recovery") if p in phases) == 12
+    assert phases["recovery"]["steps"] == 6 and phases["events_sum_s"] > 0 and len(apt["event_time_s"]) == len(apt["event_steps"])
+    assert set(stages["scale-lora-local"]["phases"]) == {"warmup", "pruning", "recovery", "events_sum_s", "mask_refresh_sum_s"}
+    ratios = record["summary"]["apt_over_lora"]["local"]
+    assert len(ratios["train_time"]) == 2 and ratios["train_time_median"] > 0 and len(ratios["recovery_step"]) == 2
+
+
+def test_skip_names_every_repeat_of_a_scale_run(tmp_path):
+    out = tmp_path / "out"
+    code = gpu_check.main(["--device", "cpu", "--scale", "small", "--scale-seq-len", "32", "--scale-steps", "8", "--scale-micro-batch", "2",
+                           "--scale-backends", "local", "--scale-schedule", "recipe", "--scale-repeats", "2", "--out", str(out),
+                           "--work", str(tmp_path / "work"), "--skip", "env", "local-fp32", "local-auto", "zero3", "zero2", "scale-apt-local"])
+    record = json.loads((out / "gpu_check.json").read_text())
+    assert code == 0 and [s["stage"] for s in record["stages"]] == ["scale-lora-local", "scale-lora-local-2"]
+    assert "summary" not in record  # no APT run to pair with
