@@ -138,7 +138,17 @@ def run_summary(run_dir: Path) -> dict:
         "distilled_steps": [r["step"] for r in steps if r.get("mu", 0) > 0],
         "cuda_peak_mb_by_step": [r.get("cuda_peak_mb") for r in steps],
         "phases": phase_times(run_dir, steps),
+        **final_shape(run_dir),
     }
+
+
+def final_shape(run_dir: Path) -> dict:
+    """The shape a run ended at (hidden size, KV groups and FFN width per layer, adapter ranks):
+    what its step cost depends on beyond the parameter count."""
+    record = json.loads((run_dir / "ranks" / "rank0.json").read_text())
+    shape = record["shape"]
+    return {"final_hidden": shape["hidden"], "final_kv_groups": [layer["num_kv_groups"] for layer in shape["layers"]],
+            "final_ffn": [layer["ffn"] for layer in shape["layers"]], "final_adapter_ranks": sorted(set(record["ranks"].values()))}
 
 
 def scale_ratios(results: list[dict]) -> dict:

@@ -93,6 +93,8 @@ def test_recipe_schedule_repeats_alternate_and_summarise_ratios(tmp_path):
     phases = apt["phases"]
     assert sum(phases[p]["steps"] for p in ("warmup", "pruning", "pruning_teacher", "recovery") if p in phases) == 12
     assert phases["recovery"]["steps"] == 6 and phases["events_sum_s"] > 0 and len(apt["event_time_s"]) == len(apt["event_steps"])
+    assert len(apt["final_ffn"]) == len(apt["final_kv_groups"]) == 4 and apt["final_hidden"] <= 512  # the small model's shape
+    assert stages["scale-lora-local"]["final_ffn"] == [1408] * 4
     assert set(stages["scale-lora-local"]["phases"]) == {"warmup", "pruning", "recovery", "events_sum_s", "mask_refresh_sum_s"}
     ratios = record["summary"]["apt_over_lora"]["local"]
     assert len(ratios["train_time"]) == 2 and ratios["train_time_median"] > 0 and len(ratios["recovery_step"]) == 2
