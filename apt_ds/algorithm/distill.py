@@ -16,10 +16,10 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from apt_ds.algorithm.adapters import APTAdapter, find_adapters
+from apt_ds.algorithm.kl import kl_divergence_from_logits
 from apt_ds.config import APTConfig
 
 TRANSFORM_ATTR = "apt_distill_transform"  # submodule name; export drops it
@@ -137,9 +137,9 @@ class SelfDistiller:
         cfg = self.config
         temperature = cfg.distill_temperature
         positions = valid if kl_positions is None else kl_positions
-        s_logp = F.log_softmax(student_out.logits[positions].float() / temperature, -1)
-        t_logp = F.log_softmax(teacher_out.logits[positions].float() / temperature, -1)
-        kl_sum = kl_divergence_sum(s_logp, t_logp) * temperature**2  # KL(student || teacher), as the spec
+        # KL(student || teacher), as the spec; apt_ds.algorithm.kl keeps no vocabulary-sized fp32 copies for backward
+        kl_sum = kl_divergence_from_logits(student_out.logits[positions], teacher_out.logits[positions], temperature)
+        kl_sum = kl_sum * temperature**2
         transform = getattr(model, TRANSFORM_ATTR)
         weights = valid.float()
         mse_sum = weights.new_zeros(())
