@@ -199,8 +199,8 @@ class APTrainer:
             zero = torch.zeros((), device=loss.device)
             return loss, zero, zero
         layers = self.distiller.sample_layers()
-        with self.distiller.teacher_mode(self.model, [self.state.masks, self.state.salience]):
-            teacher, _, _ = supervised_forward(self.backend.forward_no_grad, batch, positions, output_hidden_states=True)
+        with self.distiller.teacher_mode(self.model, [self.state.masks, self.state.salience], layers):
+            teacher, _, _ = supervised_forward(self.backend.forward_no_grad, batch, positions)  # layers kept by hooks
         student, loss, supervised = supervised_forward(self.backend.forward, batch, positions, output_hidden_states=True)
         valid = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()
         # The logit KL is taken where the task loss is: positions that predict a supervised label

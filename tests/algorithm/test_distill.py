@@ -150,6 +150,39 @@ def test_distill_loss_formula(layer):
         assert not torch.allclose(t_h, teacher.hidden_states[2])  # hidden_states[-1] is after the final norm
 
 
+def test_teacher_layers_kept_by_hooks_give_the_loss_of_all_hidden_states():
+    """teacher_mode(layers=...) keeps the sampled layers' outputs itself, so the trainer's teacher
+    forward returns no hidden states (none kept alive until the loss); the loss is unchanged."""
+    cfg = APTConfig(distill_kl_weight=0.3, distill_mse_weight=0.7, distill_temperature=0.5)
+    model, adapters = _student("gqa")
+    distiller = SelfDistiller(cfg, num_layers=2)
+    batch = random_batch(batch=3, length=7)
+    valid = torch.ones(3, 7, dtype=torch.bool)
+    losses = []
+    with torch.no_grad():
+        model(**batch, output_hidden_states=True)  # transformers installs its own output hooks on first use
+    hooks_before = [len(layer._forward_hooks) for layer in model.model.layers]
+    with torch.no_grad():
+        _set_b(adapters, seed=5)
+        distiller.snapshot(model)
+        for layers in ([0], [1], [0, 1]):
+            with distiller.teacher_mode(model, [], layers):
+                lean = model(**batch)
+            assert lean.hidden_states is None and sorted(distiller._teacher_layers) == layers
+            _set_b(adapters, seed=6)
+            student = model(**batch, output_hidden_states=True)
+            got = distiller.loss(model, student, lean, layers, valid)
+            with distiller.teacher_mode(model, []):
+                _set_b(adapters, seed=5)
+                full = model(**batch, output_hidden_states=True)
+            _set_b(adapters, seed=6)
+            student = model(**batch, output_hidden_states=True)
+            losses.append((got, distiller.loss(model, student, full, layers, valid)))
+    for got, expected in losses:
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-8)
+    assert [len(layer._forward_hooks) for layer in model.model.layers] == hooks_before  # the teacher's hooks are gone
+
+
 def test_hidden_state_error_is_relative_to_each_teacher_token():
     """A 1000x "massive activation" token with the same relative error as the others weighs
     the same; with a plain MSE it would carry ~10^6 times their weight."""
