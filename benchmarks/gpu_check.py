@@ -152,12 +152,14 @@ def final_shape(run_dir: Path) -> dict:
 
 
 def scale_ratios(results: list[dict]) -> dict:
-    """Per backend, APT/LoRA ratios of the scale runs that passed, paired by repeat: the loop
+    """Per backend, APT/LoRA ratios of the recipe-schedule scale runs that passed, paired by repeat: the loop
     (`train_time_s`: steps, events and refreshes) and the median step after the last event; the
     median over repeats and each repeat's value."""
     import statistics
 
-    runs = {r["stage"]: r for r in results if r["stage"].startswith("scale-") and r["ok"] and "train_time_s" in r}
+    # recipe runs only: a short-schedule APT run also evaluates and saves a probe inside its loop
+    runs = {r["stage"]: r for r in results
+            if r["stage"].startswith("scale-") and r["ok"] and r.get("schedule") == "recipe" and "train_time_s" in r}
     summary = {}
     for name, apt in runs.items():
         if not name.startswith("scale-apt-"):
@@ -344,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=480, help="wall-clock budget of the whole check")
     parser.add_argument("--skip", nargs="*", default=[], help="stage names to leave out")
     parser.add_argument("--profile", action="store_true",
-                        help="profile two late steps of each one-process scale run (OUT/profile_<method>_local.txt)")
+                        help="profile two late steps of each one-process scale run, the first repeat's "
+                             "(OUT/profile_<method>_local.txt)")
     parser.add_argument("--profile-steps", type=int, nargs=2, metavar=("FIRST", "LAST"),
                         help="with --profile: the steps FIRST .. LAST-1 (counted from 0; e.g. 4 6 for the pruning phase)")
     args = parser.parse_args(argv)
@@ -373,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
             # machine's speed does not favour one method; their names end in -2, -3, ...
             suffix = f"-{repeat + 1}" if repeat else ""
             for index, backend in enumerate(args.scale_backends):
-                profile = args.profile and backend == "local"
+                profile = args.profile and backend == "local" and repeat == 0  # one profile per method: its file
                 for method in ("apt", "lora") if repeat % 2 == 0 else ("lora", "apt"):
                     stages.append((f"scale-{method}-{backend}{suffix}",
                                    lambda m=method, b=backend, p=profile, x=suffix: scale_stage(check, args, m, b, p, x)))

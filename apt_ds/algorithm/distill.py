@@ -93,6 +93,9 @@ class SelfDistiller:
         output), except for the last layer, whose pre-norm output the norm hook kept."""
         if role == "teacher" and layer in self._teacher_layers:
             return self._teacher_layers[layer]
+        if out.hidden_states is None:
+            raise ValueError(f"the {role}'s output of layer {layer} was not kept: run the teacher under "
+                             f"teacher_mode(..., layers) naming every sampled layer, or forward with output_hidden_states=True")
         if layer == self.num_layers - 1 and role in self._last_layer_output:
             return self._last_layer_output[role]
         return out.hidden_states[layer + 1]
@@ -126,15 +129,21 @@ class SelfDistiller:
         self._watch_final_norm(model)
         self._last_layer_output.clear()
         self._teacher_layers.clear()
-        decoder_layers = model.model.layers if layers else []
-        hooks = [decoder_layers[i].register_forward_hook(self._keep_teacher_layer(i)) for i in sorted(set(layers or []))]
-        self._capture_as = "teacher"
-        for adapter in adapters:
-            adapter.use_teacher = True
-        for switch, _ in saved:
-            switch.enabled = False
+        # With `layers`, a sampled last layer's pre-norm output comes from its own hook, so the
+        # final norm's input is not kept for the teacher.
+        self._capture_as = None if layers else "teacher"
+        hooks = []
         try:
+            for index in sorted(set(layers or [])):
+                hooks.append(model.model.layers[index].register_forward_hook(self._keep_teacher_layer(index)))
+            for adapter in adapters:
+                adapter.use_teacher = True
+            for switch, _ in saved:
+                switch.enabled = False
             yield
+        except BaseException:
+            self._teacher_layers.clear()  # a failed forward's outputs are not kept alive
+            raise
         finally:
             for hook in hooks:
                 hook.remove()

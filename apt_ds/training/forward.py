@@ -34,14 +34,20 @@ def supervised_forward(forward, batch: dict, positions: torch.Tensor | None = No
     if positions is None:
         positions = supervised_positions(labels)
     positions = positions.to(labels.device, non_blocking=True)
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    out = forward(**inputs, logits_to_keep=positions, **kwargs)
+    out = positions_forward(forward, batch, positions, **kwargs)
     kept_targets = targets[:, positions]
     mask = kept_targets != -100
     logits = out.logits
     loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), kept_targets.reshape(-1),
                                              ignore_index=-100)
     return out, loss, mask
+
+
+def positions_forward(forward, batch: dict, positions: torch.Tensor, **kwargs):
+    """The model output with logits only at `positions` (the teacher's pass: no loss, so no fp32
+    copy of its logits for a cross-entropy nobody reads)."""
+    positions = positions.to(batch["input_ids"].device, non_blocking=True)
+    return forward(**{k: v for k, v in batch.items() if k != "labels"}, logits_to_keep=positions, **kwargs)
 
 
 def enable_activation_checkpointing(model) -> None:

@@ -31,6 +31,7 @@ from apt_ds.io.checkpoint import load_checkpoint, save_checkpoint
 from apt_ds.io.metrics import MetricsWriter, memory_mb
 from apt_ds.training.forward import (
     enable_activation_checkpointing,
+    positions_forward,
     supervised_forward,
     supervised_positions,
     supervised_token_count,
@@ -200,7 +201,7 @@ class APTrainer:
             return loss, zero, zero
         layers = self.distiller.sample_layers()
         with self.distiller.teacher_mode(self.model, [self.state.masks, self.state.salience], layers):
-            teacher, _, _ = supervised_forward(self.backend.forward_no_grad, batch, positions)  # layers kept by hooks
+            teacher = positions_forward(self.backend.forward_no_grad, batch, positions)  # its sampled layers: hooks
         student, loss, supervised = supervised_forward(self.backend.forward, batch, positions, output_hidden_states=True)
         valid = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()
         # The logit KL is taken where the task loss is: positions that predict a supervised label

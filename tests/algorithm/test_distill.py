@@ -183,6 +183,41 @@ def test_teacher_layers_kept_by_hooks_give_the_loss_of_all_hidden_states():
     assert [len(layer._forward_hooks) for layer in model.model.layers] == hooks_before  # the teacher's hooks are gone
 
 
+def test_teacher_layer_hooks_are_removed_and_outputs_dropped_when_the_forward_fails():
+    model, _ = _student("gqa")
+    distiller = SelfDistiller(APTConfig(), num_layers=2)
+    batch = random_batch(batch=2, length=5)
+    with torch.no_grad():
+        model(**batch, output_hidden_states=True)  # transformers' own output hooks, installed on first use
+    hooks_before = [len(layer._forward_hooks) for layer in model.model.layers]
+
+    def fail(module, args, output):
+        raise RuntimeError("planted")
+
+    planted = model.model.layers[1].register_forward_hook(fail)
+    with pytest.raises(RuntimeError, match="planted"), torch.no_grad(), distiller.teacher_mode(model, [], [0, 1]):
+        model(**batch)
+    planted.remove()
+    assert [len(layer._forward_hooks) for layer in model.model.layers] == hooks_before
+    assert not distiller._teacher_layers  # layer 0's output, kept before the failure, is not held on to
+    with pytest.raises(IndexError), distiller.teacher_mode(model, [], [0, 5]):  # no layer 5: layer 0's hook goes too
+        pass
+    assert [len(layer._forward_hooks) for layer in model.model.layers] == hooks_before
+
+
+def test_a_teacher_layer_that_was_not_kept_is_a_clear_error():
+    model, adapters = _student("gqa")
+    distiller = SelfDistiller(APTConfig(), num_layers=2)
+    batch = random_batch(batch=2, length=5)
+    with torch.no_grad():
+        with distiller.teacher_mode(model, [], [0]):
+            teacher = model(**batch)
+        student = model(**batch, output_hidden_states=True)
+        assert "teacher" not in distiller._last_layer_output  # the norm's input is not kept when layers are hooked
+        with pytest.raises(ValueError, match="teacher's output of layer 1 was not kept"):
+            distiller.loss(model, student, teacher, [1], torch.ones(2, 5, dtype=torch.bool))
+
+
 def test_hidden_state_error_is_relative_to_each_teacher_token():
     """A 1000x "massive activation" token with the same relative error as the others weighs
     the same; with a plain MSE it would carry ~10^6 times their weight."""
