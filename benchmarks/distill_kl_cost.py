@@ -69,7 +69,8 @@ def measure(method: str, rows: int, vocabulary: int, device: str, repeats: int) 
         started = time.perf_counter()
         step()
         times.append(time.perf_counter() - started)
-    return {"method": method, "peak_growth_mb": round(peak_growth, 1), "inputs_mb": round(2 * student.numel() * 2 / 2**20, 1),
+    inputs_mb = 2 * student.numel() * student.element_size() / 2**20
+    return {"method": method, "peak_growth_mb": round(peak_growth, 1), "inputs_mb": round(inputs_mb, 1),
             "forward_backward_s": round(statistics.median(times), 4)}
 
 

@@ -95,7 +95,8 @@ class SelfDistiller:
             return self._teacher_layers[layer]
         if out.hidden_states is None:
             raise ValueError(f"the {role}'s output of layer {layer} was not kept: run the teacher under "
-                             f"teacher_mode(..., layers) naming every sampled layer, or forward with output_hidden_states=True")
+                             f"teacher_mode(..., layers) naming every sampled layer, "
+                             f"or forward with output_hidden_states=True")
         if layer == self.num_layers - 1 and role in self._last_layer_output:
             return self._last_layer_output[role]
         return out.hidden_states[layer + 1]

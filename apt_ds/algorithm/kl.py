@@ -1,14 +1,15 @@
 """KL(student || teacher) between two sets of logits, without vocabulary-sized fp32 copies.
 
-The plain formula (`log_softmax` of both in fp32, then `p * (log p - log q)`) keeps four
-(tokens x vocabulary) fp32 tensors for backward, and more in flight: measured on one H200 with
-a random LLaMA-2-7B shape (micro-batch 16 x 512 tokens, vocabulary 32,000), the first teacher
-step raised the peak allocated memory from 18,211 MiB (APT's own before it; LoRA's 18,163) to
-26,541 MiB (that step also asked the teacher for every hidden state, since changed). `kl_divergence_from_logits` saves only its two inputs, in their own dtype,
-and does the fp32 work in row chunks, in forward and again in backward (the gradient is
-closed-form: d KL / d z = p * (log p - log q - KL_row) for z = logits / T), so what it adds
-to the step's peak is a few chunk-sized temporaries. The forward runs the plain formula's
-operations chunk by chunk (equal to it when one chunk holds every row)."""
+The plain formula (`log_softmax` of both in fp32, then `p * (log p - log q)`) keeps four (tokens
+x vocabulary) fp32 tensors for backward, and more in flight: measured on one H200 with a random
+LLaMA-2-7B shape (micro-batch 16 x 512 tokens, vocabulary 32,000), the first teacher step raised
+the peak allocated memory from 18,211 MiB (APT's own before it; LoRA's 18,163) to 26,541 MiB
+(that step also asked the teacher for every hidden state, since changed).
+`kl_divergence_from_logits` saves only its two inputs, in their own dtype, and does the fp32
+work in row chunks, in forward and again in backward (the gradient is closed-form: d KL / d z =
+p * (log p - log q - KL_row) for z = logits / T), so what it adds to the step's peak is a few
+chunk-sized temporaries. The forward runs the plain formula's operations chunk by chunk (equal
+to it when one chunk holds every row)."""
 
 from __future__ import annotations
 

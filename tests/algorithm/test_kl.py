@@ -17,7 +17,8 @@ def plain_kl(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -
 
 
 def logits(rows: int, vocabulary: int, seed: int, dtype=torch.float64, scale: float = 3.0) -> torch.Tensor:
-    return (torch.randn(rows, vocabulary, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * scale).to(dtype)
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, vocabulary, generator=generator, dtype=torch.float64) * scale).to(dtype)
 
 
 @pytest.mark.parametrize("chunk_elements", [1 << 24, 7 * 50, 50, 1])  # one chunk; 7 rows; a row each; below one row
