@@ -5,11 +5,12 @@ x vocabulary) fp32 tensors for backward, and more in flight: measured on one H20
 LLaMA-2-7B shape (micro-batch 16 x 512 tokens, vocabulary 32,000), the first teacher step raised
 the peak allocated memory from 18,211 MiB (APT's own before it; LoRA's 18,163) to 26,541 MiB
 (that step also asked the teacher for every hidden state, since changed).
-`kl_divergence_from_logits` saves only its two inputs, in their own dtype, and does the fp32
-work in row chunks, in forward and again in backward (the gradient is closed-form: d KL / d z =
-p * (log p - log q - KL_row) for z = logits / T), so what it adds to the step's peak is a few
-chunk-sized temporaries. The forward runs the plain formula's operations chunk by chunk (equal
-to it when one chunk holds every row)."""
+`kl_divergence_from_logits` does the fp32 work in row chunks and, since the gradient is
+closed-form (d KL / d z = p * (log p - log q - KL_row) for z = logits / T), computes it in the
+same pass and keeps only it for backward, in the logits' dtype: what it adds to the step's peak is
+one logits-sized tensor and a few chunk-sized temporaries. Its value is the plain formula's,
+computed chunk by chunk (the same operations when one chunk holds every row); its gradient is
+rounded to the logits' dtype before backward scales it, where autograd would round once after."""
 
 from __future__ import annotations
 
@@ -32,28 +33,27 @@ class _KLFromLogits(torch.autograd.Function):
     @staticmethod
     def forward(ctx, student_logits, teacher_logits, temperature: float, chunk_elements: int):
         rows, vocabulary = student_logits.shape
+        # The gradient is closed-form, so it is computed here, chunk by chunk, while the
+        # probabilities are at hand, and kept in the logits' dtype: backward only scales it.
+        gradient = torch.empty_like(student_logits) if ctx.needs_input_grad[0] else None
         total = torch.zeros((), dtype=torch.float32, device=student_logits.device)
         for chunk in _chunks(rows, vocabulary, chunk_elements):
             log_p = _log_probs(student_logits[chunk], temperature)
-            log_q = _log_probs(teacher_logits[chunk], temperature)
-            total = total + (log_p.exp() * (log_p - log_q)).sum()
-        ctx.save_for_backward(student_logits, teacher_logits)
-        ctx.temperature, ctx.chunk_elements = temperature, chunk_elements
+            difference = log_p - _log_probs(teacher_logits[chunk], temperature)
+            p = log_p.exp_()  # in place: log p is not needed again
+            products = p * difference
+            total = total + products.sum()
+            if gradient is not None:
+                row_kl = products.sum(-1, keepdim=True)
+                gradient[chunk] = difference.sub_(row_kl).mul_(p).div_(temperature)  # cast on assignment
+        if gradient is not None:
+            ctx.save_for_backward(gradient)
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
-        student_logits, teacher_logits = ctx.saved_tensors
-        temperature = ctx.temperature
-        grad = torch.empty_like(student_logits)
-        rows, vocabulary = student_logits.shape
-        for chunk in _chunks(rows, vocabulary, ctx.chunk_elements):
-            log_p = _log_probs(student_logits[chunk], temperature)
-            difference = log_p - _log_probs(teacher_logits[chunk], temperature)
-            p = log_p.exp_()  # in place: log p is not needed again
-            row_kl = (p * difference).sum(-1, keepdim=True)
-            grad[chunk] = difference.sub_(row_kl).mul_(p).mul_(grad_total / temperature)  # cast on assignment
-        return grad, None, None, None
+        (gradient,) = ctx.saved_tensors
+        return gradient * grad_total, None, None, None
 
 
 def kl_divergence_from_logits(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0,
