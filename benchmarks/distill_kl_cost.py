@@ -1,6 +1,7 @@
 """Memory and time of the distillation KL on one micro-batch's logits: the plain formula (both
 log-softmaxes in fp32, autograd through all of it; the distiller before apt_ds.algorithm.kl)
-against `kl_divergence_from_logits` (inputs saved in their dtype, fp32 work in row chunks).
+against `kl_divergence_from_logits` (fp32 work in row chunks, the closed-form gradient computed in the
+same pass and kept alone for backward).
 
     python benchmarks/distill_kl_cost.py                      # 8,192 tokens x 32,000 (LLaMA-2-7B at 16 x 512), CPU
     python benchmarks/distill_kl_cost.py --device cuda        # the same on a GPU: peak allocated memory

@@ -158,8 +158,9 @@ def scale_ratios(results: list[dict]) -> dict:
     import statistics
 
     # recipe runs only: a short-schedule APT run also evaluates and saves a probe inside its loop
-    runs = {r["stage"]: r for r in results
-            if r["stage"].startswith("scale-") and r["ok"] and r.get("schedule") == "recipe" and "train_time_s" in r}
+    # (and unprofiled: the profiler's overhead is in a profiled run's loop)
+    runs = {r["stage"]: r for r in results if r["stage"].startswith("scale-") and r["ok"] and r.get("schedule") == "recipe"
+            and "train_time_s" in r and "profiled_steps" not in r}
     summary = {}
     for name, apt in runs.items():
         if not name.startswith("scale-apt-"):
@@ -338,8 +339,9 @@ def main(argv: list[str] | None = None) -> int:
                              "10-50%% with a teacher pass every 4th step, recover the last half), no eval and no export, "
                              "so the two runs' train_time_s compare")
     parser.add_argument("--scale-repeats", type=int, default=1,
-                        help="run each APT/LoRA pair this many times, alternating which goes first; "
-                             "gpu_check.json's summary gives the median of the APT/LoRA ratios")
+                        help="run each APT/LoRA pair this many times, alternating which goes first; with the "
+                             "recipe schedule gpu_check.json's summary gives the median of the APT/LoRA ratios "
+                             "(profiled runs left out)")
     parser.add_argument("--scale-seq-len", type=int, default=512)
     parser.add_argument("--scale-micro-batch", type=int, default=4, help="sequences per micro-batch of the scale runs")
     parser.add_argument("--scale-timeout", type=float, default=240, help="seconds per scale training run")

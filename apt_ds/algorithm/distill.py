@@ -76,6 +76,7 @@ class SelfDistiller:
         # (LLaMA-2-7B at 16 x 512 tokens: 33 x 67 MB in bf16), where the student keeps its own
         # for backward anyway.
         self._teacher_layers: dict[int, torch.Tensor] = {}
+        self._teacher_hooked: set[int] = set()  # the layers the last teacher_mode(..., layers) hooked
 
     def _watch_final_norm(self, model) -> None:
         norm = getattr(getattr(model, "model", None), "norm", None)
@@ -91,7 +92,10 @@ class SelfDistiller:
     def _layer_output(self, out, layer: int, role: str) -> torch.Tensor:
         """Layer `layer`'s output: hidden_states[layer + 1] (hidden_states[0] is the embedding
         output), except for the last layer, whose pre-norm output the norm hook kept."""
-        if role == "teacher" and layer in self._teacher_layers:
+        if role == "teacher" and self._teacher_hooked:
+            if layer not in self._teacher_layers:
+                raise ValueError(f"the teacher's output of layer {layer} was not kept: teacher_mode(..., layers) "
+                                 f"hooked layers {sorted(self._teacher_hooked)}; name every sampled layer")
             return self._teacher_layers[layer]
         if out.hidden_states is None:
             raise ValueError(f"the {role}'s output of layer {layer} was not kept: run the teacher under "
@@ -133,22 +137,26 @@ class SelfDistiller:
         # With `layers`, a sampled last layer's pre-norm output comes from its own hook, so the
         # final norm's input is not kept for the teacher.
         self._capture_as = None if layers else "teacher"
+        self._teacher_hooked = set(layers or [])
         hooks = []
         try:
-            for index in sorted(set(layers or [])):
+            for index in sorted(self._teacher_hooked):
                 hooks.append(model.model.layers[index].register_forward_hook(self._keep_teacher_layer(index)))
             for adapter in adapters:
                 adapter.use_teacher = True
             for switch, _ in saved:
                 switch.enabled = False
             yield
-        except BaseException:
-            self._teacher_layers.clear()  # a failed forward's outputs are not kept alive
+        except BaseException:  # nothing a failed teacher pass kept stays alive, and nothing is captured after it
+            self._teacher_layers.clear()
+            self._last_layer_output.clear()
+            self._capture_as = None
             raise
+        else:
+            self._capture_as = "student"  # the student's forward follows; loss_sums disarms
         finally:
             for hook in hooks:
                 hook.remove()
-            self._capture_as = "student"  # the student's forward follows; loss_sums disarms
             for adapter in adapters:
                 adapter.use_teacher = False
             for switch, enabled in saved:
@@ -180,6 +188,7 @@ class SelfDistiller:
         self._capture_as = None
         self._last_layer_output.clear()
         self._teacher_layers.clear()
+        self._teacher_hooked = set()
         return cfg.distill_kl_weight * kl_sum, cfg.distill_mse_weight * mse_sum
 
     def loss(self, model, student_out, teacher_out, layers: list[int], valid: torch.Tensor,

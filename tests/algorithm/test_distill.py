@@ -200,6 +200,7 @@ def test_teacher_layer_hooks_are_removed_and_outputs_dropped_when_the_forward_fa
     planted.remove()
     assert [len(layer._forward_hooks) for layer in model.model.layers] == hooks_before
     assert not distiller._teacher_layers  # layer 0's output, kept before the failure, is not held on to
+    assert distiller._capture_as is None  # a later forward's final-norm input is not captured either
     with pytest.raises(IndexError), distiller.teacher_mode(model, [], [0, 5]):  # no layer 5: layer 0's hook goes too
         pass
     assert [len(layer._forward_hooks) for layer in model.model.layers] == hooks_before
@@ -214,6 +215,10 @@ def test_a_teacher_layer_that_was_not_kept_is_a_clear_error():
             teacher = model(**batch)
         student = model(**batch, output_hidden_states=True)
         assert "teacher" not in distiller._last_layer_output  # the norm's input is not kept when layers are hooked
+        with pytest.raises(ValueError, match="teacher's output of layer 1 was not kept"):
+            distiller.loss(model, student, teacher, [1], torch.ones(2, 5, dtype=torch.bool))
+        with distiller.teacher_mode(model, [], [0]):  # a hooked pass that also returns every hidden state:
+            teacher = model(**batch, output_hidden_states=True)  # an unhooked layer is still refused, not read
         with pytest.raises(ValueError, match="teacher's output of layer 1 was not kept"):
             distiller.loss(model, student, teacher, [1], torch.ones(2, 5, dtype=torch.bool))
 

@@ -86,8 +86,47 @@ def test_saves_one_logits_sized_tensor_for_backward():
     logits_bytes = student.numel() * student.element_size()
     assert saved_bytes(lambda: kl_divergence_from_logits(student, teacher, 2 / 3)) == logits_bytes
     assert saved_bytes(lambda: plain_kl(student, teacher, 2 / 3)) == 8 * logits_bytes
-    with torch.no_grad():  # nothing to differentiate: no gradient is computed or kept
-        assert saved_bytes(lambda: kl_divergence_from_logits(student, teacher, 2 / 3)) == 0
+
+
+
+def test_no_gradient_is_computed_under_no_grad(monkeypatch):
+    import apt_ds.algorithm.kl as kl
+
+    asked = []
+    original = kl._chunk_kl
+    monkeypatch.setattr(kl, "_chunk_kl", lambda *args: asked.append(args[-1]) or original(*args))
+    student, teacher = logits(4, 9, 11).requires_grad_(), logits(4, 9, 12)
+    with torch.no_grad():
+        value = kl_divergence_from_logits(student, teacher, 0.5)
+    kl_divergence_from_logits(student.detach(), teacher, 0.5)
+    assert asked == [False, False] and value.grad_fn is None
+    kl_divergence_from_logits(student, teacher, 0.5).backward()
+    assert asked == [False, False, True] and student.grad is not None
+
+
+def test_fp16_logits_keep_an_fp32_gradient_for_the_loss_scale():
+    """fp16 training scales the loss (DeepSpeed's dynamic loss scale): a gradient rounded to fp16
+    before the scale would flush its small entries to zero (868 of these 64,000 would be)."""
+    student = logits(16, 4000, 13, dtype=torch.float16, scale=6.0).requires_grad_()
+    teacher = logits(16, 4000, 14, dtype=torch.float16, scale=6.0)
+    assert saved_bytes(lambda: kl_divergence_from_logits(student, teacher, 2.0)) == 4 * student.numel()
+    (kl_divergence_from_logits(student, teacher, 2.0) * 1024.0).backward()
+    reference = student.detach().double().requires_grad_()
+    (plain_kl(reference, teacher.double(), 2.0).double() * 1024.0).backward()
+    assert student.grad.dtype == torch.float16
+    assert int(((student.grad == 0) & (reference.grad != 0)).sum()) == 0
+    rounded_first = (reference.grad / 1024.0).half().double() * 1024.0  # what an fp16 kept gradient would give
+    assert int(((rounded_first == 0) & (reference.grad != 0)).sum()) > 100
+    error = ((student.grad.double() - reference.grad).abs().sum() / reference.grad.abs().sum()).item()
+    assert error < 1e-3
+
+
+def test_a_second_derivative_is_refused_rather_than_silently_zero():
+    student, teacher = logits(3, 5, 15).requires_grad_(), logits(3, 5, 16)
+    weight = torch.tensor(2.0, dtype=torch.float64, requires_grad=True)  # a larger graph around the KL
+    (gradient,) = torch.autograd.grad(kl_divergence_from_logits(student, teacher) * weight, student, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        gradient.sum().backward()
 
 
 def test_mismatched_shapes_are_refused():
