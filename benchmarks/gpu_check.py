@@ -52,6 +52,7 @@ SMALL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_a
              max_position_embeddings=1024, rms_norm_eps=1e-5, rope_theta=10000.0)
 SCALES = {"llama2-7b": LLAMA2_7B, "llama3.2-3b": LLAMA_3B, "small": SMALL}
 SCALE_BACKENDS = {"zero3": "ds_configs/zero3.json", "local": None}  # local: one process, no DeepSpeed
+EVENT_PARTS = ("decide", "shape_change", "teacher_snapshot", "heap_release")  # apt_ds.training.trainer's
 
 
 class Check:
@@ -206,6 +207,8 @@ def phase_times(run_dir: Path, steps: list[dict]) -> dict:
     summary = {name: {"steps": len(values), "sum_s": round(sum(values), 3), "median_s": round(statistics.median(values), 4)}
                for name, values in times.items()}
     summary["events_sum_s"] = round(sum(r.get("event_time_s", 0.0) for r in steps), 3)
+    for part in EVENT_PARTS:  # where the events' time went (the trainer's event_<part>_s)
+        summary[f"events_{part}_sum_s"] = round(sum(r.get(f"event_{part}_s", 0.0) for r in steps), 3)
     summary["mask_refresh_sum_s"] = round(sum(r.get("mask_refresh_s", 0.0) for r in steps), 3)
     return summary
 

@@ -43,13 +43,34 @@ def startup_objects_frozen() -> Iterator[None]:
     until the block ends, and is collected then. A collection first, so that cycles already
     unreachable are not kept through the block. A no-op when something else (a pre-fork
     server) already froze objects: unfreezing would undo its choice."""
+    global _freezing
     if gc.get_freeze_count():
         yield
         return
     gc.collect()
     try:
         gc.freeze()  # inside the try: an interrupt right after it still unfreezes
+        _freezing = True
         yield
     finally:
+        _freezing = False
         gc.unfreeze()
         gc.collect()
+
+
+_freezing = False  # inside startup_objects_frozen's block
+
+
+def freeze_prepared_data() -> bool:
+    """Inside `startup_objects_frozen`'s block, hide from the collector what exists now as well:
+    called once the training data is tokenized and before the model is built. The tokenized
+    examples are a dict and two lists each, which every full collection at a pruning event would
+    otherwise walk (SmolLM2-sized runs on 40k packed examples: about 60 ms an event on the 2-vCPU
+    EPYC, and it grows with the data set). The model and the engine come after, so their cycles
+    stay visible. A collection first, as on entry. Elsewhere (no block of ours) a no-op returning
+    False: a freeze would outlive the caller."""
+    if not _freezing:
+        return False
+    gc.collect()
+    gc.freeze()
+    return True

@@ -27,6 +27,7 @@ from apt_ds.io.modeling import TINY_MODELS, build_tiny_llama, file_fingerprint, 
 from apt_ds.io.run_dir import RUN_FILE, check_out_dir, discard, prepare_out_dir, restore
 from apt_ds.io.templates import check_template
 from apt_ds.io.tokenizer import load_tokenizer, train_sentencepiece_tokenizer
+from apt_ds.training.heap import freeze_prepared_data
 from apt_ds.training.probe import live_probe
 from apt_ds.training.resume import (
     check_resumable,
@@ -197,7 +198,6 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
     records = load_records(data_path)
     with tempfile.TemporaryDirectory(prefix="apt-tokenizer-") as staging:
         tokenizer = _tokenizer(args, out, _texts_for_tokenizer(records), train, Path(staging))
-        model, fingerprint = _model(args, tokenizer, train, apt.prune, backend)
         truncation = TruncationStats()
         examples = tokenize_dataset(records, tokenizer, train.max_seq_len, pack=not args.no_pack, source=data_path,
                                     stats=truncation, template=train.template)
@@ -206,6 +206,8 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
             print(warning, file=sys.stderr)
         pad_id = tokenizer.pad_token_id or 0
         eval_batches = _eval_batches(args, tokenizer, train, backend, pad_id)
+        freeze_prepared_data()  # the examples, before the model exists (apt_ds.training.heap)
+        model, fingerprint = _model(args, tokenizer, train, apt.prune, backend)
         if meta is not None:
             check_resumable(meta, args, train, fingerprint, data_path, backend.world_size)
         backend.validate(model, train.grad_accum_steps, train.max_grad_norm)  # e.g. DeepSpeed JSON vs TrainConfig

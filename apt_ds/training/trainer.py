@@ -240,11 +240,22 @@ class APTrainer:
     def _pruning_event(self, step: int) -> dict:
         started = time.perf_counter()
         record = {}
+        # Host time of the event's parts (event_<part>_s), so a slow event says where it went;
+        # device work queued by a part is paid wherever the host next waits for the device.
+        lap = started
+
+        def part(name: str) -> None:
+            nonlocal lap
+            now = time.perf_counter()
+            record[f"event_{name}_s"] = now - lap
+            lap = now
+
         decision = self._decide(step, record)
         prints = self.backend.all_gather_object(decision.fingerprint())
         if len(set(prints)) != 1:
             raise RuntimeError(f"pruning decisions differ across ranks at step {step}: {prints}")
         self.masker.snap(self.state.masks, decision)
+        part("decide")
         access = self.backend.param_access()
 
         def change_fn():
@@ -260,10 +271,13 @@ class APTrainer:
         ranks = self.backend.all_gather_object((self.state.kept_record(), self.state.ranks()))
         if any(r != ranks[0] for r in ranks):
             raise RuntimeError(f"shapes or ranks differ across ranks after the pruning event at step {step}")
+        part("shape_change")
         if self.apt_config.distill:
             self._snapshot_teacher()
+        part("teacher_snapshot")
         if decision.removes_anything():
             release_free_heap()  # the removed units' memory, or RSS would not drop (apt_ds.training.heap)
+        part("heap_release")
         record.update({"event": True, "event_time_s": time.perf_counter() - started, "decision": decision.fingerprint()[:16]})
         if self.eval_batches:
             record["eval_loss"] = self.evaluate()

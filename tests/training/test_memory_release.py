@@ -77,3 +77,26 @@ def test_objects_frozen_by_someone_else_stay_frozen():
         assert gc.get_freeze_count() == count
     finally:
         gc.unfreeze()
+
+
+def test_the_cli_hides_the_tokenized_data_from_event_collections_but_not_the_model(tmp_path, monkeypatch):
+    """Every full collection at a pruning event walks what is not frozen: the tokenized examples
+    (a dict and two lists each) are frozen once prepared, the model and its weights are not."""
+    import apt_ds.training.trainer as trainer_module
+    from apt_ds.cli.train import main
+    from apt_ds.training.heap import freeze_prepared_data
+
+    seen = []
+
+    def inspect_then_release():
+        tracked = gc.get_objects()  # what a collection walks (frozen objects are not listed)
+        seen.append({"examples": sum(1 for o in tracked if type(o) is dict and set(o) == {"input_ids", "labels"}),
+                     "parameters": sum(1 for o in tracked if isinstance(o, torch.nn.Parameter))})
+        return release_free_heap()
+
+    monkeypatch.setattr(trainer_module, "release_free_heap", inspect_then_release)
+    assert main(["--out", str(tmp_path / "run"), "--steps", "8", "--target-density", "0.7", "--max-seq-len", "32",
+                 "--checkpoint-every", "0"]) == 0
+    assert seen and all(s["examples"] == 0 for s in seen)
+    assert all(s["parameters"] > 0 for s in seen)  # the model stays visible: its replaced weights' cycles are found
+    assert freeze_prepared_data() is False and gc.get_freeze_count() == 0  # outside the CLI's block: nothing frozen
