@@ -45,6 +45,10 @@ if str(ROOT) not in sys.path:
 from benchmarks.llama_scale import LLAMA_3B, free_port, write_model  # noqa: E402
 from benchmarks.scale_on_paper import LLAMA2  # noqa: E402
 
+from apt_ds.training.trainer import APTrainer  # noqa: E402
+
+EVENT_PARTS = APTrainer.EVENT_PARTS  # an event's timed parts (event_<part>_s)
+
 LLAMA2_7B = dict(LLAMA2["7B"][0], head_dim=128, vocab_size=32000, tie_word_embeddings=False,
                  max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0)
 SMALL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
@@ -52,7 +56,6 @@ SMALL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_a
              max_position_embeddings=1024, rms_norm_eps=1e-5, rope_theta=10000.0)
 SCALES = {"llama2-7b": LLAMA2_7B, "llama3.2-3b": LLAMA_3B, "small": SMALL}
 SCALE_BACKENDS = {"zero3": "ds_configs/zero3.json", "local": None}  # local: one process, no DeepSpeed
-EVENT_PARTS = ("decide", "shape_change", "teacher_snapshot", "heap_release")  # apt_ds.training.trainer's
 
 
 class Check:

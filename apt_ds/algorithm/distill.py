@@ -174,21 +174,23 @@ class SelfDistiller:
         cfg = self.config
         temperature = cfg.distill_temperature
         positions = valid if kl_positions is None else kl_positions
-        # KL(student || teacher), as the spec; apt_ds.algorithm.kl keeps no vocabulary-sized fp32 copies for backward
-        kl_sum = kl_divergence_from_logits(student_out.logits[positions], teacher_out.logits[positions], temperature)
-        kl_sum = kl_sum * temperature**2
-        transform = getattr(model, TRANSFORM_ATTR)
-        weights = valid.float()
-        mse_sum = weights.new_zeros(())
-        for layer in layers:
-            student_h = transform(self._layer_output(student_out, layer, "student")).float()
-            teacher_h = self._layer_output(teacher_out, layer, "teacher").float()
-            mse_sum = mse_sum + (relative_squared_error(student_h, teacher_h) * weights).sum()
-        mse_sum = mse_sum / max(1, len(layers))
-        self._capture_as = None
-        self._last_layer_output.clear()
-        self._teacher_layers.clear()
-        self._teacher_hooked = set()
+        try:
+            # KL(student || teacher), as the spec; apt_ds.algorithm.kl keeps no vocabulary-sized fp32 copies for backward
+            kl_sum = kl_divergence_from_logits(student_out.logits[positions], teacher_out.logits[positions], temperature)
+            kl_sum = kl_sum * temperature**2
+            transform = getattr(model, TRANSFORM_ATTR)
+            weights = valid.float()
+            mse_sum = weights.new_zeros(())
+            for layer in layers:
+                student_h = transform(self._layer_output(student_out, layer, "student")).float()
+                teacher_h = self._layer_output(teacher_out, layer, "teacher").float()
+                mse_sum = mse_sum + (relative_squared_error(student_h, teacher_h) * weights).sum()
+            mse_sum = mse_sum / max(1, len(layers))
+        finally:  # disarmed and emptied even when the loss fails: nothing captured stays alive
+            self._capture_as = None
+            self._last_layer_output.clear()
+            self._teacher_layers.clear()
+            self._teacher_hooked = set()
         return cfg.distill_kl_weight * kl_sum, cfg.distill_mse_weight * mse_sum
 
     def loss(self, model, student_out, teacher_out, layers: list[int], valid: torch.Tensor,

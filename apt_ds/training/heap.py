@@ -65,9 +65,10 @@ def freeze_prepared_data() -> bool:
     """Inside `startup_objects_frozen`'s block, hide from the collector what exists now as well:
     called once the training data is tokenized and before the model is built. The tokenized
     examples are a dict and two lists each, which every full collection at a pruning event would
-    otherwise walk (SmolLM2-sized runs on 40k packed examples: about 60 ms an event on the 2-vCPU
-    EPYC, and it grows with the data set). The model and the engine come after, so their cycles
-    stay visible. A collection first, as on entry. Elsewhere (no block of ours) a no-op returning
+    otherwise walk (40k packed examples of gpu_check's small random model: about 55 ms of
+    collection an event on the 2-vCPU EPYC; it grows with the data set). The model and the engine
+    come after, so their cycles stay visible: nothing alive here may later join a cycle with
+    weights or an engine. A collection first, as on entry. Elsewhere (no block of ours) a no-op returning
     False: a freeze would outlive the caller."""
     if not _freezing:
         return False

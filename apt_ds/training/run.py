@@ -134,6 +134,16 @@ def _model(args, tokenizer, train: TrainConfig, prunes: bool, backend):
     return model, model_fingerprint(model)
 
 
+def _check_model_fits_early(args, train: TrainConfig, backend) -> None:
+    """_model's size check from the safetensors headers alone, so that a model that cannot fit is
+    reported before the data is tokenized (the data comes first: apt_ds.training.heap)."""
+    path = Path(args.model)
+    if args.model not in TINY_MODELS and path.is_dir():
+        from apt_ds.io.weights import SafetensorsWeights
+
+        _check_model_fits(SafetensorsWeights(path), base_dtype_of(backend, train), backend, path)
+
+
 def _check_model_fits(weights, dtype, backend, path: Path) -> None:
     """A clear error instead of the OOM killer when the base weights alone cannot fit."""
     partitions = backend.world_size if _partitions_weights(backend) else 1
@@ -198,6 +208,7 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
     records = load_records(data_path)
     with tempfile.TemporaryDirectory(prefix="apt-tokenizer-") as staging:
         tokenizer = _tokenizer(args, out, _texts_for_tokenizer(records), train, Path(staging))
+        _check_model_fits_early(args, train, backend)  # before tokenizing what may be a large data set
         truncation = TruncationStats()
         examples = tokenize_dataset(records, tokenizer, train.max_seq_len, pack=not args.no_pack, source=data_path,
                                     stats=truncation, template=train.template)

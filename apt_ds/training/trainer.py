@@ -38,11 +38,14 @@ from apt_ds.training.forward import (
     valid_token_count,
 )
 from apt_ds.training.heap import release_free_heap
+from apt_ds.training.laps import Laps
 from apt_ds.training.lr_schedule import warmup_cosine
 from apt_ds.training.shape_trials import measure_uniform_shape
 
 
 class APTrainer:
+    EVENT_PARTS = ("decide", "shape_change", "teacher_snapshot", "heap_release")  # an event's timed parts
+
     def __init__(self, model, apt: APTConfig, train: TrainConfig, backend: TrainingBackend | None = None,
                  out_dir: str | Path | None = None, eval_batches: list[dict] | None = None, progress: bool = True,
                  run_info: dict | None = None):
@@ -240,16 +243,7 @@ class APTrainer:
     def _pruning_event(self, step: int) -> dict:
         started = time.perf_counter()
         record = {}
-        # Host time of the event's parts (event_<part>_s), so a slow event says where it went;
-        # device work queued by a part is paid wherever the host next waits for the device.
-        lap = started
-
-        def part(name: str) -> None:
-            nonlocal lap
-            now = time.perf_counter()
-            record[f"event_{name}_s"] = now - lap
-            lap = now
-
+        part = Laps(record, "event_", self.EVENT_PARTS)  # so a slow event says where it went (uniform trials: "decide")
         decision = self._decide(step, record)
         prints = self.backend.all_gather_object(decision.fingerprint())
         if len(set(prints)) != 1:

@@ -96,7 +96,8 @@ def test_recipe_schedule_repeats_alternate_and_summarise_ratios(tmp_path):
     assert len(apt["final_ffn"]) == len(apt["final_kv_groups"]) == 4 and apt["final_hidden"] <= 512  # the small model's shape
     assert stages["scale-lora-local"]["final_ffn"] == [1408] * 4
     parts = [phases[f"events_{part}_sum_s"] for part in gpu_check.EVENT_PARTS]
-    assert all(value >= 0 for value in parts) and 0 < sum(parts) <= phases["events_sum_s"] + 1e-3
+    # each sum is rounded to 1 ms: five of them may exceed the rounded total by up to 3 ms
+    assert all(value >= 0 for value in parts) and 0 < sum(parts) <= phases["events_sum_s"] + 3e-3
     assert set(stages["scale-lora-local"]["phases"]) - {f"events_{part}_sum_s" for part in gpu_check.EVENT_PARTS} == {"warmup", "pruning", "recovery", "events_sum_s", "mask_refresh_sum_s"}
     ratios = record["summary"]["apt_over_lora"]["local"]
     assert len(ratios["train_time"]) == 2 and ratios["train_time_median"] > 0 and len(ratios["recovery_step"]) == 2

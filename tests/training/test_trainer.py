@@ -133,7 +133,7 @@ def test_events_metrics_and_distillation(full_run):
     assert all(r["mask_refresh_s"] > 0 for r in steps if "mask_refresh_s" in r)
     # an event's record says where its host time went
     for record in (r for r in steps if r.get("event")):
-        parts = [record[f"event_{part}_s"] for part in ("decide", "shape_change", "teacher_snapshot", "heap_release")]
+        parts = [record[f"event_{part}_s"] for part in trainer_module.APTrainer.EVENT_PARTS]
         assert all(value >= 0 for value in parts) and sum(parts) <= record["event_time_s"] + 1e-6
     # density falls at events only, and monotonically
     densities = [r["density"] for r in steps]
