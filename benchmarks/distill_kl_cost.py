@@ -25,25 +25,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+from benchmarks._common import write_json  # noqa: E402
+
 METHODS = ("plain", "chunked")
+TEMPERATURE = 2 / 3  # APTConfig's distill_temperature
 
 
 def measure(method: str, rows: int, vocabulary: int, device: str, repeats: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from apt_ds.algorithm.kl import kl_divergence_from_logits
+    from apt_ds.algorithm.kl import kl_divergence_from_logits, kl_divergence_sum
     from benchmarks._common import reset_peak_rss, rss_mb, vm_hwm_mb
 
     def plain(student, teacher):
-        log_p = F.log_softmax(student.float() / (2 / 3), -1)
-        log_q = F.log_softmax(teacher.float() / (2 / 3), -1)
-        return (log_p.exp() * (log_p - log_q)).sum()
+        log_probs = [F.log_softmax(x.float() / TEMPERATURE, -1) for x in (student, teacher)]
+        return kl_divergence_sum(*log_probs)
 
-    def chunked(student, teacher):
-        return kl_divergence_from_logits(student, teacher, 2 / 3)
-
-    kl = {"plain": plain, "chunked": chunked}[method]
+    kl = plain if method == "plain" else lambda student, teacher: kl_divergence_from_logits(student, teacher, TEMPERATURE)
     generator = torch.Generator(device=device).manual_seed(0)
     student = torch.randn(rows, vocabulary, generator=generator, device=device, dtype=torch.bfloat16).requires_grad_()
     teacher = torch.randn(rows, vocabulary, generator=generator, device=device, dtype=torch.bfloat16)
@@ -95,8 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(json.loads(output.strip().splitlines()[-1]))
         print(json.dumps(results[-1]), flush=True)
     record = {"rows": args.rows, "vocabulary": args.vocabulary, "device": args.device, "results": results}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(record, indent=1))
+    write_json(args.json, record)
     return 0
 
 

@@ -42,10 +42,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from apt_ds.training.run import PROBE_FILE  # noqa: E402
+from apt_ds.training.trainer import APTrainer  # noqa: E402
+from benchmarks._common import read_json, write_json  # noqa: E402
 from benchmarks.llama_scale import LLAMA_3B, free_port, write_model  # noqa: E402
 from benchmarks.scale_on_paper import LLAMA2  # noqa: E402
-
-from apt_ds.training.trainer import APTrainer  # noqa: E402
 
 EVENT_PARTS = APTrainer.EVENT_PARTS  # an event's timed parts (event_<part>_s)
 
@@ -113,7 +114,7 @@ class Check:
 
     def write(self) -> None:
         record = {"device": self.device, "stages": self.results, **({"summary": self.summary} if self.summary else {})}
-        (self.out / "gpu_check.json").write_text(json.dumps(record, indent=1))
+        write_json(self.out / "gpu_check.json", record)  # through a temporary file: rewritten after every stage
 
 
 def train_command(check: Check, run_dir: Path, extra: list[str], deepspeed: str | None = None) -> list[str]:
@@ -149,7 +150,7 @@ def run_summary(run_dir: Path) -> dict:
 def final_shape(run_dir: Path) -> dict:
     """The shape a run ended at (hidden size, KV groups and FFN width per layer, adapter ranks):
     what its step cost depends on beyond the parameter count."""
-    record = json.loads((run_dir / "ranks" / "rank0.json").read_text())
+    record = read_json(run_dir / "ranks" / "rank0.json")
     shape = record["shape"]
     return {"final_hidden": shape["hidden"], "final_kv_groups": [layer["num_kv_groups"] for layer in shape["layers"]],
             "final_ffn": [layer["ffn"] for layer in shape["layers"]], "final_adapter_ranks": sorted(set(record["ranks"].values()))}
@@ -192,7 +193,7 @@ def phase_times(run_dir: Path, steps: list[dict]) -> dict:
     phase is split into steps with a teacher pass (mu > 0) and without."""
     import statistics
 
-    apt = json.loads((run_dir / "run.json").read_text())["apt_config"]
+    apt = read_json(run_dir / "run.json")["apt_config"]
     start, end = apt["pruning_start_step"], apt["pruning_end_step"]
 
     def phase(record: dict) -> str:
@@ -223,7 +224,7 @@ def compare_with_probe(run_dir: Path, export_dir: Path, device: str, atol: float
 
     from apt_ds.io.modeling import load_pretrained
 
-    probe = load_file(str(run_dir / "eval_probe.safetensors"))
+    probe = load_file(str(run_dir / PROBE_FILE))
     model = load_pretrained(export_dir).to(device).eval()
     attended = probe["attention_mask"].bool()
     prompt_len = int(probe["attention_mask"][0].sum())
@@ -296,24 +297,25 @@ def scale_stage(check: Check, args, method: str, backend: str, profile: bool = F
     model_dir, started = check.work / f"model-{args.scale}", time.monotonic()
     write_model(model_dir, SCALES[args.scale], dtype="bfloat16" if check.device != "cpu" else "float32",
                 device=check.device)
-    run_dir = check.work / f"scale-{method}-{backend}{suffix}"
-    extra = ["--model", str(model_dir), "--data", str(scale_data(check)), "--method", method,
+    run_dir, data = check.work / f"scale-{method}-{backend}{suffix}", scale_data(check)
+    extra = ["--model", str(model_dir), "--data", str(data), "--method", method,
              "--max-seq-len", str(args.scale_seq_len), "--micro-batch-size", str(args.scale_micro_batch),
              "--grad-accum-steps", "1", "--steps", str(args.scale_steps), "--target-density", "0.7", "--gradient-checkpointing"]
     if args.scale_schedule == "short":
         extra += ["--pruning-start-step", "2", "--pruning-end-step", "8", "--num-pruning-events", "3"]
         if method == "apt":  # the probe scale-export compares with; the recipe runs evaluate nothing, so their loops compare
-            extra += ["--eval-data", str(scale_data(check)), "--eval-examples", "4", "--save-eval-probe"]
+            extra += ["--eval-data", str(data), "--eval-examples", "4", "--save-eval-probe"]
     written = time.monotonic()
-    command = train_command(check, run_dir, extra, SCALE_BACKENDS[backend])
+    command, profiled = train_command(check, run_dir, extra, SCALE_BACKENDS[backend]), {}
     if profile:  # the same run, some of its steps under torch.profiler (benchmarks/step_profile.py)
         first, last = args.profile_steps or (args.scale_steps - 3, args.scale_steps - 1)
         command = [sys.executable, "benchmarks/step_profile.py", "--steps-to-profile", str(first), str(last),
                    "--table", str(check.out / f"profile_{method}_{backend}.txt"), "--", *command[2:]]
+        profiled = {"profiled_steps": [first, last]}
     check.sh(command, timeout=args.scale_timeout)
     return {"model": args.scale, "backend": backend, "schedule": args.scale_schedule, "seq_len": args.scale_seq_len,
             "micro_batch": args.scale_micro_batch, "steps": args.scale_steps,
-            **({"profiled_steps": [int(command[3]), int(command[4])]} if profile else {}), "write_model_s": round(written - started, 1),
+            **profiled, "write_model_s": round(written - started, 1),
             "run_s": round(time.monotonic() - written, 1), **run_summary(run_dir)}
 
 

@@ -40,7 +40,7 @@ def profiled_train(train_argv: list[str], first: int, last: int, table: Path, ro
     profiler = profile(activities=activities)
 
     def sync() -> None:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if torch.cuda.is_initialized():
             torch.cuda.synchronize()
 
     def close() -> None:

@@ -38,11 +38,6 @@ def attach_transform(model, hidden: int, rank: int, alpha: float, seed: int,
     return transform
 
 
-def kl_divergence_sum(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-    """KL(p || q) summed over rows, from log-probabilities over the last dimension."""
-    return (log_p.exp() * (log_p - log_q)).sum()
-
-
 def relative_squared_error(student_h: torch.Tensor, teacher_h: torch.Tensor) -> torch.Tensor:
     """Per-token mean squared error divided by the teacher token's mean square: (batch, seq).
 

@@ -23,6 +23,12 @@ import torch.nn.functional as F
 CHUNK_ELEMENTS = 1 << 24  # rows x vocabulary per chunk: 64 MiB per fp32 temporary
 
 
+def kl_divergence_sum(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) summed over rows, from log-probabilities over the last dimension (the plain
+    formula; uniform shape trials compare cached log-probabilities with it, under no_grad)."""
+    return (log_p.exp() * (log_p - log_q)).sum()
+
+
 def _chunks(rows: int, vocabulary: int, chunk_elements: int) -> list[slice]:
     step = max(1, chunk_elements // max(1, vocabulary))
     return [slice(start, min(rows, start + step)) for start in range(0, rows, step)]

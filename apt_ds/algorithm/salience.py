@@ -104,6 +104,7 @@ class SalienceCollector:
         hidden = [shape.hidden] * (2 * len(layers))
         per_kind = sum(attn) + sum(ffn) + sum(hidden)
         self._sizes = {"attn": attn, "ffn": ffn, "hidden": hidden}
+        self._spans = (sum(attn), sum(ffn), per_kind)  # the buffer's layout, read by end_step
         # each unit's layer, per kind, made once per shape: indexing with it spreads per-layer
         # means over the units without a host sync (repeat_interleave by counts would sync)
         self._unit_layer = {kind: torch.repeat_interleave(torch.arange(len(units)), torch.tensor(units)).to(self.device)
@@ -180,10 +181,9 @@ class SalienceCollector:
         """Reduce the step's sums across ranks, turn them into unit scores, update the EMA."""
         flat = self.reduce_sum(self._buffer)  # everything in one collective, identical on every rank
         sizes = self._sizes
-        per_kind = sum(sizes["attn"]) + sum(sizes["ffn"]) + sum(sizes["hidden"])
+        a, f, per_kind = self._spans
         act, grad = flat[:per_kind], flat[per_kind : 2 * per_kind]
         sums, tokens = flat[2 * per_kind : -1], flat[-1:]
-        a, f = sum(sizes["attn"]), sum(sizes["ffn"])
         layers = self.shape.layers
         groups = self._kind_scores(act[:a], grad[:a], sums[:a], tokens, self.attn_sites, [l.num_kv_groups for l in layers],
                                    [l.group_size * l.head_dim for l in layers], self._unit_layer["attn"])

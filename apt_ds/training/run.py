@@ -119,8 +119,7 @@ def _model(args, tokenizer, train: TrainConfig, prunes: bool, backend):
     if path.is_dir():
         from apt_ds.io.weights import SafetensorsWeights
 
-        _check_model_fits(SafetensorsWeights(path), dtype, backend, path)  # from the headers, before any read
-        fingerprint = file_fingerprint(path)  # chunk by chunk: the same for every base dtype
+        fingerprint = file_fingerprint(path)  # its size was checked before the data was tokenized  # chunk by chunk: the same for every base dtype
         if _partitions_weights(backend):
             from transformers import AutoConfig
 
@@ -135,8 +134,8 @@ def _model(args, tokenizer, train: TrainConfig, prunes: bool, backend):
 
 
 def _check_model_fits_early(args, train: TrainConfig, backend) -> None:
-    """_model's size check from the safetensors headers alone, so that a model that cannot fit is
-    reported before the data is tokenized (the data comes first: apt_ds.training.heap)."""
+    """A safetensors model's size check, from its headers alone: before the data is tokenized
+    (the data comes before the model: apt_ds.training.heap), and so before any weight is read."""
     path = Path(args.model)
     if args.model not in TINY_MODELS and path.is_dir():
         from apt_ds.io.weights import SafetensorsWeights

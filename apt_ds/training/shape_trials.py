@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from apt_ds.algorithm.distill import kl_divergence_sum
+from apt_ds.algorithm.kl import kl_divergence_sum
 from apt_ds.algorithm.masks import UnitMasks
 from apt_ds.algorithm.pruner import GradualMasker, KeepDecision, uniform_shape_of
 from apt_ds.distributed.placement import move_batch
