@@ -36,6 +36,13 @@ def clipping_before_max_grad_norm(run_info: dict) -> float:
 
 
 def check_resumable(meta: dict, args, train: TrainConfig, fingerprint: dict, data_path: str, world_size: int) -> None:
+    check_resumable_settings(meta, train, data_path, world_size)
+    check_resumable_model(meta, args, fingerprint)
+
+
+def check_resumable_settings(meta: dict, train: TrainConfig, data_path: str, world_size: int) -> None:
+    """What the command line alone decides (global batch, RESUME_MUST_MATCH, data): checked before
+    the data is read, so a mistyped resume fails in a second, not after tokenizing."""
     saved_train = meta["train_config"]
     saved_world = meta["run_info"].get("world_size", 1)
     before, now = global_batch_size(saved_train, saved_world), global_batch_size(train, world_size)
@@ -55,6 +62,11 @@ def check_resumable(meta: dict, args, train: TrainConfig, fingerprint: dict, dat
     info = meta["run_info"]
     if info.get("data") != data_path:
         raise CheckpointError(f"--resume: the run was trained on --data {info.get('data')}, not {data_path}")
+
+
+def check_resumable_model(meta: dict, args, fingerprint: dict) -> None:
+    """The model's fingerprint: known once the model (or, for a safetensors directory, its files) is read."""
+    info = meta["run_info"]
     if not same_model(info.get("model_fingerprint") or {"missing": True}, fingerprint):
         raise CheckpointError(f"--resume: --model {args.model} is not the model this run was trained from ({info.get('model')})")
 

@@ -30,7 +30,8 @@ from apt_ds.io.tokenizer import load_tokenizer, train_sentencepiece_tokenizer
 from apt_ds.training.heap import freeze_prepared_data
 from apt_ds.training.probe import live_probe
 from apt_ds.training.resume import (
-    check_resumable,
+    check_resumable_model,
+    check_resumable_settings,
     checkpoint_to_resume,
     clipping_before_max_grad_norm,
     truncate_metrics,
@@ -119,7 +120,7 @@ def _model(args, tokenizer, train: TrainConfig, prunes: bool, backend):
     if path.is_dir():
         from apt_ds.io.weights import SafetensorsWeights
 
-        fingerprint = file_fingerprint(path)  # its size was checked before the data was tokenized  # chunk by chunk: the same for every base dtype
+        fingerprint = file_fingerprint(path)  # chunk by chunk: the same for every base dtype
         if _partitions_weights(backend):
             from transformers import AutoConfig
 
@@ -204,6 +205,8 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
     meta = read_meta(checkpoint_to_resume(out)) if args.resume else None
     # Validate every input before writing anything into --out.
     data_path = args.data or str(demo_data_path())
+    if meta is not None:  # the command line's settings, before the data is read; the model's after it is built
+        check_resumable_settings(meta, train, data_path, backend.world_size)
     records = load_records(data_path)
     with tempfile.TemporaryDirectory(prefix="apt-tokenizer-") as staging:
         tokenizer = _tokenizer(args, out, _texts_for_tokenizer(records), train, Path(staging))
@@ -219,7 +222,7 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
         freeze_prepared_data()  # the examples, before the model exists (apt_ds.training.heap)
         model, fingerprint = _model(args, tokenizer, train, apt.prune, backend)
         if meta is not None:
-            check_resumable(meta, args, train, fingerprint, data_path, backend.world_size)
+            check_resumable_model(meta, args, fingerprint)
         backend.validate(model, train.grad_accum_steps, train.max_grad_norm)  # e.g. DeepSpeed JSON vs TrainConfig
         # Absolute: the run is exported/resumed from other working directories.
         model_ref = args.model if args.model in TINY_MODELS else str(Path(args.model).resolve())

@@ -243,6 +243,22 @@ def test_bad_input_gives_one_line_and_changes_nothing(home, argv, words, capsys,
             record.write(json.dumps({"case": request.node.callspec.id, "argv": argv, "error": err[0]}) + "\n")
 
 
+def test_resume_with_changed_settings_fails_before_the_data_is_read(home, capsys, monkeypatch):
+    """The command line's settings are compared with the checkpoint's first: a mistyped --resume
+    fails at once, not after a large data set is read and tokenized."""
+    from apt_ds.training import run as run_module
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the data was read before the settings were checked")
+
+    monkeypatch.chdir(home)
+    monkeypatch.setattr(run_module, "load_records", must_not_run)
+    monkeypatch.setattr(run_module, "tokenize_dataset", must_not_run)
+    capsys.readouterr()
+    assert train_main([*BASE, "--steps", "12", "--out", "torn_masks", "--resume"]) == 2
+    assert "changed: steps: 8 -> 12" in capsys.readouterr().err
+
+
 def test_the_table_is_large_and_every_case_distinct():
     assert len(CASES) >= 40
     assert len({case[0] for case in CASES}) == len(CASES) and len({tuple(case[1]) for case in CASES}) == len(CASES)
