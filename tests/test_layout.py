@@ -167,3 +167,11 @@ MAX_MODULE_LINES = 310  # "one concept, under ~300 lines": a reader can hold a m
 def test_modules_stay_small():
     long = {name: n for name, path in _modules().items() if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
     assert not long, f"split these modules (over {MAX_MODULE_LINES} lines): {long}"
+
+
+def test_the_code_passes_the_linter():
+    """pyflakes, pycodestyle's errors and import order ([tool.ruff.lint] in pyproject.toml)."""
+    root = PACKAGE.parent
+    result = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "apt_ds", "tests", "benchmarks", "launch"],
+                            cwd=root, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]

@@ -247,8 +247,8 @@ def test_instruct_task_is_scored_zero_shot_by_the_harness(tmp_path, tokenizer):
         assert all(0.25 <= share <= 1.0 for share in row["harness_answer_share"].values())
     assert rows["apt_0.7"]["density"] < 0.95  # the pruned export was the one scored
     # every method was scored on the rows drawn with the run's seed (0), not the top of each file
-    from apt_ds.evaluation.tasks import task_manager
     from apt_ds.evaluation.harness import draw_rows
+    from apt_ds.evaluation.tasks import task_manager
 
     manager = task_manager()
     expected = {**draw_rows(manager, ["arc_easy", "piqa"], 3, seed=0), **draw_rows(manager, ["mmlu"], 1, seed=0)}

@@ -26,11 +26,12 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
+from memory_probes import fixed_mmap_threshold, live_tensor_mb  # noqa: E402
+
 from apt_ds.algorithm.adapters import add_adapters, find_adapters  # noqa: E402
 from apt_ds.distributed.backend import LocalBackend  # noqa: E402
 from apt_ds.distributed.zero import DeepSpeedBackend  # noqa: E402
 from apt_ds.training.heap import release_free_heap  # noqa: E402
-from memory_probes import fixed_mmap_threshold, live_tensor_mb  # noqa: E402
 
 GLOBAL_BATCH, SEQ, VOCAB = 4, 16, 128
 LR, WD = 1e-2, 0.01
