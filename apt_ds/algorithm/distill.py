@@ -57,53 +57,51 @@ def student_adapters(model) -> dict[str, APTAdapter]:
 
 
 class SelfDistiller:
+    """Teacher and student passes each keep the outputs of the sampled decoder layers through
+    forward hooks (`teacher_mode`, `student_mode`), which `loss_sums` reads and drops.
+
+    Hooks rather than `output_hidden_states`: transformers hands back the LAST layer's state after
+    the model's final norm, not the layer's output, and the no_grad teacher would keep every
+    layer's state alive until the loss (LLaMA-2-7B at 16 x 512 tokens: 33 x 67 MB in bf16)."""
+
     def __init__(self, config: APTConfig, num_layers: int, seed: int = 0):
         self.config = config
         self.num_layers = num_layers
         self.generator = torch.Generator().manual_seed(seed + 17)
-        # transformers returns the LAST layer's hidden state after the model's final norm; the
-        # last layer's own output is read at the norm's input instead (a hook armed per step).
-        self._norm_hooked: set[int] = set()
-        self._last_layer_output: dict[str, torch.Tensor] = {}
-        self._capture_as: str | None = None
-        # The teacher's outputs of the sampled layers only, kept by forward hooks: asking the
-        # no_grad teacher for every hidden state would keep all of them alive until the loss
-        # (LLaMA-2-7B at 16 x 512 tokens: 33 x 67 MB in bf16), where the student keeps its own
-        # for backward anyway.
-        self._teacher_layers: dict[int, torch.Tensor] = {}
-        self._teacher_hooked: set[int] = set()  # the layers the last teacher_mode(..., layers) hooked
+        self._kept: dict[str, dict[int, torch.Tensor]] = {"teacher": {}, "student": {}}
 
-    def _watch_final_norm(self, model) -> None:
-        norm = getattr(getattr(model, "model", None), "norm", None)
-        if norm is not None and id(norm) not in self._norm_hooked:
-            norm.register_forward_pre_hook(self._keep_norm_input)
-            self._norm_hooked.add(id(norm))
+    @contextlib.contextmanager
+    def _keeping(self, model, layers: list[int], role: str):
+        """Keep the outputs of decoder `layers` of the forward passes inside. The hooks go when the
+        block ends (before backward: activation checkpointing's recompute must not keep them
+        again); on failure whatever was kept goes too."""
+        kept = self._kept[role]
+        kept.clear()
+        hooks = []
+        try:
+            for index in sorted(set(layers)):
+                hooks.append(model.model.layers[index].register_forward_hook(self._keep(kept, index)))
+            yield
+        except BaseException:
+            kept.clear()
+            raise
+        finally:
+            for hook in hooks:
+                hook.remove()
 
-    def _keep_norm_input(self, module, args):
-        if self._capture_as is not None:
-            self._last_layer_output[self._capture_as] = args[0]
-        return None
-
-    def _layer_output(self, out, layer: int, role: str) -> torch.Tensor:
-        """Layer `layer`'s output: hidden_states[layer + 1] (hidden_states[0] is the embedding
-        output), except for the last layer, whose pre-norm output the norm hook kept."""
-        if role == "teacher" and self._teacher_hooked:
-            if layer not in self._teacher_layers:
-                raise ValueError(f"the teacher's output of layer {layer} was not kept: teacher_mode(..., layers) "
-                                 f"hooked layers {sorted(self._teacher_hooked)}; name every sampled layer")
-            return self._teacher_layers[layer]
-        if out.hidden_states is None:
-            raise ValueError(f"the {role}'s output of layer {layer} was not kept: run the teacher under "
-                             f"teacher_mode(..., layers) naming every sampled layer, "
-                             f"or forward with output_hidden_states=True")
-        if layer == self.num_layers - 1 and role in self._last_layer_output:
-            return self._last_layer_output[role]
-        return out.hidden_states[layer + 1]
-
-    def _keep_teacher_layer(self, index: int):
+    @staticmethod
+    def _keep(kept: dict[int, torch.Tensor], index: int):
         def hook(module, args, output):
-            self._teacher_layers[index] = output[0] if isinstance(output, tuple) else output
+            kept[index] = output[0] if isinstance(output, tuple) else output
         return hook
+
+    def _layer_output(self, role: str, layer: int) -> torch.Tensor:
+        kept = self._kept[role]
+        if layer not in kept:
+            mode = "teacher_mode" if role == "teacher" else "student_mode"
+            raise ValueError(f"the {role}'s output of layer {layer} was not kept: run its forward under "
+                             f"{mode}(..., layers) naming every sampled layer (kept: {sorted(kept)})")
+        return kept[layer]
 
     def snapshot(self, model, read_param=None) -> None:
         """Freeze the current adapters as the teacher (called at each pruning event).
@@ -120,47 +118,33 @@ class SelfDistiller:
         return [int(block[torch.randint(len(block), (1,), generator=self.generator)]) for block in blocks]
 
     @contextlib.contextmanager
-    def teacher_mode(self, model, switches, layers: list[int] | None = None):
-        """Adapters read their snapshot; masks and salience hooks are switched off. With
-        `layers`, the outputs of those decoder layers are kept for the loss (forward hooks), so
-        the teacher's forward need not return every hidden state."""
+    def teacher_mode(self, model, switches, layers: list[int]):
+        """Adapters read their snapshot; masks and salience hooks are switched off; the outputs
+        of decoder `layers` are kept for the loss."""
         adapters = student_adapters(model).values()
         saved = [(s, s.enabled) for s in switches]
-        self._watch_final_norm(model)
-        self._last_layer_output.clear()
-        self._teacher_layers.clear()
-        # With `layers`, a sampled last layer's pre-norm output comes from its own hook, so the
-        # final norm's input is not kept for the teacher.
-        self._capture_as = None if layers else "teacher"
-        self._teacher_hooked = set(layers or [])
-        hooks = []
         try:
-            for index in sorted(self._teacher_hooked):
-                hooks.append(model.model.layers[index].register_forward_hook(self._keep_teacher_layer(index)))
             for adapter in adapters:
                 adapter.use_teacher = True
             for switch, _ in saved:
                 switch.enabled = False
-            yield
-        except BaseException:  # nothing a failed teacher pass kept stays alive, and nothing is captured after it
-            self._teacher_layers.clear()
-            self._last_layer_output.clear()
-            self._capture_as = None
-            raise
-        else:
-            self._capture_as = "student"  # the student's forward follows; loss_sums disarms
+            with self._keeping(model, layers, "teacher"):
+                yield
         finally:
-            for hook in hooks:
-                hook.remove()
             for adapter in adapters:
                 adapter.use_teacher = False
             for switch, enabled in saved:
                 switch.enabled = enabled
 
+    def student_mode(self, model, layers: list[int]):
+        """The student's forward: the outputs of decoder `layers` are kept for the loss."""
+        return self._keeping(model, layers, "student")
+
     def loss_sums(self, model, student_out, teacher_out, layers: list[int], valid: torch.Tensor,
                   kl_positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Token SUMS of the two weighted terms: (kl_weight * T^2 * KL summed over `kl_positions`,
         mse_weight * per-token relative hidden-state MSE summed over `valid` positions, averaged over sampled layers).
+        The outputs' logits give the KL; the layer outputs are those teacher_mode and student_mode kept.
 
         Sums, so the caller can divide by token counts of the whole (multi-rank) step. Logits are
         gathered at the KL positions first: the (positions x vocab) softmax temporaries cover only
@@ -177,15 +161,13 @@ class SelfDistiller:
             weights = valid.float()
             mse_sum = weights.new_zeros(())
             for layer in layers:
-                student_h = transform(self._layer_output(student_out, layer, "student")).float()
-                teacher_h = self._layer_output(teacher_out, layer, "teacher").float()
+                student_h = transform(self._layer_output("student", layer)).float()
+                teacher_h = self._layer_output("teacher", layer).float()
                 mse_sum = mse_sum + (relative_squared_error(student_h, teacher_h) * weights).sum()
             mse_sum = mse_sum / max(1, len(layers))
-        finally:  # disarmed and emptied even when the loss fails: nothing captured stays alive
-            self._capture_as = None
-            self._last_layer_output.clear()
-            self._teacher_layers.clear()
-            self._teacher_hooked = set()
+        finally:  # emptied even when the loss fails: nothing kept stays alive
+            for kept in self._kept.values():
+                kept.clear()
         return cfg.distill_kl_weight * kl_sum, cfg.distill_mse_weight * mse_sum
 
     def loss(self, model, student_out, teacher_out, layers: list[int], valid: torch.Tensor,

@@ -204,11 +204,11 @@ class APTrainer:
             return loss, zero, zero
         layers = self.distiller.sample_layers()
         with self.distiller.teacher_mode(self.model, [self.state.masks, self.state.salience], layers):
-            teacher = positions_forward(self.backend.forward_no_grad, batch, positions)  # its sampled layers: hooks
-        student, loss, supervised = supervised_forward(self.backend.forward, batch, positions, output_hidden_states=True)
+            teacher = positions_forward(self.backend.forward_no_grad, batch, positions)
+        with self.distiller.student_mode(self.model, layers):
+            student, loss, supervised = supervised_forward(self.backend.forward, batch, positions)
         valid = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()
-        # The logit KL is taken where the task loss is: positions that predict a supervised label
-        # (the response of instruction data; every real token of text data).
+        # The logit KL where the task loss is: at supervised labels (instruction data's response; all real text tokens)
         kl_sum, mse_sum = self.distiller.loss_sums(self.model, student, teacher, layers, valid, supervised)
         return loss, kl_sum, mse_sum
 

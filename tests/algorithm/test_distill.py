@@ -60,7 +60,7 @@ def test_teacher_mode_uses_snapshot_and_no_masks():
     with torch.no_grad():
         expected_teacher = reference(**batch).logits
         student = model(**batch).logits
-        with distiller.teacher_mode(model, [masks, salience]):
+        with distiller.teacher_mode(model, [masks, salience], []):
             assert not masks.enabled and not salience.enabled
             assert all(a.use_teacher for a in student_adapters(model).values())
             teacher = model(**batch).logits
@@ -79,7 +79,7 @@ def test_teacher_mode_restores_switches_on_error():
     masks.enabled = True
     distiller = SelfDistiller(APTConfig(), num_layers=2)
     with pytest.raises(RuntimeError):
-        with distiller.teacher_mode(model, [masks]):
+        with distiller.teacher_mode(model, [masks], [0]):
             raise RuntimeError("boom")
     assert masks.enabled
     assert not any(a.use_teacher for a in student_adapters(model).values())
@@ -98,19 +98,28 @@ def test_transform_is_identity_at_init_and_not_a_student_adapter():
     assert not transform.weight.requires_grad
 
 
+def _passes(distiller, model, batch, layers, teacher_layers=None):
+    """(teacher output, student output) of one batch, their sampled layers kept as the trainer does."""
+    with distiller.teacher_mode(model, [], layers if teacher_layers is None else teacher_layers):
+        teacher = model(**batch)
+    with distiller.student_mode(model, layers):
+        student = model(**batch)
+    return teacher, student
+
+
 def test_distill_loss_is_zero_for_identical_outputs_and_positive_otherwise():
     model, adapters = _student("gqa")
     _set_b(adapters, seed=3)
     distiller = SelfDistiller(APTConfig(), num_layers=2)
+    distiller.snapshot(model)  # the teacher's adapters are the student's
     batch = random_batch()
     valid = batch["attention_mask"].bool()
     with torch.no_grad():
-        out = model(**batch, output_hidden_states=True)
-        same = model(**batch, output_hidden_states=True)
-        assert float(distiller.loss(model, out, same, [0, 1], valid)) == pytest.approx(0.0, abs=1e-7)
+        teacher, student = _passes(distiller, model, batch, [0, 1])
+        assert float(distiller.loss(model, student, teacher, [0, 1], valid)) == pytest.approx(0.0, abs=1e-7)
         _set_b(adapters, seed=4)
-        other = model(**batch, output_hidden_states=True)
-        assert float(distiller.loss(model, other, out, [0, 1], valid)) > 1e-6
+        teacher, student = _passes(distiller, model, batch, [0, 1])
+        assert float(distiller.loss(model, student, teacher, [0, 1], valid)) > 1e-6
 
 
 @pytest.mark.parametrize("layer", [0, 1])  # 1 is the last layer of the 2-layer model
@@ -129,14 +138,16 @@ def test_distill_loss_formula(layer):
     with torch.no_grad():
         _set_b(adapters, seed=5)
         distiller.snapshot(model)  # the teacher's adapters
-        with distiller.teacher_mode(model, []):
-            teacher = model(**batch, output_hidden_states=True)
+        with distiller.teacher_mode(model, [], [layer]):
+            teacher = model(**batch)
         _set_b(adapters, seed=6)
-        student = model(**batch, output_hidden_states=True)
+        with distiller.student_mode(model, [layer]):
+            student = model(**batch)
         transform = getattr(model, TRANSFORM_ATTR)
         transform.lora_B.normal_(0, 0.01)  # transform no longer the identity
         got = distiller.loss(model, student, teacher, [layer], valid)
         hook.remove()
+        final_normed = model(**batch, output_hidden_states=True).hidden_states[-1]
         T = 0.5
         s_logp, t_logp = F.log_softmax(student.logits / T, -1), F.log_softmax(teacher.logits / T, -1)
         kl = (s_logp.exp() * (s_logp - t_logp)).sum(-1)[valid].mean() * T**2
@@ -146,44 +157,46 @@ def test_distill_loss_formula(layer):
     torch.testing.assert_close(got, 0.3 * kl + 0.7 * mse, rtol=1e-5, atol=1e-8)
     assert float(kl) > 0 and float(mse) > 0
     assert abs(float(kl - reverse)) > 1e-4 * float(kl)  # the direction is observable here
+    assert teacher.hidden_states is None and student.hidden_states is None  # no pass returns every layer's state
     if layer == 1:
-        assert not torch.allclose(t_h, teacher.hidden_states[2])  # hidden_states[-1] is after the final norm
+        assert not torch.allclose(s_h, final_normed)  # hidden_states[-1] is after the final norm
 
 
-def test_teacher_layers_kept_by_hooks_give_the_loss_of_all_hidden_states():
-    """teacher_mode(layers=...) keeps the sampled layers' outputs itself, so the trainer's teacher
-    forward returns no hidden states (none kept alive until the loss); the loss is unchanged."""
-    cfg = APTConfig(distill_kl_weight=0.3, distill_mse_weight=0.7, distill_temperature=0.5)
-    model, adapters = _student("gqa")
-    distiller = SelfDistiller(cfg, num_layers=2)
-    batch = random_batch(batch=3, length=7)
-    valid = torch.ones(3, 7, dtype=torch.bool)
-    losses = []
-    with torch.no_grad():
-        model(**batch, output_hidden_states=True)  # transformers installs its own output hooks on first use
-    hooks_before = [len(layer._forward_hooks) for layer in model.model.layers]
-    with torch.no_grad():
-        _set_b(adapters, seed=5)
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_student_layer_outputs_carry_gradient_and_checkpointing_changes_nothing(checkpointing):
+    """The student's kept outputs are the graph's own tensors: the MSE trains the student's adapters
+    and the transform. Under activation checkpointing the recompute in backward runs no hook
+    (student_mode's hooks are gone by then), and the gradients are those without it."""
+    from apt_ds.training.forward import enable_activation_checkpointing
+
+    grads = {}
+    for checkpoint in (False, checkpointing):
+        model, adapters = _student("gqa")
+        if checkpoint:
+            enable_activation_checkpointing(model)
+        distiller = SelfDistiller(APTConfig(distill_kl_weight=0.0, distill_mse_weight=1.0), num_layers=2)
+        batch = random_batch(batch=2, length=6)
+        _set_b(adapters, seed=7)
         distiller.snapshot(model)
-        for layers in ([0], [1], [0, 1]):
-            with distiller.teacher_mode(model, [], layers):
-                lean = model(**batch)
-            assert lean.hidden_states is None and sorted(distiller._teacher_layers) == layers
-            _set_b(adapters, seed=6)
-            student = model(**batch, output_hidden_states=True)
-            got = distiller.loss(model, student, lean, layers, valid)
-            with distiller.teacher_mode(model, []):
-                _set_b(adapters, seed=5)
-                full = model(**batch, output_hidden_states=True)
-            _set_b(adapters, seed=6)
-            student = model(**batch, output_hidden_states=True)
-            losses.append((got, distiller.loss(model, student, full, layers, valid)))
-    for got, expected in losses:
-        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-8)
-    assert [len(layer._forward_hooks) for layer in model.model.layers] == hooks_before  # the teacher's hooks are gone
+        _set_b(adapters, seed=8)
+        with torch.no_grad(), distiller.teacher_mode(model, [], [0, 1]):
+            teacher = model(**batch)
+        with distiller.student_mode(model, [0, 1]):
+            student = model(**batch)
+        hooks = [len(layer._forward_hooks) for layer in model.model.layers]
+        loss = distiller.loss(model, student, teacher, [0, 1], batch["attention_mask"].bool())
+        loss.backward()
+        assert not any(distiller._kept.values())  # nothing kept after the loss, nor by the recompute
+        assert [len(layer._forward_hooks) for layer in model.model.layers] == hooks
+        grads[checkpoint] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert any(n.startswith(TRANSFORM_ATTR) for n in grads[False])
+    assert any(float(g.abs().max()) > 0 for n, g in grads[False].items() if "lora_A" in n and not n.startswith(TRANSFORM_ATTR))
+    assert grads[checkpointing].keys() == grads[False].keys()
+    for name, grad in grads[False].items():
+        torch.testing.assert_close(grads[checkpointing][name], grad, rtol=1e-5, atol=1e-7)
 
 
-def test_teacher_layer_hooks_are_removed_and_outputs_dropped_when_the_forward_fails():
+def test_layer_hooks_are_removed_and_outputs_dropped_when_a_forward_fails():
     model, _ = _student("gqa")
     distiller = SelfDistiller(APTConfig(), num_layers=2)
     batch = random_batch(batch=2, length=5)
@@ -197,30 +210,29 @@ def test_teacher_layer_hooks_are_removed_and_outputs_dropped_when_the_forward_fa
     planted = model.model.layers[1].register_forward_hook(fail)
     with pytest.raises(RuntimeError, match="planted"), torch.no_grad(), distiller.teacher_mode(model, [], [0, 1]):
         model(**batch)
+    with pytest.raises(RuntimeError, match="planted"), distiller.student_mode(model, [0, 1]):
+        model(**batch)
     planted.remove()
     assert [len(layer._forward_hooks) for layer in model.model.layers] == hooks_before
-    assert not distiller._teacher_layers  # layer 0's output, kept before the failure, is not held on to
-    assert distiller._capture_as is None  # a later forward's final-norm input is not captured either
+    assert not any(distiller._kept.values())  # layer 0's outputs, kept before the failures, are not held on to
     with pytest.raises(IndexError), distiller.teacher_mode(model, [], [0, 5]):  # no layer 5: layer 0's hook goes too
         pass
     assert [len(layer._forward_hooks) for layer in model.model.layers] == hooks_before
 
 
-def test_a_teacher_layer_that_was_not_kept_is_a_clear_error():
-    model, adapters = _student("gqa")
+def test_a_layer_that_was_not_kept_is_a_clear_error():
+    model, _ = _student("gqa")
     distiller = SelfDistiller(APTConfig(), num_layers=2)
     batch = random_batch(batch=2, length=5)
+    valid = torch.ones(2, 5, dtype=torch.bool)
     with torch.no_grad():
-        with distiller.teacher_mode(model, [], [0]):
-            teacher = model(**batch)
-        student = model(**batch, output_hidden_states=True)
-        assert "teacher" not in distiller._last_layer_output  # the norm's input is not kept when layers are hooked
-        with pytest.raises(ValueError, match="teacher's output of layer 1 was not kept"):
-            distiller.loss(model, student, teacher, [1], torch.ones(2, 5, dtype=torch.bool))
-        with distiller.teacher_mode(model, [], [0]):  # a hooked pass that also returns every hidden state:
-            teacher = model(**batch, output_hidden_states=True)  # an unhooked layer is still refused, not read
-        with pytest.raises(ValueError, match="teacher's output of layer 1 was not kept"):
-            distiller.loss(model, student, teacher, [1], torch.ones(2, 5, dtype=torch.bool))
+        teacher, student = _passes(distiller, model, batch, [0, 1], teacher_layers=[0])
+        with pytest.raises(ValueError, match=r"teacher's output of layer 1 was not kept: .*teacher_mode"):
+            distiller.loss(model, student, teacher, [0, 1], valid)
+        teacher, student = _passes(distiller, model, batch, [0], teacher_layers=[0, 1])
+        with pytest.raises(ValueError, match=r"student's output of layer 1 was not kept: .*student_mode"):
+            distiller.loss(model, student, teacher, [0, 1], valid)
+        assert not any(distiller._kept.values())  # a failed loss drops what was kept
 
 
 def test_hidden_state_error_is_relative_to_each_teacher_token():
