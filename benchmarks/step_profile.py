@@ -9,19 +9,74 @@ process, with the trainer wrapped for the chosen steps [first, last): each profi
 training step and what the loop does after it (a pruning event, or a decay-window step's decision
 and mask refresh). Written: tables of the operators by self device time (on GPUs) and by self CPU
 time, the profiled steps' wall times (device synchronised before and after each), and how many
-optimizer steps the profile holds.
+optimizer steps the profile holds. On a GPU also the operations that made the host wait for the
+device inside those steps (`torch.cuda.set_sync_debug_mode`), counted by the innermost apt_ds
+line that called them: each stalls the launch queue that keeps a GPU busy.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import sys
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+
+PACKAGE_DIR = str(ROOT / "apt_ds")
+
+
+def sync_site(stack: list[traceback.FrameSummary]) -> str:
+    """Where a synchronising operation came from: the innermost apt_ds frame of its stack
+    (the operation itself is usually deep in torch), else the innermost frame."""
+    for frame in reversed(stack):
+        if frame.filename.startswith(PACKAGE_DIR):
+            return f"{Path(frame.filename).relative_to(ROOT)}:{frame.lineno} ({frame.name})"
+    frame = stack[-1]
+    return f"{frame.filename}:{frame.lineno} ({frame.name})"
+
+
+class SyncSites:
+    """Counts the warnings of `torch.cuda.set_sync_debug_mode("warn")` by `sync_site`, while on."""
+
+    MESSAGE = "called a synchronizing CUDA operation"
+
+    def __init__(self):
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._context = None
+
+    def _show(self, message, category, filename, lineno, file=None, line=None):
+        if self.MESSAGE in str(message):
+            stack = traceback.extract_stack()[:-1]  # not this handler
+            self.counts[sync_site([f for f in stack if f.filename != warnings.__file__])] += 1
+        else:
+            self._previous(message, category, filename, lineno, file, line)
+
+    def on(self, set_mode) -> None:
+        if self._context is None:
+            self._context = warnings.catch_warnings()
+            self._context.__enter__()
+            warnings.simplefilter("always")  # every occurrence, not the first per line
+            self._previous, warnings.showwarning = warnings.showwarning, self._show
+        set_mode("warn")
+
+    def off(self, set_mode) -> None:
+        set_mode("default")
+        if self._context is not None:
+            self._context.__exit__(None, None, None)  # restores showwarning and the filters
+            self._context = None
+
+    def report(self) -> str:
+        total = sum(self.counts.values())
+        lines = [f"{count:6d}  {site}" for site, count in self.counts.most_common()]
+        return f"host waits for the device (synchronising operations) inside the profiled steps: {total}\n" + "\n".join(lines)
 
 
 def profiled_train(train_argv: list[str], first: int, last: int, table: Path, rows: int = 40) -> int:
@@ -38,14 +93,29 @@ def profiled_train(train_argv: list[str], first: int, last: int, table: Path, ro
     opened: list[bool] = []  # [True] while the profiler is recording
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     profiler = profile(activities=activities)
+    syncs = SyncSites() if torch.cuda.is_available() else None
 
-    def sync() -> None:
+    def sync() -> None:  # the timing's own wait: not counted
         if torch.cuda.is_initialized():
-            torch.cuda.synchronize()
+            with syncs_paused():
+                torch.cuda.synchronize()
+
+    @contextlib.contextmanager
+    def syncs_paused():
+        counting = syncs is not None and syncs._context is not None
+        if counting:
+            torch.cuda.set_sync_debug_mode("default")
+        try:
+            yield
+        finally:
+            if counting:
+                torch.cuda.set_sync_debug_mode("warn")
 
     def close() -> None:
         if opened:
             opened.pop()
+            if syncs is not None:
+                syncs.off(torch.cuda.set_sync_debug_mode)
             profiler.__exit__(None, None, None)
 
     # One profiled step = the training step and what follows it in the loop (a pruning event, or
@@ -56,6 +126,8 @@ def profiled_train(train_argv: list[str], first: int, last: int, table: Path, ro
                 profiler.__enter__()
                 opened.append(True)
             sync()
+            if syncs is not None:
+                syncs.on(torch.cuda.set_sync_debug_mode)
             started[:] = [time.perf_counter()]
         return train_step(self, batches)
 
@@ -88,6 +160,7 @@ def profiled_train(train_argv: list[str], first: int, last: int, table: Path, ro
                      f"profiled steps [{first}, {last}), each with what follows it (event, or decision and mask "
                      f"refresh): wall s {[round(w, 4) for w in wall]}\n"
                      f"optimizer steps inside the profile: {optimizer_steps}\n"
+                     + (f"\n== {syncs.report()}\n" if syncs is not None else "")
                      + "".join(f"\n== operators by {title}\n{text}\n" for title, text in tables))
     return code
 

@@ -111,3 +111,38 @@ def test_skip_names_every_repeat_of_a_scale_run(tmp_path):
     record = json.loads((out / "gpu_check.json").read_text())
     assert code == 0 and [s["stage"] for s in record["stages"]] == ["scale-lora-local", "scale-lora-local-2"]
     assert "summary" not in record  # no APT run to pair with
+
+
+def test_sync_sites_counts_sync_warnings_by_the_innermost_apt_ds_line(recwarn):
+    """step_profile's sync count (GPU only, so the torch side is faked here): warnings of the sync
+    debug mode are counted by the innermost apt_ds frame, every occurrence, and only while on;
+    other warnings pass through and the warning machinery is restored afterwards."""
+    import traceback
+    import warnings
+
+    import step_profile
+
+    modes = []
+    frame = traceback.FrameSummary
+    inner = step_profile.PACKAGE_DIR + "/training/trainer.py"
+    stack = [frame("/x/launch.py", 3, "main"), frame(inner, 42, "_log"), frame("/torch/_tensor.py", 9, "item")]
+    assert step_profile.sync_site(stack) == "apt_ds/training/trainer.py:42 (_log)"
+    assert step_profile.sync_site(stack[:1]) == "/x/launch.py:3 (main)"  # no apt_ds frame: the innermost
+
+    sites = step_profile.SyncSites()
+    shown = warnings.showwarning
+    message = "called a synchronizing CUDA operation"
+    warnings.warn(message)  # before counting: not counted
+    sites.on(modes.append)
+    for _ in range(3):
+        warnings.warn(message)  # the same line three times: three waits
+    warnings.warn("something else")  # passes through to the previous handler
+    sites.on(modes.append)  # the next profiled step: still one count
+    warnings.warn(message)
+    sites.off(modes.append)
+    warnings.warn(message)  # after: not counted
+    assert modes == ["warn", "warn", "default"] and warnings.showwarning is shown
+    assert sum(sites.counts.values()) == 4 and len(sites.counts) == 2
+    assert all("test_bench_gpu_check.py" in site for site in sites.counts)  # no apt_ds frame here: this file
+    assert sites.report().startswith("host waits for the device (synchronising operations) inside the profiled steps: 4\n")
+    assert [str(w.message) for w in recwarn] == [message, "something else", message]
