@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
+import os
 import sys
 import time
 import traceback
@@ -30,12 +30,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-PACKAGE_DIR = str(ROOT / "apt_ds")
+PACKAGE_DIR = str(ROOT / "apt_ds") + os.sep
 
 
 def sync_site(stack: list[traceback.FrameSummary]) -> str:
-    """Where a synchronising operation came from: the innermost apt_ds frame of its stack
-    (the operation itself is usually deep in torch), else the innermost frame."""
+    """Where a synchronising operation came from (`stack` outermost first): the innermost apt_ds
+    frame (the operation itself is usually deep in torch), else the innermost frame."""
     for frame in reversed(stack):
         if frame.filename.startswith(PACKAGE_DIR):
             return f"{Path(frame.filename).relative_to(ROOT)}:{frame.lineno} ({frame.name})"
@@ -44,42 +44,74 @@ def sync_site(stack: list[traceback.FrameSummary]) -> str:
 
 
 class SyncSites:
-    """Counts the warnings of `torch.cuda.set_sync_debug_mode("warn")` by `sync_site`, while on."""
+    """Counts the warnings of the sync debug mode ("warn") by `sync_site` between `on` and `off`.
+
+    torch warns from C++ on each operation that makes the host wait for the device (a copy to
+    the host, `.item()`, `nonzero`, a stream synchronize; not `torch.cuda.synchronize`); the
+    warning reaches Python's `warnings.showwarning` with the calling Python stack. Those raised in
+    autograd's backward threads are replayed at the `.backward()` call, and counted there."""
 
     MESSAGE = "called a synchronizing CUDA operation"
 
-    def __init__(self):
+    def __init__(self, get_mode, set_mode):
+        self.get_mode, self.set_mode = get_mode, set_mode
         self.counts: collections.Counter[str] = collections.Counter()
         self._context = None
+        self._mode_before = None
+
+    @classmethod
+    def for_cuda(cls) -> SyncSites | None:
+        """On a CUDA machine: counting that touches the device only once the run uses it (a
+        --device cpu run there creates no CUDA context)."""
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+
+        def get_mode():
+            return torch.cuda.get_sync_debug_mode() if torch.cuda.is_initialized() else 0
+
+        def set_mode(mode):
+            if torch.cuda.is_initialized():
+                torch.cuda.set_sync_debug_mode(mode)
+
+        return cls(get_mode, set_mode)
 
     def _show(self, message, category, filename, lineno, file=None, line=None):
         if self.MESSAGE in str(message):
-            stack = traceback.extract_stack()[:-1]  # not this handler
-            self.counts[sync_site([f for f in stack if f.filename != warnings.__file__])] += 1
+            # the caller's frames without reading source lines (this runs inside the timed steps)
+            frames = traceback.StackSummary.extract(traceback.walk_stack(sys._getframe(1)), lookup_lines=False)
+            self.counts[sync_site([f for f in reversed(frames) if f.filename != warnings.__file__])] += 1
         else:
             self._previous(message, category, filename, lineno, file, line)
 
-    def on(self, set_mode) -> None:
-        if self._context is None:
-            self._context = warnings.catch_warnings()
-            self._context.__enter__()
-            warnings.simplefilter("always")  # every occurrence, not the first per line
-            self._previous, warnings.showwarning = warnings.showwarning, self._show
-        set_mode("warn")
-
-    def off(self, set_mode) -> None:
-        set_mode("default")
+    def on(self) -> None:
         if self._context is not None:
-            self._context.__exit__(None, None, None)  # restores showwarning and the filters
-            self._context = None
+            return
+        self._context = warnings.catch_warnings()  # restores showwarning and the filters on exit
+        self._context.__enter__()
+        warnings.filterwarnings("always", message=self.MESSAGE)  # every occurrence; other warnings as before
+        self._previous, warnings.showwarning = warnings.showwarning, self._show
+        self._mode_before = self.get_mode()
+        self.set_mode("warn")
+
+    def off(self) -> None:
+        if self._context is None:
+            return
+        self.set_mode(self._mode_before)
+        self._context.__exit__(None, None, None)
+        self._context = None
 
     def report(self) -> str:
         total = sum(self.counts.values())
         lines = [f"{count:6d}  {site}" for site, count in self.counts.most_common()]
-        return f"host waits for the device (synchronising operations) inside the profiled steps: {total}\n" + "\n".join(lines)
+        return (f"host waits for the device (synchronising operations) inside the profiled steps, counted while "
+                f"CUDA was in use: {total}\n" + "\n".join(lines))
 
 
-def profiled_train(train_argv: list[str], first: int, last: int, table: Path, rows: int = 40) -> int:
+def profiled_train(train_argv: list[str], first: int, last: int, table: Path, rows: int = 40,
+                   syncs: SyncSites | None = None) -> int:
+    """`syncs`: what counts host waits (default: `SyncSites.for_cuda()`, none without CUDA)."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -93,29 +125,17 @@ def profiled_train(train_argv: list[str], first: int, last: int, table: Path, ro
     opened: list[bool] = []  # [True] while the profiler is recording
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     profiler = profile(activities=activities)
-    syncs = SyncSites() if torch.cuda.is_available() else None
+    syncs = syncs if syncs is not None else SyncSites.for_cuda()
 
-    def sync() -> None:  # the timing's own wait: not counted
+    def sync() -> None:
         if torch.cuda.is_initialized():
-            with syncs_paused():
-                torch.cuda.synchronize()
-
-    @contextlib.contextmanager
-    def syncs_paused():
-        counting = syncs is not None and syncs._context is not None
-        if counting:
-            torch.cuda.set_sync_debug_mode("default")
-        try:
-            yield
-        finally:
-            if counting:
-                torch.cuda.set_sync_debug_mode("warn")
+            torch.cuda.synchronize()
 
     def close() -> None:
+        if syncs is not None:
+            syncs.off()
         if opened:
             opened.pop()
-            if syncs is not None:
-                syncs.off(torch.cuda.set_sync_debug_mode)
             profiler.__exit__(None, None, None)
 
     # One profiled step = the training step and what follows it in the loop (a pruning event, or
@@ -126,8 +146,8 @@ def profiled_train(train_argv: list[str], first: int, last: int, table: Path, ro
                 profiler.__enter__()
                 opened.append(True)
             sync()
-            if syncs is not None:
-                syncs.on(torch.cuda.set_sync_debug_mode)
+            if syncs is not None:  # this step and what follows it; not the logging and checkpoints between
+                syncs.on()
             started[:] = [time.perf_counter()]
         return train_step(self, batches)
 
@@ -136,6 +156,8 @@ def profiled_train(train_argv: list[str], first: int, last: int, table: Path, ro
         if started:
             sync()
             wall.append(time.perf_counter() - started.pop())
+            if syncs is not None:
+                syncs.off()
             if self.step >= last or self.step >= self.train_config.steps:  # the window or the run is over
                 close()
         return record

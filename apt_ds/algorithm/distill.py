@@ -73,8 +73,10 @@ class SelfDistiller:
     @contextlib.contextmanager
     def _keeping(self, model, layers: list[int], role: str):
         """Keep the outputs of decoder `layers` of the forward passes inside. The hooks go when the
-        block ends (before backward: activation checkpointing's recompute must not keep them
-        again); on failure whatever was kept goes too."""
+        pass ends, before backward (transformers checkpoints a layer's `forward`, so its hooks are
+        not re-run by the recompute anyway; a wrapper that checkpointed `__call__` would re-run
+        them). What an earlier pass kept and no loss read is dropped first, so a layer this pass
+        does not keep is an error, not a stale tensor; on failure whatever was kept goes too."""
         kept = self._kept[role]
         kept.clear()
         hooks = []

@@ -1,5 +1,6 @@
-"""The supervised forward of a training step: logits only where a label is learned, and
-activation checkpointing. Shared by `APTrainer` and the baselines.
+"""The supervised forward of a training step: logits only where a label is learned, the
+distillation step's teacher and student passes, and activation checkpointing. Shared by
+`APTrainer` and the baselines.
 """
 
 from __future__ import annotations
@@ -48,6 +49,21 @@ def positions_forward(forward, batch: dict, positions: torch.Tensor, **kwargs):
     copy of its logits for a cross-entropy nobody reads)."""
     positions = positions.to(batch["input_ids"].device, non_blocking=True)
     return forward(**{k: v for k, v in batch.items() if k != "labels"}, logits_to_keep=positions, **kwargs)
+
+
+def distilled_forward(backend, distiller, model, switches, batch: dict, positions: torch.Tensor):
+    """(mean task loss, distillation KL token sum, MSE token sum) of one micro-batch: the teacher
+    pass (no_grad, `switches` off), then the student's, each keeping the sampled layers' outputs."""
+    layers = distiller.sample_layers()
+    with distiller.teacher_mode(model, switches, layers):
+        teacher = positions_forward(backend.forward_no_grad, batch, positions)
+    with distiller.student_mode(model, layers):
+        student, loss, supervised = supervised_forward(backend.forward, batch, positions)
+    valid = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()
+    # The logit KL is taken where the task loss is: positions that predict a supervised label
+    # (the response of instruction data; every real token of text data).
+    kl_sum, mse_sum = distiller.loss_sums(model, student, teacher, layers, valid, supervised)
+    return loss, kl_sum, mse_sum
 
 
 def enable_activation_checkpointing(model) -> None:

@@ -35,11 +35,6 @@ def clipping_before_max_grad_norm(run_info: dict) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 1.0
 
 
-def check_resumable(meta: dict, args, train: TrainConfig, fingerprint: dict, data_path: str, world_size: int) -> None:
-    check_resumable_settings(meta, train, data_path, world_size)
-    check_resumable_model(meta, args, fingerprint)
-
-
 def check_resumable_settings(meta: dict, train: TrainConfig, data_path: str, world_size: int) -> None:
     """What the command line alone decides (global batch, RESUME_MUST_MATCH, data): checked before
     the data is read, so a mistyped resume fails in a second, not after tokenizing."""

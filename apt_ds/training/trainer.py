@@ -30,8 +30,8 @@ from apt_ds.distributed.placement import move_batch
 from apt_ds.io.checkpoint import load_checkpoint, save_checkpoint
 from apt_ds.io.metrics import MetricsWriter, memory_mb
 from apt_ds.training.forward import (
+    distilled_forward,
     enable_activation_checkpointing,
-    positions_forward,
     supervised_forward,
     supervised_positions,
     supervised_token_count,
@@ -202,15 +202,8 @@ class APTrainer:
             _, loss, _ = supervised_forward(self.backend.forward, batch, positions)
             zero = torch.zeros((), device=loss.device)
             return loss, zero, zero
-        layers = self.distiller.sample_layers()
-        with self.distiller.teacher_mode(self.model, [self.state.masks, self.state.salience], layers):
-            teacher = positions_forward(self.backend.forward_no_grad, batch, positions)
-        with self.distiller.student_mode(self.model, layers):
-            student, loss, supervised = supervised_forward(self.backend.forward, batch, positions)
-        valid = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()
-        # The logit KL where the task loss is: at supervised labels (instruction data's response; all real text tokens)
-        kl_sum, mse_sum = self.distiller.loss_sums(self.model, student, teacher, layers, valid, supervised)
-        return loss, kl_sum, mse_sum
+        switches = [self.state.masks, self.state.salience]
+        return distilled_forward(self.backend, self.distiller, self.model, switches, batch, positions)
 
     # ---- pruning events ------------------------------------------------------------------
     def _after_step(self) -> dict:

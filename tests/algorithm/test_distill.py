@@ -165,8 +165,8 @@ def test_distill_loss_formula(layer):
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_the_student_layer_outputs_carry_gradient_and_checkpointing_changes_nothing(checkpointing):
     """The student's kept outputs are the graph's own tensors: the MSE trains the student's adapters
-    and the transform. Under activation checkpointing the recompute in backward runs no hook
-    (student_mode's hooks are gone by then), and the gradients are those without it."""
+    and the transform. Under activation checkpointing nothing is kept after the loss, no hook is
+    left on the layers, and the gradients are those without it."""
     from apt_ds.training.forward import enable_activation_checkpointing
 
     grads = {}
@@ -233,6 +233,10 @@ def test_a_layer_that_was_not_kept_is_a_clear_error():
         with pytest.raises(ValueError, match=r"student's output of layer 1 was not kept: .*student_mode"):
             distiller.loss(model, student, teacher, [0, 1], valid)
         assert not any(distiller._kept.values())  # a failed loss drops what was kept
+        _passes(distiller, model, batch, [0, 1])  # kept, but no loss read them
+        teacher, student = _passes(distiller, model, batch, [0, 1], teacher_layers=[0])
+        with pytest.raises(ValueError, match="teacher's output of layer 1 was not kept"):  # not the stale one
+            distiller.loss(model, student, teacher, [0, 1], valid)
 
 
 def test_hidden_state_error_is_relative_to_each_teacher_token():

@@ -116,33 +116,71 @@ def test_skip_names_every_repeat_of_a_scale_run(tmp_path):
 def test_sync_sites_counts_sync_warnings_by_the_innermost_apt_ds_line(recwarn):
     """step_profile's sync count (GPU only, so the torch side is faked here): warnings of the sync
     debug mode are counted by the innermost apt_ds frame, every occurrence, and only while on;
-    other warnings pass through and the warning machinery is restored afterwards."""
+    other warnings pass through, and the mode and the warning machinery are restored afterwards."""
     import traceback
     import warnings
 
     import step_profile
 
-    modes = []
     frame = traceback.FrameSummary
-    inner = step_profile.PACKAGE_DIR + "/training/trainer.py"
+    inner = step_profile.PACKAGE_DIR + "training/trainer.py"
     stack = [frame("/x/launch.py", 3, "main"), frame(inner, 42, "_log"), frame("/torch/_tensor.py", 9, "item")]
     assert step_profile.sync_site(stack) == "apt_ds/training/trainer.py:42 (_log)"
     assert step_profile.sync_site(stack[:1]) == "/x/launch.py:3 (main)"  # no apt_ds frame: the innermost
+    sibling = step_profile.PACKAGE_DIR.rstrip("/") + "_old/x.py"  # apt_ds_old/ is not apt_ds/
+    assert step_profile.sync_site([frame(sibling, 1, "f")]) == f"{sibling}:1 (f)"
 
-    sites = step_profile.SyncSites()
+    modes = []
+    sites = step_profile.SyncSites(lambda: 0, modes.append)
     shown = warnings.showwarning
-    message = "called a synchronizing CUDA operation"
+    message = step_profile.SyncSites.MESSAGE
     warnings.warn(message)  # before counting: not counted
-    sites.on(modes.append)
+    sites.on()
     for _ in range(3):
         warnings.warn(message)  # the same line three times: three waits
     warnings.warn("something else")  # passes through to the previous handler
-    sites.on(modes.append)  # the next profiled step: still one count
+    sites.on()  # already on: nothing changes
     warnings.warn(message)
-    sites.off(modes.append)
+    sites.off()
+    sites.off()  # already off: nothing changes
     warnings.warn(message)  # after: not counted
-    assert modes == ["warn", "warn", "default"] and warnings.showwarning is shown
+    assert modes == ["warn", 0] and warnings.showwarning is shown
     assert sum(sites.counts.values()) == 4 and len(sites.counts) == 2
     assert all("test_bench_gpu_check.py" in site for site in sites.counts)  # no apt_ds frame here: this file
-    assert sites.report().startswith("host waits for the device (synchronising operations) inside the profiled steps: 4\n")
+    assert sites.report().startswith("host waits for the device (synchronising operations) inside the profiled "
+                                     "steps, counted while CUDA was in use: 4\n")
     assert [str(w.message) for w in recwarn] == [message, "something else", message]
+
+
+def test_profiled_steps_count_their_own_host_waits_only(tmp_path, monkeypatch):
+    """profiled_train switches the count on for each profiled step and what follows it, and off
+    for the logging, progress bar and checkpoints between steps; the table reports it."""
+    import warnings
+
+    import step_profile
+
+    from apt_ds.training.trainer import APTrainer
+
+    message = step_profile.SyncSites.MESSAGE
+    train_step, log = APTrainer._train_step, APTrainer._log
+
+    def step_that_waits(self, batches):
+        warnings.warn(message)
+        return train_step(self, batches)
+
+    def log_that_waits(self, record):
+        warnings.warn(message)
+        return log(self, record)
+
+    monkeypatch.setattr(APTrainer, "_train_step", step_that_waits)
+    monkeypatch.setattr(APTrainer, "_log", log_that_waits)
+    modes = []
+    sites = step_profile.SyncSites(lambda: 0, modes.append)
+    table = tmp_path / "profile.txt"
+    argv = ["--device", "cpu", "--steps", "8", "--max-seq-len", "32", "--micro-batch-size", "2", "--out", str(tmp_path / "run")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the waits of the steps outside the window
+        assert step_profile.profiled_train(argv, 5, 7, table, syncs=sites) == 0
+    assert modes == ["warn", 0, "warn", 0]  # on and off once per profiled step
+    assert sum(sites.counts.values()) == 2  # the two steps' own waits, not the logging after them
+    assert "counted while CUDA was in use: 2\n" in table.read_text()

@@ -243,9 +243,14 @@ def test_bad_input_gives_one_line_and_changes_nothing(home, argv, words, capsys,
             record.write(json.dumps({"case": request.node.callspec.id, "argv": argv, "error": err[0]}) + "\n")
 
 
-def test_resume_with_changed_settings_fails_before_the_data_is_read(home, capsys, monkeypatch):
+@pytest.mark.parametrize("change, words", [
+    (["--steps", "12"], "changed: steps: 8 -> 12"),
+    (["--micro-batch-size", "4"], "must keep the global batch (2 = micro 2"),
+    (["--data", "bad/other.jsonl"], "the run was trained on --data data.jsonl, not bad/other.jsonl"),
+], ids=["steps", "global-batch", "data"])
+def test_resume_with_changed_settings_fails_before_the_data_is_read(home, change, words, capsys, monkeypatch):
     """The command line's settings are compared with the checkpoint's first: a mistyped --resume
-    fails at once, not after a large data set is read and tokenized."""
+    fails at once, not after a large data set is read and tokenized, and changes nothing."""
     from apt_ds.training import run as run_module
 
     def must_not_run(*args, **kwargs):
@@ -254,9 +259,11 @@ def test_resume_with_changed_settings_fails_before_the_data_is_read(home, capsys
     monkeypatch.chdir(home)
     monkeypatch.setattr(run_module, "load_records", must_not_run)
     monkeypatch.setattr(run_module, "tokenize_dataset", must_not_run)
+    before = tree_digest(home)
     capsys.readouterr()
-    assert train_main([*BASE, "--steps", "12", "--out", "torn_masks", "--resume"]) == 2
-    assert "changed: steps: 8 -> 12" in capsys.readouterr().err
+    assert train_main([*BASE, *change, "--out", "torn_masks", "--resume"]) == 2  # argparse: the last value wins
+    assert words in capsys.readouterr().err
+    assert tree_digest(home) == before
 
 
 def test_the_table_is_large_and_every_case_distinct():

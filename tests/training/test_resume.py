@@ -9,7 +9,7 @@ import pytest
 
 from apt_ds.config import TrainConfig
 from apt_ds.io.checkpoint import CheckpointError
-from apt_ds.training.resume import check_resumable
+from apt_ds.training.resume import check_resumable_model, check_resumable_settings
 
 FINGERPRINT = {"weights_sha": "abc"}
 
@@ -20,7 +20,8 @@ def _meta(train: TrainConfig, **drop) -> dict:
 
 
 def _check(meta: dict, train: TrainConfig) -> None:
-    check_resumable(meta, SimpleNamespace(model="m"), train, FINGERPRINT, "d.jsonl", world_size=1)
+    check_resumable_settings(meta, train, "d.jsonl", world_size=1)
+    check_resumable_model(meta, SimpleNamespace(model="m"), FINGERPRINT)
 
 
 def test_resume_refuses_another_template_and_names_the_flag():
