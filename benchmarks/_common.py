@@ -1,9 +1,10 @@
-"""Helpers shared by benchmarks/quality.py and benchmarks/inference.py.
+"""Helpers shared by the benchmarks.
 
 - `ensure_hf_model`: a .gguf is dequantized ONCE into an HF directory (save_pretrained +
   tokenizer) under the benchmark's output folder; later runs load that directory (seconds
   instead of ~60 s of GGUF dequantization + tokenizer conversion).
-- hardware / load description for reports, process memory readings, small JSON helpers.
+- hardware / load description for reports, process memory readings, small JSON helpers;
+- `dispatched_operations`: the operations a callable dispatches (kernel launches on a GPU).
 """
 
 from __future__ import annotations
@@ -21,6 +22,23 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+
+
+def dispatched_operations(fn) -> int:
+    """How many aten operations `fn()` dispatches: on a GPU each is at least one kernel launch the
+    host pays for, so the count says what a host-bound step costs on any device."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count() as counter:
+        fn()
+    return counter.count
 
 
 def _smollm2_gguf() -> str:

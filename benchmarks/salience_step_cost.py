@@ -20,7 +20,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from _common import dispatched_operations  # noqa: E402
 
 from apt_ds.algorithm.salience import SalienceCollector  # noqa: E402
 from apt_ds.algorithm.units import LayerShape, ModelShape  # noqa: E402
@@ -29,23 +29,6 @@ SHAPES = {  # (layers, KV groups, group size, head dim, FFN, hidden)
     "smollm2-135m": (30, 3, 3, 64, 1536, 576),
     "llama2-7b": (32, 32, 1, 128, 11008, 4096),
 }
-
-
-class _Count(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
-def dispatched_operations(fn) -> int:
-    """How many operations `fn()` dispatches (on a GPU, each is at least one launch)."""
-    with _Count() as counter:
-        fn()
-    return counter.count
 
 
 def _fill(collector: SalienceCollector, generator: torch.Generator) -> None:

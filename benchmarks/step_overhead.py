@@ -5,6 +5,10 @@
 2. APT step after physically shrinking to density 0.5 vs before, next to the ratio of block
    FLOPs kept.
 
+Also the operations each step dispatches (device-independent: on a GPU each is at least one
+kernel launch paid on the host, which decides a host-bound step). The batch carries an
+attention mask, as the CLI's batches do, so salience takes its padding-aware path.
+
     python benchmarks/step_overhead.py --repeats 15 --json bench_out/step_overhead.json
 """
 
@@ -22,6 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _common import dispatched_operations  # noqa: E402
+
 from apt_ds.algorithm.adapters import add_adapters  # noqa: E402
 from apt_ds.algorithm.pruner import AdaptivePruner  # noqa: E402
 from apt_ds.algorithm.state import APTModel  # noqa: E402
@@ -35,7 +41,7 @@ MODEL = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_at
 
 def make_batch(vocab: int, batch: int, length: int) -> dict:
     ids = torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(0))
-    return {"input_ids": ids, "labels": ids}
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
 
 
 def lora_step(model, optimizer, batch) -> None:
@@ -119,6 +125,9 @@ def main() -> None:
         "shrink_step_ratio": med(shrunk_times) / med(apt_times),
         "density_after_shrink": state.density(),
         "forward_flops_ratio": flops(state.shape) / flops(before),
+        "dispatched_per_step": {"lora": dispatched_operations(lambda: lora_step(lora, lora_opt, batch)),
+                                "apt_density1": dispatched_operations(lambda: apt_step(*dense, batch)),
+                                "apt_after_shrink": dispatched_operations(lambda: apt_step(*shrunk, batch))},
     }
     print(json.dumps(result, indent=1))
     if args.json:

@@ -33,11 +33,14 @@ class UnitMasks:
         self.refresh()
 
     def refresh(self) -> None:
-        """Recompute which masks are not all-ones; call after editing mask tensors (a host
-        read of every mask: at pruning decisions only, never inside a step)."""
-        self._hidden_active = bool((self.hidden != 1).any())
-        self._group_active = [bool((m != 1).any()) for m in self.kv_group]
-        self._neuron_active = [bool((m != 1).any()) for m in self.ffn_neuron]
+        """Recompute which masks are not all-ones; call after editing mask tensors (at pruning
+        decisions only, never inside a step). One host read for all of them: on a GPU each read
+        waits for the device, and a decay-window step refreshes 2 x layers + 1 masks."""
+        active = torch.stack([(m != 1).any() for m in self._all()]).tolist()
+        layers = len(self.kv_group)
+        self._hidden_active = active[0]
+        self._group_active = active[1 : 1 + layers]
+        self._neuron_active = active[1 + layers :]
 
     # ---- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
