@@ -4,7 +4,7 @@
   tokenizer) under the benchmark's output folder; later runs load that directory (seconds
   instead of ~60 s of GGUF dequantization + tokenizer conversion).
 - hardware / load description for reports, process memory readings, small JSON helpers;
-- `dispatched_operations`: the operations a callable dispatches (kernel launches on a GPU).
+- `dispatched_operations`: the operations a callable dispatches (all, or those that compute).
 """
 
 from __future__ import annotations
@@ -24,16 +24,21 @@ if str(ROOT) not in sys.path:
 
 
 
-def dispatched_operations(fn) -> int:
-    """How many aten operations `fn()` dispatches: on a GPU each is at least one kernel launch the
-    host pays for, so the count says what a host-bound step costs on any device."""
+def dispatched_operations(fn, views: bool = True) -> int:
+    """How many aten operations `fn()` dispatches. Each costs the host dispatcher time, which
+    decides a host-bound GPU step; those that compute (`views=False` leaves out views, aliases and
+    detaches, which only make tensor metadata) are roughly the kernels a GPU would launch."""
+    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    metadata_only = {torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.lift_fresh.default}
 
     class Count(TorchDispatchMode):
         count = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.count += 1
+            if views or not (func.is_view or func in metadata_only):
+                self.count += 1
             return func(*args, **(kwargs or {}))
 
     with Count() as counter:

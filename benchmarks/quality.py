@@ -334,7 +334,9 @@ def main(argv=None) -> None:
     add_model_arguments(parser)
     parser.add_argument("--tasks-dir", default="bench_out/tasks")
     parser.add_argument("--out", default=None, help="default bench_out/quality (bench_out/quality_smoke with --smoke)")
-    parser.add_argument("--img-dir", default=None, help="default docs/img (OUT/img with --smoke)")
+    parser.add_argument("--img-dir", default=None,
+                        help="where the plots go (default OUT/img; the tracked docs/img plots are the full run's: "
+                             "pass --img-dir docs/img only for that run)")
     parser.add_argument("--tasks", nargs="+", default=["sst2", "boolq"], choices=sorted(TASKS))
     parser.add_argument("--methods", nargs="+", default=METHOD_ORDER, choices=METHOD_ORDER + EXTRA_METHODS)
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps of every run (default: per task, see TASKS)")
@@ -387,7 +389,7 @@ def main(argv=None) -> None:
         args.steps, args.eval_examples, args.calibration_batches, args.speed_rounds, args.check_rows = 8, 16, 2, 1, 8
         args.harness_limit, args.mmlu_limit = 4, 1
     args.out = args.out or ("bench_out/quality_smoke" if args.smoke else "bench_out/quality")
-    args.img_dir = args.img_dir or (str(Path(args.out) / "img") if args.smoke else "docs/img")
+    args.img_dir = args.img_dir or str(Path(args.out) / "img")  # a narrower run must not replace the docs' plots
     run_all(args)
 
 

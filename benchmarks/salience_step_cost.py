@@ -1,6 +1,6 @@
 """Host cost of one salience step end (`SalienceCollector.end_step`: all-reduce, unit scores with
 the outlier term, EMA) at real model shapes, with random sums: median wall time and the number
-of operations dispatched (on a GPU each one is a kernel launch the host pays for).
+of operations dispatched (host dispatcher time; those that compute are roughly a GPU's kernel launches).
 
     python benchmarks/salience_step_cost.py --repeats 20
 

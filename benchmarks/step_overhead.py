@@ -5,9 +5,10 @@
 2. APT step after physically shrinking to density 0.5 vs before, next to the ratio of block
    FLOPs kept.
 
-Also the operations each step dispatches (device-independent: on a GPU each is at least one
-kernel launch paid on the host, which decides a host-bound step). The batch carries an
-attention mask, as the CLI's batches do, so salience takes its padding-aware path.
+Also the operations each step dispatches, all of them (each costs the host dispatcher time,
+which decides a host-bound GPU step) and those that compute (views, aliases and detaches left
+out: roughly the kernels a GPU launches). The batch carries an attention mask, as the CLI's
+batches do, so salience takes its padding-aware path.
 
     python benchmarks/step_overhead.py --repeats 15 --json bench_out/step_overhead.json
 """
@@ -125,9 +126,10 @@ def main() -> None:
         "shrink_step_ratio": med(shrunk_times) / med(apt_times),
         "density_after_shrink": state.density(),
         "forward_flops_ratio": flops(state.shape) / flops(before),
-        "dispatched_per_step": {"lora": dispatched_operations(lambda: lora_step(lora, lora_opt, batch)),
-                                "apt_density1": dispatched_operations(lambda: apt_step(*dense, batch)),
-                                "apt_after_shrink": dispatched_operations(lambda: apt_step(*shrunk, batch))},
+        **{f"{key}_per_step": {"lora": dispatched_operations(lambda: lora_step(lora, lora_opt, batch), views),
+                               "apt_density1": dispatched_operations(lambda: apt_step(*dense, batch), views),
+                               "apt_after_shrink": dispatched_operations(lambda: apt_step(*shrunk, batch), views)}
+           for key, views in (("dispatched", True), ("computing", False))},
     }
     print(json.dumps(result, indent=1))
     if args.json:

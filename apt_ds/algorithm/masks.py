@@ -33,9 +33,9 @@ class UnitMasks:
         self.refresh()
 
     def refresh(self) -> None:
-        """Recompute which masks are not all-ones; call after editing mask tensors (at pruning
-        decisions only, never inside a step). One host read for all of them: on a GPU each read
-        waits for the device, and a decay-window step refreshes 2 x layers + 1 masks."""
+        """Recompute which masks are not all-ones; call after editing mask tensors (after a
+        pruning decision or a decay-window step's mask update, never inside a forward/backward).
+        One host read for all 2 x layers + 1 masks: on a GPU each read waits for the device."""
         active = torch.stack([(m != 1).any() for m in self._all()]).tolist()
         layers = len(self.kv_group)
         self._hidden_active = active[0]
