@@ -35,49 +35,11 @@ from typing import Callable
 import torch
 
 from apt_ds.algorithm.kurtosis import column_power_sums, unit_kurtosis
+from apt_ds.algorithm.salience_site import SiteSums
 from apt_ds.algorithm.shrink import group_channels
 from apt_ds.algorithm.units import ModelShape
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
-
-
-class _Site:
-    """Running sums for one hook site (one channel vector): fp32 views into the collector's one
-    step buffer on the activations' device (see `SalienceCollector.reset`)."""
-
-    def __init__(self, act_abs: torch.Tensor, grad_abs: torch.Tensor, act_sum: torch.Tensor | None = None):
-        self.act_abs, self.grad_abs, self.act_sum = act_abs, grad_abs, act_sum
-        self.power_sums: torch.Tensor | None = None  # (4, channels) float64 of the site's weight
-        self.stale_weights = True  # power sums must be (re)computed at the next forward
-        self.weights_change = False  # an adapter on the site's module: W changes every step
-
-    def capture(self, x: torch.Tensor, token_weights: torch.Tensor | None = None) -> None:
-        """Add a (batch, seq, channels) activation; `token_weights` (batch, seq, 1) in x's dtype is
-        1 at real tokens, 0 at padding. The gradient needs no mask: a padded position reaches no
-        loss term (its logits are not scored, and attention gives its key exactly zero weight), so
-        its gradient is exactly 0.
-        The padding is zeroed in place in the |X| temporary (exact 0/1 weights) and the sums
-        accumulate in fp32: the einsum this replaced rounded each site's sum to the activations'
-        dtype (bf16: ~3e-3 relative error; fp16: inf past 65,504) and dispatched ~13 operations a
-        site, mostly views, against 4 here (4 sites per layer and micro-batch)."""
-        assert token_weights is None or token_weights.shape == (*x.shape[:-1], 1), "token weights are (batch, seq, 1)"
-        dims = tuple(range(x.dim() - 1))
-        with torch.no_grad():
-            magnitude = x.abs()
-            if token_weights is not None:
-                magnitude.mul_(token_weights)
-            # abs().sum() rather than vector_norm(ord=1): the latter was 4-10x slower on CPU (measured
-            # on (4, 64, 576..1536) activations), which alone cost ~7% of a SmolLM2 training step.
-            self.act_abs += magnitude.sum(dims, dtype=torch.float32)
-            del magnitude
-            if self.act_sum is not None:
-                self.act_sum += (x * token_weights if token_weights is not None else x).sum(dims, dtype=torch.float32)
-        if x.requires_grad:
-            x.register_hook(self._on_grad)
-
-    @torch.no_grad()  # a create_graph backward must not attach its graph to the step buffer
-    def _on_grad(self, grad: torch.Tensor) -> None:
-        self.grad_abs += grad.abs().sum(tuple(range(grad.dim() - 1)), dtype=torch.float32)
 
 
 class SalienceCollector:
@@ -120,9 +82,9 @@ class SalienceCollector:
         sums = self._buffer[2 * per_kind : -1]
         act_parts, grad_parts = act.split(attn + ffn + hidden), grad.split(attn + ffn + hidden)
         sum_parts = sums.split(attn + ffn)
-        self.attn_sites = [_Site(act_parts[i], grad_parts[i], sum_parts[i]) for i in range(len(layers))]
-        self.ffn_sites = [_Site(act_parts[i], grad_parts[i], sum_parts[i]) for i in range(len(layers), 2 * len(layers))]
-        self.hidden_sites = [_Site(a, g) for a, g in zip(act_parts[2 * len(layers):], grad_parts[2 * len(layers):])]
+        self.attn_sites = [SiteSums(act_parts[i], grad_parts[i], sum_parts[i]) for i in range(len(layers))]
+        self.ffn_sites = [SiteSums(act_parts[i], grad_parts[i], sum_parts[i]) for i in range(len(layers), 2 * len(layers))]
+        self.hidden_sites = [SiteSums(a, g) for a, g in zip(act_parts[2 * len(layers):], grad_parts[2 * len(layers):])]
         self.tokens = self._buffer[-1:]  # exact up to 2**24 tokens per step
         if not hasattr(self, "group_scores") or self.group_scores is None:
             self.group_scores = self.neuron_scores = self.hidden_scores = None
@@ -310,7 +272,7 @@ class SalienceCollector:
         self.neuron_scores = [state[f"neuron.{i}"].float().to(self.device) for i in range(layers)]
 
 
-def _carry_power_sums(old: _Site, new: _Site, columns: torch.Tensor) -> None:
+def _carry_power_sums(old: SiteSums, new: SiteSums, columns: torch.Tensor) -> None:
     """Give `new` the power sums of `old`'s kept columns, unless they go stale every step anyway."""
     if old.power_sums is None or old.weights_change:
         return

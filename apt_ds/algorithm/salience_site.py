@@ -1,0 +1,45 @@
+"""One salience hook site's running sums for a step: sum|X| and sum X over real tokens,
+sum|dL/dX|, and the power sums of the site's weight (apt_ds.algorithm.salience)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class SiteSums:
+    """Running sums for one hook site (one channel vector): fp32 views into the collector's one
+    step buffer on the activations' device (see `SalienceCollector.reset`)."""
+
+    def __init__(self, act_abs: torch.Tensor, grad_abs: torch.Tensor, act_sum: torch.Tensor | None = None):
+        self.act_abs, self.grad_abs, self.act_sum = act_abs, grad_abs, act_sum
+        self.power_sums: torch.Tensor | None = None  # (4, channels) float64 of the site's weight
+        self.stale_weights = True  # power sums must be (re)computed at the next forward
+        self.weights_change = False  # an adapter on the site's module: W changes every step
+
+    def capture(self, x: torch.Tensor, token_weights: torch.Tensor | None = None) -> None:
+        """Add a (batch, seq, channels) activation; `token_weights` (batch, seq, 1) in x's dtype is
+        1 at real tokens, 0 at padding. The gradient needs no mask: a padded position reaches no
+        loss term (its logits are not scored, and attention gives its key exactly zero weight), so
+        its gradient is exactly 0.
+        The padding is zeroed in place in the |X| temporary (exact 0/1 weights) and the sums
+        accumulate in fp32: the einsum this replaced rounded each site's sum to the activations'
+        dtype (bf16: ~3e-3 relative error; fp16: inf past 65,504) and dispatched ~13 operations a
+        site, mostly views, against 4 here (4 sites per layer and micro-batch)."""
+        assert token_weights is None or token_weights.shape == (*x.shape[:-1], 1), "token weights are (batch, seq, 1)"
+        dims = tuple(range(x.dim() - 1))
+        with torch.no_grad():
+            magnitude = x.abs()
+            if token_weights is not None:
+                magnitude.mul_(token_weights)
+            # abs().sum() rather than vector_norm(ord=1): the latter was 4-10x slower on CPU (measured
+            # on (4, 64, 576..1536) activations), which alone cost ~7% of a SmolLM2 training step.
+            self.act_abs += magnitude.sum(dims, dtype=torch.float32)
+            del magnitude
+            if self.act_sum is not None:
+                self.act_sum += (x * token_weights if token_weights is not None else x).sum(dims, dtype=torch.float32)
+        if x.requires_grad:
+            x.register_hook(self._on_grad)
+
+    @torch.no_grad()  # a create_graph backward must not attach its graph to the step buffer
+    def _on_grad(self, grad: torch.Tensor) -> None:
+        self.grad_abs += grad.abs().sum(tuple(range(grad.dim() - 1)), dtype=torch.float32)
