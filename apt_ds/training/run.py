@@ -134,24 +134,21 @@ def _model(args, tokenizer, train: TrainConfig, prunes: bool, backend):
     return model, model_fingerprint(model)
 
 
-def _check_model_fits_early(args, train: TrainConfig, backend) -> None:
-    """A safetensors model's size check, from its headers alone: before the data is tokenized
-    (the data comes before the model: apt_ds.training.heap), and so before any weight is read."""
+def _check_model_fits(args, train: TrainConfig, backend) -> None:
+    """A clear error instead of the OOM killer when a safetensors model's base weights alone cannot
+    fit, from its headers: before the data is tokenized (the data comes before the model:
+    apt_ds.training.heap), and so before any weight is read."""
     path = Path(args.model)
-    if args.model not in TINY_MODELS and path.is_dir():
-        from apt_ds.io.weights import SafetensorsWeights
+    if args.model in TINY_MODELS or not path.is_dir():
+        return
+    from apt_ds.io.weights import SafetensorsWeights
 
-        _check_model_fits(SafetensorsWeights(path), base_dtype_of(backend, train), backend, path)
-
-
-def _check_model_fits(weights, dtype, backend, path: Path) -> None:
-    """A clear error instead of the OOM killer when the base weights alone cannot fit."""
+    dtype, count = base_dtype_of(backend, train), SafetensorsWeights(path).numel()
     partitions = backend.world_size if _partitions_weights(backend) else 1
-    per_rank = weights.numel() * dtype.itemsize // partitions
+    per_rank = count * dtype.itemsize // partitions
     hint = ("use more ranks" if partitions > 1 else "use ZeRO-3 (--deepspeed ds_configs/zero3.json) over several ranks")
     if dtype == torch.float32:
         hint += ", or --base-dtype bf16"
-    count = weights.numel()
     count_text = f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
     what = f"--model {path} ({count_text} parameters in {str(dtype).replace('torch.', '')})"
     check_fits(per_rank, backend.device, what, hint)
@@ -210,7 +207,7 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
     records = load_records(data_path)
     with tempfile.TemporaryDirectory(prefix="apt-tokenizer-") as staging:
         tokenizer = _tokenizer(args, out, _texts_for_tokenizer(records), train, Path(staging))
-        _check_model_fits_early(args, train, backend)  # before tokenizing what may be a large data set
+        _check_model_fits(args, train, backend)  # before tokenizing what may be a large data set
         truncation = TruncationStats()
         examples = tokenize_dataset(records, tokenizer, train.max_seq_len, pack=not args.no_pack, source=data_path,
                                     stats=truncation, template=train.template)
