@@ -1,0 +1,226 @@
+"""How much zero-shot ability a pruning decision alone keeps: one-shot structured pruning of
+SmolLM2-135M by several criteria, no training, scored by lm-eval (issue 16, instruct targets).
+
+The instruction benchmark (quality_seeds.py --tasks instruct) ends every pruning method at 0.7
+far below dense LoRA on the knowledge tasks. This separates the decision from the training: each
+criterion scores units on the same calibration batches of the instruction mix, the model is cut to
+--densities in one shot and exported as it is (no adapters, no recovery), and the harness scores
+it on the rows quality_seeds.py draws for --seed. Criteria:
+- salience: APT's first-order salience (prune-then-tune's one-shot step, apt_ds.training.baselines),
+  non-uniform, loss on the response tokens as training has it;
+- salience_all_tokens: the same with the loss on every real token (prompt too);
+- salience_uniform: the same shape in every layer (uniform mode, its shape chosen by loss);
+- wanda_sp: no gradients; a unit's score is sum_j ||X_j||_2 * sum_i |W_ij| over its own o_proj /
+  down_proj input columns j (structured Wanda, as in FLAP's and Wanda-sp's comparisons), hidden
+  channels kept, ranked by apt_ds's pruner (kinds normalised, blocks of 32);
+- wanda_sp_uniform: that score in uniform mode.
+The dense model (density 1) is always scored too.
+
+    python benchmarks/prepare_instructions.py --out bench_out/tasks
+    python benchmarks/oneshot_criteria.py --out bench_out/oneshot_criteria
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _common import add_model_arguments, command_line, ensure_hf_model, git_commit, hardware, read_json, write_json  # noqa: E402
+
+CRITERIA = ("salience", "salience_all_tokens", "salience_uniform", "wanda_sp", "wanda_sp_uniform")
+HARNESS_TASKS = ("arc_easy", "arc_challenge", "hellaswag", "piqa", "mmlu", "sst2", "boolq")
+KNOWLEDGE = ("arc_easy", "arc_challenge", "hellaswag", "piqa", "mmlu")  # not a label preference (BoolQ, SST-2)
+
+
+def calibration_batches(spec: dict, tokenizer) -> list[dict]:
+    """The first spec["calibration_batches"] micro-batches of the task's records in the order the
+    quality worker's prune-then-tune draws them (seed + 1000)."""
+    from apt_ds.io.data import batches, load_records, tokenize_dataset
+
+    train = Path(spec["task_dir"]) / "train.jsonl"
+    examples = tokenize_dataset(load_records(train), tokenizer, spec["max_seq_len"], pack=False, source=str(train))
+    stream = batches(examples, spec["micro_batch_size"], spec["seed"] + 1000, pad_id=tokenizer.pad_token_id or 0)
+    return [next(stream) for _ in range(spec["calibration_batches"])]
+
+
+def wanda_sp_scores(model, batches: list[dict]):
+    """(KV group scores, neuron scores) per layer: sum over the unit's input columns j of
+    ||X_j||_2 (over the real tokens of all batches) * sum_i |W_ij| (o_proj for a group's query
+    channels, down_proj for a neuron)."""
+    import torch
+
+    layers = model.model.layers
+    squares, current = {}, {}
+
+    def keep(key):
+        def hook(module, args):
+            x = args[0].detach().float() * current["mask"].unsqueeze(-1)
+            squares[key] = squares.get(key, 0) + x.pow(2).sum((0, 1))
+        return hook
+
+    handles = []
+    for index, layer in enumerate(layers):
+        handles.append(layer.self_attn.o_proj.register_forward_pre_hook(keep(("attn", index))))
+        handles.append(layer.mlp.down_proj.register_forward_pre_hook(keep(("ffn", index))))
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                current["mask"] = batch["attention_mask"].float()
+                model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=1)
+    finally:
+        for handle in handles:
+            handle.remove()
+    groups, neurons = [], []
+    for index, layer in enumerate(layers):
+        attn = squares[("attn", index)].sqrt() * layer.self_attn.o_proj.weight.detach().float().abs().sum(0)
+        kv_heads = layer.self_attn.k_proj.weight.shape[0] // layer.self_attn.head_dim
+        groups.append(attn.reshape(kv_heads, -1).sum(1))
+        neurons.append(squares[("ffn", index)].sqrt() * layer.mlp.down_proj.weight.detach().float().abs().sum(0))
+    return groups, neurons
+
+
+def prune(model, criterion: str, density: float, batches: list[dict]):
+    """Cut `model` in place; returns its new ModelShape."""
+    import torch
+
+    from apt_ds.algorithm.adapters import merge_adapters
+    from apt_ds.algorithm.pruner import AdaptivePruner
+    from apt_ds.algorithm.state import APTModel
+    from apt_ds.config import APTConfig
+    from apt_ds.training.baselines import one_shot_prune
+
+    uniform = criterion.endswith("_uniform")
+    if criterion.startswith("salience"):
+        if criterion == "salience_all_tokens":
+            batches = [{**b, "labels": b["input_ids"].masked_fill(b["attention_mask"] == 0, -100)} for b in batches]
+        return one_shot_prune(model, batches, density, APTConfig(target_density=density, uniform=uniform)).shape
+    groups, neurons = wanda_sp_scores(model, batches)
+    config = APTConfig(target_density=density, uniform=uniform, prune_hidden=False, use_kurtosis=False, distill=False,
+                       grow_ranks=False, uniform_shape_trials=1)
+    state = APTModel(model, config, seed=0)
+    try:
+        target = density * state.original_shape.budget_params(config.count_embeddings)
+        decision = AdaptivePruner(config).decide(state.shape, groups, neurons, torch.ones(state.shape.hidden), target,
+                                                 state.original_shape)
+        state.shrink(decision)
+    finally:
+        state.masks.remove()
+        state.salience.remove()
+        merge_adapters(model)  # B == 0: the frozen weights, unchanged
+    for param in model.parameters():
+        param.requires_grad_(False)
+    return state.shape
+
+
+def run_worker(spec_path: Path) -> None:
+    import torch
+
+    spec = read_json(spec_path)
+    torch.set_num_threads(spec["threads"])
+    from _quality_worker import harness_report
+
+    from apt_ds.algorithm.units import ModelShape
+    from apt_ds.export.writer import write_export
+    from apt_ds.io.modeling import load_model
+    from apt_ds.io.tokenizer import load_tokenizer
+
+    run_dir = Path(spec["run_dir"])
+    tokenizer = load_tokenizer(spec["hf_dir"])
+    model = load_model(spec["hf_dir"])
+    original = ModelShape.from_model(model)
+    started = time.perf_counter()
+    if spec["density"] < 1:
+        shape = prune(model, spec["criterion"], spec["density"], calibration_batches(spec, tokenizer))
+    else:
+        shape = original
+    prune_s = time.perf_counter() - started
+    tokenizer.save_pretrained(str(run_dir / "tokenizer"))
+    write_export(model.eval(), shape, run_dir / "export", torch.float32, tokenizer_dir=run_dir / "tokenizer")
+    report = harness_report(run_dir / "export", {**spec, "harness_tasks": list(HARNESS_TASKS)})
+    write_json(run_dir / "result.json", {
+        "criterion": spec["criterion"], "density": shape.block_params() / original.block_params(), "prune_s": prune_s,
+        "hidden": shape.hidden, "kv_groups": [l.num_kv_groups for l in shape.layers], "ffn": [l.ffn for l in shape.layers],
+        **report})
+
+
+def table(results: list[dict]) -> str:
+    head = "| criterion | density | harness mean | knowledge mean | " + " | ".join(HARNESS_TASKS) + " | hidden | KV groups (layers 0-29) | FFN width, first / middle / last layer |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in results:
+        h = r["harness"]
+        knowledge = sum(h[t] for t in KNOWLEDGE) / len(KNOWLEDGE)
+        ffn = r["ffn"]
+        lines.append(f"| {r['criterion']} | {r['density']:.3f} | {r['accuracy']:.3f} | {knowledge:.3f} | "
+                     + " | ".join(f"{h[t]:.3f}" for t in HARNESS_TASKS)
+                     + f" | {r['hidden']} | {''.join(map(str, r['kv_groups']))} | {ffn[0]} / {ffn[len(ffn) // 2]} / {ffn[-1]} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(parser)
+    parser.add_argument("--task", default="bench_out/tasks/instruct", help="made by prepare_instructions.py")
+    parser.add_argument("--criteria", nargs="+", default=list(CRITERIA), choices=CRITERIA)
+    parser.add_argument("--densities", nargs="+", type=float, default=[0.7])
+    parser.add_argument("--seed", type=int, default=0, help="calibration order and the harness rows drawn")
+    parser.add_argument("--calibration-batches", type=int, default=8, help="as quality.py's prune-then-tune")
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--max-seq-len", type=int, default=128)
+    parser.add_argument("--harness-limit", type=int, default=75, help="rows of each task (quality.py's default)")
+    parser.add_argument("--mmlu-limit", type=int, default=2, help="questions per MMLU subject")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at once, one torch thread each")
+    parser.add_argument("--out", default="bench_out/oneshot_criteria")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return run_worker(Path(args.worker))
+    if not all(0 < d < 1 for d in args.densities):
+        parser.error(f"--densities must lie in (0, 1), got {args.densities}")
+    task_dir = Path(args.task)
+    if not (task_dir / "train.jsonl").is_file():
+        parser.error(f"{task_dir / 'train.jsonl'} not found: run benchmarks/prepare_instructions.py --out {task_dir.parent}")
+    hf_dir = ensure_hf_model(args.model, args.hf_cache)
+    out = Path(args.out)
+    runs = [("dense", 1.0)] + [(c, d) for d in args.densities for c in args.criteria]
+    started, pending = time.perf_counter(), []
+    for criterion, density in runs:
+        run_dir = out / f"{criterion}_{density:g}"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        spec = {"criterion": criterion, "density": density, "seed": args.seed, "hf_dir": str(hf_dir), "task_dir": str(task_dir),
+                "calibration_batches": args.calibration_batches, "micro_batch_size": args.micro_batch_size,
+                "max_seq_len": args.max_seq_len, "harness_limit": args.harness_limit, "mmlu_limit": args.mmlu_limit,
+                "threads": 1, "run_dir": str(run_dir)}
+        write_json(run_dir / "spec.json", spec)
+        pending.append((run_dir, [sys.executable, __file__, "--worker", str(run_dir / "spec.json")]))
+    running, failed = [], []
+    while pending or running:
+        while pending and len(running) < args.jobs:
+            run_dir, command = pending.pop(0)
+            log = open(run_dir / "log.txt", "w")
+            running.append((run_dir, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), log))
+            print(f"[start] {run_dir.name}", flush=True)
+        for item in list(running):
+            run_dir, process, log = item
+            if process.poll() is not None:
+                log.close()
+                running.remove(item)
+                print(f"[{'done' if process.returncode == 0 else 'FAILED'}] {run_dir.name}", flush=True)
+                if process.returncode:
+                    failed.append(run_dir.name)
+        time.sleep(2)
+    results = [read_json(out / f"{c}_{d:g}" / "result.json") for c, d in runs if f"{c}_{d:g}" not in failed]
+    write_json(out / "results.json", {"command": command_line(), "commit": git_commit(), "hardware": hardware(),
+                                      "wall_s": time.perf_counter() - started, "results": results})
+    print(table(results))
+    if failed:
+        raise SystemExit(f"error: runs failed: {', '.join(failed)} (see their log.txt under {out})")
+
+
+if __name__ == "__main__":
+    main()
