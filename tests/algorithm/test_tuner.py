@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -159,3 +161,47 @@ def test_the_initial_budget_is_the_size_before_the_first_shrink():
     assert tuner.initial_params == initial
     assert _total(shrunk) > 2 * (4 * 48 * 2)  # more than twice the shrunk size: the budget kept its start
     assert _total(shrunk) <= 2 * initial
+
+
+def _reference_scores(adapters, grads) -> dict[str, float]:
+    return {n: (a.lora_A.detach() * grads[n]).sum(1).abs().mean().item() for n, a in adapters.items() if n in grads}
+
+
+def test_importance_over_mixed_widths_growth_and_a_checkpoint_is_the_per_adapter_ema():
+    """The batched update equals the per-adapter EMA whatever the adapters' widths and ranks
+    (grown between steps), after a checkpoint's floats are loaded, and for an adapter first
+    scored late (it starts at its first score)."""
+    adapters = _adapters([(8, 6), (8, 6), (5, 10), (7, 10), (9, 6)], [3, 2, 4, 1, 2])
+    late = sorted(adapters)[-1]
+    beta = 0.7
+    tuner = AdaptiveTuner(APTConfig(adapter_rank=1, salience_beta=beta))
+    expected: dict[str, float] = {}
+    for step in range(4):
+        gen = torch.Generator().manual_seed(100 + step)
+        grads = {n: torch.randn(a.lora_A.shape, generator=gen) for n, a in adapters.items() if step >= 2 or n != late}
+        tuner.accumulate(adapters, lambda name, p: p.detach(), lambda name, p: grads.get(name.rsplit(".", 1)[0]))
+        for n, score in _reference_scores(adapters, grads).items():
+            expected[n] = score if n not in expected else beta * expected[n] + (1 - beta) * score
+        assert tuner.importance_values() == pytest.approx(expected, rel=1e-5)
+        if step == 0:
+            tuner.grow(adapters, {sorted(adapters)[0]: 5, sorted(adapters)[2]: 6}, torch.Generator().manual_seed(1))
+        if step == 2:  # resume: a fresh tuner from the checkpoint's floats
+            state = tuner.state_dict()
+            tuner = AdaptiveTuner(APTConfig(adapter_rank=1, salience_beta=beta))
+            tuner.load_state_dict(state)
+
+
+def test_importance_update_is_a_few_operations_for_all_adapters():
+    """One step's importance update for LLaMA-2-7B's count of q/v adapters (64): at most 16
+    computing operations (each a kernel on a GPU) and 2 dispatched per adapter besides (the
+    views that hand each adapter its entry); per adapter it took 7 computing ones (448)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from _common import dispatched_operations
+
+    adapters = _adapters([(64, 64)] * 64, [8] * 64)
+    grads = {n: torch.randn(a.lora_A.shape) for n, a in adapters.items()}
+    tuner = AdaptiveTuner(APTConfig(adapter_rank=8))
+    update = lambda: tuner.accumulate(adapters, lambda name, p: p.detach(), lambda name, p: grads[name.rsplit(".", 1)[0]])  # noqa: E731
+    update()  # the first step scores; the next ones average
+    computing, dispatched = dispatched_operations(update, views=False), dispatched_operations(update, views=True)
+    assert 0 < computing <= 16 and dispatched <= 16 + 2 * len(adapters), (computing, dispatched)
