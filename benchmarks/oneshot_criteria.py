@@ -14,7 +14,7 @@ it on the rows quality_seeds.py draws for --seed. Criteria:
   down_proj input columns j (structured Wanda, as in FLAP's and Wanda-sp's comparisons), hidden
   channels kept, ranked by apt_ds's pruner (kinds normalised, blocks of 32);
 - wanda_sp_uniform: that score in uniform mode.
-The dense model (density 1) is always scored too.
+The dense model (density 1) is scored too, unless --no-dense.
 
     python benchmarks/prepare_instructions.py --out bench_out/tasks
     python benchmarks/oneshot_criteria.py --out bench_out/oneshot_criteria
@@ -176,6 +176,7 @@ def main(argv=None) -> None:
     parser.add_argument("--mmlu-limit", type=int, default=2, help="questions per MMLU subject")
     parser.add_argument("--jobs", type=int, default=2, help="runs at once, one torch thread each")
     parser.add_argument("--out", default="bench_out/oneshot_criteria")
+    parser.add_argument("--no-dense", action="store_true", help="leave out the unpruned model's row (scored by an earlier run)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -187,7 +188,7 @@ def main(argv=None) -> None:
         parser.error(f"{task_dir / 'train.jsonl'} not found: run benchmarks/prepare_instructions.py --out {task_dir.parent}")
     hf_dir = ensure_hf_model(args.model, args.hf_cache)
     out = Path(args.out)
-    runs = [("dense", 1.0)] + [(c, d) for d in args.densities for c in args.criteria]
+    runs = ([] if args.no_dense else [("dense", 1.0)]) + [(c, d) for d in args.densities for c in args.criteria]
     started, pending = time.perf_counter(), []
     for criterion, density in runs:
         run_dir = out / f"{criterion}_{density:g}"
