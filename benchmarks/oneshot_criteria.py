@@ -14,6 +14,8 @@ it on the rows quality_seeds.py draws for --seed. Criteria:
   down_proj input columns j (structured Wanda, as in FLAP's and Wanda-sp's comparisons), hidden
   channels kept, ranked by apt_ds's pruner (kinds normalised, blocks of 32);
 - wanda_sp_uniform: that score in uniform mode.
+The salience criteria may also cut hidden channels (APT's default); the Wanda score has none for
+them, so its rows keep all of them: a row compares a criterion with the unit kinds it can cut.
 The dense model (density 1) is scored too, unless --no-dense.
 
     python benchmarks/prepare_instructions.py --out bench_out/tasks
@@ -60,8 +62,8 @@ def wanda_sp_scores(model, batches: list[dict]):
 
     def keep(key):
         def hook(module, args):
-            x = args[0].detach().float() * current["mask"].unsqueeze(-1)
-            squares[key] = squares.get(key, 0) + x.pow(2).sum((0, 1))
+            real = args[0].detach()[current["mask"]].float()  # (real tokens, channels)
+            squares[key] = squares.get(key, 0) + real.pow(2).sum(0)
         return hook
 
     handles = []
@@ -71,7 +73,7 @@ def wanda_sp_scores(model, batches: list[dict]):
     try:
         with torch.no_grad():
             for batch in batches:
-                current["mask"] = batch["attention_mask"].float()
+                current["mask"] = batch["attention_mask"].bool()
                 model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=1)
     finally:
         for handle in handles:
@@ -150,16 +152,38 @@ def run_worker(spec_path: Path) -> None:
 
 
 def table(results: list[dict]) -> str:
-    head = "| criterion | density | harness mean | knowledge mean | " + " | ".join(HARNESS_TASKS) + " | hidden | KV groups (layers 0-29) | FFN width, first / middle / last layer |"
+    head = ("| criterion | density | harness mean | knowledge mean | " + " | ".join(HARNESS_TASKS)
+            + " | hidden | KV groups per layer | FFN width, first / middle / last layer |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
         h = r["harness"]
         knowledge = sum(h[t] for t in KNOWLEDGE) / len(KNOWLEDGE)
-        ffn = r["ffn"]
+        ffn, groups = r["ffn"], r["kv_groups"]
+        groups = "".join(map(str, groups)) if max(groups) < 10 else ",".join(map(str, groups))
         lines.append(f"| {r['criterion']} | {r['density']:.3f} | {r['accuracy']:.3f} | {knowledge:.3f} | "
                      + " | ".join(f"{h[t]:.3f}" for t in HARNESS_TASKS)
-                     + f" | {r['hidden']} | {''.join(map(str, r['kv_groups']))} | {ffn[0]} / {ffn[len(ffn) // 2]} / {ffn[-1]} |")
+                     + f" | {r['hidden']} | {groups} | {ffn[0]} / {ffn[len(ffn) // 2]} / {ffn[-1]} |")
     return "\n".join(lines)
+
+
+def _run_all(pending: list, running: list, failed: list, jobs: int) -> None:
+    """Start the pending workers, `jobs` at a time, until all have ended; `running` holds the live
+    ones (the caller stops them on an interrupt), `failed` gets the names of those that failed."""
+    while pending or running:
+        while pending and len(running) < jobs:
+            run_dir, command = pending.pop(0)
+            log = open(run_dir / "log.txt", "w")
+            running.append((run_dir, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), log))
+            print(f"[start] {run_dir.name}", flush=True)
+        for item in list(running):
+            run_dir, process, log = item
+            if process.poll() is not None:
+                log.close()
+                running.remove(item)
+                print(f"[{'done' if process.returncode == 0 else 'FAILED'}] {run_dir.name}", flush=True)
+                if process.returncode:
+                    failed.append(run_dir.name)
+        time.sleep(2)
 
 
 def main(argv=None) -> None:
@@ -183,6 +207,10 @@ def main(argv=None) -> None:
         return run_worker(Path(args.worker))
     if not all(0 < d < 1 for d in args.densities):
         parser.error(f"--densities must lie in (0, 1), got {args.densities}")
+    for flag in ("jobs", "calibration_batches", "micro_batch_size", "max_seq_len", "harness_limit", "mmlu_limit"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    args.criteria, args.densities = list(dict.fromkeys(args.criteria)), list(dict.fromkeys(args.densities))
     task_dir = Path(args.task)
     if not (task_dir / "train.jsonl").is_file():
         parser.error(f"{task_dir / 'train.jsonl'} not found: run benchmarks/prepare_instructions.py --out {task_dir.parent}")
@@ -200,21 +228,12 @@ def main(argv=None) -> None:
         write_json(run_dir / "spec.json", spec)
         pending.append((run_dir, [sys.executable, __file__, "--worker", str(run_dir / "spec.json")]))
     running, failed = [], []
-    while pending or running:
-        while pending and len(running) < args.jobs:
-            run_dir, command = pending.pop(0)
-            log = open(run_dir / "log.txt", "w")
-            running.append((run_dir, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), log))
-            print(f"[start] {run_dir.name}", flush=True)
-        for item in list(running):
-            run_dir, process, log = item
-            if process.poll() is not None:
-                log.close()
-                running.remove(item)
-                print(f"[{'done' if process.returncode == 0 else 'FAILED'}] {run_dir.name}", flush=True)
-                if process.returncode:
-                    failed.append(run_dir.name)
-        time.sleep(2)
+    try:
+        _run_all(pending, running, failed, args.jobs)
+    finally:  # an interrupt stops the workers too
+        for _, process, _ in running:
+            process.terminate()
+    failed += [f"{c}_{d:g}" for c, d in runs if f"{c}_{d:g}" not in failed and not (out / f"{c}_{d:g}" / "result.json").is_file()]
     results = [read_json(out / f"{c}_{d:g}" / "result.json") for c, d in runs if f"{c}_{d:g}" not in failed]
     write_json(out / "results.json", {"command": command_line(), "commit": git_commit(), "hardware": hardware(),
                                       "wall_s": time.perf_counter() - started, "results": results})

@@ -36,24 +36,24 @@ class AdaptiveTuner:
         The first call also fixes the initial tunable budget, before any pruning event has shrunk
         an adapter (read at the first event it would be the already-shrunk size).
 
-        All adapters in a few operations (`mean_abs_row_products`), not ~7 per adapter: on a GPU
+        All adapters in a few operations (`RowSums`), not ~7 per adapter: on a GPU
         each is a kernel the host launches, and LLaMA-2-7B's q/v adapters are 64 of them on every
         step of the pruning phase. Adapters without a gradient keep their importance."""
         if self.initial_params is None:
             self.initial_params = sum(a.adapter_params() for a in adapters.values())
-        names, weights, grads = [], [], []
+        names, shapes, row_sums = [], [], RowSums()
         for name in sorted(adapters):
             adapter = adapters[name]
             grad = read_grad(f"{name}.lora_A", adapter.lora_A)
             if grad is None:
                 continue
             weight = read_param(f"{name}.lora_A", adapter.lora_A)
+            row_sums.add(weight, grad.to(weight.device))
             names.append(name)
-            weights.append(weight)
-            grads.append(grad.to(weight.device))
+            shapes.append(tuple(weight.shape))
         if not names:
             return
-        scores = mean_abs_row_products(weights, grads)
+        scores = row_sums.means(shapes)
         beta = self.config.salience_beta
         old, unscored = self._previous(names, scores.device)
         updated = scores if old is None else beta * old + (1 - beta) * scores
@@ -71,7 +71,7 @@ class AdaptiveTuner:
         if self._last is not None and self._last[0] == tuple(names):
             _, views, vector = self._last
             if all(self.importance.get(n) is view for n, view in zip(names, views)):
-                return vector, None
+                return vector.to(device), None
         if not any(n in self.importance for n in names):
             return None, None
         held = [self.importance.get(n, 0.0) for n in names]
@@ -116,12 +116,17 @@ class AdaptiveTuner:
         return change
 
     def importance_values(self) -> dict[str, float]:
-        """Importance as Python floats (one host read of the device EMA values)."""
-        if not self.importance:
-            return {}
-        names = sorted(self.importance)
-        values = torch.stack([torch.as_tensor(self.importance[n], dtype=torch.float64).cpu() for n in names]).tolist()
-        return dict(zip(names, values))
+        """Importance as Python floats: the last update's vector in one host read (on a GPU each
+        read waits for the device), entries held otherwise (a checkpoint's floats) as they are."""
+        values = {}
+        if self._last is not None:
+            names, views, vector = self._last
+            if all(self.importance.get(n) is view for n, view in zip(names, views)):
+                values.update(zip(names, vector.double().tolist()))
+        for name, value in self.importance.items():
+            if name not in values:
+                values[name] = float(value)
+        return dict(sorted(values.items()))
 
     def state_dict(self) -> dict:
         return {"importance": self.importance_values(), "initial_params": self.initial_params}
@@ -131,38 +136,54 @@ class AdaptiveTuner:
         self.initial_params = state.get("initial_params")
 
 
-def mean_abs_row_products(weights: list[torch.Tensor], grads: list[torch.Tensor]) -> torch.Tensor:
-    """[mean_i |sum_j W_ij * G_ij| for each (W, G)], fp32, in a few operations: the rows of all
-    pairs with the same width are concatenated, multiplied and summed at once, and each pair's
-    rows averaged by one product with an averaging matrix, in float64. Not a scatter
-    (`index_add_`): its atomic adds on a GPU may order differently on each rank, and the ranks'
-    growth decisions must agree to the bit."""
-    device = weights[0].device
-    means = []
-    groups, order = _row_layout(tuple(tuple(w.shape) for w in weights), str(device))
-    for indices, averaging in groups:
-        products = torch.cat([weights[i].float() for i in indices]) * torch.cat([grads[i].float() for i in indices])
-        means.append(averaging @ products.sum(1).abs().double())
-    out = (means[0] if len(means) == 1 else torch.cat(means)).float()
-    return out if order is None else out[order]
+class RowSums:
+    """|sum_j W_ij * G_ij| for every row i of the (W, G) pairs added, then each pair's mean.
+
+    Consecutive pairs of one width are concatenated and multiplied at once (all of a model's q/v
+    adapters: one product), holding at most CHUNK_ELEMENTS of each operand: under ZeRO-3 every
+    pair is a gathered copy, so a chunk is reduced to its row sums and let go before the next
+    one fills. The means are one gather over the row sums: no scatter, whose atomic adds on a
+    GPU may order differently on each rank (the ranks' growth decisions must agree)."""
+
+    CHUNK_ELEMENTS = 1 << 24  # 64 MiB of fp32 per operand
+
+    def __init__(self):
+        self._reduced: list[torch.Tensor] = []
+        self._weights: list[torch.Tensor] = []
+        self._grads: list[torch.Tensor] = []
+        self._held = 0
+
+    def add(self, weight: torch.Tensor, grad: torch.Tensor) -> None:
+        if self._weights and (weight.shape[1] != self._weights[0].shape[1] or self._held + weight.numel() > self.CHUNK_ELEMENTS):
+            self._reduce()
+        self._weights.append(weight)
+        self._grads.append(grad)
+        self._held += weight.numel()
+
+    def _reduce(self) -> None:
+        product = torch.cat(self._weights).float()  # a copy (cat), multiplied in place
+        self._reduced.append(product.mul_(torch.cat(self._grads)).sum(1))
+        self._weights, self._grads, self._held = [], [], 0
+
+    def means(self, shapes: list[tuple[int, int]]) -> torch.Tensor:
+        """mean_i |row sum i| of each pair added, in order, fp32; `shapes`: the pairs' (rows, width)."""
+        if self._weights:
+            self._reduce()
+        rows = (self._reduced[0] if len(self._reduced) == 1 else torch.cat(self._reduced)).abs()
+        index, counts = _mean_layout(tuple(shapes), str(rows.device))
+        return torch.cat([rows, rows.new_zeros(1)])[index].sum(1) / counts
 
 
 @functools.lru_cache(maxsize=2)  # the current layout, and one to spare
-def _row_layout(shapes: tuple[tuple[int, int], ...], device: str):
-    """For the (rank, width) `shapes`: ([(positions of one width, the (pairs x rows) float64
-    matrix averaging each pair's rows)], the permutation from that grouped order back to
-    `shapes`' order, None when it is the same). Cached: it changes only when ranks or widths do
+def _mean_layout(shapes: tuple[tuple[int, int], ...], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pairs x largest rank) positions of each pair's rows among all rows, padded with the
+    position of an appended zero; each pair's row count. Cached: it changes only when ranks do
     (pruning events), so a step uploads nothing."""
-    by_width: dict[int, list[int]] = {}
-    for index, (_, width) in enumerate(shapes):
-        by_width.setdefault(width, []).append(index)
-    groups, grouped = [], []
-    for indices in by_width.values():
-        rows = torch.tensor([shapes[i][0] for i in indices])
-        owner = torch.repeat_interleave(torch.arange(len(indices)), rows)
-        averaging = (owner.unsqueeze(0) == torch.arange(len(indices)).unsqueeze(1)).double() / rows.unsqueeze(1)
-        groups.append((indices, averaging.to(device)))
-        grouped += indices
-    identity = grouped == list(range(len(shapes)))
-    order = None if identity else torch.tensor(grouped).argsort().to(device)
-    return groups, order
+    ranks = [rows for rows, _ in shapes]
+    padding = sum(ranks)
+    index = torch.full((len(ranks), max(ranks)), padding, dtype=torch.long)
+    start = 0
+    for pair, rank in enumerate(ranks):
+        index[pair, :rank] = torch.arange(start, start + rank)
+        start += rank
+    return index.to(device), torch.tensor(ranks, dtype=torch.float32, device=device)

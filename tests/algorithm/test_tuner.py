@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from apt_ds.algorithm.adapters import APTAdapter
-from apt_ds.algorithm.tuner import AdaptiveTuner
+from apt_ds.algorithm.tuner import AdaptiveTuner, RowSums
 from apt_ds.config import APTConfig
 
 
@@ -167,26 +167,32 @@ def _reference_scores(adapters, grads) -> dict[str, float]:
     return {n: (a.lora_A.detach() * grads[n]).sum(1).abs().mean().item() for n, a in adapters.items() if n in grads}
 
 
-def test_importance_over_mixed_widths_growth_and_a_checkpoint_is_the_per_adapter_ema():
-    """The batched update equals the per-adapter EMA whatever the adapters' widths and ranks
-    (grown between steps), after a checkpoint's floats are loaded, and for an adapter first
-    scored late (it starts at its first score)."""
+@pytest.mark.parametrize("chunk", [RowSums.CHUNK_ELEMENTS, 20])
+def test_importance_over_mixed_widths_growth_and_a_checkpoint_is_the_per_adapter_ema(chunk, monkeypatch):
+    """The batched update equals the per-adapter EMA (to fp32 rounding) whatever the adapters'
+    widths and ranks (grown between steps), however the rows are chunked, after a checkpoint's
+    floats are loaded or the importance is assigned, and for an adapter first scored late (it
+    starts at its first score)."""
+    monkeypatch.setattr(RowSums, "CHUNK_ELEMENTS", chunk)
     adapters = _adapters([(8, 6), (8, 6), (5, 10), (7, 10), (9, 6)], [3, 2, 4, 1, 2])
     late = sorted(adapters)[-1]
     beta = 0.7
     tuner = AdaptiveTuner(APTConfig(adapter_rank=1, salience_beta=beta))
     expected: dict[str, float] = {}
-    for step in range(4):
+    for step in range(5):
         gen = torch.Generator().manual_seed(100 + step)
-        grads = {n: torch.randn(a.lora_A.shape, generator=gen) for n, a in adapters.items() if step >= 2 or n != late}
+        grads = {n: torch.randn(a.lora_A.shape, generator=gen) for n, a in adapters.items() if step >= 3 or n != late}
         tuner.accumulate(adapters, lambda name, p: p.detach(), lambda name, p: grads.get(name.rsplit(".", 1)[0]))
         for n, score in _reference_scores(adapters, grads).items():
             expected[n] = score if n not in expected else beta * expected[n] + (1 - beta) * score
         assert tuner.importance_values() == pytest.approx(expected, rel=1e-5)
         if step == 0:
             tuner.grow(adapters, {sorted(adapters)[0]: 5, sorted(adapters)[2]: 6}, torch.Generator().manual_seed(1))
+        if step == 1:  # an assignment replaces the held entries
+            tuner.importance = dict(tuner.importance_values())
         if step == 2:  # resume: a fresh tuner from the checkpoint's floats
             state = tuner.state_dict()
+            assert all(isinstance(v, float) for v in state["importance"].values())
             tuner = AdaptiveTuner(APTConfig(adapter_rank=1, salience_beta=beta))
             tuner.load_state_dict(state)
 
