@@ -16,7 +16,9 @@ it on the rows quality_seeds.py draws for --seed. Criteria:
 - wanda_sp_uniform: that score in uniform mode.
 The salience criteria may also cut hidden channels (APT's default); the Wanda score has none for
 them, so its rows keep all of them: a row compares a criterion with the unit kinds it can cut.
-The dense model (density 1) is scored too, unless --no-dense.
+The dense model (density 1) is scored too, unless --no-dense. With --train-steps N each cut is then
+LoRA-tuned for N steps as quality.py's prune-then-tune is (q/v adapters at rank 8, the instruction
+records in the seed's order, LR 2e-3) before it is scored: prune-then-tune with that criterion.
 
     python benchmarks/prepare_instructions.py --out bench_out/tasks
     python benchmarks/oneshot_criteria.py --out bench_out/oneshot_criteria
@@ -120,6 +122,25 @@ def prune(model, criterion: str, density: float, batches: list[dict]):
     return state.shape
 
 
+def tune(model, spec: dict, tokenizer):
+    """LoRA-tune a cut model for spec["train_steps"] steps with quality.py's prune-then-tune
+    settings; returns the merged plain model and its shape."""
+    from apt_ds.config import APTConfig, TrainConfig
+    from apt_ds.export.merge import compact_model
+    from apt_ds.io.data import batches, load_records, tokenize_dataset
+    from apt_ds.training.trainer import APTrainer
+
+    steps, seq = spec["train_steps"], spec["max_seq_len"]
+    lora = APTConfig.for_steps(steps, adapter_rank=8, adapter_alpha=16.0, adapter_targets=("q_proj", "v_proj")).as_lora()
+    train = TrainConfig(steps=steps, micro_batch_size=spec["micro_batch_size"], lr=spec["lr"], warmup_steps=max(1, steps // 10),
+                        max_seq_len=seq, seed=spec["seed"], log_every=1)
+    records = Path(spec["task_dir"]) / "train.jsonl"
+    examples = tokenize_dataset(load_records(records), tokenizer, seq, pack=False, source=str(records))
+    trainer = APTrainer(model, lora, train, out_dir=Path(spec["run_dir"]) / "train", progress=False)
+    trainer.train(batches(examples, train.micro_batch_size, train.seed, pad_id=tokenizer.pad_token_id or 0))
+    return compact_model(model, trainer.state), trainer.state.shape
+
+
 def run_worker(spec_path: Path) -> None:
     import torch
 
@@ -142,11 +163,14 @@ def run_worker(spec_path: Path) -> None:
     else:
         shape = original
     prune_s = time.perf_counter() - started
+    if spec.get("train_steps"):
+        model, shape = tune(model, spec, tokenizer)
     tokenizer.save_pretrained(str(run_dir / "tokenizer"))
     write_export(model.eval(), shape, run_dir / "export", torch.float32, tokenizer_dir=run_dir / "tokenizer")
     report = harness_report(run_dir / "export", {**spec, "harness_tasks": list(HARNESS_TASKS)})
     write_json(run_dir / "result.json", {
         "criterion": spec["criterion"], "density": shape.block_params() / original.block_params(), "prune_s": prune_s,
+        "train_steps": spec.get("train_steps", 0),
         "hidden": shape.hidden, "kv_groups": [l.num_kv_groups for l in shape.layers], "ffn": [l.ffn for l in shape.layers],
         **report})
 
@@ -200,6 +224,9 @@ def main(argv=None) -> None:
     parser.add_argument("--mmlu-limit", type=int, default=2, help="questions per MMLU subject")
     parser.add_argument("--jobs", type=int, default=2, help="runs at once, one torch thread each")
     parser.add_argument("--out", default="bench_out/oneshot_criteria")
+    parser.add_argument("--train-steps", type=int, default=0,
+                        help="LoRA-tune each cut for this many steps before scoring (0: score the cut as it is)")
+    parser.add_argument("--lr", type=float, default=2e-3, help="with --train-steps (quality.py's)")
     parser.add_argument("--no-dense", action="store_true", help="leave out the unpruned model's row (scored by an earlier run)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -210,6 +237,8 @@ def main(argv=None) -> None:
     for flag in ("jobs", "calibration_batches", "micro_batch_size", "max_seq_len", "harness_limit", "mmlu_limit"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if 0 < args.train_steps < 4 or args.train_steps < 0 or args.lr <= 0:
+        parser.error(f"--train-steps must be 0 or >= 4 (the run's schedule) and --lr > 0, got {args.train_steps} and {args.lr}")
     args.criteria, args.densities = list(dict.fromkeys(args.criteria)), list(dict.fromkeys(args.densities))
     task_dir = Path(args.task)
     if not (task_dir / "train.jsonl").is_file():
@@ -224,7 +253,7 @@ def main(argv=None) -> None:
         spec = {"criterion": criterion, "density": density, "seed": args.seed, "hf_dir": str(hf_dir), "task_dir": str(task_dir),
                 "calibration_batches": args.calibration_batches, "micro_batch_size": args.micro_batch_size,
                 "max_seq_len": args.max_seq_len, "harness_limit": args.harness_limit, "mmlu_limit": args.mmlu_limit,
-                "threads": 1, "run_dir": str(run_dir)}
+                "train_steps": args.train_steps, "lr": args.lr, "threads": 1, "run_dir": str(run_dir)}
         write_json(run_dir / "spec.json", spec)
         pending.append((run_dir, [sys.executable, __file__, "--worker", str(run_dir / "spec.json")]))
     running, failed = [], []

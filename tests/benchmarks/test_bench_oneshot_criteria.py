@@ -54,3 +54,30 @@ def test_each_criterion_cuts_to_the_density_and_the_model_still_runs(criterion):
     assert not any(p.requires_grad for p in model.parameters())
     logits = model(**{k: v for k, v in _batches()[0].items() if k != "labels"}).logits
     assert torch.isfinite(logits).all()
+
+
+def test_tune_trains_the_cut_model_and_returns_it_merged(tmp_path, tokenizer):
+    """--train-steps: the cut model is LoRA-tuned (its weights move, its shape stays) and comes
+    back as a plain model with the adapters merged."""
+    import shutil
+
+    from apt_ds.io.data import demo_data_path
+
+    task = tmp_path / "task"
+    task.mkdir()
+    shutil.copy(demo_data_path(), task / "train.jsonl")
+    model = tiny_llama("gqa", vocab=len(tokenizer), intermediate_size=256)
+    shape = oneshot_criteria.prune(model, "salience", 0.6, _batches_for(tokenizer, task))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    spec = {"train_steps": 4, "max_seq_len": 32, "micro_batch_size": 2, "lr": 1e-2, "seed": 0, "task_dir": str(task),
+            "run_dir": str(tmp_path / "run")}
+    tuned, tuned_shape = oneshot_criteria.tune(model, spec, tokenizer)
+    assert tuned_shape == shape == ModelShape.from_model(tuned)
+    after = dict(tuned.named_parameters())
+    assert set(after) == set(before)  # no adapter or distillation module left
+    assert any(not torch.equal(after[n], before[n]) for n in before if "q_proj" in n or "v_proj" in n)
+
+
+def _batches_for(tokenizer, task):
+    spec = {"task_dir": str(task), "max_seq_len": 32, "micro_batch_size": 2, "seed": 0, "calibration_batches": 2}
+    return oneshot_criteria.calibration_batches(spec, tokenizer)
