@@ -93,11 +93,9 @@ def prune(model, criterion: str, density: float, batches: list[dict]):
     """Cut `model` in place; returns its new ModelShape."""
     import torch
 
-    from apt_ds.algorithm.adapters import merge_adapters
     from apt_ds.algorithm.pruner import AdaptivePruner
-    from apt_ds.algorithm.state import APTModel
     from apt_ds.config import APTConfig
-    from apt_ds.training.baselines import one_shot_prune
+    from apt_ds.training.baselines import one_shot_prune, scoring_state
 
     uniform = criterion.endswith("_uniform")
     if criterion.startswith("salience"):
@@ -107,18 +105,11 @@ def prune(model, criterion: str, density: float, batches: list[dict]):
     groups, neurons = wanda_sp_scores(model, batches)
     config = APTConfig(target_density=density, uniform=uniform, prune_hidden=False, use_kurtosis=False, distill=False,
                        grow_ranks=False, uniform_shape_trials=1)
-    state = APTModel(model, config, seed=0)
-    try:
+    with scoring_state(model, config) as state:
         target = density * state.original_shape.budget_params(config.count_embeddings)
         decision = AdaptivePruner(config).decide(state.shape, groups, neurons, torch.ones(state.shape.hidden), target,
                                                  state.original_shape)
         state.shrink(decision)
-    finally:
-        state.masks.remove()
-        state.salience.remove()
-        merge_adapters(model)  # B == 0: the frozen weights, unchanged
-    for param in model.parameters():
-        param.requires_grad_(False)
     return state.shape
 
 

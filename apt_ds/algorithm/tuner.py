@@ -41,7 +41,7 @@ class AdaptiveTuner:
         step of the pruning phase. Adapters without a gradient keep their importance."""
         if self.initial_params is None:
             self.initial_params = sum(a.adapter_params() for a in adapters.values())
-        names, shapes, row_sums = [], [], RowSums()
+        names, row_sums = [], RowSums()
         for name in sorted(adapters):
             adapter = adapters[name]
             grad = read_grad(f"{name}.lora_A", adapter.lora_A)
@@ -50,10 +50,9 @@ class AdaptiveTuner:
             weight = read_param(f"{name}.lora_A", adapter.lora_A)
             row_sums.add(weight, grad.to(weight.device))
             names.append(name)
-            shapes.append(tuple(weight.shape))
         if not names:
             return
-        scores = row_sums.means(shapes)
+        scores = row_sums.means()
         beta = self.config.salience_beta
         old, unscored = self._previous(names, scores.device)
         updated = scores if old is None else beta * old + (1 - beta) * scores
@@ -68,10 +67,9 @@ class AdaptiveTuner:
         were)). The last update's vector when the importance still holds its entries (no
         operation); else gathered from what is held (a checkpoint's floats, an assignment). (None,
         None) when none was ever scored."""
-        if self._last is not None and self._last[0] == tuple(names):
-            _, views, vector = self._last
-            if all(self.importance.get(n) is view for n, view in zip(names, views)):
-                return vector.to(device), None
+        held = self._held_vector()
+        if held is not None and held[0] == tuple(names):
+            return held[1].to(device), None
         if not any(n in self.importance for n in names):
             return None, None
         held = [self.importance.get(n, 0.0) for n in names]
@@ -119,14 +117,21 @@ class AdaptiveTuner:
         """Importance as Python floats: the last update's vector in one host read (on a GPU each
         read waits for the device), entries held otherwise (a checkpoint's floats) as they are."""
         values = {}
-        if self._last is not None:
-            names, views, vector = self._last
-            if all(self.importance.get(n) is view for n, view in zip(names, views)):
-                values.update(zip(names, vector.double().tolist()))
+        held = self._held_vector()
+        if held is not None:
+            values.update(zip(held[0], held[1].double().tolist()))
         for name, value in self.importance.items():
             if name not in values:
                 values[name] = float(value)
         return dict(sorted(values.items()))
+
+    def _held_vector(self) -> tuple[tuple[str, ...], torch.Tensor] | None:
+        """(names, the last update's vector) while `importance` still holds that update's entries
+        for all of them (an assignment or a loaded checkpoint replaces them); else None."""
+        if self._last is None:
+            return None
+        names, views, vector = self._last
+        return (names, vector) if all(self.importance.get(n) is view for n, view in zip(names, views)) else None
 
     def state_dict(self) -> dict:
         return {"importance": self.importance_values(), "initial_params": self.initial_params}
@@ -149,6 +154,7 @@ class RowSums:
 
     def __init__(self):
         self._reduced: list[torch.Tensor] = []
+        self._shapes: list[tuple[int, int]] = []  # every pair's (rows, width), in order
         self._weights: list[torch.Tensor] = []
         self._grads: list[torch.Tensor] = []
         self._held = 0
@@ -158,6 +164,7 @@ class RowSums:
             self._reduce()
         self._weights.append(weight)
         self._grads.append(grad)
+        self._shapes.append(tuple(weight.shape))
         self._held += weight.numel()
 
     def _reduce(self) -> None:
@@ -165,12 +172,12 @@ class RowSums:
         self._reduced.append(product.mul_(torch.cat(self._grads)).sum(1))
         self._weights, self._grads, self._held = [], [], 0
 
-    def means(self, shapes: list[tuple[int, int]]) -> torch.Tensor:
-        """mean_i |row sum i| of each pair added, in order, fp32; `shapes`: the pairs' (rows, width)."""
+    def means(self) -> torch.Tensor:
+        """mean_i |row sum i| of each pair added, in order, fp32."""
         if self._weights:
             self._reduce()
         rows = (self._reduced[0] if len(self._reduced) == 1 else torch.cat(self._reduced)).abs()
-        index, counts = _mean_layout(tuple(shapes), str(rows.device))
+        index, counts = _mean_layout(tuple(self._shapes), str(rows.device))
         return torch.cat([rows, rows.new_zeros(1)])[index].sum(1) / counts
 
 

@@ -20,6 +20,7 @@ the returned model is a plain `LlamaForCausalLM` (layers possibly of different s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,27 @@ def _scoring_config(config: APTConfig, target_density: float) -> APTConfig:
     )
 
 
+@contextlib.contextmanager
+def scoring_state(model, config: APTConfig):
+    """An `APTModel` over `model` for scoring and cutting it once; afterwards `model` is a plain
+    frozen LlamaForCausalLM again, at whatever shape the block left it: hooks removed, the
+    temporary adapters merged (B = 0: the frozen weights exactly), no gradients, its training
+    mode restored."""
+    was_training = model.training
+    model.train()
+    state = APTModel(model, config, seed=0)
+    try:
+        yield state
+    finally:
+        state.masks.remove()
+        state.salience.remove()
+        merge_adapters(model)  # B == 0: merging restores the frozen weights exactly
+        for param in model.parameters():
+            param.grad = None
+            param.requires_grad_(False)
+        model.train(was_training)
+
+
 def one_shot_prune(model, calibration_batches: Iterable[dict], target_density: float, config: APTConfig | None = None) -> OneShotResult:
     """Score units by first-order Taylor salience on `calibration_batches`, shrink `model`
     in place to `target_density` of its block parameters, and return what was kept.
@@ -69,11 +91,8 @@ def one_shot_prune(model, calibration_batches: Iterable[dict], target_density: f
     the SUMMED factors over all calibration batches (one salience "step"), as APT sums
     them over gradient-accumulation micro-batches."""
     config = _scoring_config(config or APTConfig(), target_density)
-    was_training = model.training
-    model.train()
-    state = APTModel(model, config, seed=0)
     tokens, loss_sum, batches_seen, first = 0, 0.0, 0, None
-    try:
+    with scoring_state(model, config) as state:
         state.salience.enabled = True
         for batch in calibration_batches:
             # logits only where a label is supervised: the same loss and gradient as
@@ -103,14 +122,6 @@ def one_shot_prune(model, calibration_batches: Iterable[dict], target_density: f
         if decision.removes_anything():
             state.shrink(decision)
             release_free_heap()  # as APT does after its events (apt_ds.training.heap)
-    finally:
-        state.masks.remove()
-        state.salience.remove()
-        merge_adapters(model)  # B == 0: merging restores the frozen weights exactly
-        for param in model.parameters():
-            param.grad = None
-            param.requires_grad_(False)
-        model.train(was_training)
     return OneShotResult(state.original_shape, state.shape, decision, tokens, loss_sum / batches_seen, trials)
 
 
