@@ -8,7 +8,10 @@
 
 Masks are plain tensors held by `UnitMasks` (identical on every rank, saved with
 checkpoints, never seen by ZeRO). An all-ones mask is skipped entirely, so an unpruned model
-pays nothing for them.
+pays nothing for them. While masks decay (the window before each pruning event) every forward
+multiplies them in, so what the hooks need is made once per mask update, not per call: the
+masks cast to the activations' dtype, the KV-group mask expanded to o_proj's input channels and
+the norms' divisor; on a GPU each of those would otherwise be a kernel launch in every layer.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ class UnitMasks:
         self.reset(shape)
         self.enabled = True  # False while the distillation teacher runs
         self._handles: list = []
+        self._norms: list = []  # (RMSNorm, the instance forward it had before install, or None)
 
     def reset(self, shape: ModelShape) -> None:
         self.shape = shape
@@ -41,6 +45,8 @@ class UnitMasks:
         self._hidden_active = active[0]
         self._group_active = active[1 : 1 + layers]
         self._neuron_active = active[1 + layers :]
+        self._gates: dict[tuple, torch.Tensor] = {}  # (kind, layer, dtype) -> the factor a hook multiplies by
+        self._kept_hidden = self.hidden.sum().clamp_min(1e-6) if self._hidden_active else None
 
     # ---- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -76,25 +82,59 @@ class UnitMasks:
                 attn.o_proj.register_forward_hook(hidden_out),
                 mlp.down_proj.register_forward_pre_hook(self._neuron_input_hook(index)),
                 mlp.down_proj.register_forward_hook(hidden_out),
-                layer.input_layernorm.register_forward_hook(self._norm_hook),
-                layer.post_attention_layernorm.register_forward_hook(self._norm_hook),
             ]
-        self._handles.append(inner.norm.register_forward_hook(self._norm_hook))
+            self._mask_norm(layer.input_layernorm)
+            self._mask_norm(layer.post_attention_layernorm)
+        self._mask_norm(inner.norm)
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        for norm, own_forward in self._norms:
+            if own_forward is None:
+                del norm.forward  # the class's forward again
+            else:
+                norm.forward = own_forward
+        self._norms = []
+
+    def _mask_norm(self, norm) -> None:
+        """Route the RMSNorm's forward through `_norm_forward` (set on the instance and undone
+        by `remove`, as accelerate's hooks do). A forward hook would have to recompute the
+        norm after the module computed it: twice the norm's passes over the activations, in
+        every layer, on every step of a decay window."""
+        own_forward = norm.__dict__.get("forward")
+        module_forward = norm.forward  # the class's (or a kernel's) forward, bound
+
+        def forward(hidden_states):
+            if not (self.enabled and self._hidden_active):
+                return module_forward(hidden_states)
+            return self._norm_over_kept(norm, hidden_states)
+
+        norm.forward = forward
+        self._norms.append((norm, own_forward))
 
     # ---- hooks ---------------------------------------------------------------------------
+    def _gate(self, kind: str, index: int, dtype: torch.dtype, make) -> torch.Tensor:
+        """The factor a hook multiplies by, made by `make()` on the first call after a mask update
+        and kept until the next. Not kept when made under inference_mode: an inference tensor
+        cannot be saved for a later backward."""
+        key = (kind, index, dtype)
+        gate = self._gates.get(key)
+        if gate is None:
+            gate = make().to(dtype)
+            if not torch.is_inference_mode_enabled():
+                self._gates[key] = gate
+        return gate
 
     def _group_input_hook(self, index: int, head_dim: int, group_size: int):
         def hook(module, args):
             if not (self.enabled and self._group_active[index]):
                 return None
-            mask = self.kv_group[index]
-            channel_mask = mask.repeat_interleave(group_size * head_dim)
-            return (args[0] * channel_mask.to(args[0].dtype),) + tuple(args[1:])
+            x = args[0]
+            channel_mask = self._gate("group", index, x.dtype,
+                                      lambda: self.kv_group[index].repeat_interleave(group_size * head_dim))
+            return (x * channel_mask,) + tuple(args[1:])
 
         return hook
 
@@ -102,23 +142,19 @@ class UnitMasks:
         def hook(module, args):
             if not (self.enabled and self._neuron_active[index]):
                 return None
-            mask = self.ffn_neuron[index]
-            return (args[0] * mask.to(args[0].dtype),) + tuple(args[1:])
+            x = args[0]
+            return (x * self._gate("neuron", index, x.dtype, lambda: self.ffn_neuron[index]),) + tuple(args[1:])
 
         return hook
 
     def _hidden_output_hook(self, module, args, output):
         if not (self.enabled and self._hidden_active):
             return None
-        return output * self.hidden.to(output.dtype)
+        return output * self._gate("hidden", 0, output.dtype, lambda: self.hidden)
 
-    def _norm_hook(self, module, args, output):
-        """Recompute RMSNorm with the mean of x^2 over kept channels only."""
-        if not (self.enabled and self._hidden_active):
-            return None
-        x = args[0]
+    def _norm_over_kept(self, module, x: torch.Tensor) -> torch.Tensor:
+        """LLaMA's RMSNorm with the mean of x^2 taken over the kept channels only."""
         x32 = x.to(torch.float32)
-        kept = self.hidden.sum().clamp_min(1e-6)
-        variance = x32.pow(2).sum(-1, keepdim=True) / kept
+        variance = x32.pow(2).sum(-1, keepdim=True) / self._kept_hidden
         normed = x32 * torch.rsqrt(variance + module.variance_epsilon)
         return module.weight * normed.to(x.dtype)

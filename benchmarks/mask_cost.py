@@ -1,0 +1,115 @@
+"""What decaying unit masks add to a training step's forward and backward (one process).
+
+In the window before each pruning event the leaving units' masks decay from 1 to 0, and every
+forward multiplies them in (`apt_ds.algorithm.masks`): KV groups at o_proj's input, FFN neurons
+at down_proj's input, hidden channels at every write to the residual stream, and each RMSNorm
+averages x^2 over the kept hidden channels only. This script times a forward and backward of the
+same model and batch with every mask at 1 (the hooks return at once) and with a block of each
+kind half decayed in every layer, interleaved, and counts the operations each dispatches, all of
+them and those that compute (roughly the kernels a GPU launches: a host-bound GPU step pays
+for each).
+
+    python benchmarks/mask_cost.py --repeats 15 --json bench_out/mask_cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _common import dispatched_operations, git_commit  # noqa: E402
+
+from apt_ds.algorithm.state import APTModel  # noqa: E402
+from apt_ds.config import APTConfig  # noqa: E402
+from apt_ds.io.modeling import build_tiny_llama  # noqa: E402
+from apt_ds.training.forward import enable_activation_checkpointing  # noqa: E402
+
+MODEL = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)
+
+
+def decay_a_block_of_each(state: APTModel, value: float) -> None:
+    """Set the last KV group, the last 32 FFN neurons and the last 32 hidden channels of every
+    layer to `value`, as a decay window leaves them halfway."""
+    masks = state.masks
+    for group_mask, neuron_mask in zip(masks.kv_group, masks.ffn_neuron):
+        group_mask[-1:] = value
+        neuron_mask[-32:] = value
+    masks.hidden[-32:] = value
+    masks.refresh()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the model's dtype (bf16 matmuls are slow on CPUs without native bf16)")
+    parser.add_argument("--no-gradient-checkpointing", action="store_true",
+                        help="keep every activation (the CLI checkpoints layers by default)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is steadier on a shared machine)")
+    parser.add_argument("--json", default=None, help="write results here")
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or args.batch < 1 or args.seq < 2:
+        parser.error("--repeats and --batch must be >= 1 and --seq >= 2")
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    vocab = 2048
+    model = build_tiny_llama(vocab, **MODEL).to(getattr(torch, args.dtype))
+    model.train()
+    if not args.no_gradient_checkpointing:
+        enable_activation_checkpointing(model)
+    state = APTModel(model, APTConfig(target_density=0.5, pruning_start_step=0, pruning_end_step=10, num_pruning_events=1))
+    ids = torch.randint(0, vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+    def step() -> None:
+        model(**batch).loss.backward()
+        for param in model.parameters():
+            param.grad = None
+
+    def with_masks(value: float):
+        def run() -> None:
+            decay_a_block_of_each(state, value)
+            step()
+        return run
+
+    idle, decaying = with_masks(1.0), with_masks(0.5)
+    for _ in range(2):  # warm-up
+        idle()
+        decaying()
+    idle_times, decaying_times = [], []
+    for _ in range(args.repeats):  # interleaved, so drifts in load hit both alike
+        for run, times in ((idle, idle_times), (decaying, decaying_times)):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+    med = statistics.median
+    result = {
+        "hardware": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "commit": git_commit(), "model": MODEL, "dtype": args.dtype, "batch": args.batch, "seq": args.seq,
+        "gradient_checkpointing": not args.no_gradient_checkpointing, "repeats": args.repeats,
+        "masks_idle_s": med(idle_times), "masks_decaying_s": med(decaying_times),
+        "decaying_over_idle": med(decaying_times) / med(idle_times),
+        **{f"{key}_per_step": {"masks_idle": dispatched_operations(idle, views),
+                               "masks_decaying": dispatched_operations(decaying, views)}
+           for key, views in (("dispatched", True), ("computing", False))},
+    }
+    print(json.dumps(result, indent=1))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""How decaying masks enter the forward: the RMSNorm over kept channels, the factors made once per
+mask update, and what install / remove leave behind (the masks' effect on units: test_shrink.py)."""
+
+from __future__ import annotations
+
+import torch
+from conftest import random_batch, tiny_llama
+
+from apt_ds.algorithm.masks import UnitMasks
+from apt_ds.algorithm.units import ModelShape
+from apt_ds.training.forward import enable_activation_checkpointing
+
+
+def _decay(masks: UnitMasks, value: float, seed: int = 0) -> None:
+    """A block of every kind partly decayed in every layer, as inside a decay window."""
+    gen = torch.Generator().manual_seed(seed)
+    for group_mask, neuron_mask in zip(masks.kv_group, masks.ffn_neuron):
+        group_mask[-1:] = value
+        neuron_mask[-16:] = value * torch.rand(16, generator=gen)
+    masks.hidden[-8:] = value * torch.rand(8, generator=gen)
+    masks.refresh()
+
+
+def _masked_model(kind: str = "gqa"):
+    model = tiny_llama(kind)
+    masks = UnitMasks(ModelShape.from_model(model))
+    masks.install(model)
+    return model, masks
+
+
+def test_norms_average_over_the_kept_channels_only():
+    """Each RMSNorm divides sum(x^2) by the kept channels' mask sum, not by the width."""
+    model, masks = _masked_model()
+    _decay(masks, 0.5)
+    norm = model.model.norm
+    seen = {}
+    handle = norm.register_forward_hook(lambda module, args, output: seen.update(x=args[0], y=output))
+    with torch.no_grad():
+        model(**random_batch())
+    handle.remove()
+    x = seen["x"].double()
+    expected = norm.weight.double() * x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) / masks.hidden.double().sum()
+                                                      + norm.variance_epsilon)
+    torch.testing.assert_close(seen["y"].double(), expected, rtol=1e-5, atol=1e-6)
+    plain = norm.weight.double() * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    assert (seen["y"].double() - plain).abs().max() > 1e-3  # the width's mean would differ
+
+
+def test_remove_gives_the_norms_their_own_forward_back():
+    model = tiny_llama("gqa")
+    batch = random_batch()
+    norms = [model.model.norm] + [n for layer in model.model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    with torch.no_grad():
+        reference = model(**batch).logits
+    masks = UnitMasks(ModelShape.from_model(model))
+    masks.install(model)
+    masks.install(model)  # idempotent: the second install does not wrap the first one's forward
+    assert all("forward" in norm.__dict__ for norm in norms)
+    _decay(masks, 0.5)
+    masks.remove()
+    assert not any("forward" in norm.__dict__ for norm in norms)
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batch).logits, reference, rtol=0, atol=0)
+
+
+def test_a_mask_update_replaces_what_the_hooks_multiply_by():
+    """Factors are kept between forwards; a refresh after editing the masks makes them anew."""
+    model, masks = _masked_model()
+    batch = random_batch()
+    with torch.no_grad():
+        _decay(masks, 0.9)
+        model(**batch)
+        _decay(masks, 0.2, seed=1)
+        updated = model(**batch).logits
+    fresh, fresh_masks = _masked_model()
+    _decay(fresh_masks, 0.2, seed=1)
+    with torch.no_grad():
+        torch.testing.assert_close(updated, fresh(**batch).logits, rtol=0, atol=0)
+
+
+def test_factors_made_under_inference_mode_do_not_break_a_later_backward():
+    model, masks = _masked_model()
+    _decay(masks, 0.5)
+    with torch.inference_mode():
+        model(**random_batch())
+    batch = random_batch()
+    model(**batch).loss.backward()
+    assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
+
+
+def _computing_operations(fn) -> int:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not (func.is_view or func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default)):
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count() as counter:
+        fn()
+    return counter.count
+
+
+def test_decaying_masks_add_few_operations_to_a_checkpointed_step():
+    """On a GPU every operation is a kernel launch the host pays for, in every layer of every step of
+    a decay window. Per layer, in forward, recompute and backward: a multiplication at o_proj's and
+    down_proj's inputs and at their two outputs, and the norms' one extra division; 37 in all here
+    (113 when every norm was computed twice and the hooks cast and expanded the masks per call)."""
+    model, masks = _masked_model()
+    enable_activation_checkpointing(model)  # the CLI's: each layer's forward runs again in backward
+    batch = random_batch()
+
+    def step() -> None:
+        model(**batch).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    step()
+    idle = _computing_operations(step)
+    _decay(masks, 0.5)
+    step()
+    extra = _computing_operations(step) - idle
+    assert 0 < extra <= 20 * len(model.model.layers) + 4
