@@ -3,6 +3,9 @@ mask update, and what install / remove leave behind (the masks' effect on units:
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 from conftest import random_batch, tiny_llama
 
@@ -88,28 +91,15 @@ def test_factors_made_under_inference_mode_do_not_break_a_later_backward():
     assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
 
 
-def _computing_operations(fn) -> int:
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not (func.is_view or func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default)):
-                self.count += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count() as counter:
-        fn()
-    return counter.count
-
-
 def test_decaying_masks_add_few_operations_to_a_checkpointed_step():
     """On a GPU every operation is a kernel launch the host pays for, in every layer of every step of
     a decay window. Per layer, in forward, recompute and backward: a multiplication at o_proj's and
     down_proj's inputs and at their two outputs, and the norms' one extra division; 37 in all here
     (113 when every norm was computed twice and the hooks cast and expanded the masks per call)."""
     model, masks = _masked_model()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from _common import dispatched_operations
+
     enable_activation_checkpointing(model)  # the CLI's: each layer's forward runs again in backward
     batch = random_batch()
 
@@ -118,8 +108,8 @@ def test_decaying_masks_add_few_operations_to_a_checkpointed_step():
         model.zero_grad(set_to_none=True)
 
     step()
-    idle = _computing_operations(step)
+    idle = dispatched_operations(step, views=False)
     _decay(masks, 0.5)
     step()
-    extra = _computing_operations(step) - idle
+    extra = dispatched_operations(step, views=False) - idle
     assert 0 < extra <= 20 * len(model.model.layers) + 4
