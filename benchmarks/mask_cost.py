@@ -10,13 +10,14 @@ them and those that compute (roughly the kernels a GPU launches: a host-bound GP
 for each).
 
     python benchmarks/mask_cost.py --repeats 15 --json bench_out/mask_cost.json
+    # on a GPU: two layers at LLaMA-2-7B's widths, bf16, 16 x 512 tokens (the recipe's micro-batch)
+    python benchmarks/mask_cost.py --device cuda --dtype bfloat16 --width llama2-7b --batch 16 --seq 512
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -26,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import dispatched_operations, git_commit  # noqa: E402
+from _common import cpu_model_name, dispatched_operations, git_commit  # noqa: E402
 
 from apt_ds.algorithm.state import APTModel  # noqa: E402
 from apt_ds.config import APTConfig  # noqa: E402
@@ -34,6 +35,9 @@ from apt_ds.io.modeling import build_tiny_llama  # noqa: E402
 from apt_ds.training.forward import enable_activation_checkpointing  # noqa: E402
 
 MODEL = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)
+WIDTHS = {"small": (MODEL, 2048),  # (layer shape, vocabulary)
+          "llama2-7b": (dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=2, num_attention_heads=32,
+                             num_key_value_heads=32), 32000)}
 
 
 def decay_a_block_of_each(state: APTModel, value: float) -> None:
@@ -54,6 +58,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="the model's dtype (bf16 matmuls are slow on CPUs without native bf16)")
+    parser.add_argument("--width", choices=sorted(WIDTHS), default="small",
+                        help="small: the model above; llama2-7b: two layers at LLaMA-2-7B's widths (about 0.7B parameters)")
+    parser.add_argument("--device", default="cpu", help="where the model runs, e.g. cuda")
     parser.add_argument("--no-gradient-checkpointing", action="store_true",
                         help="keep every activation (the CLI checkpoints layers by default)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is steadier on a shared machine)")
@@ -61,21 +68,28 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.batch < 1 or args.seq < 2:
         parser.error("--repeats and --batch must be >= 1 and --seq >= 2")
+    try:
+        device = torch.device(args.device)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as err:
+        parser.error(f"--device {args.device}: {str(err).splitlines()[0]}")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    vocab = 2048
-    model = build_tiny_llama(vocab, **MODEL).to(getattr(torch, args.dtype))
+    layer_shape, vocab = WIDTHS[args.width]
+    model = build_tiny_llama(vocab, **layer_shape).to(device=device, dtype=getattr(torch, args.dtype))
     model.train()
     if not args.no_gradient_checkpointing:
         enable_activation_checkpointing(model)
     state = APTModel(model, APTConfig(target_density=0.5, pruning_start_step=0, pruning_end_step=10, num_pruning_events=1))
-    ids = torch.randint(0, vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0)).to(device)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
 
     def step() -> None:
         model(**batch).loss.backward()
         for param in model.parameters():
             param.grad = None
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the step's time, not its launch
 
     def with_masks(value: float):
         def run() -> None:
@@ -95,8 +109,9 @@ def main(argv: list[str] | None = None) -> dict:
             times.append(time.perf_counter() - start)
     med = statistics.median
     result = {
-        "hardware": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
-        "commit": git_commit(), "model": MODEL, "dtype": args.dtype, "batch": args.batch, "seq": args.seq,
+        "hardware": (torch.cuda.get_device_name(device) if device.type == "cuda" else
+                     f"{cpu_model_name()}, {torch.get_num_threads()} threads") + f", torch {torch.__version__}",
+        "commit": git_commit(), "model": layer_shape, "vocab": vocab, "device": str(device), "dtype": args.dtype, "batch": args.batch, "seq": args.seq,
         "gradient_checkpointing": not args.no_gradient_checkpointing, "repeats": args.repeats,
         "masks_idle_s": med(idle_times), "masks_decaying_s": med(decaying_times),
         "decaying_over_idle": med(decaying_times) / med(idle_times),

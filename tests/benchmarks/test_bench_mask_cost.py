@@ -28,3 +28,6 @@ def test_bad_settings_are_one_line_errors(capsys):
         mask_cost.main(["--seq", "1"])
     assert stop.value.code == 2
     assert "--seq" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        mask_cost.main(["--device", "no-such-device"])
+    assert "--device no-such-device" in capsys.readouterr().err
