@@ -7,7 +7,8 @@ averages x^2 over the kept hidden channels only. This script times a forward and
 same model and batch with every mask at 1 (the hooks return at once) and with a block of each
 kind half decayed in every layer, interleaved, and counts the operations each dispatches, all of
 them and those that compute (roughly the kernels a GPU launches: a host-bound GPU step pays
-for each).
+for each). Each timed step first sets its masks and refreshes them, as every decay-window step
+of training does (so what the hooks make once per mask update is counted in every step).
 
     python benchmarks/mask_cost.py --repeats 15 --json bench_out/mask_cost.json
     # on a GPU: two layers at LLaMA-2-7B's widths, bf16, 16 x 512 tokens (the recipe's micro-batch)
@@ -73,7 +74,15 @@ def main(argv: list[str] | None = None) -> dict:
         torch.empty(0, device=device)
     except (RuntimeError, AssertionError) as err:
         parser.error(f"--device {args.device}: {str(err).splitlines()[0]}")
+    threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
+    try:
+        return measure(args, device)
+    finally:
+        torch.set_num_threads(threads)  # as it was for a caller in the same process (the tests)
+
+
+def measure(args, device: torch.device) -> dict:
     torch.manual_seed(0)
     layer_shape, vocab = WIDTHS[args.width]
     model = build_tiny_llama(vocab, **layer_shape).to(device=device, dtype=getattr(torch, args.dtype))
@@ -111,7 +120,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "hardware": (torch.cuda.get_device_name(device) if device.type == "cuda" else
                      f"{cpu_model_name()}, {torch.get_num_threads()} threads") + f", torch {torch.__version__}",
-        "commit": git_commit(), "model": layer_shape, "vocab": vocab, "device": str(device), "dtype": args.dtype, "batch": args.batch, "seq": args.seq,
+        "commit": git_commit(), "model": layer_shape, "vocab": vocab, "device": str(device), "dtype": args.dtype,
+        "batch": args.batch, "seq": args.seq,
         "gradient_checkpointing": not args.no_gradient_checkpointing, "repeats": args.repeats,
         "masks_idle_s": med(idle_times), "masks_decaying_s": med(decaying_times),
         "decaying_over_idle": med(decaying_times) / med(idle_times),

@@ -16,6 +16,8 @@ the norms' divisor; on a GPU each of those would otherwise be a kernel launch in
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from apt_ds.algorithm.units import ModelShape
@@ -37,16 +39,17 @@ class UnitMasks:
         self.refresh()
 
     def refresh(self) -> None:
-        """Recompute which masks are not all-ones; call after editing mask tensors (after a
-        pruning decision or a decay-window step's mask update, never inside a forward/backward).
-        One host read for all 2 x layers + 1 masks: on a GPU each read waits for the device."""
+        """Recompute which masks are not all-ones and drop what the hooks made from them: required
+        after EVERY edit of a mask tensor, in place or not (after a pruning decision or a decay-
+        window step's mask update, never inside a forward/backward); until then the forward keeps
+        using the masks as they were. One host read for all 2 x layers + 1 masks: on a GPU each
+        read waits for the device."""
         active = torch.stack([(m != 1).any() for m in self._all()]).tolist()
         layers = len(self.kv_group)
         self._hidden_active = active[0]
         self._group_active = active[1 : 1 + layers]
         self._neuron_active = active[1 + layers :]
         self._gates: dict[tuple, torch.Tensor] = {}  # (kind, layer, dtype) -> the factor a hook multiplies by
-        self._kept_hidden = self.hidden.sum().clamp_min(1e-6) if self._hidden_active else None
 
     # ---- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -88,6 +91,11 @@ class UnitMasks:
         self._mask_norm(inner.norm)
 
     def remove(self) -> None:
+        """Undo `install` (nothing is undone when a norm's forward was replaced after it)."""
+        for norm, _ in self._norms:
+            if not _routed_by(norm, self):
+                raise RuntimeError(f"the forward of {type(norm).__name__} was replaced after these masks were installed "
+                                   "(another wrapper, or other masks): remove that first")
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -99,19 +107,13 @@ class UnitMasks:
         self._norms = []
 
     def _mask_norm(self, norm) -> None:
-        """Route the RMSNorm's forward through `_norm_forward` (set on the instance and undone
-        by `remove`, as accelerate's hooks do). A forward hook would have to recompute the
+        """Route the RMSNorm's forward through `_routed_norm_forward` (set on the instance and
+        undone by `remove`, as accelerate's hooks do). A forward hook would have to recompute the
         norm after the module computed it: twice the norm's passes over the activations, in
-        every layer, on every step of a decay window."""
+        every layer, on every step of a decay window. A partial holding the module and these
+        masks, not a closure: a deep copy of the model then routes through its own copies."""
         own_forward = norm.__dict__.get("forward")
-        module_forward = norm.forward  # the class's (or a kernel's) forward, bound
-
-        def forward(hidden_states):
-            if not (self.enabled and self._hidden_active):
-                return module_forward(hidden_states)
-            return self._norm_over_kept(norm, hidden_states)
-
-        norm.forward = forward
+        norm.forward = functools.partial(_routed_norm_forward, norm, self, own_forward)
         self._norms.append((norm, own_forward))
 
     # ---- hooks ---------------------------------------------------------------------------
@@ -155,6 +157,21 @@ class UnitMasks:
     def _norm_over_kept(self, module, x: torch.Tensor) -> torch.Tensor:
         """LLaMA's RMSNorm with the mean of x^2 taken over the kept channels only."""
         x32 = x.to(torch.float32)
-        variance = x32.pow(2).sum(-1, keepdim=True) / self._kept_hidden
+        kept = self._gate("kept", 0, torch.float32, lambda: self.hidden.sum().clamp_min(1e-6))
+        variance = x32.pow(2).sum(-1, keepdim=True) / kept
         normed = x32 * torch.rsqrt(variance + module.variance_epsilon)
         return module.weight * normed.to(x.dtype)
+
+
+def _routed_by(norm, masks: UnitMasks) -> bool:
+    forward = norm.__dict__.get("forward")
+    return (isinstance(forward, functools.partial) and forward.func is _routed_norm_forward
+            and forward.args[0] is norm and forward.args[1] is masks)
+
+
+def _routed_norm_forward(norm, masks: UnitMasks, own_forward, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A masked RMSNorm's forward: its own (the class's, or the instance's before install) while
+    the hidden mask is all ones or switched off, else the norm over the kept channels."""
+    if masks.enabled and masks._hidden_active:
+        return masks._norm_over_kept(norm, hidden_states)
+    return own_forward(hidden_states) if own_forward is not None else type(norm).forward(norm, hidden_states)
