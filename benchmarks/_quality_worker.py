@@ -75,6 +75,15 @@ def harness_report(model_path: Path, spec: dict) -> dict:
             "harness_rows_drawn": {"sample_seed": spec["seed"], "indices": drawn}}
 
 
+def ptt_calibration(examples, micro_batch_size: int, seed: int, pad_id: int, count: int) -> list[dict]:
+    """Prune-then-tune's calibration: the first `count` micro-batches of the records in another
+    order than training draws them (seed + 1000)."""
+    from apt_ds.io.data import batches
+
+    stream = batches(examples, micro_batch_size, seed + 1000, pad_id=pad_id)
+    return [next(stream) for _ in range(count)]
+
+
 def _rows(path: Path, n: int | None) -> list[dict]:
     """The first n rows (all when n is None)."""
     from apt_ds.io.data import load_records
@@ -179,8 +188,7 @@ def run_worker(spec_path: Path) -> None:
     if method["kind"] == "ptt":
         from apt_ds.training.baselines import one_shot_prune
 
-        calib_stream = batches(examples, train.micro_batch_size, train.seed + 1000, pad_id=pad_id)
-        calibration = [next(calib_stream) for _ in range(spec["calibration_batches"])]
+        calibration = ptt_calibration(examples, train.micro_batch_size, train.seed, pad_id, spec["calibration_batches"])
         pruned = one_shot_prune(model, calibration, method["density"], apt)
         result["calibration_time_s"] = time.perf_counter() - started
         result["calibration_cpu_s"] = time.process_time() - cpu_started

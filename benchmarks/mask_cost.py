@@ -29,13 +29,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _common import cpu_model_name, dispatched_operations, git_commit  # noqa: E402
+from step_overhead import MODEL  # noqa: E402  (the step-cost benchmark's small model)
 
 from apt_ds.algorithm.state import APTModel  # noqa: E402
 from apt_ds.config import APTConfig  # noqa: E402
 from apt_ds.io.modeling import build_tiny_llama  # noqa: E402
 from apt_ds.training.forward import enable_activation_checkpointing  # noqa: E402
 
-MODEL = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)
 WIDTHS = {"small": (MODEL, 2048),  # (layer shape, vocabulary)
           "llama2-7b": (dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=2, num_attention_heads=32,
                              num_key_value_heads=32), 32000)}

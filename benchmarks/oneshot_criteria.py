@@ -42,15 +42,22 @@ HARNESS_TASKS = ("arc_easy", "arc_challenge", "hellaswag", "piqa", "mmlu", "sst2
 KNOWLEDGE = ("arc_easy", "arc_challenge", "hellaswag", "piqa", "mmlu")  # not a label preference (BoolQ, SST-2)
 
 
-def calibration_batches(spec: dict, tokenizer) -> list[dict]:
-    """The first spec["calibration_batches"] micro-batches of the task's records in the order the
-    quality worker's prune-then-tune draws them (seed + 1000)."""
-    from apt_ds.io.data import batches, load_records, tokenize_dataset
+def instruction_examples(spec: dict, tokenizer) -> list:
+    """The task's training records, tokenized as the quality worker tokenizes them."""
+    from apt_ds.io.data import load_records, tokenize_dataset
 
     train = Path(spec["task_dir"]) / "train.jsonl"
-    examples = tokenize_dataset(load_records(train), tokenizer, spec["max_seq_len"], pack=False, source=str(train))
-    stream = batches(examples, spec["micro_batch_size"], spec["seed"] + 1000, pad_id=tokenizer.pad_token_id or 0)
-    return [next(stream) for _ in range(spec["calibration_batches"])]
+    return tokenize_dataset(load_records(train), tokenizer, spec["max_seq_len"], pack=False, source=str(train))
+
+
+def calibration_batches(spec: dict, tokenizer, examples: list | None = None) -> list[dict]:
+    """The first spec["calibration_batches"] micro-batches of the task's records in the order the
+    quality worker's prune-then-tune draws them (`ptt_calibration`)."""
+    from _quality_worker import ptt_calibration
+
+    examples = instruction_examples(spec, tokenizer) if examples is None else examples
+    return ptt_calibration(examples, spec["micro_batch_size"], spec["seed"], tokenizer.pad_token_id or 0,
+                           spec["calibration_batches"])
 
 
 def wanda_sp_scores(model, batches: list[dict]):
@@ -113,20 +120,19 @@ def prune(model, criterion: str, density: float, batches: list[dict]):
     return state.shape
 
 
-def tune(model, spec: dict, tokenizer):
+def tune(model, spec: dict, tokenizer, examples: list | None = None):
     """LoRA-tune a cut model for spec["train_steps"] steps with quality.py's prune-then-tune
     settings; returns the merged plain model and its shape."""
     from apt_ds.config import APTConfig, TrainConfig
     from apt_ds.export.merge import compact_model
-    from apt_ds.io.data import batches, load_records, tokenize_dataset
+    from apt_ds.io.data import batches
     from apt_ds.training.trainer import APTrainer
 
     steps, seq = spec["train_steps"], spec["max_seq_len"]
     lora = APTConfig.for_steps(steps, adapter_rank=8, adapter_alpha=16.0, adapter_targets=("q_proj", "v_proj")).as_lora()
     train = TrainConfig(steps=steps, micro_batch_size=spec["micro_batch_size"], lr=spec["lr"], warmup_steps=max(1, steps // 10),
                         max_seq_len=seq, seed=spec["seed"], log_every=1)
-    records = Path(spec["task_dir"]) / "train.jsonl"
-    examples = tokenize_dataset(load_records(records), tokenizer, seq, pack=False, source=str(records))
+    examples = instruction_examples(spec, tokenizer) if examples is None else examples
     trainer = APTrainer(model, lora, train, out_dir=Path(spec["run_dir"]) / "train", progress=False)
     trainer.train(batches(examples, train.micro_batch_size, train.seed, pad_id=tokenizer.pad_token_id or 0))
     return compact_model(model, trainer.state), trainer.state.shape
@@ -149,13 +155,14 @@ def run_worker(spec_path: Path) -> None:
     model = load_model(spec["hf_dir"])
     original = ModelShape.from_model(model)
     started = time.perf_counter()
+    examples = instruction_examples(spec, tokenizer)  # once for the calibration and the tuning
     if spec["density"] < 1:
-        shape = prune(model, spec["criterion"], spec["density"], calibration_batches(spec, tokenizer))
+        shape = prune(model, spec["criterion"], spec["density"], calibration_batches(spec, tokenizer, examples))
     else:
         shape = original
     prune_s = time.perf_counter() - started
     if spec.get("train_steps"):
-        model, shape = tune(model, spec, tokenizer)
+        model, shape = tune(model, spec, tokenizer, examples)
     tokenizer.save_pretrained(str(run_dir / "tokenizer"))
     write_export(model.eval(), shape, run_dir / "export", torch.float32, tokenizer_dir=run_dir / "tokenizer")
     report = harness_report(run_dir / "export", {**spec, "harness_tasks": list(HARNESS_TASKS)})

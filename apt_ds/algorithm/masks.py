@@ -29,7 +29,7 @@ class UnitMasks:
         self.reset(shape)
         self.enabled = True  # False while the distillation teacher runs
         self._handles: list = []
-        self._norms: list = []  # (RMSNorm, the instance forward it had before install, or None)
+        self._norms: list = []  # the RMSNorms whose forward install routed
 
     def reset(self, shape: ModelShape) -> None:
         self.shape = shape
@@ -92,14 +92,15 @@ class UnitMasks:
 
     def remove(self) -> None:
         """Undo `install` (nothing is undone when a norm's forward was replaced after it)."""
-        for norm, _ in self._norms:
+        for norm in self._norms:
             if not _routed_by(norm, self):
                 raise RuntimeError(f"the forward of {type(norm).__name__} was replaced after these masks were installed "
                                    "(another wrapper, or other masks): remove that first")
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        for norm, own_forward in self._norms:
+        for norm in self._norms:
+            own_forward = norm.forward.args[2]  # the instance forward it had before install, or None
             if own_forward is None:
                 del norm.forward  # the class's forward again
             else:
@@ -112,9 +113,8 @@ class UnitMasks:
         norm after the module computed it: twice the norm's passes over the activations, in
         every layer, on every step of a decay window. A partial holding the module and these
         masks, not a closure: a deep copy of the model then routes through its own copies."""
-        own_forward = norm.__dict__.get("forward")
-        norm.forward = functools.partial(_routed_norm_forward, norm, self, own_forward)
-        self._norms.append((norm, own_forward))
+        norm.forward = functools.partial(_routed_norm_forward, norm, self, norm.__dict__.get("forward"))
+        self._norms.append(norm)
 
     # ---- hooks ---------------------------------------------------------------------------
     def _gate(self, kind: str, index: int, dtype: torch.dtype, make) -> torch.Tensor:
@@ -165,8 +165,7 @@ class UnitMasks:
 
 def _routed_by(norm, masks: UnitMasks) -> bool:
     forward = norm.__dict__.get("forward")
-    return (isinstance(forward, functools.partial) and forward.func is _routed_norm_forward
-            and forward.args[0] is norm and forward.args[1] is masks)
+    return isinstance(forward, functools.partial) and forward.func is _routed_norm_forward and forward.args[1] is masks
 
 
 def _routed_norm_forward(norm, masks: UnitMasks, own_forward, hidden_states: torch.Tensor) -> torch.Tensor:
