@@ -12,6 +12,10 @@ ratios), training time relative to LoRA (median of the per-seed ratios) and the 
   drawn per seed, that spread includes the row sampling);
 - APT 0.7's training time <= 0.9x LoRA's.
 
+Besides the targets it reports the paired view (apt_0.7 - ptt_0.7, apt_0.5 - ptt_0.5, APT against
+uniform APT and against LoRA): the per-seed differences, their mean and spread, the seeds won and an
+exact sign-flip test, since every method of a seed shares its data order and harness rows.
+
     python benchmarks/quality_seeds.py --tasks sst2 --seeds 0 1 2 --out bench_out/quality_seeds
     python benchmarks/quality_seeds.py --report-only --out bench_out/quality_seeds   # re-read, no runs
     python benchmarks/quality_seeds.py --tasks instruct --out bench_out/instruct_seeds   # ~85 min; see prepare_instructions.py
@@ -23,6 +27,7 @@ results exist with the same settings is reused by quality.py itself.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import statistics
@@ -59,7 +64,8 @@ def collect(out: Path, seeds: list[int]) -> dict:
             if not runs:
                 continue
             lora = [per_seed[s][task].get("lora") for s in seeds if method in per_seed[s].get(task, {})]
-            row = {"seeds": len(runs), "density": statistics.fmean(r["density"] for r in runs),
+            row = {"seeds": len(runs), "seeds_run": [s for s in seeds if method in per_seed[s].get(task, {})],
+                   "density": statistics.fmean(r["density"] for r in runs),
                    "accuracy": spread([r["accuracy"] for r in runs]), "per_seed_accuracy": [r["accuracy"] for r in runs]}
             if all(r.get("auc") is not None for r in runs):
                 row["auc"] = spread([r["auc"] for r in runs])
@@ -73,8 +79,33 @@ def collect(out: Path, seeds: list[int]) -> dict:
                     row["time_vs_lora"] = statistics.median(r["train_time_s"] / ref["train_time_s"] for r, ref in zip(runs, lora))
                     row["cpu_vs_lora"] = statistics.median(r["train_cpu_s"] / ref["train_cpu_s"] for r, ref in zip(runs, lora))
             rows[method] = row
-        tasks[task] = {"methods": rows, "targets": seed_targets(rows)}
+        tasks[task] = {"methods": rows, "targets": seed_targets(rows),
+                       "paired": {f"{a} - {b}": found for a, b in PAIRS if (found := paired_difference(rows, a, b))}}
     return tasks
+
+
+PAIRS = [("apt_0.7", "ptt_0.7"), ("apt_0.5", "ptt_0.5"), ("apt_0.7", "apt_0.7_uniform"), ("apt_0.7", "lora")]
+
+
+def paired_difference(rows: dict, a: str, b: str) -> dict | None:
+    """a's accuracy minus b's, seed by seed, on the seeds both ran. A seed fixes the data order,
+    the adapters' initialisation and (harness scores) the rows, so both methods of a seed share
+    them and the difference leaves them out: its spread is the paired one, which the targets'
+    unpaired rule (the gap of the means against the larger spread) does not use. `p_sign_flip`
+    is the exact two-sided sign-flip (permutation) test of a zero mean difference: the share of
+    the 2^n sign assignments whose |mean| reaches the observed one (with n seeds it is never
+    under 2 / 2^n, e.g. 0.0625 with 5)."""
+    if a not in rows or b not in rows:
+        return None
+    by_seed = {seed: acc for seed, acc in zip(rows[b]["seeds_run"], rows[b]["per_seed_accuracy"])}
+    diffs = [acc - by_seed[seed] for seed, acc in zip(rows[a]["seeds_run"], rows[a]["per_seed_accuracy"]) if seed in by_seed]
+    if len(diffs) < 2:
+        return None
+    observed = abs(statistics.fmean(diffs)) - 1e-12  # a tie with the observed mean counts as reaching it
+    flips = list(itertools.product((1, -1), repeat=len(diffs)))
+    reached = sum(abs(statistics.fmean(sign * d for sign, d in zip(signs, diffs))) >= observed for signs in flips)
+    return {"seeds": len(diffs), "differences": diffs, **spread(diffs), "wins": sum(d > 0 for d in diffs),
+            "p_sign_flip": reached / len(flips)}
 
 
 def harness_row_noise(runs: list[dict]) -> dict:
@@ -132,8 +163,21 @@ def markdown(tasks: dict, seeds: list[int]) -> str:
                      f"{row['time_vs_lora']:.2f}" if "time_vs_lora" in row else "–"]
             lines.append("| " + " | ".join(cells) + " |")
         lines += ["", "targets: " + ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in found["targets"].items()), ""]
+        lines += paired_markdown(found.get("paired", {}))
         lines += harness_markdown(task, found["methods"])
     return "\n".join(lines)
+
+
+def paired_markdown(paired: dict) -> list[str]:
+    if not paired:
+        return []
+    lines = ["paired by seed (same data order, initialisation and rows): difference of accuracy, mean ± std, seeds won, "
+             "exact sign-flip p", ""]
+    for name, found in paired.items():
+        lines.append(f"- {name}: {found['mean']:+.3f} ± {found['std']:.3f} over {found['seeds']} seeds "
+                     f"({' / '.join(f'{d:+.3f}' for d in found['differences'])}), won {found['wins']} of {found['seeds']}, "
+                     f"p = {found['p_sign_flip']:.3f}")
+    return lines + [""]
 
 
 def harness_markdown(task: str, rows: dict) -> list[str]:

@@ -130,3 +130,33 @@ def test_a_re_report_keeps_the_measuring_runs_time(tmp_path):
     found = json.loads((tmp_path / "seeds.json").read_text())
     assert found["wall_time_s"] == 1200.0 and found["command"] == "quality_seeds.py --tasks sst2"
     assert "--report-only" in found["report_command"]
+
+
+def test_paired_differences_and_the_exact_sign_flip_test(tmp_path, capsys):
+    """Differences are taken seed by seed; the sign-flip p counts the sign assignments whose
+    |mean| reaches the observed one (ties included), and a seed one method lacks is left out."""
+    _write(tmp_path)
+    found = quality_seeds.collect(tmp_path, [0, 1, 2])["sst2"]["paired"]
+    apt_ptt = found["apt_0.7 - ptt_0.7"]
+    assert apt_ptt["differences"] == pytest.approx([0.22, 0.0, 0.26])
+    assert apt_ptt["wins"] == 2
+    # |mean| 0.16 is reached by the all-plus and all-minus assignments and by flipping only the zero
+    assert apt_ptt["p_sign_flip"] == pytest.approx(4 / 8)
+    assert found["apt_0.5 - ptt_0.5"]["p_sign_flip"] == pytest.approx(2 / 8)  # +0.15 +0.16 +0.17: only all-plus/all-minus
+    # a method missing on a seed: only the shared seeds pair up
+    results = json.loads((tmp_path / "seed2" / "results.json").read_text())
+    del results["tasks"]["sst2"]["ptt_0.7"]
+    (tmp_path / "seed2" / "results.json").write_text(json.dumps(results))
+    found = quality_seeds.collect(tmp_path, [0, 1, 2])["sst2"]["paired"]
+    assert found["apt_0.7 - ptt_0.7"]["differences"] == pytest.approx([0.22, 0.0])
+    quality_seeds.main(["--report-only", "--out", str(tmp_path)])
+    assert "- apt_0.5 - ptt_0.5: +0.160 ± 0.010 over 3 seeds (+0.150 / +0.160 / +0.170), won 3 of 3, p = 0.250" in capsys.readouterr().out
+
+
+def test_a_pair_on_one_shared_seed_is_not_reported(tmp_path):
+    _write(tmp_path)
+    for seed in (1, 2):
+        results = json.loads((tmp_path / f"seed{seed}" / "results.json").read_text())
+        del results["tasks"]["sst2"]["ptt_0.5"]
+        (tmp_path / f"seed{seed}" / "results.json").write_text(json.dumps(results))
+    assert "apt_0.5 - ptt_0.5" not in quality_seeds.collect(tmp_path, [0, 1, 2])["sst2"]["paired"]
