@@ -128,8 +128,8 @@ class ExportArguments:
                                      "checkpoint/apt_state.json, or {groups, neurons, hidden}) or as binary masks over the "
                                      "original model in a .safetensors (hidden, kv_group.<i>, ffn_neuron.<i>); needs no "
                                      "DeepSpeed", default=None)
-    format: str = help_field("hf: a transformers directory (safetensors + config + tokenizer); gguf: one "
-                             "<OUT name>.gguf file that llama.cpp (and llama-cpp-python, Ollama) runs: uniform models as "
+    format: str = help_field("hf: a transformers directory (safetensors + config + tokenizer); gguf: a directory "
+                             "OUT holding apt_export.json and one OUT/<OUT name>.gguf file that llama.cpp (and llama-cpp-python, Ollama) runs: uniform models as "
                              "'llama', non-uniform ones as 'deci' with per-layer head counts and FFN widths",
                              choices=("hf", "gguf"), default="hf")
     dtype: str = help_field("dtype of the saved weights; q8_0 (8-bit blocks, llama.cpp's Q8_0) needs --format gguf",

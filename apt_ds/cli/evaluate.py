@@ -20,7 +20,8 @@ class EvaluateArguments:
 
     _argument_group_name = "evaluate"
 
-    out: str = help_field("results file (JSON), written when the evaluation ends; its directory must exist")
+    out: str = help_field("results file (JSON), written when the evaluation ends; its directory must exist, and an "
+                          "existing file is replaced only with --overwrite")
     model: Optional[str] = help_field("local Hugging Face LLaMA directory, apt_ds export (uniform or not) or .gguf file; "
                                       "also accepted as the first positional argument", default=None)
     tasks: str = help_field("comma-separated tasks: arc_easy, arc_challenge, hellaswag, piqa, mmlu (or its parts: "
@@ -39,6 +40,7 @@ class EvaluateArguments:
     device: Optional[str] = help_field("cuda, cuda:N or cpu (default: cuda when available, else cpu)", default=None)
     dtype: str = help_field("dtype of the weights during evaluation; auto: as saved", choices=("auto", "fp32", "bf16", "fp16"),
                             default="auto")
+    overwrite: bool = help_field("replace an --out that holds previous results (never another file)", default=False)
 
 
 def build_evaluate_parser() -> ArgumentParser:
@@ -65,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from apt_ds.evaluation.report import check_out_path, format_table, one_answer_notes, table_rows, write_results
 
-        check_out_path(args.out)
+        check_out_path(args.out, args.overwrite)
         from apt_ds.evaluation.harness import Request, evaluate
 
         tasks = [name.strip() for name in args.tasks.split(",") if name.strip()]

@@ -4,6 +4,7 @@ transformers directory or (--format gguf) one llama.cpp file."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from apt_ds.cli.arguments import ExportArguments, build_export_parser, parse_with_positional
@@ -33,7 +34,24 @@ def main(argv: list[str] | None = None) -> int:
     except user_errors() as err:
         return report(err)
     print(json.dumps(report_["final"], indent=1))
+    print(done_message(report_, args.out), file=sys.stderr)
     return 0
+
+
+def done_message(report_: dict, out: str) -> str:
+    """Where the export went and what it holds; a warning first when the run had not finished
+    (its last checkpoint is what was exported)."""
+    final, original = report_["final"], report_.get("original")
+    size = f"{final['total_params']:,} parameters"
+    if original:
+        size += f" (density {final['block_params'] / original['block_params']:.3f} of the prunable blocks)"
+    target = Path(out) / report_["file"] if report_.get("format") == "gguf" else Path(out)
+    message = f"exported {size} to {target}"
+    if report_.get("finished") is False:
+        steps = f" of {report_['steps']}" if report_.get("steps") else ""
+        message = (f"warning: the run stopped at step {report_.get('step')}{steps}, so its last checkpoint was exported; "
+                   f"`launch/train.py --resume --out {report_.get('run')}` finishes it\n" + message)
+    return message
 
 
 def _plain_model_and_kept(model_path: str, kept_path: str):

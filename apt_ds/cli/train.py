@@ -58,8 +58,11 @@ def main(argv: list[str] | None = None) -> int:
             run_training(run, apt, train)
     except user_errors() as err:
         return report(err)
-    except KeyboardInterrupt:
-        print(f"interrupted; --resume continues from the last checkpoint in {out} (if one was written)", file=sys.stderr)
+    except KeyboardInterrupt as interrupt:
+        if getattr(interrupt, "previous_run_restored", False):
+            print(f"interrupted before the new run's first checkpoint; the previous run is back in {out}", file=sys.stderr)
+        else:
+            print(f"interrupted; --resume continues from the last checkpoint in {out} (if one was written)", file=sys.stderr)
         return 130
     except OSError as err:  # e.g. the disk filled up while the tokenizer or a metrics line was written
         from apt_ds.io.checkpoint import is_disk_full

@@ -28,14 +28,31 @@ def one_answer_notes(results: dict, requested: list[str]) -> list[str]:
             if task in requested and is_one_sided(share, counts.get(task, {}).get("effective", 0))]
 
 
-def check_out_path(out: str | Path) -> Path:
-    """Refused before the (long) evaluation rather than after it."""
+def check_out_path(out: str | Path, overwrite: bool = False) -> Path:
+    """Refused before the (long) evaluation rather than after it. An existing file is replaced
+    only with --overwrite and only when it is a previous results file: anything else there is
+    the user's."""
     out = Path(out)
     if out.is_dir():
         raise EvaluationError(f"--out {out} is a directory; give a file name such as {out / 'results.json'}")
     if not out.parent.is_dir():
         raise EvaluationError(f"--out {out}: directory {out.parent} does not exist")
+    if out.exists() or out.is_symlink():
+        if not is_results_file(out):
+            raise EvaluationError(f"--out {out} exists and is not a results file of launch/evaluate.py; choose another --out")
+        if not overwrite:
+            raise EvaluationError(f"--out {out} holds previous results; pass --overwrite to replace them")
     return out
+
+
+def is_results_file(path: Path) -> bool:
+    if path.is_symlink() or not path.is_file():
+        return False
+    try:
+        found = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(found, dict) and "results" in found and "apt_ds" in found
 
 
 def write_results(results: dict, out: str | Path) -> None:

@@ -271,13 +271,15 @@ def _rope_freqs(config, head_dim: int) -> torch.Tensor | None:
 
 def write_gguf_export(out: Path, shape: ModelShape, tensors, config, dtype: str, tokenizer_dir: Path | None,
                       extra_report: dict | None = None) -> dict:
-    """Atomically write `out/<out's name>.gguf` and the report (apt_export.json), as an HF export is written."""
+    """Atomically write `out/<out's name>.gguf` (`out/<out's name>` when that ends in .gguf) and the
+    report (apt_export.json), as an HF export is written."""
     import json
 
     from apt_ds.export.out_dir import REPORT_FILE
     from apt_ds.export.writer import summary, write_atomically
 
-    filename = f"{out.name or 'model'}.gguf"
+    name = out.name or "model"
+    filename = name if name.endswith(".gguf") else f"{name}.gguf"  # --out m.gguf: m.gguf/m.gguf, not m.gguf.gguf
 
     def fill(tmp: Path) -> dict:
         exported_params = write_gguf(tmp / filename, shape, tensors, config, tokenizer_dir, dtype)

@@ -142,9 +142,8 @@ def export_run(run_dir: Path, out: Path, dtype: str = "fp32", overwrite: bool = 
     if streaming is not False and base is not None and base not in TINY_MODELS and Path(base).is_dir():
         return _export_streaming(run_dir, out, Path(base), dtype, max_shard_size, format)
     model, state, meta = rebuild_trained_model(run_dir, model_path)
-    original = ModelShape.from_dict(meta["original_shape"])
     model = compact_model(model, state)
-    extra = {"original": summary(original), "run": str(run_dir.resolve()), "step": meta["step"], "finished": meta["finished"]}
+    extra = _run_report(run_dir, meta)
     if format == "gguf":
         from apt_ds.export.gguf import ModelTensors, write_gguf_export
 
@@ -152,6 +151,13 @@ def export_run(run_dir: Path, out: Path, dtype: str = "fp32", overwrite: bool = 
                                  run_dir / meta["run_info"].get("tokenizer", "tokenizer"), extra)
     return write_export(model, state.shape, out, DTYPES[dtype], tokenizer_dir=run_dir / meta["run_info"].get("tokenizer", "tokenizer"),
                         extra_report=extra, max_shard_size=max_shard_size)
+
+
+def _run_report(run_dir: Path, meta: dict) -> dict:
+    """What the export's report says of the run: its original shape, and the step it was exported
+    at out of the steps it was started for (a stopped run exports its last checkpoint)."""
+    return {"original": summary(ModelShape.from_dict(meta["original_shape"])), "run": str(run_dir.resolve()),
+            "step": meta["step"], "steps": meta.get("train_config", {}).get("steps"), "finished": meta["finished"]}
 
 
 def _export_streaming(run_dir: Path, out: Path, base: Path, dtype: str, max_shard_size, format: str = "hf") -> dict:
@@ -180,8 +186,7 @@ def _export_streaming(run_dir: Path, out: Path, base: Path, dtype: str, max_shar
                                   f"({len(missing)} missing); is it the model this run was trained from?")
         config = exported_config(base, tensors.final_shape)
         size = max_shard_size if isinstance(max_shard_size, int) else parse_size_to_int(max_shard_size)
-        extra = {"original": summary(ModelShape.from_dict(meta["original_shape"])), "run": str(run_dir.resolve()),
-                 "step": meta["step"], "finished": meta["finished"]}
+        extra = _run_report(run_dir, meta)
         if format == "gguf":  # streamed too: the GGUF writer asks for one tensor at a time
             from apt_ds.export.gguf import write_gguf_export
 

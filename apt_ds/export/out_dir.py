@@ -36,6 +36,29 @@ def check_export_out(out: Path, overwrite: bool, protected: list[Path] = ()) -> 
     if not overwrite:
         what = "holds a previous export" if is_export else "exists (empty)"
         raise FileExistsError(f"--out {out} {what}; pass --overwrite to replace it")
+    foreign = foreign_entries(out) if is_export else []
+    if foreign:  # results, a model card, notes put next to an export: --overwrite would delete them
+        shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
+        raise FileExistsError(f"--out {out} holds an export and also {shown}, which an export does not write; "
+                              f"move them away or choose another --out")
+
+
+def foreign_entries(out: Path) -> list[str]:
+    """What in a previous export's directory the export did not write. An export's report lists
+    its files (`files`); a report from before that list is matched by the names an export gives
+    its files. Any directory is foreign: an export writes none."""
+    import json
+
+    from apt_ds.export.writer import is_export_file_name
+
+    try:
+        written = json.loads((out / REPORT_FILE).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        written = None
+    entries = sorted(out.iterdir())
+    if isinstance(written, list):
+        return [e.name for e in entries if e.name not in written or not e.is_file() or e.is_symlink()]
+    return [e.name for e in entries if not is_export_file_name(e.name) or not e.is_file() or e.is_symlink()]
 
 
 def recover_interrupted_overwrite(out: Path) -> None:

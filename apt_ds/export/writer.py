@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from apt_ds.algorithm.units import ModelShape
 from apt_ds.config import ConfigError
 from apt_ds.export.out_dir import REPORT_FILE, recover_interrupted_overwrite, remove_stale_temporaries
+from apt_ds.io.tokenizer import is_tokenizer_file
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_SHARD_SIZE = "5GB"  # as transformers' save_pretrained
@@ -76,7 +77,7 @@ def write_export_dir(out: Path, shape: ModelShape, save_weights, config, generat
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=1))
         if tokenizer_dir is not None and tokenizer_dir.is_dir():
             for item in tokenizer_dir.iterdir():
-                if item.is_file() and _is_tokenizer_file(item.name):
+                if item.is_file() and is_tokenizer_file(item.name):
                     shutil.copy2(item, tmp / item.name)
         report = {"final": summary(shape), "uniform": shape.uniform, "stock_loadable": stock_loadable(shape),
                   "exported_params": exported_params, **(extra_report or {})}
@@ -99,6 +100,9 @@ def write_atomically(out: Path, fill) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         report = fill(tmp)
+        # the files this export wrote: a later --overwrite replaces these and refuses anything else
+        report = {**report, "files": sorted(item.name for item in tmp.iterdir())}
+        (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1))
         _make_readable(tmp)
         if out.exists():
             old = out.parent / f".{out.name}.old-{tmp.name.rsplit('-', 1)[-1]}"
@@ -160,10 +164,11 @@ def weight_files(export_dir: Path) -> list[Path]:
     return [export_dir / "model.safetensors"]
 
 
-def _is_tokenizer_file(name: str) -> bool:
-    """Tokenizer files only: a model directory also holds weights and a config we replace."""
-    return (name.startswith(("tokenizer", "special_tokens_map", "added_tokens", "vocab", "merges", "chat_template"))
-            or name.endswith(".model"))
+def is_export_file_name(name: str) -> bool:
+    """A name an export gives one of its files (for reports that do not list their files)."""
+    return (name in ("config.json", "generation_config.json", REPORT_FILE, "model.safetensors.index.json")
+            or (name.startswith("model") and name.endswith(".safetensors")) or name.endswith(".gguf")
+            or is_tokenizer_file(name))
 
 
 def summary(shape: ModelShape) -> dict:

@@ -124,6 +124,11 @@ def _save_and_rename(trainer, directory: Path, tmp: Path) -> None:
 def read_meta(directory: Path) -> dict:
     path = Path(directory) / "apt_state.json"
     if not path.is_file():
+        run = Path(directory).parent
+        if not run.exists():
+            raise CheckpointError(f"{run} does not exist: give the run directory that launch/train.py --out wrote")
+        if not run.is_dir():
+            raise CheckpointError(f"{run} is not a directory: give the run directory that launch/train.py --out wrote")
         raise CheckpointError(f"no checkpoint at {directory} (missing apt_state.json)")
     try:
         meta = json.loads(path.read_text())
@@ -141,13 +146,10 @@ def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"corrupt checkpoint file {path}: {err}") from None
 
 
-def load_checkpoint(trainer, directory: Path) -> None:
-    meta = read_meta(directory)
-    state = trainer.state
-    if meta["original_shape"] != state.original_shape.to_dict():
-        raise CheckpointError(f"checkpoint {directory} was made from a different model (original shapes differ)")
+def check_same_apt_config(meta: dict, current: dict, directory: Path) -> None:
+    """A resume must run the APT config the checkpoint was made with (`current`: APTConfig.to_dict())."""
     # A checkpoint from before these settings existed ran with these values (the old behaviour)
-    saved, current = {**LEGACY_APT_FIELDS, **meta["apt_config"]}, trainer.apt_config.to_dict()
+    saved = {**LEGACY_APT_FIELDS, **meta["apt_config"]}
     # ... but trial fields changed nothing where no trials could run: those it lacks compare as given now
     unused = {"uniform_shape_trials": not saved.get("uniform"),
               "uniform_shape_metric": not (saved.get("uniform") and saved["uniform_shape_trials"] > 1)}
@@ -163,6 +165,14 @@ def load_checkpoint(trainer, directory: Path) -> None:
         legacy = [f"--{k.replace('_', '-')} {saved[k]}" for k in changed if k in LEGACY_APT_FIELDS and k not in meta["apt_config"]]
         hint = f" (it predates {', '.join(legacy)}: pass {'them' if len(legacy) > 1 else 'it'})" if legacy else ""
         raise CheckpointError(f"checkpoint {directory} used a different APT config (fields {changed}); resume with the same one{hint}")
+
+
+def load_checkpoint(trainer, directory: Path) -> None:
+    meta = read_meta(directory)
+    state = trainer.state
+    if meta["original_shape"] != state.original_shape.to_dict():
+        raise CheckpointError(f"checkpoint {directory} was made from a different model (original shapes differ)")
+    check_same_apt_config(meta, trainer.apt_config.to_dict(), directory)
     access = trainer.backend.param_access()
 
     def rebuild():

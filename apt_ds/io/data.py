@@ -124,7 +124,8 @@ def pack_blocks(streams: Iterable[list[int]], max_seq_len: int) -> list[dict]:
 
 class TruncationStats:
     """What max_seq_len cost: rows whose prompt was cut from the left, rows dropped because their
-    response alone did not fit, unpacked text rows cut at the end, and the longest row seen."""
+    response alone did not fit, unpacked text rows cut at the end, and the longest of the rows
+    that were cut or dropped (the longest row of all when any was; 0 when every row fitted)."""
 
     def __init__(self):
         self.prompt_cut = self.dropped = self.text_cut = 0

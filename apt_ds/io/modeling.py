@@ -53,6 +53,7 @@ def check_model_path(path: str | Path, flag: str = "model path") -> dict:
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{flag} {path} is not a .gguf file; give a directory with config.json or a .gguf")
+        check_gguf_architecture(path, flag)
         return {}
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{flag} {path} has no config.json: not a Hugging Face model directory")
@@ -68,6 +69,35 @@ def check_model_path(path: str | Path, flag: str = "model path") -> dict:
         pickled = " (only pickled *.bin weights, which are not loaded: convert them to safetensors)" if any(path.glob("*.bin")) else ""
         raise ModelLoadError(f"{flag} {path} holds no *.safetensors weights{pickled}")
     return config
+
+
+def gguf_architecture(path: Path) -> str | None:
+    """general.architecture of a GGUF file, read from its header (llama.cpp's writers put it
+    first); None when the header does not start with it."""
+    import struct
+
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(4 + 4 + 8 + 8 + 8)
+            if len(head) < 32 or head[:4] != b"GGUF":
+                return None
+            key = handle.read(struct.unpack("<Q", head[24:32])[0])
+            value_type = struct.unpack("<I", handle.read(4))[0]
+            if key != b"general.architecture" or value_type != 8:  # 8: a string
+                return None
+            return handle.read(min(struct.unpack("<Q", handle.read(8))[0], 64)).decode("utf-8", "replace")
+    except (OSError, struct.error):
+        return None
+
+
+def check_gguf_architecture(path: Path, flag: str = "model path") -> None:
+    """transformers reads LLaMA GGUF files; apt-ds's non-uniform export is 'deci' (per-layer head
+    counts and widths), which only llama.cpp runs."""
+    architecture = gguf_architecture(path)
+    if architecture is not None and architecture != "llama":
+        hint = (" (apt-ds's non-uniform GGUF export, which llama.cpp runs): give the run's HF export "
+                "(launch/export.py RUN --out DIR) instead" if architecture == "deci" else " (LLaMA only)")
+        raise UnsupportedModelError(f"{flag} {path} is a GGUF of architecture {architecture!r}{hint}")
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, mmap: bool = True):
@@ -221,14 +251,23 @@ def load_pretrained(directory: str | Path, dtype: torch.dtype | None = None):
             raise ModelLoadError(f"{directory}: apt_layer_shapes has {len(shapes)} layers, config says {config.num_hidden_layers}")
         resize_layers(model, shapes)
         model.config.apt_layer_shapes = [s.__dict__ for s in shapes]
+    from safetensors import SafetensorError
+
     state = {}
     for shard in sorted(directory.glob("*.safetensors")):
-        state.update(load_file(str(shard)))
+        try:
+            state.update(load_file(str(shard)))
+        except (SafetensorError, OSError) as err:  # a truncated or foreign file
+            raise ModelLoadError(f"cannot read {shard}: {str(err).splitlines()[0]}") from None
     if not state:
         raise ModelLoadError(f"{directory}: no *.safetensors weights found")
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    model.load_state_dict(state, strict=not config.tie_word_embeddings, assign=True)
+    try:
+        model.load_state_dict(state, strict=not config.tie_word_embeddings, assign=True)
+    except RuntimeError as err:  # a tensor of the wrong shape or name: the weights are not this config's
+        detail = next((line.strip() for line in str(err).splitlines()[1:] if line.strip()), str(err).splitlines()[0])
+        raise ModelLoadError(f"{directory}: the weights do not fit config.json ({detail})") from None
     if config.tie_word_embeddings:
         model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]

@@ -61,13 +61,38 @@ def check_replaceable(out: Path) -> None:
     if not is_run_dir(out):
         raise RunDirError(f"--out {out} is not an apt-ds run directory (it holds {_listing(entries)}); --overwrite only "
                           f"replaces a previous run or an empty directory: choose another --out")
-    foreign = [name for name in entries if name not in RUN_ENTRIES]
+    foreign = [name for name in entries if name not in RUN_ENTRIES] + _foreign_inside(out)
     if foreign:
         raise RunDirError(f"--out {out} holds a run and also {_listing(foreign)}, which a run does not write; "
                           f"move them away or choose another --out")
     if Path.cwd().resolve().is_relative_to(out.resolve()) or os.path.ismount(out):
         raise RunDirError(f"--out {out} is (or holds) the current directory, or is a mount point, which --overwrite "
                           f"cannot move aside; run from elsewhere or give a directory inside it")
+
+
+# What a run's own folders hold, for the folders a user opens and may add to (checkpoint* are
+# written and replaced whole by the trainer). A figure or note saved into plots/ is not the run's.
+_FOLDER_FILES = {
+    "plots": lambda name: name in ("curves.png", "shape.png") or (name.startswith(".") and name.endswith(".tmp")),
+    "ranks": lambda name: name.startswith("rank") and name.endswith(".json") and name[4:-5].isdigit(),
+    "tokenizer": lambda name: _is_tokenizer_file(name),
+}
+
+
+def _is_tokenizer_file(name: str) -> bool:
+    from apt_ds.io.tokenizer import is_tokenizer_file
+
+    return is_tokenizer_file(name)
+
+
+def _foreign_inside(out: Path) -> list[str]:
+    """Entries of the run's own folders that the run did not write, as FOLDER/NAME."""
+    foreign = []
+    for folder, written in _FOLDER_FILES.items():
+        if (out / folder).is_dir() and not (out / folder).is_symlink():
+            foreign += [f"{folder}/{item.name}" for item in sorted((out / folder).iterdir())
+                        if not (item.is_file() and not item.is_symlink() and written(item.name))]
+    return foreign
 
 
 def _listing(names: list[str], most: int = 4) -> str:

@@ -17,6 +17,14 @@ from typing import Iterable
 from apt_ds.io.errors import DataError
 from apt_ds.io.sentencepiece_dir import SENTENCEPIECE_FILE, error_cause, load_sentencepiece_dir
 
+
+def is_tokenizer_file(name: str) -> bool:
+    """A file name a tokenizer's save_pretrained writes (a model directory also holds weights and
+    a config, which an export replaces and a run directory does not hold)."""
+    return (name.startswith(("tokenizer", "special_tokens_map", "added_tokens", "vocab", "merges", "chat_template"))
+            or name.endswith(".model"))
+
+
 TOKENIZER_FILES = ("tokenizer.json", SENTENCEPIECE_FILE, "tokenizer_config.json", "tekken.json", "vocab.json",
                    "vocab.txt")
 
@@ -35,6 +43,10 @@ def load_tokenizer(path: str | Path):
     if path.is_file() and path.suffix != ".gguf":
         raise DataError(f"tokenizer path {path} is a file: give the directory holding the tokenizer files, "
                         "or a .gguf file")
+    if path.is_file():
+        from apt_ds.io.modeling import check_gguf_architecture
+
+        check_gguf_architecture(path, "tokenizer path")
     try:
         if path.is_file():
             tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, trust_remote_code=False)

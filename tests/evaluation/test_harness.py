@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import socket
+import struct
 from pathlib import Path
 
 import pytest
@@ -222,9 +224,21 @@ def test_evaluations_report_their_answer_shares(evaluated):
     (["{hf}", "--out", "{tmp}"], "is a directory"),
     (["{tmp}/not_a_model"], "has no config.json"),
     (["{hf}", "--device", "gpu7"], "--device 'gpu7' is not a device"),
+    (["{hf}", "--out", "{tmp}/notes.txt"], "exists and is not a results file of launch/evaluate.py"),
+    (["{hf}", "--out", "{tmp}/notes.txt", "--overwrite"], "exists and is not a results file of launch/evaluate.py"),
+    (["{hf}", "--out", "{tmp}/old.json"], "holds previous results; pass --overwrite to replace them"),
+    (["{tmp}/deci.gguf"], "is a GGUF of architecture 'deci' (apt-ds's non-uniform GGUF export"),
+    (["{tmp}/torn_export"], "cannot read"),
 ])
 def test_bad_inputs_are_one_line_and_exit_2(models, tmp_path, capsys, args, message):
     (tmp_path / "not_a_model").mkdir()
+    (tmp_path / "notes.txt").write_text("my notes")
+    (tmp_path / "old.json").write_text(json.dumps({"results": {}, "apt_ds": {}}))
+    (tmp_path / "deci.gguf").write_bytes(_gguf_header("deci"))
+    shutil.copytree(models["export"], tmp_path / "torn_export")
+    weights = tmp_path / "torn_export" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
     argv = [a.format(hf=models["hf"], tmp=tmp_path) for a in args]
     if "--out" not in argv:
         argv += ["--out", str(tmp_path / "r.json")]
@@ -232,6 +246,21 @@ def test_bad_inputs_are_one_line_and_exit_2(models, tmp_path, capsys, args, mess
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and message in err
     assert not (tmp_path / "r.json").exists()
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+
+
+def _gguf_header(architecture: str) -> bytes:
+    """The start of a GGUF file as llama.cpp's writers begin it: version 3, no tensors, one key."""
+    key, value = b"general.architecture", architecture.encode()
+    return (b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key + struct.pack("<I", 8)
+            + struct.pack("<Q", len(value)) + value)
+
+
+def test_previous_results_are_replaced_with_overwrite(models, tmp_path):
+    out = tmp_path / "r.json"
+    out.write_text(json.dumps({"results": {}, "apt_ds": {"old": True}}))
+    assert main([str(models["hf"]), "--tasks", "sst2", "--limit", "2", "--out", str(out), "--overwrite"]) == 0
+    assert "old" not in json.loads(out.read_text())["apt_ds"]
 
 
 def _exit_code(argv: list[str]) -> int:

@@ -133,6 +133,59 @@ def test_export_refuses_existing_out_and_missing_checkpoint(runs, tmp_path, caps
     assert not (tmp_path / "x").exists()
 
 
+def test_export_of_a_missing_run_or_a_file_names_the_problem(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    assert export_main([str(tmp_path / "nothing"), "--out", str(tmp_path / "x")]) == 2
+    assert f"{tmp_path / 'nothing'} does not exist: give the run directory" in capsys.readouterr().err
+    assert export_main([str(tmp_path / "afile"), "--out", str(tmp_path / "x")]) == 2
+    assert f"{tmp_path / 'afile'} is not a directory" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_overwrite_keeps_files_an_export_did_not_write(runs, tmp_path, capsys):
+    """Results or a model card saved next to an export are refused by --overwrite, in one line,
+    and nothing changes; the export's own files are replaced."""
+    out = tmp_path / "e"
+    assert export_main([str(runs / "nonuniform"), "--out", str(out)]) == 0
+    report = json.loads((out / "apt_export.json").read_text())
+    assert sorted(report["files"]) == sorted(p.name for p in out.iterdir())
+    capsys.readouterr()
+    for added in ("MODEL_CARD.md", "eval"):
+        path = out / added
+        path.mkdir() if added == "eval" else path.write_text("mine")
+        assert export_main([str(runs / "nonuniform"), "--out", str(out), "--overwrite"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"holds an export and also {added}, which an export does not write" in err[0], err
+        assert path.exists()
+        shutil.rmtree(path) if added == "eval" else path.unlink()
+    assert export_main([str(runs / "nonuniform"), "--out", str(out), "--overwrite"]) == 0
+    # an export from before reports listed their files: told apart by the names exports give them
+    report = json.loads((out / "apt_export.json").read_text())
+    del report["files"]
+    (out / "apt_export.json").write_text(json.dumps(report))
+    (out / "notes.txt").write_text("mine")
+    assert export_main([str(runs / "nonuniform"), "--out", str(out), "--overwrite"]) == 2
+    assert "also notes.txt" in capsys.readouterr().err
+    (out / "notes.txt").unlink()
+    assert export_main([str(runs / "nonuniform"), "--out", str(out), "--overwrite"]) == 0
+    assert f"exported {report['final']['total_params']:,} parameters" in capsys.readouterr().err
+
+
+def test_export_of_a_stopped_run_warns(runs, tmp_path, capsys):
+    """A run that did not reach its last step exports its last checkpoint, and says so."""
+    run = tmp_path / "run"
+    shutil.copytree(runs / "nonuniform", run)
+    state = json.loads((run / "checkpoint" / "apt_state.json").read_text())
+    state.update(step=4, finished=False)
+    (run / "checkpoint" / "apt_state.json").write_text(json.dumps(state))
+    assert export_main([str(run), "--out", str(tmp_path / "e")]) == 0
+    err = capsys.readouterr().err
+    assert "warning: the run stopped at step 4 of 8, so its last checkpoint was exported" in err
+    assert json.loads((tmp_path / "e" / "apt_export.json").read_text())["steps"] == 8
+    assert export_main([str(runs / "nonuniform"), "--out", str(tmp_path / "f")]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_interrupted_export_leaves_nothing(runs, tmp_path, monkeypatch):
     import apt_ds.export.writer as export_module
 
@@ -150,6 +203,11 @@ def test_resume_of_a_finished_run_changes_nothing(runs, capsys):
     metrics = (runs / "nonuniform" / "metrics.jsonl").read_bytes()
     assert train_main([*FAST, "--target-density", "0.6", "--resume", "--out", str(runs / "nonuniform")]) == 0
     assert "already finished" in capsys.readouterr().out
+    assert (runs / "nonuniform" / "metrics.jsonl").read_bytes() == metrics
+    # a changed APT setting is refused, finished or not, not ignored
+    assert train_main([*FAST, "--target-density", "0.5", "--resume", "--out", str(runs / "nonuniform")]) == 2
+    err = capsys.readouterr().err
+    assert "used a different APT config (fields ['target_density'])" in err and "already finished" not in err
     assert (runs / "nonuniform" / "metrics.jsonl").read_bytes() == metrics
 
 
@@ -267,7 +325,7 @@ def test_resume_from_a_different_model_is_refused(runs, tmp_path, capsys):
     for item in (runs / "nonuniform" / "tokenizer").iterdir():
         shutil.copy2(item, other / item.name)
     state = (runs / "nonuniform" / "checkpoint" / "apt_state.json").read_bytes()
-    assert train_main([*FAST, "--model", str(other), "--resume", "--out", str(runs / "nonuniform")]) == 2
+    assert train_main([*FAST, "--target-density", "0.6", "--model", str(other), "--resume", "--out", str(runs / "nonuniform")]) == 2
     assert "--model" in capsys.readouterr().err
     assert (runs / "nonuniform" / "checkpoint" / "apt_state.json").read_bytes() == state
 

@@ -50,6 +50,21 @@ def test_dtypes(plain, tmp_path, dtype, matrix_type):
         assert len(cpp.greedy([1, 5, 9], new_tokens=3)) == 3
 
 
+def test_an_out_named_like_a_gguf_file_holds_that_file(plain, tmp_path, capsys):
+    """--out m.gguf: the directory m.gguf holds m.gguf (not m.gguf.gguf) and the report; apt-ds's
+    loaders refuse a non-uniform ('deci') file in one line, naming the HF export instead."""
+    from apt_ds.io.modeling import UnsupportedModelError, load_model
+
+    kept = {"groups": [[0, 1], [0]], "neurons": [list(range(96)), list(range(64))], "hidden": list(range(64))}
+    (tmp_path / "kept.json").write_text(json.dumps(kept))
+    assert export_main(["--model", str(plain), "--kept", str(tmp_path / "kept.json"), "--out", str(tmp_path / "m.gguf"),
+                        "--format", "gguf"]) == 0
+    assert sorted(p.name for p in (tmp_path / "m.gguf").iterdir()) == ["apt_export.json", "m.gguf"]
+    assert f"to {tmp_path / 'm.gguf' / 'm.gguf'}" in capsys.readouterr().err
+    with pytest.raises(UnsupportedModelError, match="architecture 'deci'.*give the run's HF export"):
+        load_model(tmp_path / "m.gguf" / "m.gguf")
+
+
 def test_q8_0_pads_pruned_widths_instead_of_falling_back_to_f16(plain, tmp_path):
     """Pruned widths (hidden 50, FFN 40) are padded to 32-blocks: every matrix is Q8_0 (llama.cpp's
     converter would write these as F16, and a pruned Q8_0 file came out larger than the dense one)."""

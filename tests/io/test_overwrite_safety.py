@@ -62,6 +62,45 @@ def test_a_run_with_foreign_files_is_refused(previous_run, tmp_path, capsys):
     assert tree_digest(run) == before
 
 
+@pytest.mark.parametrize("added", ["plots/my_figure.svg", "tokenizer/README_mine.txt", "ranks/notes.md", "plots/mine/a.png"])
+def test_user_files_inside_a_runs_own_folders_are_refused(previous_run, tmp_path, capsys, added):
+    """--overwrite checks the folders a user opens (plots/, tokenizer/, ranks/), not only the top level."""
+    run = tmp_path / "run"
+    shutil.copytree(previous_run, run)
+    (run / added).parent.mkdir(parents=True, exist_ok=True)
+    (run / added).write_text("keep")
+    before = tree_digest(run)
+    assert train_main([*FAST, "--out", str(run), "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"also {'/'.join(added.split('/')[:2])}, which a run does not write" in err[0], err
+    assert tree_digest(run) == before
+
+
+def test_a_run_with_its_own_plots_is_replaced(previous_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(previous_run, run)
+    (run / "plots").mkdir()
+    (run / "plots" / "curves.png").write_bytes(b"png")
+    assert train_main([*FAST, "--seed", "7", "--out", str(run), "--overwrite"]) == 0
+    assert not (run / "plots").exists()
+
+
+def test_an_interrupted_overwrite_does_not_suggest_resuming_the_previous_run(previous_run, tmp_path, monkeypatch, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(previous_run, run)
+    before = tree_digest(run)
+
+    def interrupt(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer_module.APTrainer, "train", interrupt)
+    assert train_main([*FAST, "--seed", "7", "--out", str(run), "--overwrite"]) == 130
+    err = capsys.readouterr().err
+    assert f"interrupted before the new run's first checkpoint; the previous run is back in {run}" in err
+    assert "--resume" not in err
+    assert tree_digest(run) == before
+
+
 def test_a_previous_run_is_replaced_and_its_copy_removed_after_the_first_checkpoint(previous_run, tmp_path, monkeypatch):
     run = tmp_path / "run"
     shutil.copytree(previous_run, run)
