@@ -10,8 +10,11 @@ exports are removed by `remove_stale_temporaries`.
 from __future__ import annotations
 
 import glob
+import json
 import shutil
 from pathlib import Path
+
+from apt_ds.io.tokenizer import is_tokenizer_file
 
 REPORT_FILE = "apt_export.json"
 
@@ -47,10 +50,6 @@ def foreign_entries(out: Path) -> list[str]:
     """What in a previous export's directory the export did not write. An export's report lists
     its files (`files`); a report from before that list is matched by the names an export gives
     its files. Any directory is foreign: an export writes none."""
-    import json
-
-    from apt_ds.export.writer import is_export_file_name
-
     try:
         written = json.loads((out / REPORT_FILE).read_text()).get("files")
     except (OSError, ValueError, AttributeError):
@@ -59,6 +58,13 @@ def foreign_entries(out: Path) -> list[str]:
     if isinstance(written, list):
         return [e.name for e in entries if e.name not in written or not e.is_file() or e.is_symlink()]
     return [e.name for e in entries if not is_export_file_name(e.name) or not e.is_file() or e.is_symlink()]
+
+
+def is_export_file_name(name: str) -> bool:
+    """A name an export gives one of its files (for reports that do not list their files)."""
+    return (name in ("config.json", "generation_config.json", REPORT_FILE, "model.safetensors.index.json")
+            or (name.startswith("model") and name.endswith(".safetensors")) or name.endswith(".gguf")
+            or is_tokenizer_file(name))
 
 
 def recover_interrupted_overwrite(out: Path) -> None:

@@ -5,7 +5,6 @@ sibling and renamed into place in one step, so an interrupted export leaves noth
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -16,6 +15,7 @@ from safetensors.torch import save_file
 from apt_ds.algorithm.units import ModelShape
 from apt_ds.config import ConfigError
 from apt_ds.export.out_dir import REPORT_FILE, recover_interrupted_overwrite, remove_stale_temporaries
+from apt_ds.io.permissions import make_readable
 from apt_ds.io.tokenizer import is_tokenizer_file
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -103,7 +103,7 @@ def write_atomically(out: Path, fill) -> dict:
         # the files this export wrote: a later --overwrite replaces these and refuses anything else
         report = {**report, "files": sorted(item.name for item in tmp.iterdir())}
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1))
-        _make_readable(tmp)
+        make_readable(tmp)  # mkdtemp's 0700, safetensors' 0600: a serving user reads the export
         if out.exists():
             old = out.parent / f".{out.name}.old-{tmp.name.rsplit('-', 1)[-1]}"
             out.rename(old)  # the previous export is only deleted once the new one is in place
@@ -146,29 +146,12 @@ def _save_shards(state_dict: dict, directory: Path, max_shard_size) -> None:
         (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
 
 
-def _make_readable(directory: Path) -> None:
-    """mkdtemp makes a 0700 directory: give the export the permissions the umask allows, so a
-    serving user other than the exporter can read it."""
-    umask = os.umask(0)
-    os.umask(umask)
-    directory.chmod(0o777 & ~umask)
-    for item in directory.iterdir():
-        item.chmod(0o666 & ~umask)
-
-
 def weight_files(export_dir: Path) -> list[Path]:
     """The safetensors files of an export (one file, or the shards of its index)."""
     index = export_dir / "model.safetensors.index.json"
     if index.is_file():
         return sorted({export_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
     return [export_dir / "model.safetensors"]
-
-
-def is_export_file_name(name: str) -> bool:
-    """A name an export gives one of its files (for reports that do not list their files)."""
-    return (name in ("config.json", "generation_config.json", REPORT_FILE, "model.safetensors.index.json")
-            or (name.startswith("model") and name.endswith(".safetensors")) or name.endswith(".gguf")
-            or is_tokenizer_file(name))
 
 
 def summary(shape: ModelShape) -> dict:

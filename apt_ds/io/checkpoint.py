@@ -17,6 +17,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from apt_ds.io.permissions import make_readable
+
 FORMAT_VERSION = 1
 
 
@@ -112,6 +114,7 @@ def _save_and_rename(trainer, directory: Path, tmp: Path) -> None:
         save_file(teacher, str(tmp / "teacher.safetensors"))
         rng = {"distill": trainer.distiller.generator.get_state(), "growth": trainer.growth_generator.get_state()}
         save_file(rng, str(tmp / "rng.safetensors"))
+        make_readable(tmp)  # safetensors writes 0600; a checkpoint is as readable as the run's other files
         old = directory.with_name(directory.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
         if directory.exists():

@@ -3,9 +3,13 @@ checked against the model it came from (logits and a greedy continuation)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+from safetensors.torch import save_file
 
 from apt_ds.distributed.placement import move_batch
+from apt_ds.io.permissions import make_readable
 
 
 def live_probe(trainer, batch: dict, new_tokens: int = 20) -> dict[str, torch.Tensor]:
@@ -28,3 +32,8 @@ def live_probe(trainer, batch: dict, new_tokens: int = 20) -> dict[str, torch.Te
         trainer.state.salience.enabled = was_enabled
     probe = {**inputs, "logits": logits, "greedy": ids, "greedy_logits": torch.stack(step_logits)}
     return {k: v.cpu().contiguous() for k, v in probe.items()}
+
+
+def save_probe(probe: dict[str, torch.Tensor], path: Path) -> None:
+    save_file(probe, str(path))
+    make_readable(path)  # safetensors writes 0600; the probe is read by whoever checks the export

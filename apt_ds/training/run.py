@@ -16,7 +16,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from apt_ds.config import APTConfig, ConfigError, TrainConfig
 from apt_ds.distributed.backend import LocalBackend
@@ -28,7 +27,7 @@ from apt_ds.io.run_dir import RUN_FILE, check_out_dir, discard, prepare_out_dir,
 from apt_ds.io.templates import check_template
 from apt_ds.io.tokenizer import load_tokenizer, train_sentencepiece_tokenizer
 from apt_ds.training.heap import freeze_prepared_data
-from apt_ds.training.probe import live_probe
+from apt_ds.training.probe import live_probe, save_probe
 from apt_ds.training.resume import (
     check_resumable_model,
     check_resumable_settings,
@@ -283,7 +282,7 @@ def _train(backend, args, apt, train, out, meta, model, examples, eval_batches, 
     if getattr(args, "save_eval_probe", False) and eval_batches:
         probe = live_probe(trainer, eval_batches[0])  # every rank: ZeRO-3 gathers weights inside forward
         if backend.is_main():
-            save_file(probe, str(out / PROBE_FILE))
+            save_probe(probe, out / PROBE_FILE)
     if backend.is_main():
         print(json.dumps(final))
     return final

@@ -138,3 +138,12 @@ def test_an_empty_directory_is_used(tmp_path):
     empty.mkdir()
     assert train_main([*FAST, "--out", str(empty), "--overwrite"]) == 0
     assert (empty / "run.json").is_file() and (empty / "checkpoint" / "apt_state.json").is_file()
+
+
+def test_checkpoint_and_probe_files_follow_the_umask(previous_run):
+    """safetensors writes 0600: the checkpoint's files are made as readable as the run's others."""
+    files = [p for p in (previous_run / "checkpoint").rglob("*") if p.is_file()]
+    assert any(p.suffix == ".safetensors" for p in files)
+    modes = {p.relative_to(previous_run).as_posix(): oct(p.stat().st_mode & 0o777) for p in files}
+    expected = oct((previous_run / "run.json").stat().st_mode & 0o777)
+    assert set(modes.values()) == {expected}, modes
