@@ -38,8 +38,21 @@ class ArgumentParser(HfArgumentParser):
 
     def __init__(self, dataclass_types, **kwargs):
         super().__init__(dataclass_types, **{"formatter_class": _HelpFormatter, **kwargs})
+        for action in self._actions:
+            # --max-seq-len first (the README's spelling; --max_seq_len still works) in usage and help
+            action.option_strings.sort(key=lambda option: "_" in option)
+            if action.nargs == "?" and action.const is True:  # a boolean flag: "--resume", not "--resume [RESUME]"
+                action.metavar = "true|false"
 
     def error(self, message: str):
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):  # a mistyped flag: name the closest real one
+            import difflib
+
+            unknown = next((a.split("=")[0] for a in message[len(prefix):].split() if a.startswith("--")), None)
+            close = difflib.get_close_matches(unknown, list(self._option_string_actions), n=1) if unknown else []
+            if close:
+                message += f"; did you mean {close[0].replace('_', '-')}?"
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 

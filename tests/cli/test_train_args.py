@@ -36,6 +36,23 @@ def test_every_field_is_a_flag_with_its_help_and_default(capsys):
     assert "APT knobs" in text and "training loop" in text
 
 
+def test_usage_shows_dashed_flags_and_booleans_as_switches(capsys):
+    build_train_parser().print_usage()
+    usage = " ".join(capsys.readouterr().out.split())
+    assert "[--max-seq-len MAX_SEQ_LEN]" in usage and "--max_seq_len" not in usage
+    assert "[--resume [true|false]]" in usage and "[RESUME]" not in usage
+    assert explicit_values(build_train_parser, ["--max_seq_len", "16", "--resume"]) == {"max_seq_len": 16, "resume": True}
+
+
+@pytest.mark.parametrize("typed, suggested", [("--resumee", "--resume"), ("--max_seqlen", "--max-seq-len"), ("--zzz", None)])
+def test_a_mistyped_flag_names_the_closest_one(capsys, typed, suggested):
+    with pytest.raises(SystemExit) as exit_info:
+        build_train_parser().parse_args([typed, "3"])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and "\n" not in err and f"unrecognized arguments: {typed}" in err
+    assert (f"did you mean {suggested}?" in err) if suggested else "did you mean" not in err
+
+
 def test_only_typed_flags_count_as_given():
     assert explicit_values(build_train_parser, ["--steps", "60", "--no-distill", "--adapter-targets", "q_proj",
                                                 "k_proj", "--local_rank=1"]) == {
