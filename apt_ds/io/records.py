@@ -35,7 +35,17 @@ def load_records(path: str | Path) -> datasets.Dataset:
         raise DataError(
             f"data file {path.name} has no usable rows: need {USABLE_FIELDS}; found fields {sorted(columns)}"
         )
+    _check_text_fields(ds, path)
     return ds
+
+
+def _check_text_fields(ds: datasets.Dataset, path: Path) -> None:
+    """The fields that are read must hold text: {"text": 5} would otherwise train on "5"."""
+    for name in ("text", "instruction", "input", "output", "prompt", "completion"):
+        feature = ds.features.get(name)
+        if feature is not None and not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string", "null")):
+            kind = feature.dtype if isinstance(feature, datasets.Value) else type(feature).__name__.lower()
+            raise DataError(f"data file {path.name}: field {name!r} holds {kind} values, not text")
 
 
 def _load_saved_dir(path: Path) -> datasets.Dataset:

@@ -150,6 +150,21 @@ def test_no_usable_fields_raises(tmp_path):
         data.load_records(path)
 
 
+@pytest.mark.parametrize("rows, message", [
+    ([{"text": 5}], "field 'text' holds int64 values, not text"),
+    ([{"text": ["a", "b"]}], "field 'text' holds list values, not text"),
+    ([{"instruction": "q", "output": 1.5}], "field 'output' holds float64 values, not text"),
+])
+def test_fields_that_are_not_text_are_refused(tmp_path, rows, message):
+    with pytest.raises(DataError, match=message):
+        data.load_records(_write_jsonl(tmp_path / "typed.jsonl", rows))
+
+
+def test_an_empty_input_and_extra_fields_are_fine(tmp_path):
+    rows = [{"instruction": "q", "input": None, "output": "a", "id": 3}]
+    assert len(data.load_records(_write_jsonl(tmp_path / "ok.jsonl", rows))) == 1
+
+
 def test_rows_without_learnable_tokens_raise(tmp_path, tokenizer):
     ds = data.load_records(_write_jsonl(tmp_path / "blank.jsonl", [{"instruction": "x", "output": ""}]))
     with pytest.raises(DataError, match="blank.jsonl has no usable rows"):
