@@ -142,12 +142,14 @@ class ExportArguments:
                                      "original model in a .safetensors (hidden, kv_group.<i>, ffn_neuron.<i>); needs no "
                                      "DeepSpeed", default=None)
     format: str = help_field("hf: a transformers directory (safetensors + config + tokenizer); gguf: a directory "
-                             "OUT holding apt_export.json and one OUT/<OUT name>.gguf file that llama.cpp (and llama-cpp-python, Ollama) runs: uniform models as "
+                             "OUT holding apt_export.json and one .gguf file named after OUT (--out m: m/m.gguf; "
+                             "--out m.gguf: m.gguf/m.gguf) that llama.cpp (and llama-cpp-python, Ollama) runs: uniform models as "
                              "'llama', non-uniform ones as 'deci' with per-layer head counts and FFN widths",
                              choices=("hf", "gguf"), default="hf")
     dtype: str = help_field("dtype of the saved weights; q8_0 (8-bit blocks, llama.cpp's Q8_0) needs --format gguf",
                             choices=("fp32", "bf16", "fp16", "q8_0"), default="fp32")
-    overwrite: bool = help_field("replace an existing --out that holds a previous export", default=False)
+    overwrite: bool = help_field("replace an existing --out that holds a previous export (refused when it also holds "
+                                 "files the export did not write)", default=False)
     max_shard_size: str = help_field("largest safetensors shard (e.g. 500MB, 5GB); bigger models are written as shards "
                                      "plus model.safetensors.index.json", default="5GB")
 

@@ -50,7 +50,7 @@ def done_message(report_: dict, out: str) -> str:
     if report_.get("finished") is False:
         steps = f" of {report_['steps']}" if report_.get("steps") else ""
         message = (f"warning: the run stopped at step {report_.get('step')}{steps}, so its last checkpoint was exported; "
-                   f"`launch/train.py --resume --out {report_.get('run')}` finishes it\n" + message)
+                   f"its launch/train.py command run again with --resume finishes it\n" + message)
     return message
 
 

@@ -37,7 +37,9 @@ def check_out_path(out: str | Path, overwrite: bool = False) -> Path:
         raise EvaluationError(f"--out {out} is a directory; give a file name such as {out / 'results.json'}")
     if not out.parent.is_dir():
         raise EvaluationError(f"--out {out}: directory {out.parent} does not exist")
-    if out.exists() or out.is_symlink():
+    if out.is_symlink():
+        raise EvaluationError(f"--out {out} is a symbolic link; give the path it points to, or another --out")
+    if out.exists():
         if not is_results_file(out):
             raise EvaluationError(f"--out {out} exists and is not a results file of launch/evaluate.py; choose another --out")
         if not overwrite:

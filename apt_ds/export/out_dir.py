@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import glob
 import json
+import re
 import shutil
 from pathlib import Path
-
-from apt_ds.io.tokenizer import is_tokenizer_file
 
 REPORT_FILE = "apt_export.json"
 
@@ -48,23 +47,35 @@ def check_export_out(out: Path, overwrite: bool, protected: list[Path] = ()) -> 
 
 def foreign_entries(out: Path) -> list[str]:
     """What in a previous export's directory the export did not write. An export's report lists
-    its files (`files`); a report from before that list is matched by the names an export gives
-    its files. Any directory is foreign: an export writes none."""
+    its files (`files`); a report from before that list is matched by the exact names an export
+    gives its files. Any directory is foreign: an export writes none."""
     try:
-        written = json.loads((out / REPORT_FILE).read_text()).get("files")
-    except (OSError, ValueError, AttributeError):
-        written = None
-    entries = sorted(out.iterdir())
+        report = json.loads((out / REPORT_FILE).read_text())
+    except (OSError, ValueError):
+        report = None
+    report = report if isinstance(report, dict) else {}
+    written = report.get("files")
     if isinstance(written, list):
-        return [e.name for e in entries if e.name not in written or not e.is_file() or e.is_symlink()]
-    return [e.name for e in entries if not is_export_file_name(e.name) or not e.is_file() or e.is_symlink()]
+        ours = set(written).__contains__
+    elif isinstance(report.get("file"), str):  # a GGUF export: its report and its one file
+        ours = {REPORT_FILE, report["file"]}.__contains__
+    else:
+        ours = is_export_file_name
+    return [e.name for e in sorted(out.iterdir()) if not ours(e.name) or not e.is_file() or e.is_symlink()]
+
+
+# The names an HF export gives its files (a tokenizer's files as transformers and sentencepiece
+# name them): exact, so that a user's notes or own GGUF beside an older export are never matched
+_EXPORT_FILES = frozenset({"config.json", "generation_config.json", REPORT_FILE, "model.safetensors",
+                           "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+                           "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                           "vocab.json", "merges.txt", "vocab.txt"})
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 def is_export_file_name(name: str) -> bool:
-    """A name an export gives one of its files (for reports that do not list their files)."""
-    return (name in ("config.json", "generation_config.json", REPORT_FILE, "model.safetensors.index.json")
-            or (name.startswith("model") and name.endswith(".safetensors")) or name.endswith(".gguf")
-            or is_tokenizer_file(name))
+    """A name an HF export gives one of its files (for reports that do not list their files)."""
+    return name in _EXPORT_FILES or _SHARD.fullmatch(name) is not None
 
 
 def recover_interrupted_overwrite(out: Path) -> None:

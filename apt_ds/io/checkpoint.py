@@ -167,6 +167,8 @@ def check_same_apt_config(meta: dict, current: dict, directory: Path) -> None:
         changed = sorted(k for k in set(saved) | set(current) if saved.get(k, "<absent>") != current.get(k, "<absent>"))
         legacy = [f"--{k.replace('_', '-')} {saved[k]}" for k in changed if k in LEGACY_APT_FIELDS and k not in meta["apt_config"]]
         hint = f" (it predates {', '.join(legacy)}: pass {'them' if len(legacy) > 1 else 'it'})" if legacy else ""
+        if saved.get("prune") is False and current.get("prune") and not saved.get("grow_ranks"):
+            hint += " (it was trained with --method lora: pass that)"
         raise CheckpointError(f"checkpoint {directory} used a different APT config (fields {changed}); resume with the same one{hint}")
 
 

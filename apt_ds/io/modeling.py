@@ -56,6 +56,9 @@ def check_model_path(path: str | Path, flag: str = "model path") -> dict:
         check_gguf_architecture(path, flag)
         return {}
     if not (path / "config.json").is_file():
+        gguf = sorted(path.glob("*.gguf"))
+        if len(gguf) == 1:  # an apt-ds GGUF export's directory (or a folder holding one GGUF)
+            raise ModelLoadError(f"{flag} {path} holds a GGUF file and no config.json: give the file, {gguf[0]}")
         raise ModelLoadError(f"{flag} {path} has no config.json: not a Hugging Face model directory")
     try:
         config = json.loads((path / "config.json").read_text())
@@ -95,8 +98,8 @@ def check_gguf_architecture(path: Path, flag: str = "model path") -> None:
     counts and widths), which only llama.cpp runs."""
     architecture = gguf_architecture(path)
     if architecture is not None and architecture != "llama":
-        hint = (" (apt-ds's non-uniform GGUF export, which llama.cpp runs): give the run's HF export "
-                "(launch/export.py RUN --out DIR) instead" if architecture == "deci" else " (LLaMA only)")
+        hint = (" (apt-ds's non-uniform GGUF export, which llama.cpp runs): give the HF export of the same model "
+                "(launch/export.py without --format gguf) instead" if architecture == "deci" else " (LLaMA only)")
         raise UnsupportedModelError(f"{flag} {path} is a GGUF of architecture {architecture!r}{hint}")
 
 

@@ -12,22 +12,35 @@ import os
 from pathlib import Path
 
 
+def _current_umask() -> int:
+    umask = os.umask(0)  # the only way to read it; done once, at import, before any thread writes files
+    os.umask(umask)
+    return umask
+
+
+_UMASK = _current_umask()
+
+
 def make_readable(path: Path) -> None:
     """Give `path` (a file, or a directory and everything in it) the modes a plain `open` or
-    `mkdir` would have given it under the current umask. Links are left alone."""
-    umask = os.umask(0)
-    os.umask(umask)
+    `mkdir` would have given it under the process's umask. Links are left alone. Best effort: a
+    file system that refuses chmod leaves the modes as they were, not a failed checkpoint."""
     path = Path(path)
     if path.is_symlink():
         return
     if path.is_file():
-        path.chmod(0o666 & ~umask)
+        _chmod(path, 0o666)
         return
-    path.chmod(0o777 & ~umask)
+    _chmod(path, 0o777)
     for root, directories, files in os.walk(path):
-        for name in directories:
-            if not os.path.islink(os.path.join(root, name)):
-                os.chmod(os.path.join(root, name), 0o777 & ~umask)
-        for name in files:
-            if not os.path.islink(os.path.join(root, name)):
-                os.chmod(os.path.join(root, name), 0o666 & ~umask)
+        for names, mode in ((directories, 0o777), (files, 0o666)):
+            for name in names:
+                if not os.path.islink(os.path.join(root, name)):
+                    _chmod(os.path.join(root, name), mode)
+
+
+def _chmod(path, mode: int) -> None:
+    try:
+        os.chmod(path, mode & ~_UMASK)
+    except OSError:
+        pass

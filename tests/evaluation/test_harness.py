@@ -229,6 +229,8 @@ def test_evaluations_report_their_answer_shares(evaluated):
     (["{hf}", "--out", "{tmp}/old.json"], "holds previous results; pass --overwrite to replace them"),
     (["{tmp}/deci.gguf"], "is a GGUF of architecture 'deci' (apt-ds's non-uniform GGUF export"),
     (["{tmp}/torn_export"], "cannot read"),
+    (["{hf}", "--out", "{tmp}/linked.json"], "is a symbolic link"),
+    (["{tmp}/gguf_dir"], "holds a GGUF file and no config.json: give the file"),
 ])
 def test_bad_inputs_are_one_line_and_exit_2(models, tmp_path, capsys, args, message):
     (tmp_path / "not_a_model").mkdir()
@@ -238,6 +240,9 @@ def test_bad_inputs_are_one_line_and_exit_2(models, tmp_path, capsys, args, mess
     shutil.copytree(models["export"], tmp_path / "torn_export")
     weights = tmp_path / "torn_export" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
+    (tmp_path / "linked.json").symlink_to(tmp_path / "old.json")
+    (tmp_path / "gguf_dir").mkdir()
+    (tmp_path / "gguf_dir" / "gguf_dir.gguf").write_bytes(_gguf_header("llama"))
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
     argv = [a.format(hf=models["hf"], tmp=tmp_path) for a in args]
     if "--out" not in argv:

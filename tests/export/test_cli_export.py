@@ -163,12 +163,31 @@ def test_overwrite_keeps_files_an_export_did_not_write(runs, tmp_path, capsys):
     report = json.loads((out / "apt_export.json").read_text())
     del report["files"]
     (out / "apt_export.json").write_text(json.dumps(report))
-    (out / "notes.txt").write_text("mine")
-    assert export_main([str(runs / "nonuniform"), "--out", str(out), "--overwrite"]) == 2
-    assert "also notes.txt" in capsys.readouterr().err
-    (out / "notes.txt").unlink()
+    for mine in ("notes.txt", "e-Q4_K_M.gguf", "my.model", "tokenizer_notes.txt", "model-card-notes.safetensors"):
+        (out / mine).write_text("mine")
+        assert export_main([str(runs / "nonuniform"), "--out", str(out), "--overwrite"]) == 2
+        assert f"also {mine}" in capsys.readouterr().err
+        (out / mine).unlink()
     assert export_main([str(runs / "nonuniform"), "--out", str(out), "--overwrite"]) == 0
     assert f"exported {report['final']['total_params']:,} parameters" in capsys.readouterr().err
+
+
+def test_weights_that_do_not_fit_the_recorded_shapes_are_one_line(runs, tmp_path):
+    from apt_ds.io.modeling import ModelLoadError
+
+    assert export_main([str(runs / "nonuniform"), "--out", str(tmp_path / "e")]) == 0
+    config = json.loads((tmp_path / "e" / "config.json").read_text())
+    config["apt_layer_shapes"][0]["ffn"] -= 8
+    (tmp_path / "e" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"the weights do not fit config.json \(size mismatch"):
+        load_pretrained(tmp_path / "e")
+
+
+def test_resume_of_a_lora_run_without_method_lora_says_so(tmp_path, capsys):
+    run = tmp_path / "lora"
+    assert train_main([*FAST, "--method", "lora", "--out", str(run)]) == 0
+    assert train_main([*FAST, "--resume", "--out", str(run)]) == 2
+    assert "(it was trained with --method lora: pass that)" in capsys.readouterr().err
 
 
 def test_export_of_a_stopped_run_warns(runs, tmp_path, capsys):
@@ -181,6 +200,7 @@ def test_export_of_a_stopped_run_warns(runs, tmp_path, capsys):
     assert export_main([str(run), "--out", str(tmp_path / "e")]) == 0
     err = capsys.readouterr().err
     assert "warning: the run stopped at step 4 of 8, so its last checkpoint was exported" in err
+    assert "run again with --resume finishes it" in err
     assert json.loads((tmp_path / "e" / "apt_export.json").read_text())["steps"] == 8
     assert export_main([str(runs / "nonuniform"), "--out", str(tmp_path / "f")]) == 0
     assert "warning" not in capsys.readouterr().err
@@ -208,6 +228,7 @@ def test_resume_of_a_finished_run_changes_nothing(runs, capsys):
     assert train_main([*FAST, "--target-density", "0.5", "--resume", "--out", str(runs / "nonuniform")]) == 2
     err = capsys.readouterr().err
     assert "used a different APT config (fields ['target_density'])" in err and "already finished" not in err
+    assert "--method lora" not in err
     assert (runs / "nonuniform" / "metrics.jsonl").read_bytes() == metrics
 
 

@@ -54,6 +54,7 @@ def test_an_out_named_like_a_gguf_file_holds_that_file(plain, tmp_path, capsys):
     """--out m.gguf: the directory m.gguf holds m.gguf (not m.gguf.gguf) and the report; apt-ds's
     loaders refuse a non-uniform ('deci') file in one line, naming the HF export instead."""
     from apt_ds.io.modeling import UnsupportedModelError, load_model
+    from apt_ds.io.tokenizer import load_tokenizer
 
     kept = {"groups": [[0, 1], [0]], "neurons": [list(range(96)), list(range(64))], "hidden": list(range(64))}
     (tmp_path / "kept.json").write_text(json.dumps(kept))
@@ -61,8 +62,10 @@ def test_an_out_named_like_a_gguf_file_holds_that_file(plain, tmp_path, capsys):
                         "--format", "gguf"]) == 0
     assert sorted(p.name for p in (tmp_path / "m.gguf").iterdir()) == ["apt_export.json", "m.gguf"]
     assert f"to {tmp_path / 'm.gguf' / 'm.gguf'}" in capsys.readouterr().err
-    with pytest.raises(UnsupportedModelError, match="architecture 'deci'.*give the run's HF export"):
+    with pytest.raises(UnsupportedModelError, match="architecture 'deci'.*give the HF export of the same model"):
         load_model(tmp_path / "m.gguf" / "m.gguf")
+    with pytest.raises(UnsupportedModelError, match="tokenizer path .* architecture 'deci'"):
+        load_tokenizer(tmp_path / "m.gguf" / "m.gguf")
 
 
 def test_q8_0_pads_pruned_widths_instead_of_falling_back_to_f16(plain, tmp_path):

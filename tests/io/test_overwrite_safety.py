@@ -147,3 +147,31 @@ def test_checkpoint_and_probe_files_follow_the_umask(previous_run):
     modes = {p.relative_to(previous_run).as_posix(): oct(p.stat().st_mode & 0o777) for p in files}
     expected = oct((previous_run / "run.json").stat().st_mode & 0o777)
     assert set(modes.values()) == {expected}, modes
+
+
+def test_the_eval_probe_follows_the_umask(tmp_path):
+    from apt_ds.io.data import demo_data_path
+
+    run = tmp_path / "run"
+    assert train_main([*FAST, "--out", str(run), "--eval-data", str(demo_data_path()), "--save-eval-probe"]) == 0
+    assert (run / "eval_probe.safetensors").stat().st_mode & 0o777 == (run / "run.json").stat().st_mode & 0o777
+
+
+def test_make_readable_leaves_links_and_what_they_point_to(tmp_path):
+    import os
+
+    from apt_ds.io.permissions import make_readable
+
+    outside = tmp_path / "outside.txt"
+    outside.write_text("x")
+    outside.chmod(0o600)
+    inside = tmp_path / "d"
+    inside.mkdir()
+    (inside / "f").write_text("y")
+    (inside / "f").chmod(0o600)
+    os.symlink(outside, inside / "link")
+    make_readable(inside)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (inside / "f").stat().st_mode & 0o777 == 0o666 & ~umask
+    assert outside.stat().st_mode & 0o777 == 0o600
