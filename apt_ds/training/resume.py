@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from apt_ds.config import TrainConfig
-from apt_ds.io.checkpoint import CheckpointError
+from apt_ds.io.checkpoint import CheckpointError, check_same_apt_config
 from apt_ds.io.modeling import same_model
 
 RESUME_MUST_MATCH = ("steps", "lr", "warmup_steps", "weight_decay", "max_grad_norm", "max_seq_len", "template", "seed")
@@ -35,14 +35,17 @@ def clipping_before_max_grad_norm(run_info: dict) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 1.0
 
 
-def check_resumable_settings(meta: dict, train: TrainConfig, data_path: str, world_size: int) -> None:
-    """What the command line alone decides (global batch, RESUME_MUST_MATCH, data): checked before
-    the data is read, so a mistyped resume fails in a second, not after tokenizing."""
+def check_resumable_settings(meta: dict, train: TrainConfig, data_path: str, world_size: int,
+                             apt_config: dict | None = None, directory: Path | None = None) -> None:
+    """What the command line alone decides (global batch, RESUME_MUST_MATCH, data and, given
+    `apt_config`, the APT config): checked before the data is read, so a mistyped resume fails in
+    a second, not after tokenizing, and names every setting to fix at once, not one per try."""
+    problems = []
     saved_train = meta["train_config"]
     saved_world = meta["run_info"].get("world_size", 1)
     before, now = global_batch_size(saved_train, saved_world), global_batch_size(train, world_size)
     if before != now:
-        raise CheckpointError(
+        problems.append(
             f"--resume must keep the global batch ({before} = micro {saved_train['micro_batch_size']} x accumulation "
             f"{saved_train['grad_accum_steps']} x {saved_world} ranks), got {now}; set --micro-batch-size/--grad-accum-steps "
             f"(or --global-batch-size {before}) for {world_size} ranks")
@@ -53,10 +56,17 @@ def check_resumable_settings(meta: dict, train: TrainConfig, data_path: str, wor
     if changed:
         details = ", ".join(f"{k}: {saved_train.get(k)} -> {getattr(train, k)}" for k in changed)
         flags = " ".join(f"--{k.replace('_', '-')} {saved_train.get(k)}" for k in changed)
-        raise CheckpointError(f"--resume must use the run's training settings; changed: {details} (pass {flags})")
+        problems.append(f"--resume must use the run's training settings; changed: {details} (pass {flags})")
     info = meta["run_info"]
     if info.get("data") != data_path:
-        raise CheckpointError(f"--resume: the run was trained on --data {info.get('data')}, not {data_path}")
+        problems.append(f"--resume: the run was trained on --data {info.get('data')}, not {data_path}")
+    if apt_config is not None:
+        try:
+            check_same_apt_config(meta, apt_config, directory)
+        except CheckpointError as err:
+            problems.append(str(err))
+    if problems:
+        raise CheckpointError("; and ".join(problems))
 
 
 def check_resumable_model(meta: dict, args, fingerprint: dict) -> None:

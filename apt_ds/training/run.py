@@ -20,7 +20,7 @@ import torch
 from apt_ds.config import APTConfig, ConfigError, TrainConfig
 from apt_ds.distributed.backend import LocalBackend
 from apt_ds.distributed.placement import check_fits, configure_cpu_threads, resolve_base_dtype, resolve_device
-from apt_ds.io.checkpoint import check_same_apt_config, read_meta
+from apt_ds.io.checkpoint import read_meta
 from apt_ds.io.data import TruncationStats, batches, collate, demo_data_path, load_records, tokenize_dataset
 from apt_ds.io.modeling import TINY_MODELS, build_tiny_llama, file_fingerprint, load_model, model_fingerprint
 from apt_ds.io.run_dir import RUN_FILE, check_out_dir, discard, prepare_out_dir, restore
@@ -202,8 +202,8 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
     # Validate every input before writing anything into --out.
     data_path = args.data or str(demo_data_path())
     if meta is not None:  # the command line's settings, before the data is read; the model's after it is built
-        check_resumable_settings(meta, train, data_path, backend.world_size)
-        check_same_apt_config(meta, apt.to_dict(), checkpoint_to_resume(out))  # a finished run's too: nothing ignored
+        # the APT config too, and a finished run's: a changed setting is named, never ignored
+        check_resumable_settings(meta, train, data_path, backend.world_size, apt.to_dict(), checkpoint_to_resume(out))
     records = load_records(data_path)
     with tempfile.TemporaryDirectory(prefix="apt-tokenizer-") as staging:
         tokenizer = _tokenizer(args, out, _texts_for_tokenizer(records), train, Path(staging))

@@ -36,3 +36,19 @@ def test_a_run_saved_before_the_template_field_used_alpaca():
     _check(_meta(train, template=True), train)  # alpaca: the prompt those runs were trained with
     with pytest.raises(CheckpointError, match=r"template: alpaca -> chat"):
         _check(_meta(train, template=True), dataclasses.replace(train, template="chat"))
+
+
+def test_every_changed_setting_is_named_at_once():
+    """Global batch, a training setting, the data and the APT config: one error names all four."""
+    from apt_ds.config import APTConfig
+
+    train = TrainConfig(steps=16)
+    meta = {**_meta(train), "apt_config": APTConfig.for_steps(16).to_dict()}
+    changed = dataclasses.replace(train, steps=20, micro_batch_size=train.micro_batch_size * 2)
+    with pytest.raises(CheckpointError) as err:
+        check_resumable_settings(meta, changed, "other.jsonl", 1, APTConfig.for_steps(16, target_density=0.5).to_dict(), "ckpt")
+    message = str(err.value)
+    for part in ("must keep the global batch", "steps: 16 -> 20 (pass --steps 16)", "trained on --data d.jsonl, not other.jsonl",
+                 "used a different APT config (fields ['target_density'])"):
+        assert part in message, part
+    assert "\n" not in message
