@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from apt_ds.cli.arguments import RunArguments, build_train_parser, explicit_values
@@ -41,6 +44,26 @@ def check_inputs_early(run: RunArguments, train: TrainConfig) -> None:
                         base_dtype=train.base_dtype)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (the deepspeed launcher's Ctrl-C to its ranks, Slurm, docker stop), handled as
+    Ctrl-C is: an --overwrite start puts the previous run back, and the run says how to resume."""
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt():
+    def stop(signum, frame):
+        raise Terminated()
+
+    if threading.current_thread() is not threading.main_thread():  # signal handlers live on the main thread
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     given = explicit_values(build_train_parser, argv)
     out = given.get("out", RunArguments.out)
@@ -54,16 +77,19 @@ def main(argv: list[str] | None = None) -> int:
         import_training_libraries(with_deepspeed=bool(run.deepspeed))
         # After the imports, before the model and the engine exist: those must stay visible to
         # the collector, or pruned weights held in an old engine's cycles would outlive events.
-        with startup_objects_frozen():
+        with startup_objects_frozen(), terminate_as_interrupt():
             run_training(run, apt, train)
     except user_errors() as err:
         return report(err)
     except KeyboardInterrupt as interrupt:
-        if getattr(interrupt, "previous_run_restored", False):
-            print(f"interrupted before the new run's first checkpoint; the previous run is back in {out}", file=sys.stderr)
+        how = "terminated" if isinstance(interrupt, Terminated) else "interrupted"
+        if os.environ.get("RANK", "0") != "0":  # rank 0 says it (and put the previous run back), once
+            pass
+        elif getattr(interrupt, "previous_run_restored", False):
+            print(f"{how} before the new run's first checkpoint; the previous run is back in {out}", file=sys.stderr)
         else:
-            print(f"interrupted; --resume continues from the last checkpoint in {out} (if one was written)", file=sys.stderr)
-        return 130
+            print(f"{how}; --resume continues from the last checkpoint in {out} (if one was written)", file=sys.stderr)
+        return 143 if how == "terminated" else 130
     except OSError as err:  # e.g. the disk filled up while the tokenizer or a metrics line was written
         from apt_ds.io.checkpoint import is_disk_full
 

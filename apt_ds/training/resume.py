@@ -36,11 +36,19 @@ def clipping_before_max_grad_norm(run_info: dict) -> float:
 
 
 def check_resumable_settings(meta: dict, train: TrainConfig, data_path: str, world_size: int,
-                             apt_config: dict | None = None, directory: Path | None = None) -> None:
+                             apt_config: dict | None = None, directory: Path | None = None,
+                             deepspeed: str | None | bool = False) -> None:
     """What the command line alone decides (global batch, RESUME_MUST_MATCH, data and, given
-    `apt_config`, the APT config): checked before the data is read, so a mistyped resume fails in
-    a second, not after tokenizing, and names every setting to fix at once, not one per try."""
+    `apt_config`, the APT config; given `deepspeed`, the --deepspeed JSON or None, the backend):
+    checked before the data is read, so a mistyped resume fails in a second, not after
+    tokenizing, and names every setting to fix at once, not one per try."""
     problems = []
+    trained_with = meta["run_info"].get("deepspeed")
+    if deepspeed is not False and bool(trained_with) != bool(deepspeed):
+        # the engine state differs: one process keeps Adam state per tensor, DeepSpeed per ZeRO partition
+        problems.append("--resume: the run was trained " + (
+            f"under DeepSpeed ({trained_with}); resume it under the deepspeed launcher with --deepspeed (any ZeRO stage)"
+            if trained_with else "in one process, without DeepSpeed; resume it without --deepspeed"))
     saved_train = meta["train_config"]
     saved_world = meta["run_info"].get("world_size", 1)
     before, now = global_batch_size(saved_train, saved_world), global_batch_size(train, world_size)
@@ -58,7 +66,7 @@ def check_resumable_settings(meta: dict, train: TrainConfig, data_path: str, wor
         flags = " ".join(f"--{k.replace('_', '-')} {saved_train.get(k)}" for k in changed)
         problems.append(f"--resume must use the run's training settings; changed: {details} (pass {flags})")
     info = meta["run_info"]
-    if info.get("data") != data_path:
+    if not _same_path(info.get("data_resolved") or info.get("data"), data_path):
         problems.append(f"--resume: the run was trained on --data {info.get('data')}, not {data_path}")
     if apt_config is not None:
         try:
@@ -67,6 +75,19 @@ def check_resumable_settings(meta: dict, train: TrainConfig, data_path: str, wor
             problems.append(str(err))
     if problems:
         raise CheckpointError("; and ".join(problems))
+
+
+def _same_path(recorded: str | None, given: str) -> bool:
+    """The data file as recorded (resolved, or as typed by runs from before that) and as given
+    now: ./d.jsonl is d.jsonl, and so is the path to it from another directory."""
+    if recorded is None:
+        return False
+    if recorded == given:
+        return True
+    try:
+        return Path(recorded).resolve() == Path(given).resolve() or Path(recorded).samefile(given)
+    except OSError:
+        return False
 
 
 def check_resumable_model(meta: dict, args, fingerprint: dict) -> None:

@@ -203,7 +203,8 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
     data_path = args.data or str(demo_data_path())
     if meta is not None:  # the command line's settings, before the data is read; the model's after it is built
         # the APT config too, and a finished run's: a changed setting is named, never ignored
-        check_resumable_settings(meta, train, data_path, backend.world_size, apt.to_dict(), checkpoint_to_resume(out))
+        check_resumable_settings(meta, train, data_path, backend.world_size, apt.to_dict(), checkpoint_to_resume(out),
+                                 deepspeed=args.deepspeed)
     records = load_records(data_path)
     with tempfile.TemporaryDirectory(prefix="apt-tokenizer-") as staging:
         tokenizer = _tokenizer(args, out, _texts_for_tokenizer(records), train, Path(staging))
@@ -225,7 +226,7 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
         model_ref = args.model if args.model in TINY_MODELS else str(Path(args.model).resolve())
         run_info = {"model": model_ref, "data": data_path, "tokenizer": TOKENIZER_DIR, "method": args.method,
                     "deepspeed": args.deepspeed, "world_size": backend.world_size, "model_fingerprint": fingerprint,
-                    "truncation": truncation.to_dict()}
+                    "truncation": truncation.to_dict(), "data_resolved": str(Path(data_path).resolve())}
         backend.barrier()
         replaced = prepare_out_dir(out, args.resume, args.overwrite, backend.is_main())
         with _previous_run_back_on_failure(out, replaced):

@@ -314,6 +314,75 @@ def test_a_killed_overwrite_start_gets_the_previous_run_back(in_tmp, tmp_path, c
     assert tree_digest(tmp_path / "run") == before and not list(tmp_path.glob(".run.replaced-*"))
 
 
+@pytest.mark.parametrize("command", ["export", "plot"])
+def test_export_and_plot_also_put_back_a_run_set_aside_by_a_killed_overwrite(in_tmp, tmp_path, capsys, command):
+    """Not only train: whichever command comes next finds the previous run (it would look like a
+    run without a checkpoint otherwise, and be deleted or given up as lost)."""
+    from apt_ds.cli.plot import main as plot_main
+
+    assert train_main([*BASE, "--out", "run"]) == 0
+    before = tree_digest(tmp_path / "run")
+    dead_pid = 2**22 + 17
+    (tmp_path / "run").rename(tmp_path / f".run.replaced-{dead_pid}")
+    (tmp_path / "run").mkdir()
+    shutil.copy(tmp_path / f".run.replaced-{dead_pid}" / "run.json", tmp_path / "run" / "run.json")
+    capsys.readouterr()
+    if command == "export":
+        assert export_main(["run", "--out", "compact"]) == 0
+        assert (tmp_path / "compact" / "config.json").is_file()
+    else:
+        assert plot_main(["run", "--out", "figures"]) == 0
+    assert "it is back in run" in capsys.readouterr().err
+    assert tree_digest(tmp_path / "run") == before and not list(tmp_path.glob(".run.replaced-*"))
+
+
+def test_sigterm_is_handled_as_ctrl_c(in_tmp, tmp_path, capsys, monkeypatch):
+    """The deepspeed launcher, Slurm and docker stop with SIGTERM: an --overwrite start puts the
+    previous run back and says so, as for Ctrl-C (exit status 143)."""
+    import signal
+
+    from apt_ds.training import trainer as trainer_module
+
+    assert train_main([*BASE, "--out", "run"]) == 0
+    before = tree_digest(tmp_path / "run")
+
+    def terminated(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(trainer_module.APTrainer, "train", terminated)
+    previous = signal.getsignal(signal.SIGTERM)
+    assert train_main([*BASE, "--seed", "3", "--out", "run", "--overwrite"]) == 143
+    assert "terminated before the new run's first checkpoint; the previous run is back in run" in capsys.readouterr().err
+    assert tree_digest(tmp_path / "run") == before
+    assert signal.getsignal(signal.SIGTERM) is previous  # the handler is the run's only
+
+
+def test_resume_accepts_the_same_data_spelled_another_way(in_tmp, tmp_path, capsys):
+    assert train_main([*BASE, "--out", "run"]) == 0
+    argv = [a if a != "data.jsonl" else "./data.jsonl" for a in BASE]
+    assert train_main([*argv, "--out", "run", "--resume"]) == 0
+    argv = [a if a != "data.jsonl" else str(tmp_path / "data.jsonl") for a in BASE]
+    assert train_main([*argv, "--out", "run", "--resume"]) == 0
+    (tmp_path / "other.jsonl").write_text((tmp_path / "data.jsonl").read_text())
+    argv = [a if a != "data.jsonl" else "other.jsonl" for a in BASE]
+    assert train_main([*argv, "--out", "run", "--resume"]) == 2
+    assert "the run was trained on --data data.jsonl, not other.jsonl" in capsys.readouterr().err
+
+
+def test_resume_under_the_other_backend_is_one_line_before_the_model_loads(in_tmp, tmp_path):
+    from apt_ds.config import TrainConfig
+    from apt_ds.training.resume import check_resumable_settings
+
+    assert train_main([*BASE, "--out", "run"]) == 0
+    meta = json.loads((tmp_path / "run" / "checkpoint" / "apt_state.json").read_text())
+    train = TrainConfig.from_dict(meta["train_config"])
+    with pytest.raises(checkpoint_module.CheckpointError, match="trained in one process, without DeepSpeed; resume it without --deepspeed"):
+        check_resumable_settings(meta, train, meta["run_info"]["data"], 1, deepspeed="ds_configs/zero2.json")
+    meta["run_info"]["deepspeed"] = "ds_configs/zero3.json"
+    with pytest.raises(checkpoint_module.CheckpointError, match=r"under DeepSpeed \(ds_configs/zero3.json\); resume it under"):
+        check_resumable_settings(meta, train, meta["run_info"]["data"], 1, deepspeed=None)
+
+
 def _du(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
