@@ -24,6 +24,16 @@ if str(ROOT) not in sys.path:
 
 
 
+def positive_int(text: str) -> int:
+    """argparse type for counts (repeats, rows, ranks): an integer >= 1, else argparse's one-line error."""
+    import argparse
+
+    value = int(text)  # a ValueError: argparse says "invalid positive_int value"
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def dispatched_operations(fn, views: bool = True) -> int:
     """How many aten operations `fn()` dispatches. Each costs the host dispatcher time, which
     decides a host-bound GPU step; those that compute (`views=False` leaves out views, aliases and

@@ -83,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=ROOT / "bench_out" / "distill_kl_cost.json")
     parser.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if min(args.rows, args.vocabulary, args.repeats) < 1:
+        parser.error("--rows, --vocabulary and --repeats must be >= 1")
     if args.worker:
         print(json.dumps(measure(args.worker, args.rows, args.vocabulary, args.device, args.repeats)))
         return 0

@@ -185,10 +185,13 @@ def free_port() -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-dir", type=Path, default=Path("/tmp/apt_llama3b"))
+    parser.add_argument("--model-dir", type=Path, default=Path("/tmp/apt_llama3b"),
+                        help="where the random 3B model (12 GiB of fp32 safetensors) is written once and reused")
     parser.add_argument("--out", type=Path, default=ROOT / "bench_out" / "llama_scale")
     parser.add_argument("--steps", type=int, default=12)
     args = parser.parse_args()
+    if args.steps < 4:  # before the 12 GB model is written: train.py's own minimum
+        parser.error(f"--steps must be >= 4 to warm up, prune and recover, got {args.steps}")
     args.out.mkdir(parents=True, exist_ok=True)
     write_model(args.model_dir, LLAMA_3B)
 

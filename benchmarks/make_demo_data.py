@@ -73,6 +73,8 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=1500)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.count < 1:
+        parser.error(f"--count must be >= 1, got {args.count}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     lines = [json.dumps(record, ensure_ascii=False) for record in make_records(args.count, args.seed)]
     args.out.write_text("\n".join(lines) + "\n", encoding="utf-8")

@@ -62,15 +62,15 @@ def per_rank(values: dict, ranks: int, seq: int, density: float = 0.7) -> dict:
     }
 
 
-def table(results: dict) -> str:
-    rows = ["| per rank (8 ranks, bf16) | " + " | ".join(results) + " |", "|---|" + "---|" * len(results)]
+def table(results: dict, ranks: int = 8) -> str:
+    rows = [f"| per rank ({ranks} ranks, bf16) | " + " | ".join(results) + " |", "|---|" + "---|" * len(results)]
     lines = [
         ("new: GPU, steady step (weights + adapter state + 2 modules + activations)", lambda r: r["new"]["gpu_steady"]),
         ("new: GPU, extra at an event (one module)", lambda r: r["new"]["gpu_event_extra"]),
         ("new: host, extra at load (one tensor's rows)", lambda r: r["new"]["host_load_extra"]),
         ("new: host, export (one shard + one fp32 tensor)", lambda r: r["new"]["export_host"]),
         ("old: host at load, per rank (full fp32 model)", lambda r: r["old"]["host_load_per_rank"]),
-        ("old: host at load, per 8-rank node", lambda r: r["old"]["host_load_per_node"]),
+        (f"old: host at load, per {ranks}-rank node", lambda r: r["old"]["host_load_per_node"]),
         ("old: GPU before DeepSpeed partitions (module.to(device), bf16)", lambda r: r["old"]["gpu_before_partitioning"]),
         ("old: GPU after the first shrink (whole shrunk model, density 0.7)", lambda r: r["old"]["gpu_after_first_event"]),
         ("old: host, export (whole fp32 model)", lambda r: r["old"]["export_host"]),
@@ -86,8 +86,10 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.ranks < 1 or args.seq < 1:
+        parser.error("--ranks and --seq must be >= 1")
     results = {name: per_rank(values, args.ranks, args.seq) for name, (values, _) in LLAMA2.items()}
-    print(table(results))
+    print(table(results, args.ranks))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=1))

@@ -20,7 +20,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from _common import dispatched_operations  # noqa: E402
+from _common import dispatched_operations, positive_int  # noqa: E402
 
 from apt_ds.algorithm.salience import SalienceCollector  # noqa: E402
 from apt_ds.algorithm.units import LayerShape, ModelShape  # noqa: E402
@@ -65,7 +65,7 @@ def measure(name: str, repeats: int, device: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=positive_int, default=20)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     args = parser.parse_args()

@@ -47,6 +47,8 @@ def main() -> None:
     parser.add_argument("--shape-multiple", type=int, default=None,
                         help="APTConfig.shape_multiple of the decisions (default: its default; 1 = single units)")
     args = parser.parse_args()
+    if args.repeats < 1 or (args.shape_multiple is not None and args.shape_multiple < 1):
+        parser.error("--repeats and --shape-multiple must be >= 1")
     result = {"counts": {}}
     for name, (values, published) in LLAMA2.items():
         config = LlamaConfig(vocab_size=32000, tie_word_embeddings=False, **values)

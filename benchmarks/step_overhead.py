@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import dispatched_operations  # noqa: E402
+from _common import dispatched_operations, positive_int  # noqa: E402
 
 from apt_ds.algorithm.adapters import add_adapters  # noqa: E402
 from apt_ds.algorithm.pruner import AdaptivePruner  # noqa: E402
@@ -69,7 +69,7 @@ def timed(fn, repeats: int) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=positive_int, default=15)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is steadier on a shared machine)")

@@ -293,6 +293,9 @@ def hardware() -> dict:
             "transformers": transformers.__version__, "python": platform.python_version()}
 
 
+STAGES = {"memory", "rebuild", "apt_vs_lora"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -309,6 +312,10 @@ def main() -> None:
         run_worker(args.worker)
         return
     only = set(args.only.split(","))
+    if args.repeats < 1 or args.steps < 1:
+        parser.error("--repeats and --steps must be >= 1")
+    if only - STAGES:
+        parser.error(f"--only: unknown {sorted(only - STAGES)}; choose from {','.join(sorted(STAGES))}")
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     med = statistics.median
