@@ -3,6 +3,7 @@ Anything else is a bug and keeps its traceback."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 from apt_ds.config import ConfigError
@@ -23,5 +24,9 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 
 def report(err: BaseException) -> int:
-    print(f"error: {err}", file=sys.stderr)
+    """One line, in one write: under the deepspeed launcher every rank may report, and two ranks'
+    lines must not run together; a rank other than 0 says which it is."""
+    rank = os.environ.get("RANK", "0")
+    sys.stderr.write(("" if rank == "0" else f"[rank {rank}] ") + f"error: {err}\n")
+    sys.stderr.flush()
     return 2

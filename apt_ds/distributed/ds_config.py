@@ -203,6 +203,11 @@ def _resolve_batch_sizes(cfg: dict, gas: int, world_size: int, micro_batch_size:
 
 
 def _resolve_zero(cfg: dict, hidden_size: int | None, fail) -> None:
+    if "zero_optimization" not in cfg:  # DeepSpeed's default is stage 0, which apt-ds cannot use: say what is missing
+        import difflib
+
+        close = difflib.get_close_matches("zero_optimization", [str(key) for key in cfg], n=1)
+        fail("has no zero_optimization section (stage 1, 2 or 3)" + (f"; did you mean {close[0]!r}?" if close else ""))
     zero = cfg.setdefault("zero_optimization", {})  # an object: checked in resolve_config
     stage = zero.get("stage", 0)
     if isinstance(stage, bool) or stage not in (1, 2, 3):

@@ -135,3 +135,12 @@ def test_the_tiny_recipe_trains(tmp_path, capsys):
     recorded = json.loads((out / "run.json").read_text())
     assert recorded["train_config"]["steps"] == 8 and recorded["apt_config"]["target_density"] == 0.7
     capsys.readouterr()
+
+
+def test_an_error_on_another_rank_names_the_rank_in_one_line(monkeypatch, capsys):
+    from apt_ds.cli.errors import report
+
+    assert report(ConfigError("bad")) == 2
+    monkeypatch.setenv("RANK", "1")
+    assert report(ConfigError("bad")) == 2
+    assert capsys.readouterr().err == "error: bad\n[rank 1] error: bad\n"

@@ -71,7 +71,11 @@ def test_gradient_clipping_comes_from_the_trainer():
 
 def test_resolve_refuses_stage0_and_forced_ds_cpu_adam():
     with pytest.raises(DeepSpeedConfigError, match="stage must be 1, 2 or 3"):
+        _resolve({"zero_optimization": {}})
+    with pytest.raises(DeepSpeedConfigError, match=r"has no zero_optimization section \(stage 1, 2 or 3\)$"):
         _resolve({})
+    with pytest.raises(DeepSpeedConfigError, match="did you mean 'zero_optimisation'"):  # a misspelled key
+        _resolve({"zero_optimisation": {"stage": 3}})
     forced = {"zero_force_ds_cpu_optimizer": True, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
     with pytest.raises(DeepSpeedConfigError, match="zero_force_ds_cpu_optimizer"):
         _resolve(forced)
