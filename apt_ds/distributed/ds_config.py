@@ -185,9 +185,11 @@ def _resolve_batch_sizes(cfg: dict, gas: int, world_size: int, micro_batch_size:
     gas_user, micro_user, train_user = (given(k) for k in (
         "gradient_accumulation_steps", "train_micro_batch_size_per_gpu", "train_batch_size"))
     if gas_user is not None and gas_user != gas:
-        fail(f"gradient_accumulation_steps={gas_user} contradicts the trainer's {gas} (use \"auto\" or omit it)")
+        fail(f"gradient_accumulation_steps={gas_user} contradicts the trainer's --grad-accum-steps {gas} (pass "
+             f"--grad-accum-steps {gas_user}, or use \"auto\" or omit it)")
     if micro_batch_size is not None and micro_user is not None and micro_user != micro_batch_size:
-        fail(f"train_micro_batch_size_per_gpu={micro_user} contradicts micro_batch_size={micro_batch_size}")
+        fail(f"train_micro_batch_size_per_gpu={micro_user} contradicts the trainer's --micro-batch-size {micro_batch_size} "
+             f"(its default unless given); pass --micro-batch-size {micro_user}, or use \"auto\" or omit it")
     micro = micro_batch_size or micro_user
     if micro is None and train_user is not None:
         if train_user % (gas * world_size):

@@ -39,8 +39,9 @@ def test_resolve_sets_batch_sizes_from_trainer():
 
 
 @pytest.mark.parametrize("user, kw, message", [
-    ({"gradient_accumulation_steps": 2}, {}, "gradient_accumulation_steps=2 contradicts the trainer's 4"),
-    ({"train_micro_batch_size_per_gpu": 8}, {"micro_batch_size": 4}, "train_micro_batch_size_per_gpu=8 contradicts"),
+    ({"gradient_accumulation_steps": 2}, {}, "gradient_accumulation_steps=2 contradicts the trainer's --grad-accum-steps 4"),
+    ({"train_micro_batch_size_per_gpu": 8}, {"micro_batch_size": 4}, r"train_micro_batch_size_per_gpu=8 contradicts the trainer's --micro-batch-size 4 \(its default unless given\); "
+     r"pass --micro-batch-size 8"),
     ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 1}, {}, r"train_batch_size=10 != micro 1"),
     ({"train_batch_size": 12}, {}, "not divisible"),
     ({"gradient_clipping": 0.5}, {}, r"gradient_clipping=0.5 contradicts the trainer.s max_grad_norm=0.0"),
