@@ -10,7 +10,7 @@ from pathlib import Path
 from apt_ds.cli.arguments import ExportArguments, build_export_parser, parse_with_positional
 from apt_ds.cli.errors import report, user_errors
 from apt_ds.config import ConfigError
-from apt_ds.io.run_dir import recover_interrupted_overwrite
+from apt_ds.io.run_dir import set_aside_note
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
         from apt_ds.export.writer import check_options
 
         if args.run_dir:
-            if note := recover_interrupted_overwrite(Path(args.run_dir)):  # a killed --overwrite start: the run back
+            if note := set_aside_note(Path(args.run_dir)):  # a killed --overwrite start: where the previous run is
                 print(note, file=sys.stderr)
             report_ = export_run(Path(args.run_dir), Path(args.out), dtype=args.dtype, overwrite=args.overwrite,
                                  model_path=args.model, max_shard_size=args.max_shard_size, format=args.format)

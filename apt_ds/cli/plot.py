@@ -14,7 +14,7 @@ from typing import Optional
 from apt_ds.cli.arguments import ArgumentParser, _HelpFormatter
 from apt_ds.cli.plot_data import PlotInputError, RunData, read_run
 from apt_ds.config import help_field
-from apt_ds.io.run_dir import recover_interrupted_overwrite
+from apt_ds.io.run_dir import set_aside_note
 
 CURVES_FILE, SHAPE_FILE = "curves.png", "shape.png"
 DPI = 100
@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is None and len(args.runs) > 1:
         return _fail("plotting several runs needs --out DIR (where the PNGs go)")
     out = args.out if args.out is not None else Path(args.runs[0]) / "plots"
-    for path in args.runs:  # a killed --overwrite start: the previous run back first, as train and export do
-        if note := recover_interrupted_overwrite(Path(path)):
+    for path in args.runs:  # a killed --overwrite start: say where the previous run is (train puts it back)
+        if note := set_aside_note(Path(path)):
             print(note, file=sys.stderr)
     try:
         runs = [read_run(Path(path), name) for path, name in zip(args.runs, _names(args.runs))]

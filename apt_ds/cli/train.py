@@ -54,7 +54,9 @@ def terminate_as_interrupt():
     def stop(signum, frame):
         raise Terminated()
 
-    if threading.current_thread() is not threading.main_thread():  # signal handlers live on the main thread
+    # Rank 0 alone: it is the one that puts a previous run back; another rank stuck in a collective
+    # whose peer died would not get to run a Python handler, and must die at SIGTERM as before.
+    if threading.current_thread() is not threading.main_thread() or os.environ.get("RANK", "0") != "0":
         yield
         return
     previous = signal.signal(signal.SIGTERM, stop)

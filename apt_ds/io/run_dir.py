@@ -4,9 +4,8 @@
 that is not a run, cannot be written, or has no checkpoint to --resume; `prepare_out_dir` then
 creates it (or sets the previous run aside) once every input has been validated.
 
-`--overwrite` replaces only what apt-ds itself wrote: an empty directory, or a run directory,
-recognised by its `run.json` (a JSON object with `apt_config` and `train_config`) and holding
-nothing but the entries a run writes. Anything else is refused in one line that names what is
+`--overwrite` replaces only what apt-ds itself wrote: an empty directory, or a run directory (its
+`run.json` holds `apt_config` and `train_config`) holding nothing but the entries a run writes. Anything else is refused in one line that names what is
 there: a checkout, a home directory or a folder of the user's files is never deleted. The old
 run is moved aside (`.NAME.replaced-*` next to it) and deleted only once the new run has written
 its first checkpoint; a start that fails before then puts it back.
@@ -14,14 +13,18 @@ its first checkpoint; a start that fails before then puts it back.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import glob
 import json
 import os
 import secrets
 import shutil
+import sys
 import tempfile
 from pathlib import Path
+
+from apt_ds.io.tokenizer import is_tokenizer_file
 
 RUN_FILE = "run.json"
 # What a run writes into its directory (checkpoint.tmp / .old: the atomic checkpoint rename;
@@ -75,14 +78,8 @@ def check_replaceable(out: Path) -> None:
 _FOLDER_FILES = {
     "plots": lambda name: name in ("curves.png", "shape.png") or (name.startswith(".") and name.endswith(".tmp")),
     "ranks": lambda name: name.startswith("rank") and name.endswith(".json") and name[4:-5].isdigit(),
-    "tokenizer": lambda name: _is_tokenizer_file(name),
+    "tokenizer": is_tokenizer_file,
 }
-
-
-def _is_tokenizer_file(name: str) -> bool:
-    from apt_ds.io.tokenizer import is_tokenizer_file
-
-    return is_tokenizer_file(name)
 
 
 def _foreign_inside(out: Path) -> list[str]:
@@ -141,8 +138,15 @@ def restore(out: Path, aside: Path | None) -> None:
 
 
 def discard(aside: Path | None) -> None:
+    """Delete a set-aside run once the new run has its checkpoint, renamed first to a name nothing restores: a
+    deletion stopped halfway leaves a `.NAME.discarding-*` remnant (the next recovery removes it), not half a run."""
     if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
+        doomed = aside.with_name(aside.name.replace(".replaced-", ".discarding-", 1))
+        try:
+            aside.rename(doomed)
+        except OSError:
+            doomed = aside
+        shutil.rmtree(doomed, ignore_errors=True)
         _release(aside)
 
 
@@ -166,11 +170,23 @@ def _owner_is_gone(aside: Path) -> bool:
     return pid.isdigit() and not _alive(int(pid))
 
 
+def set_aside_note(out: Path) -> str | None:
+    """Where a killed --overwrite start left the previous run (export and plot move nothing: a lock may not span hosts)."""
+    copies = [p for p in sorted(out.parent.glob(f".{glob.escape(out.name)}.replaced-*")) if p.is_dir() and is_run_dir(p)]
+    if not copies or has_checkpoint(out):
+        return None
+    return (f"note: the previous run in {out} was set aside by an --overwrite start that wrote no checkpoint; it is in "
+            f"{copies[-1]}, and the next `launch/train.py --out {out} --resume` puts it back once that start is gone")
+
+
 def recover_interrupted_overwrite(out: Path) -> str | None:
     """A run started with --overwrite and killed (SIGKILL, power loss) left the previous run
     aside as `.NAME.replaced-PID`. If the new run never wrote a checkpoint the previous one is
     put back, else it is deleted as planned. Returns a line saying what was done, or None."""
     done = None
+    for remnant in out.parent.glob(f".{glob.escape(out.name)}.discarding-*"):  # a deletion stopped halfway
+        if remnant.is_dir() and not remnant.is_symlink():
+            shutil.rmtree(remnant, ignore_errors=True)
     for aside in sorted(out.parent.glob(f".{glob.escape(out.name)}.replaced-*")):
         if not aside.is_dir() or not is_run_dir(aside) or not _owner_is_gone(aside):
             continue
@@ -269,3 +285,26 @@ def prepare_out_dir(out: Path, resume: bool, overwrite: bool, is_main: bool) -> 
     aside = move_aside(out) if overwrite else None
     out.mkdir(parents=True, exist_ok=True)
     return aside
+
+
+@contextlib.contextmanager
+def previous_run_back_on_failure(out: Path, replaced: Path | None):
+    """--overwrite: until the new run's first checkpoint, any failure puts the previous run back.
+    A user error keeps its one line, which then also says so."""
+    try:
+        yield
+    except BaseException as err:
+        if replaced is None or not replaced.exists():
+            raise
+        if has_checkpoint(out):  # stopped between the first checkpoint and its hook: the new run stays
+            discard(replaced)
+            raise
+        restore(out, replaced)
+        back = f"the new run wrote no checkpoint; the previous run is back in {out}"
+        if isinstance(err, (ValueError, FileExistsError)):  # the CLI's one-line errors
+            raise type(err)(f"{err} ({back})") from None
+        if isinstance(err, KeyboardInterrupt):  # the CLI says it; --resume would continue the previous run
+            err.previous_run_restored = True
+            raise
+        print(f"note: {back}", file=sys.stderr)
+        raise

@@ -47,7 +47,7 @@ def check_resumable_settings(meta: dict, train: TrainConfig, data_path: str, wor
     if deepspeed is not False and bool(trained_with) != bool(deepspeed):
         # the engine state differs: one process keeps Adam state per tensor, DeepSpeed per ZeRO partition
         problems.append("--resume: the run was trained " + (
-            f"under DeepSpeed ({trained_with}); resume it under the deepspeed launcher with --deepspeed (any ZeRO stage)"
+            f"under DeepSpeed ({trained_with}); resume it with --deepspeed (any ZeRO stage, any rank count)"
             if trained_with else "in one process, without DeepSpeed; resume it without --deepspeed"))
     saved_train = meta["train_config"]
     saved_world = meta["run_info"].get("world_size", 1)
@@ -66,7 +66,7 @@ def check_resumable_settings(meta: dict, train: TrainConfig, data_path: str, wor
         flags = " ".join(f"--{k.replace('_', '-')} {saved_train.get(k)}" for k in changed)
         problems.append(f"--resume must use the run's training settings; changed: {details} (pass {flags})")
     info = meta["run_info"]
-    if not _same_path(info.get("data_resolved") or info.get("data"), data_path):
+    if info.get("data") != data_path and not _same_path(info.get("data_resolved") or info.get("data"), data_path):
         problems.append(f"--resume: the run was trained on --data {info.get('data')}, not {data_path}")
     if apt_config is not None:
         try:
@@ -82,8 +82,6 @@ def _same_path(recorded: str | None, given: str) -> bool:
     now: ./d.jsonl is d.jsonl, and so is the path to it from another directory."""
     if recorded is None:
         return False
-    if recorded == given:
-        return True
     try:
         return Path(recorded).resolve() == Path(given).resolve() or Path(recorded).samefile(given)
     except OSError:

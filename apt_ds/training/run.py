@@ -6,7 +6,6 @@ the loop knows nothing about files, tokenizers or launchers.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -23,7 +22,7 @@ from apt_ds.distributed.placement import check_fits, configure_cpu_threads, reso
 from apt_ds.io.checkpoint import read_meta
 from apt_ds.io.data import TruncationStats, batches, collate, demo_data_path, load_records, tokenize_dataset
 from apt_ds.io.modeling import TINY_MODELS, build_tiny_llama, file_fingerprint, load_model, model_fingerprint
-from apt_ds.io.run_dir import RUN_FILE, check_out_dir, discard, prepare_out_dir, restore
+from apt_ds.io.run_dir import RUN_FILE, check_out_dir, discard, prepare_out_dir, previous_run_back_on_failure
 from apt_ds.io.templates import check_template
 from apt_ds.io.tokenizer import load_tokenizer, train_sentencepiece_tokenizer
 from apt_ds.training.heap import freeze_prepared_data
@@ -229,33 +228,13 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
                     "truncation": truncation.to_dict(), "data_resolved": str(Path(data_path).resolve())}
         backend.barrier()
         replaced = prepare_out_dir(out, args.resume, args.overwrite, backend.is_main())
-        with _previous_run_back_on_failure(out, replaced):
+        with previous_run_back_on_failure(out, replaced):
             if backend.is_main() and not args.resume:  # run.json first: it marks the directory as a run
                 (out / RUN_FILE).write_text(json.dumps({**run_info, "apt_config": apt.to_dict(), "train_config": train.to_dict()}, indent=1))
                 tokenizer.save_pretrained(str(out / TOKENIZER_DIR))
             backend.barrier()
-    with _previous_run_back_on_failure(out, replaced):
+    with previous_run_back_on_failure(out, replaced):
         return _train(backend, args, apt, train, out, meta, model, examples, eval_batches, pad_id, run_info, replaced)
-
-
-@contextlib.contextmanager
-def _previous_run_back_on_failure(out: Path, replaced: Path | None):
-    """--overwrite: until the new run's first checkpoint, any failure puts the previous run back.
-    A user error keeps its one line, which then also says so."""
-    try:
-        yield
-    except BaseException as err:
-        if replaced is None or not replaced.exists():
-            raise
-        restore(out, replaced)
-        back = f"the new run wrote no checkpoint; the previous run is back in {out}"
-        if isinstance(err, (ValueError, FileExistsError)):  # the CLI's one-line errors
-            raise type(err)(f"{err} ({back})") from None
-        if isinstance(err, KeyboardInterrupt):  # the CLI says it; --resume would continue the previous run
-            err.previous_run_restored = True
-            raise
-        print(f"note: {back}", file=sys.stderr)
-        raise
 
 
 def _train(backend, args, apt, train, out, meta, model, examples, eval_batches, pad_id, run_info, replaced) -> dict:

@@ -315,25 +315,51 @@ def test_a_killed_overwrite_start_gets_the_previous_run_back(in_tmp, tmp_path, c
 
 
 @pytest.mark.parametrize("command", ["export", "plot"])
-def test_export_and_plot_also_put_back_a_run_set_aside_by_a_killed_overwrite(in_tmp, tmp_path, capsys, command):
-    """Not only train: whichever command comes next finds the previous run (it would look like a
-    run without a checkpoint otherwise, and be deleted or given up as lost)."""
+def test_export_and_plot_say_where_a_killed_overwrite_left_the_previous_run(in_tmp, tmp_path, capsys, command):
+    """They move nothing (the start may still be alive on another host, where a lock does not
+    reach), but say where the previous run is and that train puts it back."""
     from apt_ds.cli.plot import main as plot_main
 
     assert train_main([*BASE, "--out", "run"]) == 0
-    before = tree_digest(tmp_path / "run")
     dead_pid = 2**22 + 17
     (tmp_path / "run").rename(tmp_path / f".run.replaced-{dead_pid}")
     (tmp_path / "run").mkdir()
     shutil.copy(tmp_path / f".run.replaced-{dead_pid}" / "run.json", tmp_path / "run" / "run.json")
+    before = tree_digest(tmp_path)
     capsys.readouterr()
-    if command == "export":
-        assert export_main(["run", "--out", "compact"]) == 0
-        assert (tmp_path / "compact" / "config.json").is_file()
-    else:
-        assert plot_main(["run", "--out", "figures"]) == 0
-    assert "it is back in run" in capsys.readouterr().err
-    assert tree_digest(tmp_path / "run") == before and not list(tmp_path.glob(".run.replaced-*"))
+    export_main(["run", "--out", "compact"]) if command == "export" else plot_main(["run", "--out", "figures"])
+    err = capsys.readouterr().err
+    assert f"it is in {Path('.run.replaced-' + str(dead_pid))}" in err and "--resume` puts it back" in err
+    assert tree_digest(tmp_path) == before
+
+
+def test_a_stop_between_the_first_checkpoint_and_its_hook_keeps_the_new_run(in_tmp, tmp_path, capsys, monkeypatch):
+    """The new run has its checkpoint: a Ctrl-C/SIGTERM before the previous copy is deleted keeps
+    the new run and deletes the old copy, instead of putting the old run back over it."""
+    from apt_ds.training import run as run_module
+
+    assert train_main([*BASE, "--out", "run"]) == 0
+
+    def stopped(aside):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_module, "discard", stopped)
+    assert train_main([*BASE, "--seed", "3", "--out", "run", "--overwrite"]) == 130
+    assert '"seed": 3' in (tmp_path / "run" / "run.json").read_text()
+    assert (tmp_path / "run" / "checkpoint" / "apt_state.json").is_file()
+    assert not list(tmp_path.glob(".run.replaced-*")) and not list(tmp_path.glob(".run.discarding-*"))
+
+
+def test_a_deletion_stopped_halfway_is_never_put_back(in_tmp, tmp_path):
+    from apt_ds.io.run_dir import recover_interrupted_overwrite
+
+    assert train_main([*BASE, "--out", "run"]) == 0
+    remnant = tmp_path / f".run.discarding-{2**22 + 17}-ab"
+    shutil.copytree(tmp_path / "run", remnant)
+    shutil.rmtree(remnant / "checkpoint")  # half deleted
+    before = tree_digest(tmp_path / "run")
+    assert recover_interrupted_overwrite(tmp_path / "run") is None
+    assert not remnant.exists() and tree_digest(tmp_path / "run") == before
 
 
 def test_sigterm_is_handled_as_ctrl_c(in_tmp, tmp_path, capsys, monkeypatch):
@@ -357,12 +383,18 @@ def test_sigterm_is_handled_as_ctrl_c(in_tmp, tmp_path, capsys, monkeypatch):
     assert signal.getsignal(signal.SIGTERM) is previous  # the handler is the run's only
 
 
-def test_resume_accepts_the_same_data_spelled_another_way(in_tmp, tmp_path, capsys):
+def test_resume_accepts_the_same_data_spelled_another_way(in_tmp, tmp_path, capsys, monkeypatch):
     assert train_main([*BASE, "--out", "run"]) == 0
     argv = [a if a != "data.jsonl" else "./data.jsonl" for a in BASE]
     assert train_main([*argv, "--out", "run", "--resume"]) == 0
     argv = [a if a != "data.jsonl" else str(tmp_path / "data.jsonl") for a in BASE]
     assert train_main([*argv, "--out", "run", "--resume"]) == 0
+    elsewhere = tmp_path / "elsewhere"  # the same file from another directory: the resolved path was recorded
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    argv = [a if a != "data.jsonl" else "../data.jsonl" for a in BASE]
+    assert train_main([*argv, "--out", "../run", "--resume"]) == 0
+    monkeypatch.chdir(tmp_path)
     (tmp_path / "other.jsonl").write_text((tmp_path / "data.jsonl").read_text())
     argv = [a if a != "data.jsonl" else "other.jsonl" for a in BASE]
     assert train_main([*argv, "--out", "run", "--resume"]) == 2
@@ -379,7 +411,7 @@ def test_resume_under_the_other_backend_is_one_line_before_the_model_loads(in_tm
     with pytest.raises(checkpoint_module.CheckpointError, match="trained in one process, without DeepSpeed; resume it without --deepspeed"):
         check_resumable_settings(meta, train, meta["run_info"]["data"], 1, deepspeed="ds_configs/zero2.json")
     meta["run_info"]["deepspeed"] = "ds_configs/zero3.json"
-    with pytest.raises(checkpoint_module.CheckpointError, match=r"under DeepSpeed \(ds_configs/zero3.json\); resume it under"):
+    with pytest.raises(checkpoint_module.CheckpointError, match=r"under DeepSpeed \(ds_configs/zero3.json\); resume it with"):
         check_resumable_settings(meta, train, meta["run_info"]["data"], 1, deepspeed=None)
 
 

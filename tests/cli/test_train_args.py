@@ -144,3 +144,19 @@ def test_an_error_on_another_rank_names_the_rank_in_one_line(monkeypatch, capsys
     monkeypatch.setenv("RANK", "1")
     assert report(ConfigError("bad")) == 2
     assert capsys.readouterr().err == "error: bad\n[rank 1] error: bad\n"
+
+
+def test_only_rank_0_turns_sigterm_into_an_interrupt(monkeypatch):
+    """Rank 0 puts a previous run back; other ranks keep SIGTERM's default (die at once, even
+    inside a collective whose peer died)."""
+    import signal
+
+    from apt_ds.cli.train import terminate_as_interrupt
+
+    before = signal.getsignal(signal.SIGTERM)
+    with terminate_as_interrupt():
+        assert signal.getsignal(signal.SIGTERM) is not before
+    monkeypatch.setenv("RANK", "1")
+    with terminate_as_interrupt():
+        assert signal.getsignal(signal.SIGTERM) is before
+    assert signal.getsignal(signal.SIGTERM) is before
