@@ -23,7 +23,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
             UnsupportedModelError, DeepSpeedConfigError, WeightsError)
 
 
-def report(err: BaseException) -> int:
+def report(err: BaseException | str) -> int:
     """One line, in one write: under the deepspeed launcher every rank may report, and two ranks'
     lines must not run together; a rank other than 0 says which it is."""
     rank = os.environ.get("RANK", "0")

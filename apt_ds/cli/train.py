@@ -97,7 +97,6 @@ def main(argv: list[str] | None = None) -> int:
 
         if not is_disk_full(err):
             raise
-        print(f"error: disk full writing {getattr(err, 'filename', None) or out}: {err.strerror or err}; free space "
-              f"and run again", file=sys.stderr)
-        return 2
+        return report(f"disk full writing {getattr(err, 'filename', None) or out}: {err.strerror or err}; free space "
+                      f"and run again")
     return 0

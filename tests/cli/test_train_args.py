@@ -160,3 +160,18 @@ def test_only_rank_0_turns_sigterm_into_an_interrupt(monkeypatch):
     with terminate_as_interrupt():
         assert signal.getsignal(signal.SIGTERM) is before
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_full_disk_outside_a_checkpoint_is_one_line(tmp_path, monkeypatch, capsys):
+    import errno
+
+    from apt_ds.training import run as run_module
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "run" / "metrics.jsonl"))
+
+    monkeypatch.setattr(run_module, "run_training", full)
+    monkeypatch.setenv("RANK", "1")
+    assert train_main(["--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"[rank 1] error: disk full writing {tmp_path / 'run' / 'metrics.jsonl'}: No space left on device; free space and run again\n"
