@@ -85,12 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         return report(err)
     except KeyboardInterrupt as interrupt:
         how = "terminated" if isinstance(interrupt, Terminated) else "interrupted"
-        if os.environ.get("RANK", "0") != "0":  # rank 0 says it (and put the previous run back), once
-            pass
-        elif getattr(interrupt, "previous_run_restored", False):
-            print(f"{how} before the new run's first checkpoint; the previous run is back in {out}", file=sys.stderr)
-        else:
-            print(f"{how}; --resume continues from the last checkpoint in {out} (if one was written)", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # rank 0 says it (and put the previous run back), once
+            print(f"{how} before the new run's first checkpoint; the previous run is back in {out}"
+                  if getattr(interrupt, "previous_run_restored", False)
+                  else f"{how}; --resume continues from the last checkpoint in {out} (if one was written)", file=sys.stderr)
         return 143 if how == "terminated" else 130
     except OSError as err:  # e.g. the disk filled up while the tokenizer or a metrics line was written
         from apt_ds.io.checkpoint import is_disk_full

@@ -15,6 +15,8 @@ import re
 import shutil
 from pathlib import Path
 
+from apt_ds.io.run_dir import listing
+
 REPORT_FILE = "apt_export.json"
 
 
@@ -40,8 +42,7 @@ def check_export_out(out: Path, overwrite: bool, protected: list[Path] = ()) -> 
         raise FileExistsError(f"--out {out} {what}; pass --overwrite to replace it")
     foreign = foreign_entries(out) if is_export else []
     if foreign:  # results, a model card, notes put next to an export: --overwrite would delete them
-        shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
-        raise FileExistsError(f"--out {out} holds an export and also {shown}, which an export does not write; "
+        raise FileExistsError(f"--out {out} holds an export and also {listing(foreign)}, which an export does not write; "
                               f"move them away or choose another --out")
 
 

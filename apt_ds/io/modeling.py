@@ -76,7 +76,8 @@ def check_model_path(path: str | Path, flag: str = "model path") -> dict:
 
 def gguf_architecture(path: Path) -> str | None:
     """general.architecture of a GGUF file, read from its header (llama.cpp's writers put it
-    first); None when the header does not start with it."""
+    first); None when the header does not start with it. Not gguf-py's GGUFReader: it maps and
+    indexes every tensor of a many-GB file, and gguf is an optional extra."""
     import struct
 
     try:

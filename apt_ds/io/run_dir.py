@@ -4,9 +4,9 @@
 that is not a run, cannot be written, or has no checkpoint to --resume; `prepare_out_dir` then
 creates it (or sets the previous run aside) once every input has been validated.
 
-`--overwrite` replaces only what apt-ds itself wrote: an empty directory, or a run directory (its
-`run.json` holds `apt_config` and `train_config`) holding nothing but the entries a run writes. Anything else is refused in one line that names what is
-there: a checkout, a home directory or a folder of the user's files is never deleted. The old
+`--overwrite` replaces only what apt-ds itself wrote: an empty directory, or a run directory (its `run.json`
+holds `apt_config` and `train_config`) with nothing but what a run writes. Anything else is refused in one
+line that names it: a checkout, a home directory or a folder of the user's files is never deleted. The old
 run is moved aside (`.NAME.replaced-*` next to it) and deleted only once the new run has written
 its first checkpoint; a start that fails before then puts it back.
 """
@@ -62,11 +62,11 @@ def check_replaceable(out: Path) -> None:
     if not entries:
         return
     if not is_run_dir(out):
-        raise RunDirError(f"--out {out} is not an apt-ds run directory (it holds {_listing(entries)}); --overwrite only "
+        raise RunDirError(f"--out {out} is not an apt-ds run directory (it holds {listing(entries)}); --overwrite only "
                           f"replaces a previous run or an empty directory: choose another --out")
     foreign = [name for name in entries if name not in RUN_ENTRIES] + _foreign_inside(out)
     if foreign:
-        raise RunDirError(f"--out {out} holds a run and also {_listing(foreign)}, which a run does not write; "
+        raise RunDirError(f"--out {out} holds a run and also {listing(foreign)}, which a run does not write; "
                           f"move them away or choose another --out")
     if Path.cwd().resolve().is_relative_to(out.resolve()) or os.path.ismount(out):
         raise RunDirError(f"--out {out} is (or holds) the current directory, or is a mount point, which --overwrite "
@@ -92,7 +92,7 @@ def _foreign_inside(out: Path) -> list[str]:
     return foreign
 
 
-def _listing(names: list[str], most: int = 4) -> str:
+def listing(names: list[str], most: int = 4) -> str:  # the first `most` names and how many more, for one line
     shown = ", ".join(names[:most])
     return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
