@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from apt_ds.cli.arguments import COMMAND_LINE_ONLY, RunArguments
-from apt_ds.config import SCHEDULE_FIELDS, APTConfig, ConfigError, TrainConfig, check_field_types
+from apt_ds.config import SCHEDULE_FIELDS, APTConfig, ConfigError, TrainConfig, check_field_types, field_error
 
 _CLASSES = (RunArguments, APTConfig, TrainConfig)
 
@@ -67,8 +67,28 @@ def _float_from_text(name: str, value: Any) -> Any:
 
 
 def resolve(given: dict[str, Any]) -> tuple[RunArguments, APTConfig, TrainConfig]:
-    """Defaults <- recipe (--config) <- the flags in `given`; scaled schedule defaults last."""
-    recipe = load_recipe(given["config"]) if given.get("config") else {}
+    """Defaults <- recipe (--config) <- the flags in `given`; scaled schedule defaults last.
+    A bad value is named as the user gave it: `--steps`, or `steps` in the --config file."""
+    in_recipe = f"in --config {given.get('config')}"
+    try:
+        recipe = load_recipe(given["config"]) if given.get("config") else {}
+    except ConfigError as err:
+        raise _named(err, f"{err.field} {in_recipe}") if err.field else err from None
+    try:
+        return _resolve(given, recipe)
+    except ConfigError as err:
+        if err.field in given:
+            raise _named(err, f"--{err.field.replace('_', '-')}") from None
+        if err.field in recipe:
+            raise _named(err, f"{err.field} {in_recipe}") from None
+        raise  # a default, or a value derived from another field: the config class names it
+
+
+def _named(err: ConfigError, where: str) -> ConfigError:
+    return ConfigError(f"{where} {err.requirement}", field=err.field, requirement=err.requirement)
+
+
+def _resolve(given: dict[str, Any], recipe: dict[str, Any]) -> tuple[RunArguments, APTConfig, TrainConfig]:
     missing = [k for k, v in recipe.items() if v is None and given.get(k) is None]  # in the recipe's order
     if missing:
         flags = ", ".join(f"--{k.replace('_', '-')}" for k in missing)
@@ -87,10 +107,8 @@ def resolve(given: dict[str, Any]) -> tuple[RunArguments, APTConfig, TrainConfig
         apt_values = {k: v for k, v in apt_values.items() if k not in SCHEDULE_FIELDS}
     apt = APTConfig.for_steps(train.steps, **apt_values)
     if apt.prune and apt.pruning_end_step > train.steps:
-        raise ConfigError(
-            f"APTConfig.pruning_end_step ({apt.pruning_end_step}) must be <= --steps ({train.steps}): "
-            "the run would end before reaching its target density"
-        )
+        raise field_error("APTConfig", "pruning_end_step", f"({apt.pruning_end_step}) must be <= --steps ({train.steps}): "
+                          "the run would end before reaching its target density")
     if run.method == "lora":
         apt = apt.as_lora()
     return run, apt, train

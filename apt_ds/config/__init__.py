@@ -11,7 +11,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from apt_ds.config.base import ConfigError, _JsonConfig, _require, check_field_types, help_field  # noqa: F401 (re-exported)
+from apt_ds.config.base import ConfigError, _JsonConfig, _require, check_field_types, field_error, help_field  # noqa: F401 (re-exported)
 
 ADAPTER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 BASE_DTYPES = ("auto", "bf16", "fp16", "fp32")
@@ -20,6 +20,8 @@ SCORE_NORMALIZATIONS = ("kind", "none")
 SHAPE_METRICS = ("task", "kl")  # how uniform mode's shape trials score a shape (apt_ds.training.shape_trials)
 # Fields whose default is derived from the run's length (APTConfig.for_steps); a LoRA run drops them.
 SCHEDULE_FIELDS = ("pruning_start_step", "pruning_end_step", "num_pruning_events", "mask_decay_window", "mask_decay_step")
+# What APTConfig.for_steps derives from the run's length when not given
+STEP_SCALED_FIELDS = (*SCHEDULE_FIELDS, "distill_every")
 
 
 @dataclass
@@ -143,12 +145,12 @@ class APTConfig(_JsonConfig):
         most units early in the pruning phase anyway (SmolLM2 benchmark: ending at 70% left
         APT at 1.2x LoRA's CPU time, see docs/BENCHMARKS.md)."""
         if total_steps < 4:
-            raise ConfigError(f"TrainConfig.steps must be >= 4 to warm up, prune and recover, got {total_steps}")
+            raise field_error("TrainConfig", "steps", f"must be >= 4 to warm up, prune and recover, got {total_steps}")
         # Each default is derived from the values given so far, so overriding one field keeps
         # the rest consistent with it.
         start = overrides.get("pruning_start_step", max(1, round(0.1 * total_steps)))
         if start >= total_steps:
-            raise ConfigError(f"APTConfig.pruning_start_step must be < steps ({total_steps}), got {start}")
+            raise field_error("APTConfig", "pruning_start_step", f"must be < steps ({total_steps}), got {start}")
         end = overrides.get("pruning_end_step", max(start + 1, round(0.5 * total_steps)))
         span = max(1, end - start)
         events = overrides.get("num_pruning_events", min(16, span, max(1, span // 3)))

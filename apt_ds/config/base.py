@@ -16,12 +16,22 @@ from typing import Any
 
 
 class ConfigError(ValueError):
-    """A configuration value is out of range; the message names the field and the range."""
+    """A configuration value is out of range; the message names the field and the range.
+    A check of one field also keeps the field's name and what it requires, so that the command
+    line can name the value as the user gave it (`--steps`, or `steps` in a --config file)."""
+
+    def __init__(self, message: str, field: str | None = None, requirement: str | None = None):
+        super().__init__(message)
+        self.field, self.requirement = field, requirement
+
+
+def field_error(cls: str, name: str, requirement: str) -> ConfigError:
+    return ConfigError(f"{cls}.{name} {requirement}", field=name, requirement=requirement)
 
 
 def _require(condition: bool, cls: str, name: str, allowed: str, value: Any) -> None:
     if not condition:
-        raise ConfigError(f"{cls}.{name} must be {allowed}, got {value!r}")
+        raise field_error(cls, name, f"must be {allowed}, got {value!r}")
 
 
 def help_field(text: str, choices: tuple | None = None, **kwargs) -> Any:
@@ -57,7 +67,7 @@ def check_field_types(cls, values: dict) -> None:
             continue
         if kinds and (not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool))):
             shown = "list" if tuple in kinds else kinds[-1].__name__  # Optional[str] -> str
-            raise ConfigError(f"{cls.__name__}.{name} must be of type {shown}, got {value!r}")
+            raise field_error(cls.__name__, name, f"must be of type {shown}, got {value!r}")
 
 
 class _JsonConfig:

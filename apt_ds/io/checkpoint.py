@@ -149,10 +149,13 @@ def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"corrupt checkpoint file {path}: {err}") from None
 
 
-def check_same_apt_config(meta: dict, current: dict, directory: Path) -> None:
-    """A resume must run the APT config the checkpoint was made with (`current`: APTConfig.to_dict())."""
+def check_same_apt_config(meta: dict, current: dict, directory: Path, leave_out: tuple[str, ...] = ()) -> None:
+    """A resume must run the APT config the checkpoint was made with (`current`: APTConfig.to_dict()).
+    `leave_out`: fields not compared, because the caller already named the setting they follow."""
     # A checkpoint from before these settings existed ran with these values (the old behaviour)
     saved = {**LEGACY_APT_FIELDS, **meta["apt_config"]}
+    current = {k: v for k, v in current.items() if k not in leave_out}
+    saved = {k: v for k, v in saved.items() if k not in leave_out}
     # ... but trial fields changed nothing where no trials could run: those it lacks compare as given now
     unused = {"uniform_shape_trials": not saved.get("uniform"),
               "uniform_shape_metric": not (saved.get("uniform") and saved["uniform_shape_trials"] > 1)}
@@ -165,11 +168,26 @@ def check_same_apt_config(meta: dict, current: dict, directory: Path) -> None:
             raise CheckpointError(f"checkpoint {directory} was written by an earlier apt-ds without the APT fields {missing} "
                                   f"and cannot be resumed by this one; export it as it is (launch/export.py) or start a new run")
         changed = sorted(k for k in set(saved) | set(current) if saved.get(k, "<absent>") != current.get(k, "<absent>"))
-        legacy = [f"--{k.replace('_', '-')} {saved[k]}" for k in changed if k in LEGACY_APT_FIELDS and k not in meta["apt_config"]]
-        hint = f" (it predates {', '.join(legacy)}: pass {'them' if len(legacy) > 1 else 'it'})" if legacy else ""
+        details = ", ".join(f"{k}: {_flag_value(saved[k])} -> {_flag_value(current.get(k, '<absent>'))}" for k in changed)
+        legacy = [k for k in changed if k in LEGACY_APT_FIELDS and k not in meta["apt_config"]]
+        why = f"; the run predates {', '.join(legacy)}" if legacy else ""
+        # a LoRA run differs from an APT run in every pruning field: the one flag to fix is the method
         if saved.get("prune") is False and current.get("prune") and not saved.get("grow_ranks"):
-            hint += " (it was trained with --method lora: pass that)"
-        raise CheckpointError(f"checkpoint {directory} used a different APT config (fields {changed}); resume with the same one{hint}")
+            to_do = "it was trained with --method lora: pass that"
+        elif saved.get("prune") and current.get("prune") is False and not current.get("grow_ranks"):
+            to_do = "it was trained with --method apt: leave out --method lora"  # as_lora() overrides the flags
+        else:
+            to_do = "pass " + " ".join(f"--{k.replace('_', '-')} {_flag_value(saved[k])}" for k in changed if k in current)
+        raise CheckpointError(f"checkpoint {directory} used a different APT config; changed: {details}{why} ({to_do})")
+
+
+def _flag_value(value) -> str:
+    """A config value as its command-line flag takes it (`--prune-heads false`, `--adapter-targets q_proj v_proj`)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return " ".join(map(str, value))
+    return str(value)
 
 
 def load_checkpoint(trainer, directory: Path) -> None:

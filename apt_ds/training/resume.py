@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from apt_ds.config import TrainConfig
+from apt_ds.config import STEP_SCALED_FIELDS, TrainConfig
 from apt_ds.io.checkpoint import CheckpointError, check_same_apt_config
 from apt_ds.io.modeling import same_model
 
@@ -69,8 +69,11 @@ def check_resumable_settings(meta: dict, train: TrainConfig, data_path: str, wor
     if info.get("data") != data_path and not _same_path(info.get("data_resolved") or info.get("data"), data_path):
         problems.append(f"--resume: the run was trained on --data {info.get('data')}, not {data_path}")
     if apt_config is not None:
+        # A changed --steps rescales the schedule fields it did not give (APTConfig.for_steps): naming
+        # them as well would send the user after fields that --steps alone puts back.
+        follows_steps = STEP_SCALED_FIELDS if "steps" in changed else ()
         try:
-            check_same_apt_config(meta, apt_config, directory)
+            check_same_apt_config(meta, apt_config, directory, leave_out=follows_steps)
         except CheckpointError as err:
             problems.append(str(err))
     if problems:

@@ -102,8 +102,9 @@ def _tokenizer(args, out: Path, texts: list[str], train: TrainConfig, staging: P
     return tokenizer
 
 
-def _model(args, tokenizer, train: TrainConfig, prunes: bool, backend):
-    """The model in the base dtype and its fingerprint.
+def _model(args, tokenizer, train: TrainConfig, prunes: bool, backend, check_fingerprint):
+    """The model in the base dtype and its fingerprint, which `check_fingerprint` sees as soon as it
+    is known: for a safetensors directory before the weights are read (minutes for a 70B model).
     Under ZeRO-3 the model is partitioned from the first byte (apt_ds.distributed.zero_init). Otherwise a
     run that prunes reads the weights into memory rather than mapping the file: mapped pages
     would stay resident after pruning (apt_ds.io.modeling.load_model)."""
@@ -111,6 +112,7 @@ def _model(args, tokenizer, train: TrainConfig, prunes: bool, backend):
     if args.model in TINY_MODELS:
         model = build_tiny_llama(vocab_size=len(tokenizer), seed=train.seed, variant=args.model)
         fingerprint = model_fingerprint(model)
+        check_fingerprint(fingerprint)
         if _partitions_weights(backend):  # tiny: its full state dict is the source of the partitions
             return _partitioned(backend, model.config, model.state_dict(), dtype, train), fingerprint
         return model.to(dtype), fingerprint
@@ -119,6 +121,7 @@ def _model(args, tokenizer, train: TrainConfig, prunes: bool, backend):
         from apt_ds.io.weights import SafetensorsWeights
 
         fingerprint = file_fingerprint(path)  # chunk by chunk: the same for every base dtype
+        check_fingerprint(fingerprint)
         if _partitions_weights(backend):
             from transformers import AutoConfig
 
@@ -129,7 +132,9 @@ def _model(args, tokenizer, train: TrainConfig, prunes: bool, backend):
         logger.warning("%s: a GGUF file is loaded whole on every rank before ZeRO-3 partitions it; convert it to a "
                        "safetensors directory to load partitions only", path)
     model = load_model(path, dtype=dtype)
-    return model, model_fingerprint(model)
+    fingerprint = model_fingerprint(model)
+    check_fingerprint(fingerprint)
+    return model, fingerprint
 
 
 def _check_model_fits(args, train: TrainConfig, backend) -> None:
@@ -217,9 +222,12 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
         pad_id = tokenizer.pad_token_id or 0
         eval_batches = _eval_batches(args, tokenizer, train, backend, pad_id)
         freeze_prepared_data()  # the examples, before the model exists (apt_ds.training.heap)
-        model, fingerprint = _model(args, tokenizer, train, apt.prune, backend)
-        if meta is not None:
-            check_resumable_model(meta, args, fingerprint)
+
+        def check_model(fingerprint):  # the model the run was trained from; known before its weights are read
+            if meta is not None:
+                check_resumable_model(meta, args, fingerprint)
+
+        model, fingerprint = _model(args, tokenizer, train, apt.prune, backend, check_model)
         backend.validate(model, train.grad_accum_steps, train.max_grad_norm)  # e.g. DeepSpeed JSON vs TrainConfig
         # Absolute: the run is exported/resumed from other working directories.
         model_ref = args.model if args.model in TINY_MODELS else str(Path(args.model).resolve())

@@ -48,9 +48,12 @@ def test_existing_out_is_refused_and_untouched(runs, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--target-density", "0"], "target_density"),
-    (["--target-density", "1.5"], "target_density"),
-    (["--rank-cap", "2"], "rank_cap"),
+    # named as typed: the flag, not the config class's field
+    (["--target-density", "0"], "error: --target-density must be in (0, 1], got 0.0"),
+    (["--target-density", "1.5"], "--target-density must be in (0, 1], got 1.5"),
+    (["--rank-cap", "2"], "--rank-cap must be >= adapter_rank (8), got 2"),
+    (["--steps", "3"], "--steps must be >= 4 to warm up, prune and recover, got 3"),
+    (["--pruning-end-step", "20"], "--pruning-end-step (20) must be <= --steps (8)"),
     (["--adapter-targets", "qq_proj"], "adapter_targets"),
     (["--deepspeed", "/nonexistent/ds.json"], "ds.json"),
 ])
@@ -65,8 +68,9 @@ def test_bad_arguments_give_one_line(tmp_path, capsys, argv, message):
 
 
 @pytest.mark.parametrize("values, message", [
-    ({"steps": "x"}, "TrainConfig.steps must be of type int, got 'x'"),
-    ({"pruning_start_step": "5"}, "APTConfig.pruning_start_step must be of type int, got '5'"),
+    ({"steps": "x"}, "steps in --config CONFIG must be of type int, got 'x'"),
+    ({"pruning_start_step": "5"}, "pruning_start_step in --config CONFIG must be of type int, got '5'"),
+    ({"lr": -1}, "lr in --config CONFIG must be > 0, got -1"),
     ({"lr": None}, "leaves lr to the command line: give --lr"),  # null: a recipe's "give it as a flag"
 ])
 def test_mistyped_config_file_values_give_one_line(tmp_path, capsys, values, message):
@@ -74,7 +78,7 @@ def test_mistyped_config_file_values_give_one_line(tmp_path, capsys, values, mes
     config.write_text(json.dumps(values))
     assert train_main([*FAST, "--config", str(config), "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err
+    assert message.replace("CONFIG", str(config)) in err and "Traceback" not in err
     assert not (tmp_path / "r").exists()
 
 
@@ -187,7 +191,14 @@ def test_resume_of_a_lora_run_without_method_lora_says_so(tmp_path, capsys):
     run = tmp_path / "lora"
     assert train_main([*FAST, "--method", "lora", "--out", str(run)]) == 0
     assert train_main([*FAST, "--resume", "--out", str(run)]) == 2
-    assert "(it was trained with --method lora: pass that)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "(it was trained with --method lora: pass that)" in err and "pass --prune" not in err
+
+
+def test_resume_of_an_apt_run_with_method_lora_says_so(runs, capsys):
+    """--method lora overrides the pruning flags, so naming them would not help: name the method."""
+    assert train_main([*FAST, "--method", "lora", "--resume", "--out", str(runs / "nonuniform")]) == 2
+    assert capsys.readouterr().err.rstrip().endswith("(it was trained with --method apt: leave out --method lora)")
 
 
 def test_export_of_a_stopped_run_warns(runs, tmp_path, capsys):
@@ -227,7 +238,8 @@ def test_resume_of_a_finished_run_changes_nothing(runs, capsys):
     # a changed APT setting is refused, finished or not, not ignored
     assert train_main([*FAST, "--target-density", "0.5", "--resume", "--out", str(runs / "nonuniform")]) == 2
     err = capsys.readouterr().err
-    assert "used a different APT config (fields ['target_density'])" in err and "already finished" not in err
+    assert "used a different APT config; changed: target_density: 0.6 -> 0.5 (pass --target-density 0.6)" in err
+    assert "already finished" not in err
     assert "--method lora" not in err
     assert (runs / "nonuniform" / "metrics.jsonl").read_bytes() == metrics
 
@@ -310,7 +322,7 @@ def test_failed_start_touches_nothing(runs, tmp_path, capsys):
 
 def test_schedule_overrides_are_checked_against_steps(tmp_path, capsys):
     assert train_main([*FAST, "--pruning-end-step", "100", "--out", str(tmp_path / "a")]) == 2
-    assert "pruning_end_step (100) must be <= --steps (8)" in capsys.readouterr().err
+    assert "--pruning-end-step (100) must be <= --steps (8)" in capsys.readouterr().err
 
 
 def test_global_batch_size_without_deepspeed(tmp_path):
@@ -337,17 +349,23 @@ def test_sixty_step_default_schedule(tmp_path):
 
 
 
-def test_resume_from_a_different_model_is_refused(runs, tmp_path, capsys):
-
+def test_resume_from_a_different_model_is_refused(runs, tmp_path, capsys, monkeypatch):
+    """...before the weights are read: the fingerprint of a safetensors directory comes from its files."""
     from conftest import tiny_llama
+
+    import apt_ds.training.run as run
 
     other = tmp_path / "other-model"
     tiny_llama("gqa", vocab=512).save_pretrained(str(other))
     for item in (runs / "nonuniform" / "tokenizer").iterdir():
         shutil.copy2(item, other / item.name)
     state = (runs / "nonuniform" / "checkpoint" / "apt_state.json").read_bytes()
+    loads = []
+    monkeypatch.setattr(run, "load_model", lambda *args, **kwargs: loads.append(args))
     assert train_main([*FAST, "--target-density", "0.6", "--model", str(other), "--resume", "--out", str(runs / "nonuniform")]) == 2
-    assert "--model" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--resume: --model" in err and "is not the model this run was trained from" in err
+    assert loads == []
     assert (runs / "nonuniform" / "checkpoint" / "apt_state.json").read_bytes() == state
 
 

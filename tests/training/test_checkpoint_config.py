@@ -74,20 +74,20 @@ def test_resume_of_a_checkpoint_from_before_shape_settings_names_the_values_it_r
 
     apt, train = _configs()
     write_without("shape_multiple", "uniform_shape_trials", "uniform_shape_metric")  # before all three, not uniform
-    with pytest.raises(CheckpointError, match=r"predates --shape-multiple 1: pass it\)"):
+    with pytest.raises(CheckpointError, match=r"the run predates shape_multiple \(pass --shape-multiple 1\)"):
         APTrainer(tiny_llama("gqa"), apt, train, progress=False).resume(checkpoint)
     resumed = APTrainer(tiny_llama("gqa"), dataclasses.replace(apt, shape_multiple=1), train, progress=False)
     resumed.resume(checkpoint)
     assert resumed.step == original["step"]
     write_without("shape_multiple", "uniform_shape_trials", "uniform_shape_metric", uniform=True)  # the same, uniform
     uniform = dataclasses.replace(apt, uniform=True)
-    with pytest.raises(CheckpointError, match=r"predates --shape-multiple 1, --uniform-shape-trials 1: pass them\)"):
+    with pytest.raises(CheckpointError, match=r"predates shape_multiple, uniform_shape_trials \(pass --shape-multiple 1 --uniform-shape-trials 1\)"):
         APTrainer(tiny_llama("gqa"), uniform, train, progress=False).resume(checkpoint)
     legacy = dataclasses.replace(uniform, shape_multiple=1, uniform_shape_trials=1)
     APTrainer(tiny_llama("gqa"), legacy, train, progress=False).resume(checkpoint)
     # written between the two (shape trials by the task loss), by a uniform run whose trials ran
     write_without("uniform_shape_metric", uniform=True)
-    with pytest.raises(CheckpointError, match=r"predates --uniform-shape-metric task: pass it\)"):
+    with pytest.raises(CheckpointError, match=r"uniform_shape_metric: task -> kl; the run predates uniform_shape_metric \(pass --uniform-shape-metric task\)"):
         APTrainer(tiny_llama("gqa"), dataclasses.replace(uniform, uniform_shape_metric="kl"), train, progress=False).resume(checkpoint)
     resumed = APTrainer(tiny_llama("gqa"), uniform, train, progress=False)  # the default is the task loss
     resumed.resume(checkpoint)

@@ -49,6 +49,24 @@ def test_every_changed_setting_is_named_at_once():
         check_resumable_settings(meta, changed, "other.jsonl", 1, APTConfig.for_steps(16, target_density=0.5).to_dict(), "ckpt")
     message = str(err.value)
     for part in ("must keep the global batch", "steps: 16 -> 20 (pass --steps 16)", "trained on --data d.jsonl, not other.jsonl",
-                 "used a different APT config (fields ['target_density'])"):
+                 "used a different APT config; changed: target_density: 0.7 -> 0.5 (pass --target-density 0.7)"):
         assert part in message, part
     assert "\n" not in message
+
+
+def test_a_changed_steps_is_named_once():
+    """The schedule --steps scales (APTConfig.for_steps) follows it back: naming those fields as well
+    would send the user after settings that --steps alone puts right. A changed setting of its own is
+    still named."""
+    from apt_ds.config import APTConfig
+
+    train = TrainConfig(steps=16)
+    meta = {**_meta(train), "apt_config": APTConfig.for_steps(16).to_dict()}
+    assert APTConfig.for_steps(40).to_dict() != meta["apt_config"]  # the schedule does follow the length
+    longer = dataclasses.replace(train, steps=40)
+    with pytest.raises(CheckpointError) as err:
+        check_resumable_settings(meta, longer, "d.jsonl", 1, APTConfig.for_steps(40).to_dict(), "ckpt")
+    assert str(err.value) == "--resume must use the run's training settings; changed: steps: 16 -> 40 (pass --steps 16)"
+    with pytest.raises(CheckpointError) as err:
+        check_resumable_settings(meta, longer, "d.jsonl", 1, APTConfig.for_steps(40, prune_heads=False).to_dict(), "ckpt")
+    assert str(err.value).endswith("changed: prune_heads: true -> false (pass --prune-heads true)")
