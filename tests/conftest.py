@@ -57,6 +57,35 @@ def tokenizer(tmp_path_factory):
     return train_sentencepiece_tokenizer(texts, tmp_path_factory.mktemp("tok"), vocab_size=512)
 
 
+# launch/train.py's flags for a run of a few seconds on the built-in tiny model
+TRAIN_FAST = ["--steps", "8", "--max-seq-len", "32", "--micro-batch-size", "2", "--warmup-steps", "1"]
+
+
+@pytest.fixture(scope="session")
+def trained_runs(tmp_path_factory):
+    """Two finished APT runs to 0.6 of the tiny model, non-uniform and uniform, trained once for the
+    train, resume and export CLI tests. Shared: a test that changes a run works on a copy."""
+    from apt_ds.cli.train import main as train_main
+
+    root = tmp_path_factory.mktemp("runs")
+    assert train_main([*TRAIN_FAST, "--target-density", "0.6", "--out", str(root / "nonuniform")]) == 0
+    assert train_main([*TRAIN_FAST, "--target-density", "0.6", "--uniform", "--out", str(root / "uniform")]) == 0
+    return root
+
+
+# a text data set of the CLI's plain format, and flags for runs on it that checkpoint at step 4
+CLI_TEXT_ROWS = [{"text": f"row {i}: the quick brown fox jumps over the lazy dog number {i}."} for i in range(120)]
+RUN_FLAGS = ["--steps", "8", "--max-seq-len", "32", "--micro-batch-size", "2", "--checkpoint-every", "4", "--data", "data.jsonl"]
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    """Work in tmp_path, with CLI_TEXT_ROWS there as data.jsonl (RUN_FLAGS's --data)."""
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in CLI_TEXT_ROWS))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny matmuls: threads only add synchronisation cost (and noise on a shared machine)."""

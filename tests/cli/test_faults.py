@@ -1,7 +1,7 @@
 """Real SIGKILLs at the worst moments of a one-process run, then `--resume`: what is left on
 disk, and that the resumed run ends exactly like an uninterrupted one (same losses, step by
 step, and the same kept units). docs/RELIABILITY.md tabulates these; the 2-rank kill is in
-tests/distributed/test_distributed.py, disk-full in tests/cli/test_reliability.py."""
+tests/distributed/test_distributed.py, disk-full and stops in tests/cli/test_stops_and_full_disks.py."""
 
 from __future__ import annotations
 

@@ -5,30 +5,26 @@ what a user has: their own files, a finished run, runs that were interrupted or 
 export. Each must exit 2 with ONE line on stderr that names the problem, and leave every byte of
 that directory as it was (names, sizes and contents: nothing created, nothing removed). The
 kill/resume faults live in tests/distributed/test_distributed.py (SIGKILL mid-run, resume on fewer ranks) and
-tests/export/test_export_safety.py (killed exports); disk-full is at the end of this file.
+tests/export/test_export_safety.py (killed exports); disk-full, stops and --overwrite's recovery in
+tests/cli/test_stops_and_full_disks.py.
 docs/RELIABILITY.md lists all of them with what each leaves on disk.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import CLI_TEXT_ROWS as TEXT_ROWS
+from conftest import RUN_FLAGS as BASE
 from conftest import tree_digest
-from safetensors import SafetensorError
 
 from apt_ds.cli.export import main as export_main
 from apt_ds.cli.train import main as train_main
-from apt_ds.io import checkpoint as checkpoint_module
-
-TEXT_ROWS = [{"text": f"row {i}: the quick brown fox jumps over the lazy dog number {i}."} for i in range(120)]
-BASE = ["--steps", "8", "--max-seq-len", "32", "--micro-batch-size", "2", "--checkpoint-every", "4", "--data", "data.jsonl"]
 
 
 def _write_json(path: Path, value) -> None:
@@ -101,14 +97,6 @@ def home(tmp_path_factory):
     (bad / "torn.jsonl").write_text('{"text": "a"}\n{"text": \n')
     (bad / "kept.json").write_text('{"groups": "all"}')
     return root
-
-
-@pytest.fixture
-def in_tmp(tmp_path, monkeypatch):
-    """Work in tmp_path, with the data file there."""
-    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in TEXT_ROWS))
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
 
 
 def train(*argv: str) -> list[str]:
@@ -269,241 +257,3 @@ def test_resume_with_changed_settings_fails_before_the_data_is_read(home, change
 def test_the_table_is_large_and_every_case_distinct():
     assert len(CASES) >= 40
     assert len({case[0] for case in CASES}) == len(CASES) and len({tuple(case[1]) for case in CASES}) == len(CASES)
-
-
-def test_disk_full_during_a_checkpoint_keeps_the_previous_one(in_tmp, tmp_path, capsys, monkeypatch):
-    """ENOSPC while the step-8 checkpoint is written: one line with the space it needs, the step-4
-    checkpoint untouched and resumable, no half-written checkpoint left."""
-    argv = [*BASE, "--steps", "12", "--out", "run"]
-    save, calls = checkpoint_module.save_file, []
-
-    def fill_the_disk_at_the_second_checkpoint(tensors, path, *args, **kwargs):
-        calls.append(path)
-        if (Path("run") / "checkpoint" / "apt_state.json").is_file():  # as safetensors 0.8 reports ENOSPC
-            raise SafetensorError(f"Error while serializing: I/O error: No space left on device (os error {errno.ENOSPC})")
-        return save(tensors, path, *args, **kwargs)
-
-    monkeypatch.setattr(checkpoint_module, "save_file", fill_the_disk_at_the_second_checkpoint)
-    capsys.readouterr()
-    assert train_main(argv) == 2
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "disk full while writing the step-8 checkpoint" in errors[0], err
-    assert "needs about" in errors[0] and "MB are free" in errors[0] and "the previous checkpoint (step 4) is kept" in errors[0]
-    assert "Traceback" not in err
-    assert json.loads((tmp_path / "run" / "checkpoint" / "apt_state.json").read_text())["step"] == 4
-    assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.startswith("checkpoint")) == ["checkpoint"]
-    monkeypatch.setattr(checkpoint_module, "save_file", save)  # space freed: the run resumes and finishes
-    assert train_main([*argv, "--resume"]) == 0
-    assert json.loads((tmp_path / "run" / "checkpoint" / "apt_state.json").read_text())["step"] == 12
-
-
-def test_a_killed_overwrite_start_gets_the_previous_run_back(in_tmp, tmp_path, capsys, monkeypatch):
-    """SIGKILL after --overwrite set the previous run aside but before the new run's first
-    checkpoint: the next invocation puts the previous run back (it would be lost otherwise)."""
-    assert train_main([*BASE, "--out", "run"]) == 0
-    before = tree_digest(tmp_path / "run")
-    dead_pid = 2**22 + 17  # above the kernel's default pid_max: no such process
-    (tmp_path / "run").rename(tmp_path / f".run.replaced-{dead_pid}")
-    (tmp_path / "run").mkdir()  # what the killed run had written: run.json, no checkpoint
-    shutil.copy(tmp_path / f".run.replaced-{dead_pid}" / "run.json", tmp_path / "run" / "run.json")
-    capsys.readouterr()
-    assert train_main([*BASE, "--steps", "12", "--out", "run", "--resume"]) == 2  # settings differ: refused...
-    err = capsys.readouterr().err
-    assert "it is back in run" in err  # ...but only after the previous run came back
-    assert tree_digest(tmp_path / "run") == before and not list(tmp_path.glob(".run.replaced-*"))
-
-
-@pytest.mark.parametrize("command", ["export", "plot"])
-def test_export_and_plot_say_where_a_killed_overwrite_left_the_previous_run(in_tmp, tmp_path, capsys, command):
-    """They move nothing (the start may still be alive on another host, where a lock does not
-    reach), but say where the previous run is and that train puts it back."""
-    from apt_ds.cli.plot import main as plot_main
-
-    assert train_main([*BASE, "--out", "run"]) == 0
-    dead_pid = 2**22 + 17
-    (tmp_path / "run").rename(tmp_path / f".run.replaced-{dead_pid}")
-    (tmp_path / "run").mkdir()
-    shutil.copy(tmp_path / f".run.replaced-{dead_pid}" / "run.json", tmp_path / "run" / "run.json")
-    before = tree_digest(tmp_path)
-    capsys.readouterr()
-    export_main(["run", "--out", "compact"]) if command == "export" else plot_main(["run", "--out", "figures"])
-    err = capsys.readouterr().err
-    assert f"it is in {Path('.run.replaced-' + str(dead_pid))}" in err and "--resume` puts it back" in err
-    assert tree_digest(tmp_path) == before
-
-
-def test_a_stop_between_the_first_checkpoint_and_its_hook_keeps_the_new_run(in_tmp, tmp_path, capsys, monkeypatch):
-    """The new run has its checkpoint: a Ctrl-C/SIGTERM before the previous copy is deleted keeps
-    the new run and deletes the old copy, instead of putting the old run back over it."""
-    from apt_ds.training import run as run_module
-
-    assert train_main([*BASE, "--out", "run"]) == 0
-
-    def stopped(aside):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(run_module, "discard", stopped)
-    assert train_main([*BASE, "--seed", "3", "--out", "run", "--overwrite"]) == 130
-    assert '"seed": 3' in (tmp_path / "run" / "run.json").read_text()
-    assert (tmp_path / "run" / "checkpoint" / "apt_state.json").is_file()
-    assert not list(tmp_path.glob(".run.replaced-*")) and not list(tmp_path.glob(".run.discarding-*"))
-
-
-def test_a_deletion_stopped_halfway_is_never_put_back(in_tmp, tmp_path):
-    from apt_ds.io.run_dir import recover_interrupted_overwrite
-
-    assert train_main([*BASE, "--out", "run"]) == 0
-    remnant = tmp_path / f".run.discarding-{2**22 + 17}-ab"
-    shutil.copytree(tmp_path / "run", remnant)
-    shutil.rmtree(remnant / "checkpoint")  # half deleted
-    before = tree_digest(tmp_path / "run")
-    assert recover_interrupted_overwrite(tmp_path / "run") is None
-    assert not remnant.exists() and tree_digest(tmp_path / "run") == before
-
-
-def test_sigterm_is_handled_as_ctrl_c(in_tmp, tmp_path, capsys, monkeypatch):
-    """The deepspeed launcher, Slurm and docker stop with SIGTERM: an --overwrite start puts the
-    previous run back and says so, as for Ctrl-C (exit status 143)."""
-    import signal
-
-    from apt_ds.training import trainer as trainer_module
-
-    assert train_main([*BASE, "--out", "run"]) == 0
-    before = tree_digest(tmp_path / "run")
-
-    def terminated(self, *args, **kwargs):
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(trainer_module.APTrainer, "train", terminated)
-    previous = signal.getsignal(signal.SIGTERM)
-    assert train_main([*BASE, "--seed", "3", "--out", "run", "--overwrite"]) == 143
-    assert "terminated before the new run's first checkpoint; the previous run is back in run" in capsys.readouterr().err
-    assert tree_digest(tmp_path / "run") == before
-    assert signal.getsignal(signal.SIGTERM) is previous  # the handler is the run's only
-
-
-def test_resume_accepts_the_same_data_spelled_another_way(in_tmp, tmp_path, capsys, monkeypatch):
-    assert train_main([*BASE, "--out", "run"]) == 0
-    argv = [a if a != "data.jsonl" else "./data.jsonl" for a in BASE]
-    assert train_main([*argv, "--out", "run", "--resume"]) == 0
-    argv = [a if a != "data.jsonl" else str(tmp_path / "data.jsonl") for a in BASE]
-    assert train_main([*argv, "--out", "run", "--resume"]) == 0
-    elsewhere = tmp_path / "elsewhere"  # the same file from another directory: the resolved path was recorded
-    elsewhere.mkdir()
-    monkeypatch.chdir(elsewhere)
-    argv = [a if a != "data.jsonl" else "../data.jsonl" for a in BASE]
-    assert train_main([*argv, "--out", "../run", "--resume"]) == 0
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "other.jsonl").write_text((tmp_path / "data.jsonl").read_text())
-    argv = [a if a != "data.jsonl" else "other.jsonl" for a in BASE]
-    assert train_main([*argv, "--out", "run", "--resume"]) == 2
-    assert "the run was trained on --data data.jsonl, not other.jsonl" in capsys.readouterr().err
-
-
-def test_resume_under_the_other_backend_is_one_line_before_the_model_loads(in_tmp, tmp_path):
-    from apt_ds.config import TrainConfig
-    from apt_ds.training.resume import check_resumable_settings
-
-    assert train_main([*BASE, "--out", "run"]) == 0
-    meta = json.loads((tmp_path / "run" / "checkpoint" / "apt_state.json").read_text())
-    train = TrainConfig.from_dict(meta["train_config"])
-    with pytest.raises(checkpoint_module.CheckpointError, match="trained in one process, without DeepSpeed; resume it without --deepspeed"):
-        check_resumable_settings(meta, train, meta["run_info"]["data"], 1, deepspeed="ds_configs/zero2.json")
-    meta["run_info"]["deepspeed"] = "ds_configs/zero3.json"
-    with pytest.raises(checkpoint_module.CheckpointError, match=r"under DeepSpeed \(ds_configs/zero3.json\); resume it with"):
-        check_resumable_settings(meta, train, meta["run_info"]["data"], 1, deepspeed=None)
-
-
-def _du(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def test_a_really_full_disk_keeps_the_previous_checkpoint(in_tmp, tmp_path, capsys, monkeypatch):
-    """The same on a real file system that fills up: a tmpfs with room for one checkpoint, not
-    two (the new one is written before the old one goes). Needs mount rights (root)."""
-    assert train_main([*BASE, "--out", "sized"]) == 0
-    room = _du(tmp_path / "sized") + _du(tmp_path / "sized" / "checkpoint") // 2
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={room // 4096 * 4096}", "tmpfs", str(disk)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip()}); the faked ENOSPC test above still runs")
-    try:
-        capsys.readouterr()
-        assert train_main([*BASE, "--out", "disk/run"]) == 2
-        err = capsys.readouterr().err
-        errors = [line for line in err.splitlines() if line.startswith("error:")]
-        assert len(errors) == 1 and "disk full while writing the step-8 checkpoint" in errors[0], err
-        assert "the previous checkpoint (step 4) is kept" in errors[0] and "Traceback" not in err
-        assert json.loads((disk / "run" / "checkpoint" / "apt_state.json").read_text())["step"] == 4
-        assert not (disk / "run" / "checkpoint.tmp").exists()
-        subprocess.run(["mount", "-o", f"remount,size={4 * room // 4096 * 4096}", str(disk)], check=True)
-        assert train_main([*BASE, "--out", "disk/run", "--resume"]) == 0  # space freed: it finishes
-        assert json.loads((disk / "run" / "checkpoint" / "apt_state.json").read_text())["step"] == 8
-    finally:
-        subprocess.run(["umount", "--lazy", str(disk)], check=False)  # lazy: a failed run may hold a file open
-
-
-def test_recovery_never_deletes_what_took_the_runs_place(in_tmp, tmp_path, capsys, monkeypatch):
-    """A killed --overwrite left the previous run aside; the user then put their own files at
-    --out. The next invocation keeps both and says where the previous run is."""
-    assert train_main([*BASE, "--out", "run"]) == 0
-    dead_pid = 2**22 + 17
-    (tmp_path / "run").rename(tmp_path / f".run.replaced-{dead_pid}")
-    (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "notes.txt").write_text("precious")
-    before = tree_digest(tmp_path)
-    capsys.readouterr()
-    assert train_main([*BASE, "--out", "run", "--resume"]) == 2
-    err = capsys.readouterr().err
-    assert f"still in .run.replaced-{dead_pid}" in err and "holds no checkpoint" in err
-    assert tree_digest(tmp_path) == before
-
-
-def test_glob_characters_in_out_touch_no_other_runs_copy(in_tmp, tmp_path, capsys, monkeypatch):
-    assert train_main([*BASE, "--out", "e1"]) == 0
-    dead_pid = 2**22 + 17
-    (tmp_path / "e1").rename(tmp_path / f".e1.replaced-{dead_pid}")  # e1's own set-aside copy
-    before = tree_digest(tmp_path)
-    assert train_main([*BASE, "--out", "e[1]", "--steps", "4", "--target-density", "1.5"]) == 2  # refused after recovery ran
-    assert tree_digest(tmp_path) == before
-
-
-def test_set_aside_copies_are_owned_by_a_lock_not_a_pid(in_tmp, capsys):
-    """A container restart gives the new process the dead one's PID: the copy a killed
-    --overwrite start left under that PID is still recovered (nobody holds its lock), and a copy
-    whose lock is held is left alone."""
-    from apt_ds.io import run_dir
-
-    assert train_main([*BASE, "--out", "run"]) == 0
-    before = tree_digest(in_tmp / "run")
-    held = run_dir.move_aside(in_tmp / "run")  # this process holds its lock, as a running start does
-    assert run_dir.recover_interrupted_overwrite(in_tmp / "run") is None and held.is_dir()
-    orphan = held.with_name(f".run.replaced-{os.getpid()}-0badc0de")  # our own PID, as after a restart
-    held.rename(orphan)
-    run_dir._lock_path(orphan).touch()  # its lock file, held by nobody
-    note = run_dir.recover_interrupted_overwrite(in_tmp / "run")
-    assert note and "it is back in" in note
-    assert tree_digest(in_tmp / "run") == before
-    run_dir._release(held)
-    assert sorted(p.name for p in in_tmp.iterdir() if p.name.startswith(".run")) == []
-
-
-def test_a_user_error_after_overwrite_set_the_run_aside_is_still_one_line(in_tmp, capsys, monkeypatch):
-    from apt_ds.config import ConfigError
-    from apt_ds.training import trainer as trainer_module
-
-    assert train_main([*BASE, "--out", "run"]) == 0
-    before = tree_digest(in_tmp / "run")
-
-    def refuse(self, *args, **kwargs):
-        raise ConfigError("simulated user error during the start")
-
-    monkeypatch.setattr(trainer_module.APTrainer, "train", refuse)
-    capsys.readouterr()
-    assert train_main([*BASE, "--out", "run", "--overwrite", "--seed", "5"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "simulated user error" in err[0] and "the previous run is back in run" in err[0], err
-    assert tree_digest(in_tmp / "run") == before

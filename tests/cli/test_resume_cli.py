@@ -1,0 +1,183 @@
+"""launch/train.py --resume end to end: what a resumed run must keep, and the one line that names
+what changed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from conftest import RUN_FLAGS as BASE
+from conftest import TRAIN_FAST as FAST
+
+from apt_ds.cli.train import main as train_main
+from apt_ds.io import checkpoint as checkpoint_module
+from apt_ds.io.metrics import read_metrics
+
+
+def test_resume_of_a_lora_run_without_method_lora_says_so(tmp_path, capsys):
+    run = tmp_path / "lora"
+    assert train_main([*FAST, "--method", "lora", "--out", str(run)]) == 0
+    assert train_main([*FAST, "--resume", "--out", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "(it was trained with --method lora: pass that)" in err and "pass --prune" not in err
+
+
+def test_resume_of_an_apt_run_with_method_lora_says_so(trained_runs, capsys):
+    """--method lora overrides the pruning flags, so naming them would not help: name the method."""
+    assert train_main([*FAST, "--method", "lora", "--resume", "--out", str(trained_runs / "nonuniform")]) == 2
+    assert capsys.readouterr().err.rstrip().endswith("(it was trained with --method apt: leave out --method lora)")
+
+
+def test_resume_of_a_finished_run_changes_nothing(trained_runs, capsys):
+    metrics = (trained_runs / "nonuniform" / "metrics.jsonl").read_bytes()
+    assert train_main([*FAST, "--target-density", "0.6", "--resume", "--out", str(trained_runs / "nonuniform")]) == 0
+    assert "already finished" in capsys.readouterr().out
+    assert (trained_runs / "nonuniform" / "metrics.jsonl").read_bytes() == metrics
+    # a changed APT setting is refused, finished or not, not ignored
+    assert train_main([*FAST, "--target-density", "0.5", "--resume", "--out", str(trained_runs / "nonuniform")]) == 2
+    err = capsys.readouterr().err
+    assert "used a different APT config; changed: target_density: 0.6 -> 0.5 (pass --target-density 0.6)" in err
+    assert "already finished" not in err
+    assert "--method lora" not in err
+    assert (trained_runs / "nonuniform" / "metrics.jsonl").read_bytes() == metrics
+
+
+def test_resume_with_changed_training_settings_is_refused(trained_runs, capsys):
+    assert train_main([*FAST, "--target-density", "0.6", "--seed", "5", "--resume", "--out", str(trained_runs / "nonuniform")]) == 2
+    assert "seed: 0 -> 5" in capsys.readouterr().err
+
+
+def test_resume_of_a_run_from_before_gradient_clipping(trained_runs, tmp_path, capsys):
+    """A checkpoint without max_grad_norm was trained unclipped on one process: resuming asks
+    for --max-grad-norm 0 instead of silently clipping the rest of the run."""
+    old = tmp_path / "old"
+    shutil.copytree(trained_runs / "nonuniform", old)
+    state = old / "checkpoint" / "apt_state.json"
+    meta = json.loads(state.read_text())
+    del meta["train_config"]["max_grad_norm"]
+    state.write_text(json.dumps(meta))
+    assert train_main([*FAST, "--target-density", "0.6", "--resume", "--out", str(old)]) == 2
+    assert "max_grad_norm: 0.0 -> 1.0 (pass --max-grad-norm 0.0)" in capsys.readouterr().err
+    assert train_main([*FAST, "--target-density", "0.6", "--max-grad-norm", "0", "--resume", "--out", str(old)]) == 0
+    assert "already finished" in capsys.readouterr().out
+
+
+def test_clipping_of_deepspeed_runs_from_before_max_grad_norm(tmp_path):
+    from apt_ds.training.run import _clipping_before_max_grad_norm
+
+    own = tmp_path / "ds.json"
+    own.write_text(json.dumps({"zero_optimization": {"stage": 2}, "gradient_clipping": 0.3}))
+    default = tmp_path / "default.json"
+    default.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    assert _clipping_before_max_grad_norm({"deepspeed": str(own)}) == 0.3
+    assert _clipping_before_max_grad_norm({"deepspeed": str(default)}) == 1.0  # DeepSpeed's default
+    assert _clipping_before_max_grad_norm({"deepspeed": str(tmp_path / "gone.json")}) == 1.0
+    assert _clipping_before_max_grad_norm({"deepspeed": None}) == 0.0
+
+
+def test_resume_with_another_split_of_the_global_batch(tmp_path, monkeypatch, capsys):
+    """Crash after the step-4 checkpoint, resume with micro 1 x accumulation 2 instead of micro 2:
+    same global batch, so the same data and the same decisions as the uninterrupted run. A
+    different global batch is refused."""
+    from apt_ds.training.trainer import APTrainer
+
+    common = [*FAST, "--target-density", "0.6", "--checkpoint-every", "4"]
+    assert train_main([*common, "--out", str(tmp_path / "whole")]) == 0
+    real_step = APTrainer._train_step
+
+    def crash_after_step_5(self, batches):
+        if self.step == 5:
+            raise KeyboardInterrupt
+        return real_step(self, batches)
+
+    monkeypatch.setattr(APTrainer, "_train_step", crash_after_step_5)
+    assert train_main([*common, "--out", str(tmp_path / "split")]) == 130  # Ctrl-C: one line, no traceback
+    assert "interrupted; --resume continues" in capsys.readouterr().err
+    monkeypatch.setattr(APTrainer, "_train_step", real_step)
+    resplit = [a if a != "2" or common[i - 1] != "--micro-batch-size" else "1" for i, a in enumerate(common)]
+    assert train_main([*resplit, "--grad-accum-steps", "3", "--resume", "--out", str(tmp_path / "split")]) == 2
+    assert "global batch (2" in capsys.readouterr().err
+    assert train_main([*resplit, "--grad-accum-steps", "2", "--resume", "--out", str(tmp_path / "split")]) == 0
+    whole, split = (json.loads((tmp_path / r / "checkpoint" / "apt_state.json").read_text()) for r in ("whole", "split"))
+    assert split["step"] == whole["step"] == 8
+    assert split["kept"] == whole["kept"] and split["ranks"] == whole["ranks"]
+    losses = [[r["loss"] for r in read_metrics(tmp_path / r / "metrics.jsonl") if "loss" in r] for r in ("whole", "split")]
+    assert len(losses[0]) == len(losses[1]) == 8
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+
+
+def test_resume_from_a_different_model_is_refused(trained_runs, tmp_path, capsys, monkeypatch):
+    """...before the weights are read: the fingerprint of a safetensors directory comes from its files."""
+    from conftest import tiny_llama
+
+    import apt_ds.training.run as run
+
+    other = tmp_path / "other-model"
+    tiny_llama("gqa", vocab=512).save_pretrained(str(other))
+    for item in (trained_runs / "nonuniform" / "tokenizer").iterdir():
+        shutil.copy2(item, other / item.name)
+    state = (trained_runs / "nonuniform" / "checkpoint" / "apt_state.json").read_bytes()
+    loads = []
+    monkeypatch.setattr(run, "load_model", lambda *args, **kwargs: loads.append(args))
+    assert train_main([*FAST, "--target-density", "0.6", "--model", str(other), "--resume", "--out", str(trained_runs / "nonuniform")]) == 2
+    err = capsys.readouterr().err
+    assert "--resume: --model" in err and "is not the model this run was trained from" in err
+    assert loads == []
+    assert (trained_runs / "nonuniform" / "checkpoint" / "apt_state.json").read_bytes() == state
+
+
+def test_resume_without_checkpoint_is_refused(tmp_path, capsys):
+    assert train_main([*FAST, "--resume", "--out", str(tmp_path / "fresh")]) == 2
+    assert "no checkpoint" in capsys.readouterr().err
+
+
+def test_torn_metrics_line_and_changed_data_on_resume(tmp_path, capsys):
+    from apt_ds.training.run import truncate_metrics
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.9}\n{"step": 3, "lo')
+    truncate_metrics(metrics, 2)
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2]
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"text": "some other data for the same run"}\n' * 20)
+    out = tmp_path / "run"
+    steps = ["--steps", "12", "--max-seq-len", "32", "--micro-batch-size", "2", "--checkpoint-every", "4"]
+    assert train_main([*steps, "--out", str(out)]) == 0
+    state = json.loads((out / "checkpoint" / "apt_state.json").read_text())
+    state["finished"] = False
+    (out / "checkpoint" / "apt_state.json").write_text(json.dumps(state))
+    assert train_main([*steps, "--data", str(other), "--resume", "--out", str(out)]) == 2
+    assert "trained on --data" in capsys.readouterr().err
+
+
+def test_resume_accepts_the_same_data_spelled_another_way(in_tmp, tmp_path, capsys, monkeypatch):
+    assert train_main([*BASE, "--out", "run"]) == 0
+    argv = [a if a != "data.jsonl" else "./data.jsonl" for a in BASE]
+    assert train_main([*argv, "--out", "run", "--resume"]) == 0
+    argv = [a if a != "data.jsonl" else str(tmp_path / "data.jsonl") for a in BASE]
+    assert train_main([*argv, "--out", "run", "--resume"]) == 0
+    elsewhere = tmp_path / "elsewhere"  # the same file from another directory: the resolved path was recorded
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    argv = [a if a != "data.jsonl" else "../data.jsonl" for a in BASE]
+    assert train_main([*argv, "--out", "../run", "--resume"]) == 0
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "other.jsonl").write_text((tmp_path / "data.jsonl").read_text())
+    argv = [a if a != "data.jsonl" else "other.jsonl" for a in BASE]
+    assert train_main([*argv, "--out", "run", "--resume"]) == 2
+    assert "the run was trained on --data data.jsonl, not other.jsonl" in capsys.readouterr().err
+
+
+def test_resume_under_the_other_backend_is_one_line_before_the_model_loads(in_tmp, tmp_path):
+    from apt_ds.config import TrainConfig
+    from apt_ds.training.resume import check_resumable_settings
+
+    assert train_main([*BASE, "--out", "run"]) == 0
+    meta = json.loads((tmp_path / "run" / "checkpoint" / "apt_state.json").read_text())
+    train = TrainConfig.from_dict(meta["train_config"])
+    with pytest.raises(checkpoint_module.CheckpointError, match="trained in one process, without DeepSpeed; resume it without --deepspeed"):
+        check_resumable_settings(meta, train, meta["run_info"]["data"], 1, deepspeed="ds_configs/zero2.json")
+    meta["run_info"]["deepspeed"] = "ds_configs/zero3.json"
+    with pytest.raises(checkpoint_module.CheckpointError, match=r"under DeepSpeed \(ds_configs/zero3.json\); resume it with"):
+        check_resumable_settings(meta, train, meta["run_info"]["data"], 1, deepspeed=None)

@@ -1,0 +1,140 @@
+"""launch/train.py's entry point end to end on the built-in tiny model: a run, its metrics, and the
+inputs it refuses before writing anything."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import TRAIN_FAST as FAST
+
+from apt_ds.cli.train import main as train_main
+from apt_ds.io.metrics import read_metrics
+
+METRIC_FIELDS = {"step", "loss", "task_loss", "distill_loss", "grad_norm", "density", "block_params", "adapter_params",
+                 "total_rank", "lr", "step_time_s", "peak_rss_mb", "world_size"}
+
+
+def test_training_run_reaches_target_and_logs(trained_runs):
+    records = read_metrics(trained_runs / "nonuniform" / "metrics.jsonl")
+    steps = [r for r in records if not r.get("final")]
+    assert METRIC_FIELDS <= set(steps[-1])
+    assert steps[-1]["density"] <= 0.6 + 1e-9
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in steps)
+    assert records[-1]["final"] and records[-1]["step"] == 8
+
+
+def test_existing_out_is_refused_and_untouched(trained_runs, capsys):
+    metrics = trained_runs / "nonuniform" / "metrics.jsonl"
+    before = metrics.read_bytes()
+    assert train_main([*FAST, "--out", str(trained_runs / "nonuniform")]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert metrics.read_bytes() == before
+
+
+@pytest.mark.parametrize("argv, message", [
+    # named as typed: the flag, not the config class's field
+    (["--target-density", "0"], "error: --target-density must be in (0, 1], got 0.0"),
+    (["--target-density", "1.5"], "--target-density must be in (0, 1], got 1.5"),
+    (["--rank-cap", "2"], "--rank-cap must be >= adapter_rank (8), got 2"),
+    (["--steps", "3"], "--steps must be >= 4 to warm up, prune and recover, got 3"),
+    (["--pruning-end-step", "20"], "--pruning-end-step (20) must be <= --steps (8)"),
+    (["--adapter-targets", "qq_proj"], "adapter_targets"),
+    (["--deepspeed", "/nonexistent/ds.json"], "ds.json"),
+])
+def test_bad_arguments_give_one_line(tmp_path, capsys, argv, message):
+    try:
+        code = train_main([*FAST, *argv, "--out", str(tmp_path / "r")])
+    except SystemExit as exit_info:  # argparse's own check (choices), one line too
+        code = exit_info.code
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and message in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"steps": "x"}, "steps in --config CONFIG must be of type int, got 'x'"),
+    ({"pruning_start_step": "5"}, "pruning_start_step in --config CONFIG must be of type int, got '5'"),
+    ({"lr": -1}, "lr in --config CONFIG must be > 0, got -1"),
+    ({"lr": None}, "leaves lr to the command line: give --lr"),  # null: a recipe's "give it as a flag"
+])
+def test_mistyped_config_file_values_give_one_line(tmp_path, capsys, values, message):
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps(values))
+    assert train_main([*FAST, "--config", str(config), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert message.replace("CONFIG", str(config)) in err and "Traceback" not in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_data_without_usable_rows(tmp_path, capsys):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"foo": 1}\n{"bar": 2}\n')
+    assert train_main([*FAST, "--data", str(data), "--out", str(tmp_path / "r")]) == 2
+    assert "no usable rows" in capsys.readouterr().err
+
+
+def test_failed_start_touches_nothing(trained_runs, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"output": ""}\n')
+    before = sorted(p.name for p in (trained_runs / "nonuniform").iterdir())
+    assert train_main([*FAST, "--data", str(bad), "--overwrite", "--out", str(trained_runs / "nonuniform")]) == 2
+    assert sorted(p.name for p in (trained_runs / "nonuniform").iterdir()) == before  # --overwrite did not delete first
+    fresh = tmp_path / "fresh"
+    assert train_main([*FAST, "--eval-data", str(tmp_path / "missing.jsonl"), "--out", str(fresh)]) == 2
+    assert not fresh.exists()  # a corrected rerun is not refused
+    capsys.readouterr()
+
+
+def test_schedule_overrides_are_checked_against_steps(tmp_path, capsys):
+    assert train_main([*FAST, "--pruning-end-step", "100", "--out", str(tmp_path / "a")]) == 2
+    assert "--pruning-end-step (100) must be <= --steps (8)" in capsys.readouterr().err
+
+
+def test_global_batch_size_without_deepspeed(tmp_path):
+    from apt_ds.cli.arguments import build_train_parser, explicit_values
+    from apt_ds.cli.recipe import resolve
+    from apt_ds.training.run import make_backend
+
+    run, _, train = resolve(explicit_values(build_train_parser, ["--global-batch-size", "6", "--grad-accum-steps", "2"]))
+    _, train = make_backend(run, train)
+    assert train.micro_batch_size == 3
+
+
+def test_sixty_step_default_schedule(tmp_path):
+    """The default schedule scales with --steps: warm-up, several events to the target, recovery."""
+    out = tmp_path / "r60"
+    assert train_main(["--steps", "60", "--max-seq-len", "32", "--micro-batch-size", "2", "--out", str(out)]) == 0
+    records = [r for r in read_metrics(out / "metrics.jsonl") if not r.get("final")]
+    events = [r for r in records if r["event"]]
+    assert len(events) >= 4
+    assert all(r["density"] == 1.0 for r in records[:5])  # warm-up
+    assert records[-1]["density"] <= 0.7 + 1e-9
+    last_event = events[-1]["step"]
+    assert last_event <= 45 and all(r["density"] == records[-1]["density"] for r in records if r["step"] > last_event)
+
+
+def test_pruning_runs_read_weights_into_memory(trained_runs, tmp_path, monkeypatch):
+    """`apt-ds train` loads a model directory unmapped when it prunes (mapped pages would stay
+    resident after units are removed) and mapped for LoRA, which never frees weights."""
+    from conftest import tiny_llama
+
+    import apt_ds.training.run as run
+
+    model_dir = tmp_path / "model"
+    tiny_llama("gqa", vocab=512).save_pretrained(str(model_dir))
+    for item in (trained_runs / "nonuniform" / "tokenizer").iterdir():
+        (model_dir / item.name).write_bytes(item.read_bytes())
+    calls = []
+    real_load = run.load_model
+
+    def spy(path, *args, **kwargs):
+        calls.append(kwargs.get("mmap", True))
+        return real_load(path, *args, **kwargs)
+
+    monkeypatch.setattr(run, "load_model", spy)
+    for method in ("apt", "lora"):
+        argv = [*FAST, "--method", method, "--model", str(model_dir), "--out", str(tmp_path / method)]
+        assert train_main(argv) == 0
+    assert calls == [False, True]
