@@ -19,7 +19,16 @@ from typing import Any
 import yaml
 
 from apt_ds.cli.arguments import COMMAND_LINE_ONLY, RunArguments
-from apt_ds.config import SCHEDULE_FIELDS, APTConfig, ConfigError, TrainConfig, check_field_types, field_error
+from apt_ds.config import (
+    SCHEDULE_FIELDS,
+    APTConfig,
+    ConfigError,
+    TrainConfig,
+    check_field_types,
+    default_checkpoint_every,
+    default_warmup_steps,
+    field_error,
+)
 
 _CLASSES = (RunArguments, APTConfig, TrainConfig)
 
@@ -98,8 +107,8 @@ def _resolve(given: dict[str, Any], recipe: dict[str, Any]) -> tuple[RunArgument
     train_values = {k: v for k, v in merged.items() if k in _field_names(TrainConfig)}
     check_field_types(TrainConfig, train_values)
     steps = int(train_values.get("steps", TrainConfig.steps))
-    train_values.setdefault("checkpoint_every", max(10, steps // 10))  # resumable without asking
-    train_values.setdefault("warmup_steps", max(1, steps // 20))
+    train_values.setdefault("checkpoint_every", default_checkpoint_every(steps))
+    train_values.setdefault("warmup_steps", default_warmup_steps(steps))
     train = TrainConfig(**train_values)
     apt_values = {k: (tuple(v) if isinstance(v, list) else v) for k, v in merged.items() if k in _field_names(APTConfig)}
     check_field_types(APTConfig, apt_values)
@@ -107,7 +116,7 @@ def _resolve(given: dict[str, Any], recipe: dict[str, Any]) -> tuple[RunArgument
         apt_values = {k: v for k, v in apt_values.items() if k not in SCHEDULE_FIELDS}
     apt = APTConfig.for_steps(train.steps, **apt_values)
     if apt.prune and apt.pruning_end_step > train.steps:
-        raise field_error("APTConfig", "pruning_end_step", f"({apt.pruning_end_step}) must be <= --steps ({train.steps}): "
+        raise field_error("APTConfig", "pruning_end_step", f"({apt.pruning_end_step}) must be <= steps ({train.steps}): "
                           "the run would end before reaching its target density")
     if run.method == "lora":
         apt = apt.as_lora()

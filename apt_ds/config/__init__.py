@@ -22,6 +22,16 @@ SHAPE_METRICS = ("task", "kl")  # how uniform mode's shape trials score a shape 
 SCHEDULE_FIELDS = ("pruning_start_step", "pruning_end_step", "num_pruning_events", "mask_decay_window", "mask_decay_step")
 # What APTConfig.for_steps derives from the run's length when not given
 STEP_SCALED_FIELDS = (*SCHEDULE_FIELDS, "distill_every")
+# What --method lora sets, whatever else is given (APTConfig.as_lora)
+LORA_SETTINGS = {"prune": False, "grow_ranks": False, "distill": False, "target_density": 1.0}
+
+
+def default_warmup_steps(steps: int) -> int:
+    return max(1, steps // 20)
+
+
+def default_checkpoint_every(steps: int) -> int:
+    return max(10, steps // 10)  # resumable without asking
 
 
 @dataclass
@@ -172,7 +182,7 @@ class APTConfig(_JsonConfig):
 
     def as_lora(self) -> "APTConfig":
         """The LoRA baseline: the same adapters, no pruning, no rank growth, no distillation."""
-        return dataclasses.replace(self, prune=False, grow_ranks=False, distill=False, target_density=1.0)
+        return dataclasses.replace(self, **LORA_SETTINGS)
 
 
 @dataclass

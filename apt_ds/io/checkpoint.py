@@ -17,6 +17,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from apt_ds.config import LORA_SETTINGS
 from apt_ds.io.permissions import make_readable
 
 FORMAT_VERSION = 1
@@ -149,11 +150,20 @@ def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"corrupt checkpoint file {path}: {err}") from None
 
 
-def check_same_apt_config(meta: dict, current: dict, directory: Path, leave_out: tuple[str, ...] = ()) -> None:
+def check_same_apt_config(meta: dict, current: dict, directory: Path, leave_out: tuple[str, ...] = (),
+                          method: str | None = None) -> None:
     """A resume must run the APT config the checkpoint was made with (`current`: APTConfig.to_dict()).
-    `leave_out`: fields not compared, because the caller already named the setting they follow."""
+    `leave_out`: fields not compared, because the caller already named the setting they follow.
+    `method`: the run's --method now, when known, to name a change of method as such."""
     # A checkpoint from before these settings existed ran with these values (the old behaviour)
     saved = {**LEGACY_APT_FIELDS, **meta["apt_config"]}
+    missing, unknown = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
+    if missing:  # written by an earlier apt-ds whose algorithm lacked these knobs
+        raise CheckpointError(f"checkpoint {directory} was written by an earlier apt-ds without the APT fields {missing} "
+                              f"and cannot be resumed by this one; export it as it is (launch/export.py) or start a new run")
+    if unknown:
+        raise CheckpointError(f"checkpoint {directory} was written by another apt-ds, with the APT fields {unknown} that "
+                              "this one does not know; resume it with the apt-ds that wrote it")
     current = {k: v for k, v in current.items() if k not in leave_out}
     saved = {k: v for k, v in saved.items() if k not in leave_out}
     # ... but trial fields changed nothing where no trials could run: those it lacks compare as given now
@@ -162,23 +172,23 @@ def check_same_apt_config(meta: dict, current: dict, directory: Path, leave_out:
     for field, changed_nothing in unused.items():
         if changed_nothing and field not in meta["apt_config"]:
             saved[field] = current[field]
-    if saved != current:
-        missing = sorted(set(current) - set(saved))
-        if missing:  # written by an earlier apt-ds whose algorithm lacked these knobs
-            raise CheckpointError(f"checkpoint {directory} was written by an earlier apt-ds without the APT fields {missing} "
-                                  f"and cannot be resumed by this one; export it as it is (launch/export.py) or start a new run")
-        changed = sorted(k for k in set(saved) | set(current) if saved.get(k, "<absent>") != current.get(k, "<absent>"))
-        details = ", ".join(f"{k}: {_flag_value(saved[k])} -> {_flag_value(current.get(k, '<absent>'))}" for k in changed)
-        legacy = [k for k in changed if k in LEGACY_APT_FIELDS and k not in meta["apt_config"]]
-        why = f"; the run predates {', '.join(legacy)}" if legacy else ""
-        # a LoRA run differs from an APT run in every pruning field: the one flag to fix is the method
-        if saved.get("prune") is False and current.get("prune") and not saved.get("grow_ranks"):
-            to_do = "it was trained with --method lora: pass that"
-        elif saved.get("prune") and current.get("prune") is False and not current.get("grow_ranks"):
-            to_do = "it was trained with --method apt: leave out --method lora"  # as_lora() overrides the flags
-        else:
-            to_do = "pass " + " ".join(f"--{k.replace('_', '-')} {_flag_value(saved[k])}" for k in changed if k in current)
-        raise CheckpointError(f"checkpoint {directory} used a different APT config; changed: {details}{why} ({to_do})")
+    if saved == current:
+        return
+    changed = sorted(k for k in saved if saved[k] != current[k])
+    details = ", ".join(f"{k}: {_flag_value(saved[k])} -> {_flag_value(current[k])}" for k in changed)
+    legacy = [k for k in changed if k in LEGACY_APT_FIELDS and k not in meta["apt_config"]]
+    why = f"; the run predates {', '.join(legacy)}" if legacy else ""
+    trained_as = meta.get("run_info", {}).get("method")
+    to_do = "pass " + " ".join(_flag(k, saved[k]) for k in changed)
+    if method and trained_as and method != trained_as:
+        # --method lora sets LORA_SETTINGS whatever else is given: the method is the flag to fix
+        flags = [f"--method {trained_as}", *(_flag(k, saved[k]) for k in changed if k not in LORA_SETTINGS)]
+        to_do = f"it was trained with --method {trained_as}: pass {' '.join(flags)}"
+    raise CheckpointError(f"checkpoint {directory} used a different APT config; changed: {details}{why} ({to_do})")
+
+
+def _flag(name: str, value) -> str:
+    return f"--{name.replace('_', '-')} {_flag_value(value)}"
 
 
 def _flag_value(value) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from apt_ds.config import STEP_SCALED_FIELDS, TrainConfig
+from apt_ds.config import STEP_SCALED_FIELDS, APTConfig, ConfigError, TrainConfig, default_warmup_steps
 from apt_ds.io.checkpoint import CheckpointError, check_same_apt_config
 from apt_ds.io.modeling import same_model
 
@@ -37,11 +37,11 @@ def clipping_before_max_grad_norm(run_info: dict) -> float:
 
 def check_resumable_settings(meta: dict, train: TrainConfig, data_path: str, world_size: int,
                              apt_config: dict | None = None, directory: Path | None = None,
-                             deepspeed: str | None | bool = False) -> None:
+                             deepspeed: str | None | bool = False, method: str | None = None) -> None:
     """What the command line alone decides (global batch, RESUME_MUST_MATCH, data and, given
-    `apt_config`, the APT config; given `deepspeed`, the --deepspeed JSON or None, the backend):
-    checked before the data is read, so a mistyped resume fails in a second, not after
-    tokenizing, and names every setting to fix at once, not one per try."""
+    `apt_config`, the APT config; given `deepspeed`, the --deepspeed JSON or None, the backend;
+    given `method`, --method): checked before the data is read, so a mistyped resume fails in a
+    second, not after tokenizing, and names every setting to fix at once, not one per try."""
     problems = []
     trained_with = meta["run_info"].get("deepspeed")
     if deepspeed is not False and bool(trained_with) != bool(deepspeed):
@@ -61,6 +61,9 @@ def check_resumable_settings(meta: dict, train: TrainConfig, data_path: str, wor
         saved_train = {**saved_train, "max_grad_norm": clipping_before_max_grad_norm(meta["run_info"])}
     saved_train = {"template": "alpaca", **saved_train}  # runs saved before the field used the Alpaca prompt
     changed = [k for k in RESUME_MUST_MATCH if saved_train.get(k) != getattr(train, k)]
+    if "steps" in changed and saved_train.get("warmup_steps") == default_warmup_steps(saved_train["steps"]) \
+            and train.warmup_steps == default_warmup_steps(train.steps):
+        changed = [k for k in changed if k != "warmup_steps"]  # its default: --steps puts it back
     if changed:
         details = ", ".join(f"{k}: {saved_train.get(k)} -> {getattr(train, k)}" for k in changed)
         flags = " ".join(f"--{k.replace('_', '-')} {saved_train.get(k)}" for k in changed)
@@ -69,15 +72,26 @@ def check_resumable_settings(meta: dict, train: TrainConfig, data_path: str, wor
     if info.get("data") != data_path and not _same_path(info.get("data_resolved") or info.get("data"), data_path):
         problems.append(f"--resume: the run was trained on --data {info.get('data')}, not {data_path}")
     if apt_config is not None:
-        # A changed --steps rescales the schedule fields it did not give (APTConfig.for_steps): naming
-        # them as well would send the user after fields that --steps alone puts back.
-        follows_steps = STEP_SCALED_FIELDS if "steps" in changed else ()
+        # A changed --steps rescales the schedule fields left to their defaults (APTConfig.for_steps):
+        # naming those as well would send the user after fields that --steps alone puts back.
+        follows_steps = _defaults_of_both(meta["apt_config"], saved_train["steps"], apt_config, train.steps) \
+            if "steps" in changed else ()
         try:
-            check_same_apt_config(meta, apt_config, directory, leave_out=follows_steps)
+            check_same_apt_config(meta, apt_config, directory, leave_out=follows_steps, method=method)
         except CheckpointError as err:
             problems.append(str(err))
     if problems:
         raise CheckpointError("; and ".join(problems))
+
+
+def _defaults_of_both(saved: dict, saved_steps: int, current: dict, steps: int) -> tuple[str, ...]:
+    """The step-scaled APT fields that hold their default for the run's length on both sides."""
+    given = {k: tuple(v) if isinstance(v, list) else v for k, v in current.items() if k not in STEP_SCALED_FIELDS}
+    try:
+        then, now = APTConfig.for_steps(saved_steps, **given).to_dict(), APTConfig.for_steps(steps, **given).to_dict()
+    except (ConfigError, TypeError):  # e.g. a length too short for a schedule: compare every field
+        return ()
+    return tuple(k for k in STEP_SCALED_FIELDS if saved.get(k) == then[k] and current.get(k) == now[k])
 
 
 def _same_path(recorded: str | None, given: str) -> bool:

@@ -208,7 +208,7 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
     if meta is not None:  # the command line's settings, before the data is read; the model's after it is built
         # the APT config too, and a finished run's: a changed setting is named, never ignored
         check_resumable_settings(meta, train, data_path, backend.world_size, apt.to_dict(), checkpoint_to_resume(out),
-                                 deepspeed=args.deepspeed)
+                                 deepspeed=args.deepspeed, method=args.method)
     records = load_records(data_path)
     with tempfile.TemporaryDirectory(prefix="apt-tokenizer-") as staging:
         tokenizer = _tokenizer(args, out, _texts_for_tokenizer(records), train, Path(staging))

@@ -192,7 +192,7 @@ CASES = [
     ("config-not-utf8", train("--config", "bad/utf16.json", "--out", "new"), "cannot read --config"),
     ("ds-not-utf8", train("--deepspeed", "bad/utf16.json", "--out", "new"), "cannot read it as UTF-8 JSON text"),
     ("global-batch-indivisible", train("--global-batch-size", "3", "--grad-accum-steps", "2", "--out", "new"), "not divisible"),
-    ("pruning-ends-after-run", train("--pruning-end-step", "20", "--out", "new"), "--pruning-end-step (20) must be <= --steps"),
+    ("pruning-ends-after-run", train("--pruning-end-step", "20", "--out", "new"), "--pruning-end-step (20) must be <= steps"),
     ("rank-cap-below-rank", train("--rank-cap", "2", "--out", "new"), "--rank-cap must be >= adapter_rank"),
     ("adapter-target-unknown", train("--adapter-targets", "qq_proj", "--out", "new"), "invalid choice: 'qq_proj'"),
     # export

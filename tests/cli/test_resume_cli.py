@@ -20,13 +20,34 @@ def test_resume_of_a_lora_run_without_method_lora_says_so(tmp_path, capsys):
     assert train_main([*FAST, "--method", "lora", "--out", str(run)]) == 0
     assert train_main([*FAST, "--resume", "--out", str(run)]) == 2
     err = capsys.readouterr().err
-    assert "(it was trained with --method lora: pass that)" in err and "pass --prune" not in err
+    assert "(it was trained with --method lora: pass --method lora)" in err and "--prune" not in err
 
 
 def test_resume_of_an_apt_run_with_method_lora_says_so(trained_runs, capsys):
     """--method lora overrides the pruning flags, so naming them would not help: name the method."""
     assert train_main([*FAST, "--method", "lora", "--resume", "--out", str(trained_runs / "nonuniform")]) == 2
-    assert capsys.readouterr().err.rstrip().endswith("(it was trained with --method apt: leave out --method lora)")
+    assert capsys.readouterr().err.rstrip().endswith("(it was trained with --method apt: pass --method apt)")
+
+
+def test_the_method_is_read_from_the_run_not_guessed(tmp_path, capsys):
+    """An APT run without pruning or rank growth looks like LoRA by its settings; the run records
+    its method, so a resume that adds them back is told to pass the two flags, not --method lora
+    (which would also turn distillation off and could never match)."""
+    run = tmp_path / "plain"
+    assert train_main([*FAST, "--prune", "false", "--grow-ranks", "false", "--out", str(run)]) == 0
+    assert train_main([*FAST, "--resume", "--out", str(run)]) == 2
+    assert capsys.readouterr().err.rstrip().endswith("(pass --grow-ranks false --prune false)")
+    assert train_main([*FAST, "--method", "lora", "--resume", "--out", str(run)]) == 2
+    assert capsys.readouterr().err.rstrip().endswith("(it was trained with --method apt: pass --method apt)")
+
+
+def test_a_changed_steps_names_neither_the_schedule_nor_the_warmup_it_derives(trained_runs, capsys):
+    """--steps 100 instead of 8 also moves the default warm-up (5% of the steps) and the pruning
+    schedule: the one flag to fix is --steps."""
+    argv = [*FAST[:-2], "--steps", "100", "--target-density", "0.6", "--resume", "--out", str(trained_runs / "nonuniform")]
+    assert train_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "error: --resume must use the run's training settings; changed: steps: 8 -> 100 (pass --steps 8)"
 
 
 def test_resume_of_a_finished_run_changes_nothing(trained_runs, capsys):

@@ -39,7 +39,7 @@ def test_existing_out_is_refused_and_untouched(trained_runs, capsys):
     (["--target-density", "1.5"], "--target-density must be in (0, 1], got 1.5"),
     (["--rank-cap", "2"], "--rank-cap must be >= adapter_rank (8), got 2"),
     (["--steps", "3"], "--steps must be >= 4 to warm up, prune and recover, got 3"),
-    (["--pruning-end-step", "20"], "--pruning-end-step (20) must be <= --steps (8)"),
+    (["--pruning-end-step", "20"], "--pruning-end-step (20) must be <= steps (8)"),
     (["--adapter-targets", "qq_proj"], "adapter_targets"),
     (["--deepspeed", "/nonexistent/ds.json"], "ds.json"),
 ])
@@ -89,7 +89,7 @@ def test_failed_start_touches_nothing(trained_runs, tmp_path, capsys):
 
 def test_schedule_overrides_are_checked_against_steps(tmp_path, capsys):
     assert train_main([*FAST, "--pruning-end-step", "100", "--out", str(tmp_path / "a")]) == 2
-    assert "--pruning-end-step (100) must be <= --steps (8)" in capsys.readouterr().err
+    assert "--pruning-end-step (100) must be <= steps (8)" in capsys.readouterr().err
 
 
 def test_global_batch_size_without_deepspeed(tmp_path):
