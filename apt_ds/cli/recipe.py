@@ -21,6 +21,7 @@ import yaml
 from apt_ds.cli.arguments import COMMAND_LINE_ONLY, RunArguments
 from apt_ds.config import (
     SCHEDULE_FIELDS,
+    STEP_SCALED_FIELDS,
     APTConfig,
     ConfigError,
     TrainConfig,
@@ -86,15 +87,28 @@ def resolve(given: dict[str, Any]) -> tuple[RunArguments, APTConfig, TrainConfig
     try:
         return _resolve(given, recipe)
     except ConfigError as err:
-        if err.field in given:
-            raise _named(err, f"--{err.field.replace('_', '-')}") from None
-        if err.field in recipe:
+        names = (err.field or "").split("/")  # a check of several fields joins their names
+        known = set().union(*map(_field_names, _CLASSES))
+        if err.field is None or not set(names) <= known:
+            raise
+        flags = "/".join(f"--{name.replace('_', '-')}" for name in names)
+        if all(name in given for name in names):
+            raise _named(err, flags) from None
+        if len(names) == 1 and err.field in recipe:
             raise _named(err, f"{err.field} {in_recipe}") from None
-        raise  # a default, or a value derived from another field: the config class names it
+        if not any(name in given or name in recipe for name in names):
+            # not given: what to pass is still the flag (e.g. --rank-cap when --adapter-rank went above it)
+            how = "derived from steps" if err.field in DERIVED_FROM_STEPS else "its default"
+            raise _named(err, flags, f" ({how}; give {flags})" if len(names) == 1 else "") from None
+        raise
 
 
-def _named(err: ConfigError, where: str) -> ConfigError:
-    return ConfigError(f"{where} {err.requirement}", field=err.field, requirement=err.requirement)
+# The fields whose unset value follows --steps (APTConfig.for_steps and the loop's defaults above)
+DERIVED_FROM_STEPS = (*STEP_SCALED_FIELDS, "warmup_steps", "checkpoint_every")
+
+
+def _named(err: ConfigError, where: str, note: str = "") -> ConfigError:
+    return ConfigError(f"{where} {err.requirement}{note}", field=err.field, requirement=err.requirement)
 
 
 def _resolve(given: dict[str, Any], recipe: dict[str, Any]) -> tuple[RunArguments, APTConfig, TrainConfig]:

@@ -40,6 +40,10 @@ def test_existing_out_is_refused_and_untouched(trained_runs, capsys):
     (["--rank-cap", "2"], "--rank-cap must be >= adapter_rank (8), got 2"),
     (["--steps", "3"], "--steps must be >= 4 to warm up, prune and recover, got 3"),
     (["--pruning-end-step", "20"], "--pruning-end-step (20) must be <= steps (8)"),
+    # a default that a typed value contradicts: named as the flag to give
+    (["--adapter-rank", "128"], "--rank-cap must be >= adapter_rank (128), got 64 (its default; give --rank-cap)"),
+    (["--prune-heads", "false", "--prune-neurons", "false", "--prune-hidden", "false"],
+     "--prune-heads/--prune-neurons/--prune-hidden must be at least one true"),
     (["--adapter-targets", "qq_proj"], "adapter_targets"),
     (["--deepspeed", "/nonexistent/ds.json"], "ds.json"),
 ])
