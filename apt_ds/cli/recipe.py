@@ -20,8 +20,8 @@ import yaml
 
 from apt_ds.cli.arguments import COMMAND_LINE_ONLY, RunArguments
 from apt_ds.config import (
+    LORA_SETTINGS,
     SCHEDULE_FIELDS,
-    STEP_SCALED_FIELDS,
     APTConfig,
     ConfigError,
     TrainConfig,
@@ -88,23 +88,18 @@ def resolve(given: dict[str, Any]) -> tuple[RunArguments, APTConfig, TrainConfig
         return _resolve(given, recipe)
     except ConfigError as err:
         names = (err.field or "").split("/")  # a check of several fields joins their names
-        known = set().union(*map(_field_names, _CLASSES))
-        if err.field is None or not set(names) <= known:
+        if err.field is None or not set(names) <= set().union(*map(_field_names, _CLASSES)):
             raise
         flags = "/".join(f"--{name.replace('_', '-')}" for name in names)
         if all(name in given for name in names):
             raise _named(err, flags) from None
-        if len(names) == 1 and err.field in recipe:
+        if all(name in recipe for name in names):
             raise _named(err, f"{err.field} {in_recipe}") from None
-        if not any(name in given or name in recipe for name in names):
-            # not given: what to pass is still the flag (e.g. --rank-cap when --adapter-rank went above it)
-            how = "derived from steps" if err.field in DERIVED_FROM_STEPS else "its default"
-            raise _named(err, flags, f" ({how}; give {flags})" if len(names) == 1 else "") from None
-        raise
-
-
-# The fields whose unset value follows --steps (APTConfig.for_steps and the loop's defaults above)
-DERIVED_FROM_STEPS = (*STEP_SCALED_FIELDS, "warmup_steps", "checkpoint_every")
+        if any(name in given or name in recipe for name in names):
+            raise _named(err, f"{flags} (given on the command line and {in_recipe})") from None
+        # none given: a default that another value contradicts; what to pass is still its flag
+        # (e.g. --rank-cap when --adapter-rank went above it)
+        raise _named(err, flags, f" ({'its default' if len(names) == 1 else 'their defaults'}; give {flags})") from None
 
 
 def _named(err: ConfigError, where: str, note: str = "") -> ConfigError:
@@ -126,8 +121,8 @@ def _resolve(given: dict[str, Any], recipe: dict[str, Any]) -> tuple[RunArgument
     train = TrainConfig(**train_values)
     apt_values = {k: (tuple(v) if isinstance(v, list) else v) for k, v in merged.items() if k in _field_names(APTConfig)}
     check_field_types(APTConfig, apt_values)
-    if run.method == "lora":
-        apt_values = {k: v for k, v in apt_values.items() if k not in SCHEDULE_FIELDS}
+    if run.method == "lora":  # its own settings first, so that checks of what LoRA ignores do not refuse it
+        apt_values = {**{k: v for k, v in apt_values.items() if k not in SCHEDULE_FIELDS}, **LORA_SETTINGS}
     apt = APTConfig.for_steps(train.steps, **apt_values)
     if apt.prune and apt.pruning_end_step > train.steps:
         raise field_error("APTConfig", "pruning_end_step", f"({apt.pruning_end_step}) must be <= steps ({train.steps}): "

@@ -131,7 +131,8 @@ class APTConfig(_JsonConfig):
         _require(self.adapter_rank >= 1, c, "adapter_rank", ">= 1", self.adapter_rank)
         _require(self.adapter_alpha > 0, c, "adapter_alpha", "> 0", self.adapter_alpha)
         _require(self.rank_budget_multiple >= 1.0, c, "rank_budget_multiple", ">= 1", self.rank_budget_multiple)
-        _require(self.rank_cap >= self.adapter_rank, c, "rank_cap", f">= adapter_rank ({self.adapter_rank})", self.rank_cap)
+        if self.grow_ranks:  # the cap only limits growth
+            _require(self.rank_cap >= self.adapter_rank, c, "rank_cap", f">= adapter_rank ({self.adapter_rank})", self.rank_cap)
         _require(0.0 <= self.salience_beta < 1.0, c, "salience_beta", "in [0, 1)", self.salience_beta)
         _require(self.distill_every >= 1, c, "distill_every", ">= 1", self.distill_every)
         for name in ("distill_kl_weight", "distill_mse_weight"):
@@ -139,11 +140,9 @@ class APTConfig(_JsonConfig):
         _require(self.distill_temperature > 0, c, "distill_temperature", "> 0", self.distill_temperature)
         _require(self.distill_num_blocks >= 1, c, "distill_num_blocks", ">= 1", self.distill_num_blocks)
         _require(self.transform_rank >= 1, c, "transform_rank", ">= 1", self.transform_rank)
-        if self.prune:
-            _require(
-                self.prune_heads or self.prune_neurons or self.prune_hidden,
-                c, "prune_heads/prune_neurons/prune_hidden", "at least one true when prune is true", False,
-            )
+        if self.prune and not (self.prune_heads or self.prune_neurons or self.prune_hidden):
+            raise field_error(c, "prune_heads/prune_neurons/prune_hidden", "must not all be false when prune is true "
+                              "(to prune nothing: --prune false, or --method lora)")
 
     @classmethod
     def for_steps(cls, total_steps: int, **overrides) -> "APTConfig":

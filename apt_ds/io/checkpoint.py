@@ -8,6 +8,7 @@ temporary sibling and renamed into place, so a crash never leaves a half-written
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import shutil
@@ -17,7 +18,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from apt_ds.config import LORA_SETTINGS
+from apt_ds.config import LORA_SETTINGS, SCHEDULE_FIELDS, APTConfig
 from apt_ds.io.permissions import make_readable
 
 FORMAT_VERSION = 1
@@ -155,15 +156,9 @@ def check_same_apt_config(meta: dict, current: dict, directory: Path, leave_out:
     """A resume must run the APT config the checkpoint was made with (`current`: APTConfig.to_dict()).
     `leave_out`: fields not compared, because the caller already named the setting they follow.
     `method`: the run's --method now, when known, to name a change of method as such."""
+    check_known_apt_fields(meta, current, directory)
     # A checkpoint from before these settings existed ran with these values (the old behaviour)
     saved = {**LEGACY_APT_FIELDS, **meta["apt_config"]}
-    missing, unknown = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
-    if missing:  # written by an earlier apt-ds whose algorithm lacked these knobs
-        raise CheckpointError(f"checkpoint {directory} was written by an earlier apt-ds without the APT fields {missing} "
-                              f"and cannot be resumed by this one; export it as it is (launch/export.py) or start a new run")
-    if unknown:
-        raise CheckpointError(f"checkpoint {directory} was written by another apt-ds, with the APT fields {unknown} that "
-                              "this one does not know; resume it with the apt-ds that wrote it")
     current = {k: v for k, v in current.items() if k not in leave_out}
     saved = {k: v for k, v in saved.items() if k not in leave_out}
     # ... but trial fields changed nothing where no trials could run: those it lacks compare as given now
@@ -181,10 +176,30 @@ def check_same_apt_config(meta: dict, current: dict, directory: Path, leave_out:
     trained_as = meta.get("run_info", {}).get("method")
     to_do = "pass " + " ".join(_flag(k, saved[k]) for k in changed)
     if method and trained_as and method != trained_as:
-        # --method lora sets LORA_SETTINGS whatever else is given: the method is the flag to fix
-        flags = [f"--method {trained_as}", *(_flag(k, saved[k]) for k in changed if k not in LORA_SETTINGS)]
-        to_do = f"it was trained with --method {trained_as}: pass {' '.join(flags)}"
+        # --method lora sets LORA_SETTINGS and the schedule's defaults whatever else is given: back to
+        # LoRA, the method is the flag to fix; back to APT, so are those of its settings that were not
+        # the defaults (--prune false, --target-density 0.5), which --method apt alone does not restore
+        if trained_as == "lora":
+            flags = [_flag(k, saved[k]) for k in changed if k not in LORA_SETTINGS and k not in SCHEDULE_FIELDS]
+        else:
+            apt_defaults = {f.name: f.default for f in dataclasses.fields(APTConfig)}
+            flags = [_flag(k, saved[k]) for k in sorted(set(changed) | set(LORA_SETTINGS))
+                     if k not in LORA_SETTINGS or saved.get(k, apt_defaults[k]) != apt_defaults[k]]
+        to_do = f"it was trained with --method {trained_as}: pass {' '.join([f'--method {trained_as}', *flags])}"
     raise CheckpointError(f"checkpoint {directory} used a different APT config; changed: {details}{why} ({to_do})")
+
+
+def check_known_apt_fields(meta: dict, current: dict, directory: Path) -> None:
+    """A checkpoint whose APT config lacks fields this apt-ds has, or holds fields it does not know,
+    cannot be resumed by it whatever the flags."""
+    saved = {**LEGACY_APT_FIELDS, **meta["apt_config"]}
+    missing, unknown = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
+    if missing:  # written by an earlier apt-ds whose algorithm lacked these knobs
+        raise CheckpointError(f"checkpoint {directory} was written by an earlier apt-ds without the APT fields {missing} "
+                              f"and cannot be resumed by this one; export it as it is (launch/export.py) or start a new run")
+    if unknown:
+        raise CheckpointError(f"checkpoint {directory} was written by another apt-ds, with the APT fields {unknown} that "
+                              "this one does not know; resume it with the apt-ds that wrote it")
 
 
 def _flag(name: str, value) -> str:

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from apt_ds.config import STEP_SCALED_FIELDS, APTConfig, ConfigError, TrainConfig, default_warmup_steps
-from apt_ds.io.checkpoint import CheckpointError, check_same_apt_config
+from apt_ds.io.checkpoint import CheckpointError, check_known_apt_fields, check_same_apt_config
 from apt_ds.io.modeling import same_model
 
 RESUME_MUST_MATCH = ("steps", "lr", "warmup_steps", "weight_decay", "max_grad_norm", "max_seq_len", "template", "seed")
@@ -41,7 +41,10 @@ def check_resumable_settings(meta: dict, train: TrainConfig, data_path: str, wor
     """What the command line alone decides (global batch, RESUME_MUST_MATCH, data and, given
     `apt_config`, the APT config; given `deepspeed`, the --deepspeed JSON or None, the backend;
     given `method`, --method): checked before the data is read, so a mistyped resume fails in a
-    second, not after tokenizing, and names every setting to fix at once, not one per try."""
+    second, not after tokenizing, and names every setting to fix at once, not one per try (but for
+    a value typed equal to the default a changed --steps gives it, which the next try names)."""
+    if apt_config is not None:  # a checkpoint no flag can resume: nothing else is worth naming
+        check_known_apt_fields(meta, apt_config, directory)
     problems = []
     trained_with = meta["run_info"].get("deepspeed")
     if deepspeed is not False and bool(trained_with) != bool(deepspeed):
@@ -61,8 +64,9 @@ def check_resumable_settings(meta: dict, train: TrainConfig, data_path: str, wor
         saved_train = {**saved_train, "max_grad_norm": clipping_before_max_grad_norm(meta["run_info"])}
     saved_train = {"template": "alpaca", **saved_train}  # runs saved before the field used the Alpaca prompt
     changed = [k for k in RESUME_MUST_MATCH if saved_train.get(k) != getattr(train, k)]
-    if "steps" in changed and saved_train.get("warmup_steps") == default_warmup_steps(saved_train["steps"]) \
-            and train.warmup_steps == default_warmup_steps(train.steps):
+    saved_steps = saved_train.get("steps")
+    if "steps" in changed and isinstance(saved_steps, int) and train.warmup_steps == default_warmup_steps(train.steps) \
+            and saved_train.get("warmup_steps") == default_warmup_steps(saved_steps):
         changed = [k for k in changed if k != "warmup_steps"]  # its default: --steps puts it back
     if changed:
         details = ", ".join(f"{k}: {saved_train.get(k)} -> {getattr(train, k)}" for k in changed)
@@ -74,8 +78,8 @@ def check_resumable_settings(meta: dict, train: TrainConfig, data_path: str, wor
     if apt_config is not None:
         # A changed --steps rescales the schedule fields left to their defaults (APTConfig.for_steps):
         # naming those as well would send the user after fields that --steps alone puts back.
-        follows_steps = _defaults_of_both(meta["apt_config"], saved_train["steps"], apt_config, train.steps) \
-            if "steps" in changed else ()
+        follows_steps = _defaults_of_both(meta["apt_config"], saved_steps, apt_config, train.steps) \
+            if "steps" in changed and isinstance(saved_steps, int) else ()
         try:
             check_same_apt_config(meta, apt_config, directory, leave_out=follows_steps, method=method)
         except CheckpointError as err:

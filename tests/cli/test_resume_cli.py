@@ -24,9 +24,10 @@ def test_resume_of_a_lora_run_without_method_lora_says_so(tmp_path, capsys):
 
 
 def test_resume_of_an_apt_run_with_method_lora_says_so(trained_runs, capsys):
-    """--method lora overrides the pruning flags, so naming them would not help: name the method."""
+    """--method lora overrides the pruning flags, so the method is named, with the run's density: not
+    the default, --method apt alone would not restore it."""
     assert train_main([*FAST, "--method", "lora", "--resume", "--out", str(trained_runs / "nonuniform")]) == 2
-    assert capsys.readouterr().err.rstrip().endswith("(it was trained with --method apt: pass --method apt)")
+    assert capsys.readouterr().err.rstrip().endswith("(it was trained with --method apt: pass --method apt --target-density 0.6)")
 
 
 def test_the_method_is_read_from_the_run_not_guessed(tmp_path, capsys):
@@ -37,8 +38,11 @@ def test_the_method_is_read_from_the_run_not_guessed(tmp_path, capsys):
     assert train_main([*FAST, "--prune", "false", "--grow-ranks", "false", "--out", str(run)]) == 0
     assert train_main([*FAST, "--resume", "--out", str(run)]) == 2
     assert capsys.readouterr().err.rstrip().endswith("(pass --grow-ranks false --prune false)")
+    # back to APT, --method apt alone would not restore what was not the default
     assert train_main([*FAST, "--method", "lora", "--resume", "--out", str(run)]) == 2
-    assert capsys.readouterr().err.rstrip().endswith("(it was trained with --method apt: pass --method apt)")
+    advice = "(it was trained with --method apt: pass --method apt --grow-ranks false --prune false)"
+    assert capsys.readouterr().err.rstrip().endswith(advice)
+    assert train_main([*FAST, "--method", "apt", "--grow-ranks", "false", "--prune", "false", "--resume", "--out", str(run)]) == 0
 
 
 def test_a_changed_steps_names_neither_the_schedule_nor_the_warmup_it_derives(trained_runs, capsys):

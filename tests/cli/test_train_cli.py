@@ -43,7 +43,7 @@ def test_existing_out_is_refused_and_untouched(trained_runs, capsys):
     # a default that a typed value contradicts: named as the flag to give
     (["--adapter-rank", "128"], "--rank-cap must be >= adapter_rank (128), got 64 (its default; give --rank-cap)"),
     (["--prune-heads", "false", "--prune-neurons", "false", "--prune-hidden", "false"],
-     "--prune-heads/--prune-neurons/--prune-hidden must be at least one true"),
+     "--prune-heads/--prune-neurons/--prune-hidden must not all be false when prune is true"),
     (["--adapter-targets", "qq_proj"], "adapter_targets"),
     (["--deepspeed", "/nonexistent/ds.json"], "ds.json"),
 ])
@@ -142,3 +142,20 @@ def test_pruning_runs_read_weights_into_memory(trained_runs, tmp_path, monkeypat
         argv = [*FAST, "--method", method, "--model", str(model_dir), "--out", str(tmp_path / method)]
         assert train_main(argv) == 0
     assert calls == [False, True]
+
+
+def test_a_check_over_typed_and_recipe_values_names_both(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text("prune_heads: false\nprune_neurons: false\n")
+    assert train_main([*FAST, "--config", str(config), "--prune-hidden", "false", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --prune-heads/--prune-neurons/--prune-hidden (given on the command line and in --config {config})")
+
+
+def test_lora_is_not_refused_for_settings_only_pruning_and_growth_read(tmp_path):
+    """--method lora neither prunes nor grows ranks: no unit kinds to prune, an adapter rank above the
+    growth cap."""
+    argv = [*FAST, "--method", "lora", "--prune-heads", "false", "--prune-neurons", "false", "--prune-hidden", "false",
+            "--adapter-rank", "128", "--out", str(tmp_path / "r")]
+    assert train_main(argv) == 0
+    assert read_metrics(tmp_path / "r" / "metrics.jsonl")[-1]["total_rank"] == 128 * 2 * 4  # q and v of its 4 layers
