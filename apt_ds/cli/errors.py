@@ -23,10 +23,15 @@ def user_errors() -> tuple[type[BaseException], ...]:
             UnsupportedModelError, DeepSpeedConfigError, WeightsError)
 
 
+def launcher_rank() -> str:
+    """This process's rank as the deepspeed launcher (or torchrun, Slurm's wrapper) set it; "0" alone."""
+    return os.environ.get("RANK", "0")
+
+
 def report(err: BaseException | str) -> int:
     """One line, in one write: under the deepspeed launcher every rank may report, and two ranks'
     lines must not run together; a rank other than 0 says which it is."""
-    rank = os.environ.get("RANK", "0")
+    rank = launcher_rank()
     sys.stderr.write(("" if rank == "0" else f"[rank {rank}] ") + f"error: {err}\n")
     sys.stderr.flush()
     return 2

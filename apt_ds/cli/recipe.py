@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import typing
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -79,30 +80,34 @@ def _float_from_text(name: str, value: Any) -> Any:
 def resolve(given: dict[str, Any]) -> tuple[RunArguments, APTConfig, TrainConfig]:
     """Defaults <- recipe (--config) <- the flags in `given`; scaled schedule defaults last.
     A bad value is named as the user gave it: `--steps`, or `steps` in the --config file."""
-    in_recipe = f"in --config {given.get('config')}"
+    config = given.get("config")
     try:
-        recipe = load_recipe(given["config"]) if given.get("config") else {}
-    except ConfigError as err:
-        raise _named(err, f"{err.field} {in_recipe}") if err.field else err from None
+        recipe = load_recipe(config) if config else {}
+    except ConfigError as err:  # a value of the wrong type: its field is one of the recipe's
+        raise _as_given(err, typed=(), from_recipe=(err.field,), config=config) from None
     try:
         return _resolve(given, recipe)
     except ConfigError as err:
-        names = (err.field or "").split("/")  # a check of several fields joins their names
-        if err.field is None or not set(names) <= set().union(*map(_field_names, _CLASSES)):
-            raise
-        flags = "/".join(f"--{name.replace('_', '-')}" for name in names)
-        if all(name in given for name in names):
-            raise _named(err, flags) from None
-        if all(name in recipe for name in names):
-            raise _named(err, f"{err.field} {in_recipe}") from None
-        if any(name in given or name in recipe for name in names):
-            raise _named(err, f"{flags} (given on the command line and {in_recipe})") from None
-        # none given: a default that another value contradicts; what to pass is still its flag
-        # (e.g. --rank-cap when --adapter-rank went above it)
-        raise _named(err, flags, f" ({'its default' if len(names) == 1 else 'their defaults'}; give {flags})") from None
+        raise _as_given(err, typed=given, from_recipe=recipe, config=config) from None
 
 
-def _named(err: ConfigError, where: str, note: str = "") -> ConfigError:
+def _as_given(err: ConfigError, typed: Collection[str], from_recipe: Collection[str], config: str | None) -> ConfigError:
+    """`err` with its field named where its value came from: typed (`--steps`), the recipe
+    (`steps in --config F`), or its default, which another value contradicts (`--rank-cap ... (its
+    default; give --rank-cap)`). Errors of no field, or of something else, stay as they are."""
+    names = (err.field or "").split("/")  # a check of several fields joins their names
+    if err.field is None or not set(names) <= set().union(*map(_field_names, _CLASSES)):
+        return err
+    flags = "/".join(f"--{name.replace('_', '-')}" for name in names)
+    in_recipe = f"in --config {config}"
+    if all(name in typed for name in names):
+        where, note = flags, ""
+    elif all(name in from_recipe for name in names):
+        where, note = f"{err.field} {in_recipe}", ""
+    elif any(name in typed or name in from_recipe for name in names):
+        where, note = f"{flags} (given on the command line and {in_recipe})", ""
+    else:
+        where, note = flags, f" ({'its default' if len(names) == 1 else 'their defaults'}; give {flags})"
     return ConfigError(f"{where} {err.requirement}{note}", field=err.field, requirement=err.requirement)
 
 

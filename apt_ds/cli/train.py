@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import sys
 import threading
 from pathlib import Path
 
 from apt_ds.cli.arguments import RunArguments, build_train_parser, explicit_values
-from apt_ds.cli.errors import report, user_errors
+from apt_ds.cli.errors import launcher_rank, report, user_errors
 from apt_ds.cli.recipe import resolve
 from apt_ds.config import ConfigError, TrainConfig
 from apt_ds.io.run_dir import check_out_dir, recover_interrupted_overwrite
@@ -27,7 +26,7 @@ def check_inputs_early(run: RunArguments, train: TrainConfig) -> None:
     for flag, value in (("--data", run.data), ("--eval-data", run.eval_data)):
         if value and not Path(value).exists():
             raise ConfigError(f"{flag} {value} does not exist")
-    if os.environ.get("RANK", "0") == "0":  # one rank repairs what a killed --overwrite left
+    if launcher_rank() == "0":  # one rank repairs what a killed --overwrite left
         note = recover_interrupted_overwrite(Path(run.out))
         if note:
             print(note, file=sys.stderr)
@@ -56,7 +55,7 @@ def terminate_as_interrupt():
 
     # Rank 0 alone: it is the one that puts a previous run back; another rank stuck in a collective
     # whose peer died would not get to run a Python handler, and must die at SIGTERM as before.
-    if threading.current_thread() is not threading.main_thread() or os.environ.get("RANK", "0") != "0":
+    if threading.current_thread() is not threading.main_thread() or launcher_rank() != "0":
         yield
         return
     previous = signal.signal(signal.SIGTERM, stop)
@@ -85,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         return report(err)
     except KeyboardInterrupt as interrupt:
         how = "terminated" if isinstance(interrupt, Terminated) else "interrupted"
-        if os.environ.get("RANK", "0") == "0":  # rank 0 says it (and put the previous run back), once
+        if launcher_rank() == "0":  # rank 0 says it (and put the previous run back), once
             print(f"{how} before the new run's first checkpoint; the previous run is back in {out}"
                   if getattr(interrupt, "previous_run_restored", False)
                   else f"{how}; --resume continues from the last checkpoint in {out} (if one was written)", file=sys.stderr)

@@ -157,10 +157,8 @@ def check_same_apt_config(meta: dict, current: dict, directory: Path, leave_out:
     `leave_out`: fields not compared, because the caller already named the setting they follow.
     `method`: the run's --method now, when known, to name a change of method as such."""
     check_known_apt_fields(meta, current, directory)
-    # A checkpoint from before these settings existed ran with these values (the old behaviour)
-    saved = {**LEGACY_APT_FIELDS, **meta["apt_config"]}
+    saved = {k: v for k, v in _saved_apt_config(meta).items() if k not in leave_out}
     current = {k: v for k, v in current.items() if k not in leave_out}
-    saved = {k: v for k, v in saved.items() if k not in leave_out}
     # ... but trial fields changed nothing where no trials could run: those it lacks compare as given now
     unused = {"uniform_shape_trials": not saved.get("uniform"),
               "uniform_shape_metric": not (saved.get("uniform") and saved["uniform_shape_trials"] > 1)}
@@ -192,7 +190,7 @@ def check_same_apt_config(meta: dict, current: dict, directory: Path, leave_out:
 def check_known_apt_fields(meta: dict, current: dict, directory: Path) -> None:
     """A checkpoint whose APT config lacks fields this apt-ds has, or holds fields it does not know,
     cannot be resumed by it whatever the flags."""
-    saved = {**LEGACY_APT_FIELDS, **meta["apt_config"]}
+    saved = _saved_apt_config(meta)
     missing, unknown = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
     if missing:  # written by an earlier apt-ds whose algorithm lacked these knobs
         raise CheckpointError(f"checkpoint {directory} was written by an earlier apt-ds without the APT fields {missing} "
@@ -200,6 +198,11 @@ def check_known_apt_fields(meta: dict, current: dict, directory: Path) -> None:
     if unknown:
         raise CheckpointError(f"checkpoint {directory} was written by another apt-ds, with the APT fields {unknown} that "
                               "this one does not know; resume it with the apt-ds that wrote it")
+
+
+def _saved_apt_config(meta: dict) -> dict:
+    # A checkpoint from before a LEGACY_APT_FIELDS setting existed ran with its value there (the old behaviour)
+    return {**LEGACY_APT_FIELDS, **meta["apt_config"]}
 
 
 def _flag(name: str, value) -> str:

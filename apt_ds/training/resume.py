@@ -64,10 +64,11 @@ def check_resumable_settings(meta: dict, train: TrainConfig, data_path: str, wor
         saved_train = {**saved_train, "max_grad_norm": clipping_before_max_grad_norm(meta["run_info"])}
     saved_train = {"template": "alpaca", **saved_train}  # runs saved before the field used the Alpaca prompt
     changed = [k for k in RESUME_MUST_MATCH if saved_train.get(k) != getattr(train, k)]
-    saved_steps = saved_train.get("steps")
-    if "steps" in changed and isinstance(saved_steps, int) and train.warmup_steps == default_warmup_steps(train.steps) \
-            and saved_train.get("warmup_steps") == default_warmup_steps(saved_steps):
-        changed = [k for k in changed if k != "warmup_steps"]  # its default: --steps puts it back
+    # A changed --steps also moves what was left to its defaults (the warm-up, APTConfig.for_steps's
+    # schedule): naming those too would send the user after settings that --steps alone puts back.
+    follows_steps = _defaults_of_both(saved_train, meta["apt_config"], train, apt_config) \
+        if "steps" in changed and isinstance(saved_train.get("steps"), int) else ()
+    changed = [k for k in changed if k not in follows_steps]
     if changed:
         details = ", ".join(f"{k}: {saved_train.get(k)} -> {getattr(train, k)}" for k in changed)
         flags = " ".join(f"--{k.replace('_', '-')} {saved_train.get(k)}" for k in changed)
@@ -76,10 +77,6 @@ def check_resumable_settings(meta: dict, train: TrainConfig, data_path: str, wor
     if info.get("data") != data_path and not _same_path(info.get("data_resolved") or info.get("data"), data_path):
         problems.append(f"--resume: the run was trained on --data {info.get('data')}, not {data_path}")
     if apt_config is not None:
-        # A changed --steps rescales the schedule fields left to their defaults (APTConfig.for_steps):
-        # naming those as well would send the user after fields that --steps alone puts back.
-        follows_steps = _defaults_of_both(meta["apt_config"], saved_steps, apt_config, train.steps) \
-            if "steps" in changed and isinstance(saved_steps, int) else ()
         try:
             check_same_apt_config(meta, apt_config, directory, leave_out=follows_steps, method=method)
         except CheckpointError as err:
@@ -88,14 +85,22 @@ def check_resumable_settings(meta: dict, train: TrainConfig, data_path: str, wor
         raise CheckpointError("; and ".join(problems))
 
 
-def _defaults_of_both(saved: dict, saved_steps: int, current: dict, steps: int) -> tuple[str, ...]:
-    """The step-scaled APT fields that hold their default for the run's length on both sides."""
-    given = {k: tuple(v) if isinstance(v, list) else v for k, v in current.items() if k not in STEP_SCALED_FIELDS}
-    try:
-        then, now = APTConfig.for_steps(saved_steps, **given).to_dict(), APTConfig.for_steps(steps, **given).to_dict()
-    except (ConfigError, TypeError):  # e.g. a length too short for a schedule: compare every field
-        return ()
-    return tuple(k for k in STEP_SCALED_FIELDS if saved.get(k) == then[k] and current.get(k) == now[k])
+def _defaults_of_both(saved_train: dict, saved_apt: dict, train: TrainConfig, apt_config: dict | None) -> tuple[str, ...]:
+    """The settings derived from the run's length (the warm-up and, given `apt_config`, the APT
+    fields in STEP_SCALED_FIELDS) that hold their default for that length on both sides."""
+    saved = {**saved_apt, "warmup_steps": saved_train.get("warmup_steps")}
+    current = {**(apt_config or {}), "warmup_steps": train.warmup_steps}
+    then = {"warmup_steps": default_warmup_steps(saved_train["steps"])}
+    now = {"warmup_steps": default_warmup_steps(train.steps)}
+    if apt_config is not None:
+        given = {k: tuple(v) if isinstance(v, list) else v for k, v in apt_config.items() if k not in STEP_SCALED_FIELDS}
+        try:
+            then.update({k: v for k, v in APTConfig.for_steps(saved_train["steps"], **given).to_dict().items()
+                         if k in STEP_SCALED_FIELDS})
+            now.update({k: v for k, v in APTConfig.for_steps(train.steps, **given).to_dict().items() if k in STEP_SCALED_FIELDS})
+        except (ConfigError, TypeError):  # e.g. a length too short for a schedule: compare its fields
+            pass
+    return tuple(k for k in then if k in now and saved.get(k) == then[k] and current.get(k) == now[k])
 
 
 def _same_path(recorded: str | None, given: str) -> bool:
