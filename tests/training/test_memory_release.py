@@ -68,15 +68,24 @@ def test_frozen_startup_objects_are_skipped_but_new_cycles_are_collected():
     assert old_ref() is None  # unfrozen and collected when the block ends
 
 
-def test_objects_frozen_by_someone_else_stay_frozen():
+def test_objects_frozen_by_someone_else_stay_frozen_and_ours_are_frozen_too():
+    """Something that froze objects before (a pre-fork server, an image's start-up) must not turn
+    the freeze off: every event's collection would walk all of start-up's objects again."""
     gc.freeze()
     try:
         count = gc.get_freeze_count()
+        late = _Node()  # created after their freeze: ours to hide
+        late_ref = weakref.ref(late)
         with startup_objects_frozen():
-            pass
-        assert gc.get_freeze_count() == count
+            assert gc.get_freeze_count() > count
+            del late
+            gc.collect()
+            assert late_ref() is not None  # frozen: the collection did not walk it
+        assert gc.get_freeze_count() > count  # theirs are not unfrozen (gc cannot unfreeze only ours)
     finally:
         gc.unfreeze()
+        gc.collect()
+    assert late_ref() is None
 
 
 def test_the_cli_hides_the_tokenized_data_from_event_collections_but_not_the_model(tmp_path, monkeypatch):
