@@ -97,6 +97,21 @@ def normalize_by_kind(shape: ModelShape, group_scores, neuron_scores, hidden_sco
     return groups, neurons, hidden
 
 
+def _one_copy(tensors: list[torch.Tensor], device, dtype=None) -> list[torch.Tensor]:
+    """`tensors` on `device` (in `dtype`) through one concatenated copy: on a GPU every copy between
+    host and device waits for the device, and a decision per layer and kind made 2 x layers + 1
+    of them (a 7B decay-window step: 129 to the host, 65 back). The results are views of one tensor."""
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors]).to(device, dtype)
+    return [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+
+
+def scores_on_host(group_scores, neuron_scores, hidden_scores):
+    """Float64 copies on the host of per-layer KV-group and FFN-neuron scores and the hidden scores."""
+    layers = len(group_scores)
+    hidden, *rest = _one_copy([hidden_scores, *group_scores, *neuron_scores], "cpu", torch.float64)
+    return rest[:layers], rest[layers:], hidden
+
+
 class AdaptivePruner:
     def __init__(self, config: APTConfig):
         self.config = config
@@ -122,9 +137,7 @@ class AdaptivePruner:
         if len(original.layers) != len(shape.layers):
             raise PruningError(f"original shape has {len(original.layers)} layers, the current one {len(shape.layers)}")
         blocks = BlockSizes.for_shape(original, self.config.shape_multiple)
-        group_scores = [g.detach().double().cpu() for g in group_scores]
-        neuron_scores = [n.detach().double().cpu() for n in neuron_scores]
-        hidden_scores = hidden_scores.detach().double().cpu()
+        group_scores, neuron_scores, hidden_scores = scores_on_host(group_scores, neuron_scores, hidden_scores)
         if self.config.score_normalization == "kind":
             group_scores, neuron_scores, hidden_scores = normalize_by_kind(
                 shape, group_scores, neuron_scores, hidden_scores, embedding_columns(shape, self.config.count_embeddings))
@@ -252,14 +265,16 @@ class GradualMasker:
         self.step_size = step_size
 
     def step_toward(self, masks: UnitMasks, decision: KeepDecision) -> None:
-        def move(mask: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-            up = (mask + self.step_size).clamp(max=1.0)
-            down = (mask - self.step_size).clamp(min=0.0)
-            return torch.where(keep.to(mask.device), up, down)
-
-        masks.kv_group = [move(m, k) for m, k in zip(masks.kv_group, decision.groups)]
-        masks.ffn_neuron = [move(m, k) for m, k in zip(masks.ffn_neuron, decision.neurons)]
-        masks.hidden = move(masks.hidden, decision.hidden)
+        """Every mask one step toward the decision, in one update over all of them (five kernels,
+        not five per layer and kind, and one copy of the keep flags to the device)."""
+        layers = len(masks.kv_group)
+        current = torch.cat([masks.hidden, *masks.kv_group, *masks.ffn_neuron])
+        keep = torch.cat([decision.hidden, *decision.groups, *decision.neurons]).to(current.device)
+        up = (current + self.step_size).clamp(max=1.0)
+        down = (current - self.step_size).clamp(min=0.0)
+        hidden, *rest = torch.where(keep, up, down).split(
+            [masks.hidden.numel(), *(m.numel() for m in masks.kv_group), *(m.numel() for m in masks.ffn_neuron)])
+        masks.hidden, masks.kv_group, masks.ffn_neuron = hidden, rest[:layers], rest[layers:]
         masks.refresh()
 
     @staticmethod

@@ -333,3 +333,28 @@ def test_undominated_keeps_exactly_the_shapes_no_other_beats_everywhere(seed):
     shapes = [(rng.random(), rng.randint(0, 100), g, rng.randint(0, 6), d) for g, d in pairs]
     pairwise = [s for s in shapes if not any(o is not s and o[2] >= s[2] and o[3] >= s[3] and o[4] >= s[4] for o in shapes)]
     assert undominated(shapes) == pairwise
+
+
+def test_scores_reach_the_host_in_one_copy():
+    """On a GPU every device-to-host copy waits for the device: one for all layers and kinds."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from apt_ds.algorithm.pruner import scores_on_host
+
+    class CountCopies(TorchDispatchMode):
+        copies = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.copies += func is torch.ops.aten._to_copy.default
+            return func(*args, **(kwargs or {}))
+
+    shape = SHAPES["ragged"]
+    rng = random.Random(0)
+    groups = [torch.tensor([rng.random() for _ in range(l.num_kv_groups)]) for l in shape.layers]
+    neurons = [torch.tensor([rng.random() for _ in range(l.ffn)]) for l in shape.layers]
+    hidden = torch.tensor([rng.random() for _ in range(shape.hidden)])
+    with CountCopies() as counter:
+        host_groups, host_neurons, host_hidden = scores_on_host(groups, neurons, hidden)
+    assert counter.copies == 1
+    assert all(torch.equal(a, b.double()) for a, b in zip(host_groups + host_neurons, groups + neurons))
+    assert torch.equal(host_hidden, hidden.double()) and host_hidden.dtype == torch.float64

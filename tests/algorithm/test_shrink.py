@@ -11,7 +11,7 @@ from apt_ds.algorithm.edits import apply_edits
 from apt_ds.algorithm.masks import UnitMasks
 from apt_ds.algorithm.pruner import GradualMasker, KeepDecision
 from apt_ds.algorithm.shrink import group_channels, shrink_model
-from apt_ds.algorithm.units import ModelShape
+from apt_ds.algorithm.units import LayerShape, ModelShape
 
 ADAPTER_TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")
 
@@ -242,3 +242,41 @@ def test_shrink_twice_composes():
     assert final_a == final_b
     with torch.no_grad():
         torch.testing.assert_close(model_a(**batch).logits, model_b(**batch).logits, rtol=0, atol=1e-5)
+
+
+def _decision_for(shape: ModelShape, seed: int) -> KeepDecision:
+    gen = torch.Generator().manual_seed(seed)
+    return KeepDecision([torch.rand(l.num_kv_groups, generator=gen) < 0.5 for l in shape.layers],
+                        [torch.rand(l.ffn, generator=gen) < 0.5 for l in shape.layers],
+                        torch.rand(shape.hidden, generator=gen) < 0.5, 0)
+
+
+def test_gradual_masker_moves_every_mask_as_one_layer_at_a_time_would():
+    shape = ModelShape(40, (LayerShape(3, 2, 8, 50), LayerShape(1, 2, 8, 7), LayerShape(4, 1, 8, 90)), 61, False)
+    masks, decision, step = UnitMasks(shape), _decision_for(shape, seed=3), 0.3
+    gen = torch.Generator().manual_seed(4)
+    for mask in masks._all():
+        mask.copy_(torch.rand(mask.shape, generator=gen))  # somewhere inside a decay window
+    masks.refresh()
+
+    def moved(mask, keep):  # the per-mask rule
+        return torch.where(keep, (mask + step).clamp(max=1.0), (mask - step).clamp(min=0.0))
+
+    expected = [moved(m, k) for m, k in zip(masks._all(), [decision.hidden, *decision.groups, *decision.neurons])]
+    GradualMasker(step).step_toward(masks, decision)
+    assert all(torch.equal(a, b) for a, b in zip(masks._all(), expected))
+    assert [m.shape for m in masks._all()] == [e.shape for e in expected]
+
+
+def test_gradual_masker_work_does_not_grow_with_the_layers(monkeypatch):
+    """On a GPU each operation is a kernel launch: one update over all masks, not one per layer and kind."""
+    from benchmarks._common import dispatched_operations
+
+    counts = []
+    for layers in (2, 8):
+        shape = ModelShape(32, tuple(LayerShape(2, 2, 8, 24) for _ in range(layers)), 61, False)
+        masks = UnitMasks(shape)
+        monkeypatch.setattr(masks, "refresh", lambda: None)  # its own reads are per mask, on purpose
+        decision = _decision_for(shape, seed=layers)
+        counts.append(dispatched_operations(lambda: GradualMasker(0.25).step_toward(masks, decision), views=False))
+    assert counts[0] == counts[1] <= 8
