@@ -4,8 +4,11 @@ numbers they produced: docs/BENCHMARKS.md, "On a GPU")."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from apt_ds.io.metrics import memory_mb
 
@@ -69,8 +72,6 @@ def test_memory_record_has_cuda_fields_only_once_cuda_is_in_use(monkeypatch):
 
 
 def test_unknown_stage_names_and_profile_windows_outside_the_run_are_refused(tmp_path, capsys):
-    import pytest
-
     for argv, message in ((["--skip", "zero4"], "no stage named zero4"),
                           (["--profile", "--profile-steps", "4", "30"], "--profile-steps needs --profile and"),
                           (["--profile-steps", "4", "6"], "--profile-steps needs --profile and")):
@@ -185,3 +186,32 @@ def test_profiled_steps_count_their_own_host_waits_only(tmp_path, monkeypatch):
     assert modes == ["warn", 0, "warn", 0]  # on and off once per profiled step
     assert sum(sites.counts.values()) == 2  # the two steps' own waits, not the logging after them
     assert "counted while CUDA was in use: 2\n" in table.read_text()
+
+
+def test_no_cudnn_attention_runs_the_same_command_through_the_wrapper(tmp_path, monkeypatch):
+    args = gpu_check.argparse.Namespace(scale="small", scale_seq_len=32, scale_micro_batch=2, scale_steps=8,
+                                        scale_schedule="recipe", scale_timeout=60, profile_steps=None,
+                                        attention="no-cudnn")
+    check = gpu_check.Check(tmp_path / "out", tmp_path / "work", "cpu", budget_s=60)
+    commands = []
+
+    def capture(command, timeout=None):
+        commands.append(command)
+        raise RuntimeError("captured")
+
+    monkeypatch.setattr(check, "sh", capture)
+    result = check.stage("scale-apt-local", lambda: gpu_check.scale_stage(check, args, "apt", "local"))
+    assert not result["ok"] and "captured" in result["error"]
+    (command,) = commands
+    assert command[1:3] == ["benchmarks/without_cudnn_attention.py", "launch/train.py"] and "--method" in command
+    probe = tmp_path / "probe.py"
+    probe.write_text("import sys, torch\nprint(torch.backends.cuda.cudnn_sdp_enabled(), sys.argv[1:])\n")
+    said = subprocess.run([sys.executable, "benchmarks/without_cudnn_attention.py", str(probe), "--x", "1"],
+                          capture_output=True, text=True, cwd=gpu_check.ROOT, check=True).stdout
+    assert said.strip() == "False ['--x', '1']"
+
+
+def test_no_cudnn_attention_needs_the_one_process_backend(capsys):
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--attention", "no-cudnn", "--scale-backends", "zero3"])
+    assert "--scale-backends local" in capsys.readouterr().err
