@@ -17,7 +17,6 @@ many objects the collector tracks and how many are frozen (`apt_ds.training.heap
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import json
 import statistics
@@ -28,6 +27,7 @@ from types import SimpleNamespace
 
 if "--frozen-before" in sys.argv:  # before the imports below, as that image froze its few start-up objects
     gc.freeze()
+FROZEN_AT_START = gc.get_freeze_count()  # what the record reports, whichever way the script was started
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -36,7 +36,8 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from apt_ds.training import trainer as trainer_module  # noqa: E402
-from benchmarks._common import cpu_model_name, git_commit, write_json  # noqa: E402
+from apt_ds.training.heap import trim_free_heap  # noqa: E402
+from benchmarks._common import cpu_model_name, git_commit, positive_int, write_json  # noqa: E402
 from benchmarks.gpu_check import SCALES, scale_data  # noqa: E402
 from benchmarks.llama_scale import write_model  # noqa: E402
 
@@ -56,7 +57,7 @@ def timed_release(device: str, laps: list[dict]):
         unreachable = gc.collect()
         synchronize(device)
         collected = time.perf_counter()
-        trimmed = bool(ctypes.CDLL("libc.so.6").malloc_trim(0)) if sys.platform.startswith("linux") else False
+        trimmed = trim_free_heap()
         done = time.perf_counter()
         laps.append({"device_wait_s": waited - started, "gc_collect_s": collected - waited,
                      "malloc_trim_s": done - collected, "trimmed": trimmed, "tracked_objects": tracked,
@@ -66,18 +67,27 @@ def timed_release(device: str, laps: list[dict]):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)  # --frozen-before is read from sys.argv as typed
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--scale", choices=sorted(SCALES), default="llama2-7b")
     parser.add_argument("--work", type=Path, required=True, help="the random model and the run")
     parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--micro-batch", type=positive_int, default=4)
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--frozen-before", action="store_true",
                         help="freeze the interpreter's objects before importing anything (read when the script starts)")
     args = parser.parse_args(argv)
     if args.steps < 8:
         parser.error("--steps must be at least 8 (the events are at steps 4, 6 and 8)")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device {args.device}: not a torch device (cuda, cuda:1, cpu)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: no CUDA device here (use --device cpu --scale small)")
+    if args.frozen_before and not FROZEN_AT_START:
+        parser.error("--frozen-before is read when the script starts: run it as `python benchmarks/event_heap_cost.py ...`")
 
     from apt_ds.cli.train import main as train_main
 
@@ -96,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         trainer_module.release_free_heap = original
     parts = ("device_wait_s", "gc_collect_s", "malloc_trim_s")
-    result = {"device": args.device, "scale": args.scale, "frozen_before": args.frozen_before, "exit_code": code,
+    result = {"device": args.device, "scale": args.scale, "frozen_at_start": FROZEN_AT_START, "exit_code": code,
               "hardware": torch.cuda.get_device_name() if args.device.startswith("cuda") else cpu_model_name(),
               "commit": git_commit(), "events": laps,
               "median": {p: round(statistics.median(lap[p] for lap in laps), 4) for p in parts} if laps else {}}
@@ -107,4 +117,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main()["exit_code"])

@@ -5,8 +5,8 @@ cuDNN builds an execution plan for every attention shape it has not seen (PyTorc
 shape). A pruning event that changes layers' KV-group counts gives the next steps new shapes, and
 the teacher's no-grad forward asks for other plans than the student's: on the H200 a profiled 7B
 step after such an event spent 210 ms of host time in cuDNN attention's forward, against 9 ms for
-LoRA (docs/BENCHMARKS.md, third lease). This wrapper lets one measure a run without those plans;
-`gpu_check.py --attention no-cudnn` runs its scale runs through it.
+LoRA (docs/BENCHMARKS.md, third lease): those plans, most likely, which a run through this
+wrapper tells (`gpu_check.py --attention no-cudnn` runs its scale runs through it).
 
     python benchmarks/without_cudnn_attention.py launch/train.py --device cuda ...
 """

@@ -7,7 +7,9 @@
   (divisor sum(z_hid)), so that removing a channel later gives the same numbers.
 
 Masks are plain tensors held by `UnitMasks` (identical on every rank, saved with
-checkpoints, never seen by ZeRO). An all-ones mask is skipped entirely, so an unpruned model
+checkpoints, never seen by ZeRO). A decay-window step leaves them views of one tensor (one update
+for all of them, `GradualMasker.step_toward`): replace a mask rather than edit it in place while a
+forward's graph is alive, or autograd's version check fails for all of them. An all-ones mask is skipped entirely, so an unpruned model
 pays nothing for them. While masks decay (the window before each pruning event) every forward
 multiplies them in, so what the hooks need is made once per mask update, not per call: the
 masks cast to the activations' dtype, the KV-group mask expanded to o_proj's input channels and
@@ -44,7 +46,7 @@ class UnitMasks:
         window step's mask update, never inside a forward/backward); until then the forward keeps
         using the masks as they were. One host read for all 2 x layers + 1 masks: on a GPU each
         read waits for the device."""
-        active = torch.stack([(m != 1).any() for m in self._all()]).tolist()
+        active = torch.stack([(m != 1).any() for m in self.tensors()]).tolist()
         layers = len(self.kv_group)
         self._hidden_active = active[0]
         self._group_active = active[1 : 1 + layers]
@@ -66,9 +68,10 @@ class UnitMasks:
         self.refresh()
 
     def is_binary(self) -> bool:
-        return all(((t == 0) | (t == 1)).all() for t in self._all())
+        return all(((t == 0) | (t == 1)).all() for t in self.tensors())
 
-    def _all(self) -> list[torch.Tensor]:
+    def tensors(self) -> list[torch.Tensor]:
+        """Every mask, in the order hidden, KV groups by layer, FFN neurons by layer."""
         return [self.hidden, *self.kv_group, *self.ffn_neuron]
 
     # ---- installation --------------------------------------------------------------------

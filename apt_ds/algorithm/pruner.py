@@ -106,7 +106,8 @@ def _one_copy(tensors: list[torch.Tensor], device, dtype=None) -> list[torch.Ten
 
 
 def scores_on_host(group_scores, neuron_scores, hidden_scores):
-    """Float64 copies on the host of per-layer KV-group and FFN-neuron scores and the hidden scores."""
+    """Float64 copies on the host of per-layer KV-group and FFN-neuron scores and the hidden scores
+    (floating-point tensors on one device, as salience keeps them)."""
     layers = len(group_scores)
     hidden, *rest = _one_copy([hidden_scores, *group_scores, *neuron_scores], "cpu", torch.float64)
     return rest[:layers], rest[layers:], hidden
@@ -266,14 +267,18 @@ class GradualMasker:
 
     def step_toward(self, masks: UnitMasks, decision: KeepDecision) -> None:
         """Every mask one step toward the decision, in one update over all of them (five kernels,
-        not five per layer and kind, and one copy of the keep flags to the device)."""
+        not five per layer and kind, and one copy of the keep flags to the device). The masks are
+        then views of one tensor (see UnitMasks)."""
+        current, keeps = masks.tensors(), [decision.hidden, *decision.groups, *decision.neurons]
+        sizes = [m.numel() for m in current]
+        if sizes != [k.numel() for k in keeps]:  # host metadata: no wait for the device
+            raise PruningError(f"decision sizes {[k.numel() for k in keeps]} do not match the masks' {sizes}")
+        flat = torch.cat(current)
+        keep = torch.cat(keeps).to(flat.device)
+        up = (flat + self.step_size).clamp(max=1.0)
+        down = (flat - self.step_size).clamp(min=0.0)
         layers = len(masks.kv_group)
-        current = torch.cat([masks.hidden, *masks.kv_group, *masks.ffn_neuron])
-        keep = torch.cat([decision.hidden, *decision.groups, *decision.neurons]).to(current.device)
-        up = (current + self.step_size).clamp(max=1.0)
-        down = (current - self.step_size).clamp(min=0.0)
-        hidden, *rest = torch.where(keep, up, down).split(
-            [masks.hidden.numel(), *(m.numel() for m in masks.kv_group), *(m.numel() for m in masks.ffn_neuron)])
+        hidden, *rest = torch.where(keep, up, down).split(sizes)
         masks.hidden, masks.kv_group, masks.ffn_neuron = hidden, rest[:layers], rest[layers:]
         masks.refresh()
 

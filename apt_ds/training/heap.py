@@ -26,6 +26,11 @@ def release_free_heap() -> bool:
     """Collect garbage and return free heap pages to the OS (glibc `malloc_trim(0)`).
     A no-op returning False on other C libraries and platforms."""
     gc.collect()
+    return trim_free_heap()
+
+
+def trim_free_heap() -> bool:
+    """glibc's `malloc_trim(0)`: True if it gave pages back; False elsewhere."""
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -45,20 +50,23 @@ def startup_objects_frozen() -> Iterator[None]:
 
     Where something else froze objects before (a pre-fork server; the H200 image's Python had 375
     frozen at start-up), the objects are frozen all the same, or every event's collection would walk
-    the ~470k objects of a loaded 7B run (0.23-0.32 s an event there), and they stay frozen after
-    the block: `gc.unfreeze` cannot tell their freeze from ours, and undoing theirs is not ours to do."""
+    the ~470k objects of a loaded 7B run (0.23-0.32 s an event there). `gc.unfreeze` cannot tell
+    their freeze from ours, so the block ends with an unfreeze, a collection (the cycles the block
+    left) and a freeze of what is still alive: theirs stay frozen, and so does whatever else is
+    alive then. Blocks nest: an inner one leaves the outer one's state as it found it."""
     global _freezing
-    frozen_before = gc.get_freeze_count()
+    frozen_before, freezing_before = gc.get_freeze_count(), _freezing
     gc.collect()
     try:
         gc.freeze()  # inside the try: an interrupt right after it still unfreezes
         _freezing = True
         yield
     finally:
-        _freezing = False
-        if not frozen_before:
-            gc.unfreeze()
-            gc.collect()
+        _freezing = freezing_before
+        gc.unfreeze()
+        gc.collect()
+        if frozen_before:
+            gc.freeze()
 
 
 _freezing = False  # inside startup_objects_frozen's block

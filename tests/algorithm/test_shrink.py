@@ -255,17 +255,17 @@ def test_gradual_masker_moves_every_mask_as_one_layer_at_a_time_would():
     shape = ModelShape(40, (LayerShape(3, 2, 8, 50), LayerShape(1, 2, 8, 7), LayerShape(4, 1, 8, 90)), 61, False)
     masks, decision, step = UnitMasks(shape), _decision_for(shape, seed=3), 0.3
     gen = torch.Generator().manual_seed(4)
-    for mask in masks._all():
+    for mask in masks.tensors():
         mask.copy_(torch.rand(mask.shape, generator=gen))  # somewhere inside a decay window
     masks.refresh()
 
     def moved(mask, keep):  # the per-mask rule
         return torch.where(keep, (mask + step).clamp(max=1.0), (mask - step).clamp(min=0.0))
 
-    expected = [moved(m, k) for m, k in zip(masks._all(), [decision.hidden, *decision.groups, *decision.neurons])]
+    expected = [moved(m, k) for m, k in zip(masks.tensors(), [decision.hidden, *decision.groups, *decision.neurons])]
     GradualMasker(step).step_toward(masks, decision)
-    assert all(torch.equal(a, b) for a, b in zip(masks._all(), expected))
-    assert [m.shape for m in masks._all()] == [e.shape for e in expected]
+    assert all(torch.equal(a, b) for a, b in zip(masks.tensors(), expected))
+    assert [m.shape for m in masks.tensors()] == [e.shape for e in expected]
 
 
 def test_gradual_masker_work_does_not_grow_with_the_layers(monkeypatch):
@@ -280,3 +280,12 @@ def test_gradual_masker_work_does_not_grow_with_the_layers(monkeypatch):
         decision = _decision_for(shape, seed=layers)
         counts.append(dispatched_operations(lambda: GradualMasker(0.25).step_toward(masks, decision), views=False))
     assert counts[0] == counts[1] <= 8
+
+
+def test_gradual_masker_refuses_a_decision_for_other_shapes():
+    from apt_ds.algorithm.pruner import PruningError
+
+    shape = ModelShape(40, (LayerShape(3, 2, 8, 50), LayerShape(1, 2, 8, 7)), 61, False)
+    other = ModelShape(40, (LayerShape(1, 2, 8, 50), LayerShape(3, 2, 8, 7)), 61, False)  # the same total
+    with pytest.raises(PruningError, match="do not match"):
+        GradualMasker(0.25).step_toward(UnitMasks(shape), _decision_for(other, seed=0))

@@ -71,6 +71,7 @@ def test_frozen_startup_objects_are_skipped_but_new_cycles_are_collected():
 def test_objects_frozen_by_someone_else_stay_frozen_and_ours_are_frozen_too():
     """Something that froze objects before (a pre-fork server, an image's start-up) must not turn
     the freeze off: every event's collection would walk all of start-up's objects again."""
+    theirs = _Node()
     gc.freeze()
     try:
         count = gc.get_freeze_count()
@@ -81,11 +82,21 @@ def test_objects_frozen_by_someone_else_stay_frozen_and_ours_are_frozen_too():
             del late
             gc.collect()
             assert late_ref() is not None  # frozen: the collection did not walk it
-        assert gc.get_freeze_count() > count  # theirs are not unfrozen (gc cannot unfreeze only ours)
+        assert late_ref() is None  # the block's end collects the cycles left in it
+        assert gc.get_freeze_count() > 0 and not any(o is theirs for o in gc.get_objects())  # theirs stay frozen
     finally:
         gc.unfreeze()
         gc.collect()
-    assert late_ref() is None
+
+
+def test_an_inner_block_leaves_the_outer_one_freezing():
+    from apt_ds.training.heap import freeze_prepared_data
+
+    with startup_objects_frozen():
+        with startup_objects_frozen():
+            pass
+        assert freeze_prepared_data() is True
+    assert freeze_prepared_data() is False and gc.get_freeze_count() == 0
 
 
 def test_the_cli_hides_the_tokenized_data_from_event_collections_but_not_the_model(tmp_path, monkeypatch):
