@@ -18,8 +18,8 @@ from apt_ds.algorithm.units import ModelShape
 def test_collection_adds_few_operations_per_layer_and_micro_batch(dtype):
     """The hooks' host cost: collecting one padded micro-batch (forward and backward) adds at most
     40 dispatched operations per layer over the same step with collection off (4 sites: |X| and,
-    at two of them, X summed over real tokens; |dL/dX| summed): 36 here in fp32 and bf16, 35.5 of
-    them computing. The einsum it replaced dispatched 101 (fp32) and 107 (bf16), of which 33 and
+    at two of them, X summed over real tokens; |dL/dX| summed): 34 here in fp32 and bf16, 33.5 of
+    them computing (36 and 35.5 before X was weighted once for both sums). The einsum it replaced dispatched 101 (fp32) and 107 (bf16), of which 33 and
     39 computed: mostly views, which the dispatcher pays for but a GPU does not launch."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from _common import dispatched_operations
@@ -58,3 +58,30 @@ def test_half_precision_activations_are_summed_without_rounding(dtype):
     torch.testing.assert_close(site.act_abs.double(), reference, rtol=1e-5, atol=0)
     with pytest.raises(AssertionError, match=r"\(batch, seq, 1\)"):
         site.capture(x, mask.to(dtype))  # a (batch, seq) mask would broadcast wrongly
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_fused_abs_sum_of_cuda_gives_the_same_sums(dtype):
+    """The CUDA path (one vector_norm reduction, no |x| temporary), run here on the CPU, against the
+    CPU path and an fp64 reference."""
+    from apt_ds.algorithm.salience_site import abs_sum
+
+    gen = torch.Generator().manual_seed(1)
+    x = (50 * torch.randn(4, 64, 96, generator=gen)).to(dtype)
+    fused, plain = abs_sum(x, (0, 1), fused=True), abs_sum(x, (0, 1), fused=False)
+    assert fused.dtype == plain.dtype == torch.float32 and fused.shape == (96,)
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=0)
+    torch.testing.assert_close(plain.double(), x.double().abs().sum((0, 1)), rtol=1e-5, atol=0)
+
+
+def test_capture_leaves_the_activation_as_it_was():
+    """|X| is taken in place only in a temporary (the token-weighted copy), never in the activation."""
+    collector = SalienceCollector(ModelShape.from_model(tiny_llama("gqa")), beta=0.85, use_kurtosis=False)
+    site = collector.attn_sites[0]
+    x = torch.randn(2, 5, site.act_abs.numel(), generator=torch.Generator().manual_seed(2))
+    before = x.clone()
+    site.capture(x)
+    assert torch.equal(x, before)
+    site.capture(x, torch.ones(2, 5, 1))
+    assert torch.equal(x, before)
+    torch.testing.assert_close(site.act_abs, 2 * before.abs().sum((0, 1)))
