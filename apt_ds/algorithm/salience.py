@@ -54,6 +54,9 @@ class SalienceCollector:
         self.enabled = True
         self._handles: list = []
         self._token_mask: torch.Tensor | None = None  # the current forward's attention_mask
+        # False when the caller knows from the host batch that no position is padding: the sites
+        # then skip the token weights (a multiply over every activation, at no change in the sums).
+        self.batch_has_padding = True
         self._token_weights: dict[tuple, torch.Tensor] = {}  # that mask as (batch, seq, 1) weights, per dtype and device
         self.reset(shape)
 
@@ -112,7 +115,7 @@ class SalienceCollector:
 
     def _mask_hook(self, module, args, kwargs):
         """Keep the forward's attention_mask (batch, seq), so padding is not counted."""
-        mask = kwargs.get("attention_mask")
+        mask = kwargs.get("attention_mask") if self.batch_has_padding else None
         self._token_mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
         self._token_weights = {}
         return None

@@ -85,3 +85,54 @@ def test_capture_leaves_the_activation_as_it_was():
     site.capture(x, torch.ones(2, 5, 1))
     assert torch.equal(x, before)
     torch.testing.assert_close(site.act_abs, 2 * before.abs().sum((0, 1)))
+
+
+def test_a_batch_known_to_have_no_padding_skips_the_token_weights_with_the_same_sums():
+    """The trainer tells the collector from the host batch whether any position is padding; without
+    padding the sites skip the token weights (a multiply over every activation) and sum the same."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from _common import dispatched_operations
+
+    model = tiny_llama("gqa")
+    collector = SalienceCollector(ModelShape.from_model(model), beta=0.85, use_kurtosis=True)
+    batch = random_batch(batch=3, length=9)  # attention_mask all ones
+    collector.install(model)
+    model(**batch).loss.backward()  # the kurtosis power sums: once per shape
+    buffers, counts = {}, {}
+    for padded in (True, False):
+        collector.batch_has_padding = padded
+        collector._buffer.zero_()
+        counts[padded] = dispatched_operations(lambda: model(**batch).loss.backward(), views=False)
+        buffers[padded] = collector._buffer.clone()
+    collector.remove()
+    assert torch.equal(buffers[True], buffers[False]) and buffers[True].abs().sum() > 0
+    assert counts[False] < counts[True]
+
+
+def test_the_trainer_says_per_micro_batch_whether_it_is_padded(monkeypatch):
+    """Every forward the collector sees was announced as padded exactly when its mask has a zero."""
+    from apt_ds.config import APTConfig, TrainConfig
+    from apt_ds.training.trainer import APTrainer
+
+    seen = []
+    hook = SalienceCollector._mask_hook
+
+    def recording_hook(self, module, args, kwargs):
+        if self.enabled:
+            seen.append((self.batch_has_padding, bool((kwargs["attention_mask"] == 0).any())))
+        return hook(self, module, args, kwargs)
+
+    monkeypatch.setattr(SalienceCollector, "_mask_hook", recording_hook)
+
+    def batches():
+        for i in range(10**6):
+            batch = random_batch(batch=2, length=8, seed=i)
+            if i % 3 == 0:
+                batch["attention_mask"][1, 5:] = 0
+                batch["labels"][1, 5:] = -100
+            yield batch
+
+    apt, train = APTConfig.for_steps(12, target_density=0.7), TrainConfig(steps=12, grad_accum_steps=2, warmup_steps=2)
+    APTrainer(tiny_llama("gqa"), apt, train, progress=False).train(batches())
+    assert {padded for padded, _ in seen} == {True, False}
+    assert all(announced == padded for announced, padded in seen)
