@@ -174,7 +174,10 @@ class APTrainer:
         sums = torch.zeros(3, dtype=torch.float32, device=self.device)  # token sums: task loss, distill KL, distill MSE
         for batch, batch_positions, (n_task, n_valid) in zip(micro_batches, positions, counts):
             self.state.salience.batch_has_padding = bool(n_valid < batch["input_ids"].numel())  # host numbers
-            task_loss, kl_sum, mse_sum = self._losses(move_batch(batch, self.device), batch_positions, mu)
+            try:
+                task_loss, kl_sum, mse_sum = self._losses(move_batch(batch, self.device), batch_positions, mu)
+            finally:  # unknown again: any other forward's padding is left out
+                self.state.salience.batch_has_padding = True
             task_loss = torch.nan_to_num(task_loss)  # a micro-batch without supervised tokens
             scaled = task_loss * float(n_task * world * gas / totals[0])
             if mu > 0:

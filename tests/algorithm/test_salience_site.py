@@ -133,6 +133,8 @@ def test_the_trainer_says_per_micro_batch_whether_it_is_padded(monkeypatch):
             yield batch
 
     apt, train = APTConfig.for_steps(12, target_density=0.7), TrainConfig(steps=12, grad_accum_steps=2, warmup_steps=2)
-    APTrainer(tiny_llama("gqa"), apt, train, progress=False).train(batches())
+    trainer = APTrainer(tiny_llama("gqa"), apt, train, progress=False)
+    trainer.train(batches())
     assert {padded for padded, _ in seen} == {True, False}
     assert all(announced == padded for announced, padded in seen)
+    assert trainer.state.salience.batch_has_padding  # unknown again outside a training forward
