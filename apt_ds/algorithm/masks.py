@@ -9,8 +9,8 @@
 Masks are plain tensors held by `UnitMasks` (identical on every rank, saved with
 checkpoints, never seen by ZeRO). A decay-window step leaves them views of one tensor (one update
 for all of them, `GradualMasker.step_toward`): replace a mask rather than edit it in place while a
-forward's graph is alive, or autograd's version check fails for all of them. An all-ones mask is skipped entirely, so an unpruned model
-pays nothing for them. While masks decay (the window before each pruning event) every forward
+forward's graph is alive, or autograd's version check fails for all of them. An all-ones mask is
+skipped entirely, so an unpruned model pays nothing for them. While masks decay (the window before each pruning event) every forward
 multiplies them in, so what the hooks need is made once per mask update, not per call: the
 masks cast to the activations' dtype, the KV-group mask expanded to o_proj's input channels and
 the norms' divisor; on a GPU each of those would otherwise be a kernel launch in every layer.

@@ -99,8 +99,8 @@ def normalize_by_kind(shape: ModelShape, group_scores, neuron_scores, hidden_sco
 
 def _one_copy(tensors: list[torch.Tensor], device, dtype=None) -> list[torch.Tensor]:
     """`tensors` on `device` (in `dtype`) through one concatenated copy: on a GPU every copy between
-    host and device waits for the device, and a decision per layer and kind made 2 x layers + 1
-    of them (a 7B decay-window step: 129 to the host, 65 back). The results are views of one tensor."""
+    host and device waits for the device, and copying per layer and kind made 2 x layers + 1 of
+    them (129 for a 7B model, at every decay-window step). The results are views of one tensor."""
     flat = torch.cat([t.detach().reshape(-1) for t in tensors]).to(device, dtype)
     return [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
 

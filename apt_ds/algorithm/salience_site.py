@@ -42,13 +42,15 @@ class SiteSums:
 
 
 def abs_sum(x: torch.Tensor, dims: tuple[int, ...], in_place: bool = False, fused: bool | None = None) -> torch.Tensor:
-    """sum |x| over `dims`, accumulated in fp32. `fused` (default: on CUDA, for fp32/bf16/fp16) is
-    one reduction, `linalg.vector_norm` of order 1, which upcasts bf16/fp16 inside the kernel on CUDA
-    and reads x once, where abs().sum() writes and reads back an |x| of x's size (a 7B down_proj input at 16 x
-    512 tokens is 180 MB, and a step has four sites a layer, forward and backward). Otherwise
-    abs().sum(): vector_norm(ord=1) ran 4-10x slower on CPU (measured on (4, 64, 576..1536)
-    activations), which alone cost ~7% of a SmolLM2 training step. `in_place`: x is a temporary
-    the caller no longer needs (the unfused path takes |x| in it)."""
+    """sum |x| over `dims`, accumulated in fp32.
+
+    `fused` (default: on CUDA, for fp32/bf16/fp16) is one reduction, `linalg.vector_norm` of order
+    1, which upcasts bf16/fp16 inside the kernel on CUDA and reads x once, where abs().sum() writes
+    and reads back an |x| of x's size (a 7B down_proj input at 16 x 512 tokens is 180 MB, and a
+    step has four sites a layer, forward and backward). Otherwise abs().sum(): vector_norm(ord=1)
+    ran 4-10x slower on CPU (measured on (4, 64, 576..1536) activations), which alone cost ~7% of a
+    SmolLM2 training step. `in_place`: x is a temporary the caller no longer needs (the unfused path
+    takes |x| in it)."""
     if fused is None:  # vector_norm refuses to narrow fp64 to fp32; fp64 keeps the plain path
         fused = x.is_cuda and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
     if fused:
