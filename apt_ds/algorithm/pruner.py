@@ -97,19 +97,15 @@ def normalize_by_kind(shape: ModelShape, group_scores, neuron_scores, hidden_sco
     return groups, neurons, hidden
 
 
-def _one_copy(tensors: list[torch.Tensor], device, dtype=None) -> list[torch.Tensor]:
-    """`tensors` on `device` (in `dtype`) through one concatenated copy: on a GPU every copy between
-    host and device waits for the device, and copying per layer and kind made 2 x layers + 1 of
-    them (129 for a 7B model, at every decay-window step). The results are views of one tensor."""
-    flat = torch.cat([t.detach().reshape(-1) for t in tensors]).to(device, dtype)
-    return [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
-
-
 def scores_on_host(group_scores, neuron_scores, hidden_scores):
     """Float64 copies on the host of per-layer KV-group and FFN-neuron scores and the hidden scores
-    (floating-point tensors on one device, as salience keeps them)."""
+    (floating-point tensors on one device, as salience keeps them), through one concatenated copy:
+    on a GPU every copy to the host waits for the device, and copying per layer and kind made
+    2 x layers + 1 of them (129 for a 7B model, at every decay-window step)."""
+    tensors = [hidden_scores, *group_scores, *neuron_scores]
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors]).to("cpu", torch.float64)
+    hidden, *rest = [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
     layers = len(group_scores)
-    hidden, *rest = _one_copy([hidden_scores, *group_scores, *neuron_scores], "cpu", torch.float64)
     return rest[:layers], rest[layers:], hidden
 
 

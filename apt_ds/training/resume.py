@@ -90,17 +90,24 @@ def _defaults_of_both(saved_train: dict, saved_apt: dict, train: TrainConfig, ap
     fields in STEP_SCALED_FIELDS) that hold their default for that length on both sides."""
     saved = {**saved_apt, "warmup_steps": saved_train.get("warmup_steps")}
     current = {**(apt_config or {}), "warmup_steps": train.warmup_steps}
-    then = {"warmup_steps": default_warmup_steps(saved_train["steps"])}
-    now = {"warmup_steps": default_warmup_steps(train.steps)}
-    if apt_config is not None:
-        given = {k: tuple(v) if isinstance(v, list) else v for k, v in apt_config.items() if k not in STEP_SCALED_FIELDS}
-        try:
-            then.update({k: v for k, v in APTConfig.for_steps(saved_train["steps"], **given).to_dict().items()
-                         if k in STEP_SCALED_FIELDS})
-            now.update({k: v for k, v in APTConfig.for_steps(train.steps, **given).to_dict().items() if k in STEP_SCALED_FIELDS})
-        except (ConfigError, TypeError):  # e.g. a length too short for a schedule: compare its fields
-            pass
+    given = None if apt_config is None else \
+        {k: tuple(v) if isinstance(v, list) else v for k, v in apt_config.items() if k not in STEP_SCALED_FIELDS}
+    lengths = (saved_train["steps"], train.steps)
+    try:
+        then, now = (_length_defaults(steps, given) for steps in lengths)
+    except (ConfigError, TypeError):  # e.g. a length too short for a schedule: compare its fields
+        then, now = (_length_defaults(steps, None) for steps in lengths)
     return tuple(k for k in then if k in now and saved.get(k) == then[k] and current.get(k) == now[k])
+
+
+def _length_defaults(steps: int, given_apt: dict | None) -> dict:
+    """What a run of `steps` steps takes by default: the warm-up and, given the other APT settings,
+    the schedule APTConfig.for_steps derives."""
+    defaults = {"warmup_steps": default_warmup_steps(steps)}
+    if given_apt is not None:
+        derived = APTConfig.for_steps(steps, **given_apt).to_dict()
+        defaults.update({k: derived[k] for k in STEP_SCALED_FIELDS})
+    return defaults
 
 
 def _same_path(recorded: str | None, given: str) -> bool:
