@@ -301,6 +301,8 @@ def scale_stage(check: Check, args, method: str, backend: str, profile: bool = F
     extra = ["--model", str(model_dir), "--data", str(data), "--method", method,
              "--max-seq-len", str(args.scale_seq_len), "--micro-batch-size", str(args.scale_micro_batch),
              "--grad-accum-steps", "1", "--steps", str(args.scale_steps), "--target-density", "0.7", "--gradient-checkpointing"]
+    if args.attention == "cudnn":  # PyTorch's first choice, which training turns off by default
+        extra.append("--cudnn-attention")
     if args.scale_schedule == "short":
         extra += ["--pruning-start-step", "2", "--pruning-end-step", "8", "--num-pruning-events", "3"]
         if method == "apt":  # the probe scale-export compares with; the recipe runs evaluate nothing, so their loops compare
@@ -312,8 +314,6 @@ def scale_stage(check: Check, args, method: str, backend: str, profile: bool = F
         command = [sys.executable, "benchmarks/step_profile.py", "--steps-to-profile", str(first), str(last),
                    "--table", str(check.out / f"profile_{method}_{backend}.txt"), "--", *command[2:]]
         profiled = {"profiled_steps": [first, last]}
-    if args.attention == "no-cudnn":  # the same command, cuDNN's attention kernels off (benchmarks/without_cudnn_attention.py)
-        command = [sys.executable, "benchmarks/without_cudnn_attention.py", *command[1:]]
     check.sh(command, timeout=args.scale_timeout)
     return {"model": args.scale, "backend": backend, "schedule": args.scale_schedule, "seq_len": args.scale_seq_len,
             "attention": args.attention,
@@ -363,13 +363,11 @@ def main(argv: list[str] | None = None) -> int:
                              "(OUT/profile_<method>_local.txt)")
     parser.add_argument("--profile-steps", type=int, nargs=2, metavar=("FIRST", "LAST"),
                         help="with --profile: the steps FIRST .. LAST-1 (counted from 0; e.g. 4 6 for the pruning phase)")
-    parser.add_argument("--attention", choices=["default", "no-cudnn"], default="default",
-                        help="no-cudnn: the one-process scale runs without cuDNN's attention kernels (PyTorch picks "
-                             "flash or memory-efficient attention), to measure what cuDNN's per-shape plans cost "
-                             "after events that change attention shapes")
+    parser.add_argument("--attention", choices=["no-cudnn", "cudnn"], default="no-cudnn",
+                        help="attention kernels of the scale runs: no-cudnn (training's default: flash or "
+                             "memory-efficient attention), cudnn (`--cudnn-attention`: PyTorch's first choice, which "
+                             "plans each new attention shape)")
     args = parser.parse_args(argv)
-    if args.attention != "default" and args.scale_backends != ["local"]:
-        parser.error("--attention no-cudnn needs --scale-backends local (the deepspeed launcher starts its own processes)")
     if args.scale_repeats < 1:
         parser.error("--scale-repeats must be at least 1")
     if args.scale_steps < 8:

@@ -29,6 +29,7 @@ from apt_ds.distributed.backend import LocalBackend, TrainingBackend
 from apt_ds.distributed.placement import move_batch
 from apt_ds.io.checkpoint import load_checkpoint, save_checkpoint
 from apt_ds.io.metrics import MetricsWriter, memory_mb
+from apt_ds.training.attention_kernels import training_attention_kernels
 from apt_ds.training.forward import (
     distilled_forward,
     enable_activation_checkpointing,
@@ -96,7 +97,8 @@ class APTrainer:
         for _ in range(self.consumed_micro_batches if skip_consumed else 0):
             next(batches)
         # `with`: an error closes the bar first, so its message starts a line of its own
-        with tqdm(total=cfg.steps, initial=self.step, disable=not (self.progress and self.backend.is_main()), desc="apt") as bar:
+        with training_attention_kernels(cfg.cudnn_attention), \
+                tqdm(total=cfg.steps, initial=self.step, disable=not (self.progress and self.backend.is_main()), desc="apt") as bar:
             while self.step < cfg.steps:
                 record = self._train_step(batches)
                 record.update(self._after_step())
