@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import TINY_CONFIGS, tiny_llama
 
-from apt_ds.algorithm.blocks import block_size
+from apt_ds.algorithm.blocks import block_size, descending_orders
 from apt_ds.algorithm.pruner import (
     AdaptivePruner,
     KeepDecision,
@@ -358,3 +358,17 @@ def test_scores_reach_the_host_in_one_copy():
     assert counter.copies == 1
     assert all(torch.equal(a, b.double()) for a, b in zip(host_groups + host_neurons, groups + neurons))
     assert torch.equal(host_hidden, hidden.double()) and host_hidden.dtype == torch.float64
+
+
+def test_batched_sorts_give_each_vectors_own_stable_order():
+    """The decision sorts the vectors of a kind in one padded call; each order must be exactly
+    the vector's own stable descending argsort (ties in index order, -inf and short vectors too)."""
+    g = torch.Generator().manual_seed(0)
+    vectors = [torch.rand(n, generator=g, dtype=torch.float64) for n in (7, 64, 1, 33, 64)]
+    vectors[1][::3] = 0.5  # ties
+    vectors[3][5] = float("-inf")  # a score equal to the padding
+    vectors.append(torch.zeros(9, dtype=torch.float64))  # all tied
+    kinds = [0, 1, 2, 1, 1, 0]
+    orders = descending_orders(vectors, kinds)
+    for vector, order in zip(vectors, orders):
+        assert torch.equal(order, torch.argsort(vector, descending=True, stable=True))
