@@ -63,12 +63,16 @@ def uniform_hidden_step(hidden_block: int, heads: int, hidden: int) -> int:
 
 
 def descending_orders(vectors: list[torch.Tensor], kinds: list[int]) -> list[torch.Tensor]:
-    """`torch.argsort(v, descending=True, stable=True)` of every vector, the vectors of one kind
-    sorted in one call, padded at the end to the longest with -inf: a 2D sort spreads its rows
-    over torch's threads, where a 7B model's 65 1D sorts ran one after another (~21 ms per
-    decision on 2 threads here, ~12 ms batched; a GPU's host has more threads and decides at
-    every decay-window step). Stable, so a padded row's first n entries are the 1D sort's."""
-    orders: list[torch.Tensor | None] = [None] * len(vectors)
+    """`torch.argsort(v, descending=True, stable=True)` of every vector. With several torch
+    threads the vectors of one kind are sorted in one call, padded at the end to the longest with
+    -inf: a 2D sort spreads its rows over the threads, where a 7B model's 65 1D sorts ran one after
+    another (a decision at LLaMA-2-7B's shape took 0.7x the time on 2 threads,
+    benchmarks/decision_cost.py; a GPU's host decides at every decay-window step). Stable, so a padded row's
+    first n entries are the 1D sort's. One thread sorts each vector alone (the padding would
+    only add work)."""
+    if torch.get_num_threads() == 1:
+        return [torch.argsort(v, descending=True, stable=True) for v in vectors]
+    orders: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * len(vectors)
     for kind in sorted(set(kinds)):
         members = [i for i, k in enumerate(kinds) if k == kind]
         width = max(vectors[i].numel() for i in members)
@@ -104,9 +108,9 @@ class Blocks:
         self.block_of: list[torch.Tensor] = []  # per vector: the global block of each unit
         kinds, density, coefficients, neurons, channels, forced = [], [], [], [], [], []
         offset = 0
-        for v, order in zip(vectors, descending_orders([v.scores.double() for v in vectors], [v.kind for v in vectors])):
+        scores_of = [v.scores.double() for v in vectors]
+        for v, scores, order in zip(vectors, scores_of, descending_orders(scores_of, [v.kind for v in vectors])):
             n = v.scores.numel()
-            scores = v.scores.double()
             rank_block = torch.arange(n) // v.block  # the block of the i-th best unit
             count = -(-n // v.block)
             block_of = torch.empty(n, dtype=torch.int64)

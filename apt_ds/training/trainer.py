@@ -97,8 +97,8 @@ class APTrainer:
         for _ in range(self.consumed_micro_batches if skip_consumed else 0):
             next(batches)
         # `with`: an error closes the bar first, so its message starts a line of its own
-        with training_attention_kernels(cfg.cudnn_attention), \
-                tqdm(total=cfg.steps, initial=self.step, disable=not (self.progress and self.backend.is_main()), desc="apt") as bar:
+        with (training_attention_kernels(cfg.cudnn_attention),
+              tqdm(total=cfg.steps, initial=self.step, disable=not (self.progress and self.backend.is_main()), desc="apt") as bar):
             while self.step < cfg.steps:
                 record = self._train_step(batches)
                 record.update(self._after_step())
@@ -139,17 +139,19 @@ class APTrainer:
 
     @torch.no_grad()
     def evaluate(self, batches: list[dict] | None = None) -> float:
-        """Mean token loss over `batches` (default: the eval batches), summed over ranks before dividing."""
+        """Mean token loss over `batches` (default: the eval batches), summed over ranks before dividing;
+        with the training steps' attention kernels (the final evaluation runs after the loop)."""
         totals = torch.zeros(2, dtype=torch.float64)
         was_enabled = self.state.salience.enabled
         self.state.salience.enabled = False
-        for batch in self.eval_batches if batches is None else batches:
-            positions = supervised_positions(batch["labels"])
-            _, loss, supervised = supervised_forward(self.backend.forward_no_grad, move_batch(batch, self.device), positions,
-                                                     use_cache=False)
-            tokens = int(supervised.sum())
-            if tokens:
-                totals += torch.tensor([float(loss) * tokens, float(tokens)], dtype=torch.float64)
+        with training_attention_kernels(self.train_config.cudnn_attention):
+            for batch in self.eval_batches if batches is None else batches:
+                positions = supervised_positions(batch["labels"])
+                _, loss, supervised = supervised_forward(self.backend.forward_no_grad, move_batch(batch, self.device),
+                                                         positions, use_cache=False)
+                tokens = int(supervised.sum())
+                if tokens:
+                    totals += torch.tensor([float(loss) * tokens, float(tokens)], dtype=torch.float64)
         self.state.salience.enabled = was_enabled
         totals = self.backend.all_reduce_sum(totals)
         return float(totals[0] / totals[1].clamp_min(1))
@@ -291,12 +293,9 @@ class APTrainer:
         return fields
 
     def _sizes(self) -> dict:
-        return {
-            "block_params": self.state.block_params(),
-            "total_params": self.state.shape.total_params(),
-            "adapter_params": self.state.adapter_params(),
-            "total_rank": self.state.total_rank(),
-        }
+        state = self.state
+        return {"block_params": state.block_params(), "total_params": state.shape.total_params(),
+                "adapter_params": state.adapter_params(), "total_rank": state.total_rank()}
 
     def _log(self, record: dict) -> None:
         record.update(self._sizes())

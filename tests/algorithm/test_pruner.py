@@ -360,15 +360,23 @@ def test_scores_reach_the_host_in_one_copy():
     assert torch.equal(host_hidden, hidden.double()) and host_hidden.dtype == torch.float64
 
 
-def test_batched_sorts_give_each_vectors_own_stable_order():
-    """The decision sorts the vectors of a kind in one padded call; each order must be exactly
-    the vector's own stable descending argsort (ties in index order, -inf and short vectors too)."""
+@pytest.mark.parametrize("threads", [1, 2])
+def test_batched_sorts_give_each_vectors_own_stable_order(threads):
+    """With several threads the decision sorts the vectors of a kind in one padded call; on one,
+    each alone. Either way each order must be exactly the vector's own stable descending argsort
+    (ties in index order, -inf equal to the padding, NaN, empty and one-unit vectors)."""
     g = torch.Generator().manual_seed(0)
-    vectors = [torch.rand(n, generator=g, dtype=torch.float64) for n in (7, 64, 1, 33, 64)]
+    vectors = [torch.rand(n, generator=g, dtype=torch.float64) for n in (7, 64, 1, 33, 64, 0)]
     vectors[1][::3] = 0.5  # ties
     vectors[3][5] = float("-inf")  # a score equal to the padding
+    vectors[4][10] = float("nan")
     vectors.append(torch.zeros(9, dtype=torch.float64))  # all tied
-    kinds = [0, 1, 2, 1, 1, 0]
-    orders = descending_orders(vectors, kinds)
-    for vector, order in zip(vectors, orders):
+    kinds = [0, 1, 2, 1, 1, 1, 0]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        orders = descending_orders(vectors, kinds)
+    finally:
+        torch.set_num_threads(before)
+    for vector, order in zip(vectors, orders, strict=True):
         assert torch.equal(order, torch.argsort(vector, descending=True, stable=True))

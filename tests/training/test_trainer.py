@@ -407,24 +407,30 @@ def test_progress_bar_shows_task_loss_and_distillation_apart_on_unlogged_steps_t
     assert all("loss" not in f for f in fields)  # never the task/distillation mix
 
 
-@pytest.mark.parametrize("cudnn_attention", [False, True])
-def test_training_sets_cudnn_attention_as_asked_and_puts_it_back(cudnn_attention):
-    """cuDNN's attention kernels are off while training unless asked for (each pruning event gives
-    attention new shapes to plan for), in forward and in backward, and as before afterwards."""
+@pytest.mark.parametrize("cudnn_attention, before", [(False, True), (False, False), (True, False), (True, True)])
+def test_training_turns_cudnn_attention_off_unless_asked_and_puts_it_back(cudnn_attention, before):
+    """cuDNN's attention kernels are off while training (each pruning event gives attention new
+    shapes to plan for), in forward, backward and the final evaluation, unless asked for: then
+    the process's own setting stands. Afterwards the setting is as before."""
     model = tiny_llama("gqa")
     trainer = APTrainer(model, APTConfig.for_steps(6, target_density=0.6),
-                        TrainConfig(steps=6, cudnn_attention=cudnn_attention), progress=False)
+                        TrainConfig(steps=6, cudnn_attention=cudnn_attention), progress=False,
+                        eval_batches=[random_batch(seed=99)])
     seen = []
-    model.model.layers[0].self_attn.register_forward_pre_hook(
-        lambda module, args: seen.append(("forward", torch.backends.cuda.cudnn_sdp_enabled())))
-    model.model.layers[0].register_full_backward_hook(
-        lambda module, grad_in, grad_out: seen.append(("backward", torch.backends.cuda.cudnn_sdp_enabled())))
-    before = torch.backends.cuda.cudnn_sdp_enabled()
-    torch.backends.cuda.enable_cudnn_sdp(not cudnn_attention)  # the opposite of what training asks for
+
+    def record(module, args, output):  # the setting in this forward and, through its output, in its backward
+        seen.append(("forward", torch.is_grad_enabled(), torch.backends.cuda.cudnn_sdp_enabled()))
+        if output[0].requires_grad:
+            output[0].register_hook(lambda grad: seen.append(("backward", True, torch.backends.cuda.cudnn_sdp_enabled())))
+
+    model.model.layers[0].self_attn.register_forward_hook(record)
+    process_setting = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(before)
     try:
         trainer.train(iter(random_batch(seed=i) for i in range(100)))
-        assert torch.backends.cuda.cudnn_sdp_enabled() is (not cudnn_attention)  # put back
+        assert torch.backends.cuda.cudnn_sdp_enabled() is before  # put back
     finally:
-        torch.backends.cuda.enable_cudnn_sdp(before)
-    assert {kind for kind, _ in seen} == {"forward", "backward"}
-    assert all(enabled is cudnn_attention for _, enabled in seen)
+        torch.backends.cuda.enable_cudnn_sdp(process_setting)
+    assert {kind for kind, _, _ in seen} == {"forward", "backward"}
+    assert any(not grad for _, grad, _ in seen)  # the evaluations' forwards
+    assert all(enabled is (cudnn_attention and before) for _, _, enabled in seen)
