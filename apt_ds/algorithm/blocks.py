@@ -65,11 +65,11 @@ def uniform_hidden_step(hidden_block: int, heads: int, hidden: int) -> int:
 def descending_orders(vectors: list[torch.Tensor], kinds: list[int]) -> list[torch.Tensor]:
     """`torch.argsort(v, descending=True, stable=True)` of every vector. With several torch
     threads the vectors of one kind are sorted in one call, padded at the end to the longest with
-    -inf: a 2D sort spreads its rows over the threads, where a 7B model's 65 1D sorts ran one after
-    another (a decision at LLaMA-2-7B's shape took 0.7x the time on 2 threads,
-    benchmarks/decision_cost.py; a GPU's host decides at every decay-window step). Stable, so a padded row's
-    first n entries are the 1D sort's. One thread sorts each vector alone (the padding would
-    only add work)."""
+    -inf: a 2D sort spreads its rows over the threads, where a 7B model's 65 1D sorts ran one
+    after another (a decision at LLaMA-2-7B's shape took 0.7x the time on 2 threads,
+    benchmarks/decision_cost.py; a GPU's host decides at every decay-window step). Stable, so a
+    padded row's first n entries are the 1D sort's. One thread sorts each vector alone (the
+    padding would only add work)."""
     if torch.get_num_threads() == 1:
         return [torch.argsort(v, descending=True, stable=True) for v in vectors]
     orders: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * len(vectors)

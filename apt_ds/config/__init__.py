@@ -214,10 +214,11 @@ class TrainConfig(_JsonConfig):
                                  "JSON's precision section", choices=BASE_DTYPES, default="auto")
     gradient_checkpointing: bool = help_field("recompute each decoder layer's activations in backward instead of keeping "
                                               "them (less memory, ~30% more compute); salience is unchanged", default=False)
-    cudnn_attention: bool = help_field("leave PyTorch's choice of attention kernels on CUDA, cuDNN's first; off by "
-                                       "default, cuDNN's are turned off while training: cuDNN plans each new attention "
-                                       "shape, and APT's 48 steps at 4 x 512 tokens on an H100 took 1.3x as long with "
-                                       "them (one run each; docs/BENCHMARKS.md)", default=False)
+    cudnn_attention: bool = help_field("true: attention on CUDA keeps PyTorch's own choice of kernels (cuDNN's first); "
+                                       "false: cuDNN's attention kernels are off while training, as cuDNN plans each new "
+                                       "attention shape and pruning events make new ones (an H100 ran APT's 48 steps at "
+                                       "4 x 512 tokens 1.3x as long with them; one run each, docs/BENCHMARKS.md)",
+                                       default=False)
 
     def __post_init__(self) -> None:
         c = "TrainConfig"
