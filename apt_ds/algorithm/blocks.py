@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 
 class PruningError(ValueError):
@@ -72,17 +73,13 @@ def descending_orders(vectors: list[torch.Tensor], kinds: list[int]) -> list[tor
     padding would only add work)."""
     if torch.get_num_threads() == 1:
         return [torch.argsort(v, descending=True, stable=True) for v in vectors]
-    orders: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * len(vectors)
-    for kind in sorted(set(kinds)):
+    orders: dict[int, torch.Tensor] = {}
+    for kind in set(kinds):
         members = [i for i, k in enumerate(kinds) if k == kind]
-        width = max(vectors[i].numel() for i in members)
-        rows = torch.full((len(members), width), float("-inf"), dtype=torch.float64)
-        for row, i in enumerate(members):
-            rows[row, : vectors[i].numel()] = vectors[i]
-        sorted_rows = torch.argsort(rows, dim=1, descending=True, stable=True)
-        for row, i in enumerate(members):
-            orders[i] = sorted_rows[row, : vectors[i].numel()]
-    return orders
+        rows = pad_sequence([vectors[i] for i in members], batch_first=True, padding_value=float("-inf"))
+        for i, row in zip(members, torch.argsort(rows, dim=1, descending=True, stable=True)):
+            orders[i] = row[: vectors[i].numel()]
+    return [orders[i] for i in range(len(vectors))]
 
 
 @dataclass
