@@ -33,6 +33,16 @@ def method_spec(name: str) -> dict:
             "distill": kind == "apt" and "nodistill" not in rest}
 
 
+def apt_config(method: dict, spec: dict) -> APTConfig:
+    """The run's APTConfig: what the method's name and the spec set, then `--apt` overrides on
+    top, so an override may also change what the name sets (e.g. target_density for a model
+    already cut some other way; the spec records it, and results report the measured density)."""
+    settings = {"target_density": method["density"], "uniform": method["uniform"], "distill": method.get("distill", True),
+                "adapter_rank": spec["rank"], "adapter_alpha": 2.0 * spec["rank"],
+                "adapter_targets": tuple(spec["adapter_targets"])}
+    return APTConfig.for_steps(spec["steps"], **{**settings, **spec.get("apt_overrides", {})})
+
+
 # The harness metric averaged per task: length-normalised accuracy for ARC-Challenge and HellaSwag
 # (as the Open LLM Leaderboard scores them; their answers differ much in length), plain accuracy
 # otherwise. ARC-Easy and PIQA use acc: at this size their acc_norm fell below chance for pruned
@@ -148,10 +158,7 @@ def run_worker(spec_path: Path) -> None:
         return
 
     steps = spec["steps"]
-    apt = APTConfig.for_steps(steps, target_density=method["density"], uniform=method["uniform"],
-                              distill=method.get("distill", True),
-                              adapter_rank=spec["rank"], adapter_alpha=2.0 * spec["rank"],
-                              adapter_targets=tuple(spec["adapter_targets"]), **spec.get("apt_overrides", {}))
+    apt = apt_config(method, spec)
     train = TrainConfig(steps=steps, micro_batch_size=spec["micro_batch_size"], lr=spec["lr"],
                         warmup_steps=max(1, steps // 10), max_seq_len=seq, seed=spec["seed"], log_every=1)
     records = load_records(task_dir / "train.jsonl")
@@ -189,7 +196,7 @@ def run_worker(spec_path: Path) -> None:
         from apt_ds.training.baselines import one_shot_prune
 
         calibration = ptt_calibration(examples, train.micro_batch_size, train.seed, pad_id, spec["calibration_batches"])
-        pruned = one_shot_prune(model, calibration, method["density"], apt)
+        pruned = one_shot_prune(model, calibration, apt.target_density, apt)
         result["calibration_time_s"] = time.perf_counter() - started
         result["calibration_cpu_s"] = time.process_time() - cpu_started
         result["calibration_batches"] = len(calibration)

@@ -372,7 +372,9 @@ def main(argv=None) -> None:
     parser.add_argument("--smoke", action="store_true", help="8 steps, 16 eval rows, 2 calibration batches, 1 speed round")
     parser.add_argument("--apt", nargs="+", default=[], metavar="FIELD=VALUE",
                         help="APTConfig fields for every APT and prune-then-tune run, e.g. kurtosis_weight=0 "
-                             "score_normalization=none (values read as JSON, else as text)")
+                             "score_normalization=none (values read as JSON, else as text); they win over what a "
+                             "method's name sets, e.g. target_density=0.84 for a model with layers already dropped "
+                             "(benchmarks/drop_layers.py)")
     args = parser.parse_args(argv)
     try:
         args.apt = apt_overrides(args.apt)

@@ -211,6 +211,24 @@ def test_apt_overrides_are_typed_and_checked():
             quality.apt_overrides(bad)
 
 
+def test_apt_overrides_win_over_what_the_method_name_sets():
+    """`--apt target_density=...` or `uniform=...` used to reach APTConfig twice (by the name and by
+    the override) and stopped the worker with a TypeError; the override now wins."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import _quality_worker as worker
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    spec = {"steps": 40, "rank": 4, "adapter_targets": ["q_proj", "v_proj"]}
+    method = worker.method_spec("apt_0.7_uniform")
+    plain = worker.apt_config(method, spec)
+    assert (plain.target_density, plain.uniform, plain.adapter_rank, plain.adapter_alpha) == (0.7, True, 4, 8.0)
+    changed = worker.apt_config(method, {**spec, "apt_overrides": {"target_density": 0.84, "uniform": False,
+                                                                   "kurtosis_weight": 0}})
+    assert (changed.target_density, changed.uniform, changed.kurtosis_weight) == (0.84, False, 0)
+    assert changed.pruning_end_step == plain.pruning_end_step  # the schedule still follows spec["steps"]
+
+
 def test_instruct_task_is_scored_zero_shot_by_the_harness(tmp_path, tokenizer):
     pytest.importorskip("lm_eval")
     """The instruct task (prepare_instructions.py's Alpaca mix) has no test split: every run,
