@@ -159,6 +159,7 @@ def run_worker(spec_path: Path) -> None:
 
     steps = spec["steps"]
     apt = apt_config(method, spec)
+    result.update(uniform=apt.uniform, distill=apt.distill, target_density=apt.target_density)  # --apt may change them
     train = TrainConfig(steps=steps, micro_batch_size=spec["micro_batch_size"], lr=spec["lr"],
                         warmup_steps=max(1, steps // 10), max_seq_len=seq, seed=spec["seed"], log_every=1)
     records = load_records(task_dir / "train.jsonl")

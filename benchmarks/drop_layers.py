@@ -26,16 +26,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def block_influence(model, tokenizer, texts: list[str]) -> list[float]:
-    """Per decoder layer: 1 - cos(input, output) of its hidden states, averaged over tokens, then rows."""
+    """Per decoder layer: 1 - cos(input, output) of its hidden states, averaged over tokens, then rows.
+    Read by hooks on the layers themselves: `output_hidden_states` hands back the last layer's output
+    after the final norm (transformers 5), whose per-channel weights would turn its direction."""
     import torch
 
-    influence = torch.zeros(model.config.num_hidden_layers, dtype=torch.float64)
-    with torch.no_grad():
-        for text in texts:
-            states = model(**tokenizer(text, return_tensors="pt"), output_hidden_states=True).hidden_states
-            for index in range(len(influence)):
-                similarity = torch.nn.functional.cosine_similarity(states[index][0], states[index + 1][0], dim=-1)
-                influence[index] += (1 - similarity).mean().item() / len(texts)
+    layers = model.model.layers
+    influence = torch.zeros(len(layers), dtype=torch.float64)
+    pairs: dict[int, tuple] = {}
+
+    def recorder(index: int):
+        def hook(module, args, kwargs, output):
+            inputs = args[0] if args else kwargs["hidden_states"]
+            pairs[index] = (inputs, output[0] if isinstance(output, tuple) else output)
+        return hook
+
+    handles = [layer.register_forward_hook(recorder(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    try:
+        with torch.no_grad():
+            for text in texts:
+                model(**tokenizer(text, return_tensors="pt"))
+                for index, (before, after) in pairs.items():
+                    similarity = torch.nn.functional.cosine_similarity(before[0], after[0], dim=-1)
+                    influence[index] += (1 - similarity).mean().item() / len(texts)
+    finally:
+        for handle in handles:
+            handle.remove()
     return influence.tolist()
 
 
@@ -65,8 +81,20 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if (args.drop is None) == (args.layers is None):
         parser.error("give one of --drop N and --layers I,J,...")
-    if args.out.exists():
-        parser.error(f"--out {args.out} exists; choose a new directory")
+    named = None
+    if args.layers is not None:
+        try:
+            named = [int(i) for i in args.layers.split(",")]
+        except ValueError:
+            parser.error(f"--layers {args.layers}: expected comma-separated layer indices, e.g. 13,14,25")
+    if args.drop is not None and args.drop < 1:
+        parser.error(f"--drop must be >= 1, got {args.drop}")
+    if args.rows < 1 or not 0 < args.density <= 1:
+        parser.error(f"--rows must be >= 1 and --density in (0, 1], got {args.rows} and {args.density}")
+    staging = args.out.with_name(args.out.name + ".partial")
+    if args.out.exists() or staging.exists():
+        parser.error(f"--out {args.out} or {staging.name} exists; choose a new directory (or remove a failed run's "
+                     f"{staging.name})")
     if not (args.model / "config.json").is_file() or not (args.task / "train.jsonl").is_file():
         parser.error(f"need {args.model}/config.json and {args.task}/train.jsonl (see benchmarks/prepare_tasks.py)")
 
@@ -78,20 +106,24 @@ def main(argv: list[str] | None = None) -> dict:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     layers = model.config.num_hidden_layers
     with open(args.task / "train.jsonl") as f:
-        rows = [json.loads(line) for line, _ in zip(f, range(args.rows))]
+        rows = [json.loads(line) for line, _ in zip(f, range(args.rows)) if line.strip()]
+    if not rows:
+        parser.error(f"{args.task}/train.jsonl has no rows to measure on")
     influence = block_influence(model, tokenizer, [row["prompt"] + row["completion"] for row in rows])
     ranked = sorted(range(layers), key=influence.__getitem__)
-    drop = ranked[: args.drop] if args.layers is None else [int(i) for i in args.layers.split(",")]
+    drop = ranked[: args.drop] if named is None else named
     if len(set(drop)) != len(drop) or not all(0 <= i < layers for i in drop) or len(drop) >= layers:
         parser.error(f"layers to drop must be distinct indices in [0, {layers}) and leave one: {drop}")
     kept = layers - len(drop)
     density = args.density * layers / kept  # every layer holds the same block parameters before pruning
     if density > 1:
         parser.error(f"dropping {len(drop)} of {layers} layers already cuts below density {args.density}")
-    staging = args.out.with_name(args.out.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    without_layers(model, drop).save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
+    try:
+        without_layers(model, drop).save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # nothing half-written stays behind
+        raise
     staging.rename(args.out)
     result = {"influence": [round(v, 4) for v in influence], "least_influential_first": ranked,
               "dropped": sorted(drop), "kept_layers": kept, "target_density": round(density, 4)}

@@ -17,7 +17,7 @@ and input gradient, in bf16, against the same at the unpruned width 11,008, and 
 the multiple of 128 below it (tensor-core tiles). The lease's recovery steps cost 0.850x LoRA's at
 0.712x the FLOPs; a time ratio above the FLOP ratio here would place part of that gap in the matmuls.
 
-    python benchmarks/matmul_alignment.py --ffn-7b --device cuda --json OUT/matmul_ffn_7b.json   # ~1 min on a GPU
+    python benchmarks/matmul_alignment.py --ffn-7b --device cuda --repeats 3 --json OUT/matmul_ffn_7b.json   # minutes on a GPU (estimated)
 """
 
 from __future__ import annotations
@@ -70,13 +70,18 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--ffn-7b", action="store_true", help="the pruned LLaMA-2-7B FFN sweep (docstring)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (--ffn-7b only)")
-    parser.add_argument("--tokens", type=int, default=16 * 512, help="tokens per matmul (--ffn-7b only)")
+    parser.add_argument("--tokens", type=int, help="tokens per matmul (--ffn-7b only; default 16 x 512 on cuda; on a "
+                        "CPU give it: the full sweep would take hours there)")
     parser.add_argument("--widths", type=int, nargs="+", help="per-layer FFN widths instead of the lease's (--ffn-7b only)")
     parser.add_argument("--json", type=Path, default=Path("bench_out/matmul_alignment.json"))
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.threads < 1 or (args.min_run_time is not None and args.min_run_time <= 0):
         parser.error("--repeats and --threads must be >= 1 and --min-run-time > 0")
-    if args.tokens < 1 or any(w < 1 or w > LLAMA2_7B_FFN for w in args.widths or ()):
+    if args.ffn_7b and args.tokens is None:
+        if args.device != "cuda":
+            parser.error("--ffn-7b on a CPU: pass --tokens (e.g. 64); 16 x 512 tokens over every width take hours there")
+        args.tokens = 16 * 512
+    if (args.tokens is not None and args.tokens < 1) or any(w < 1 or w > LLAMA2_7B_FFN for w in args.widths or ()):
         parser.error(f"--tokens must be >= 1 and --widths in [1, {LLAMA2_7B_FFN}]")
 
     import torch
@@ -108,7 +113,7 @@ def smollm2_pairs(args) -> dict:
             stmt, inputs = "F.linear(x, w)", {"x": torch.randn(tokens, fan_in)}
         else:  # the input gradient of a frozen Linear: dY (tokens, out) @ W (out, in)
             stmt, inputs = "g @ w", {"g": torch.randn(tokens, fan_out)}
-        timer = Timer(stmt, globals={"F": F, "w": weight, **inputs})
+        timer = Timer(stmt, globals={"F": F, "w": weight, **inputs}, num_threads=args.threads)
         seconds = timer.blocked_autorange(min_run_time=min_run_time).median
         return 2 * tokens * fan_in * fan_out / seconds / 1e9
 
@@ -139,7 +144,7 @@ def ffn_sweep(args, device) -> dict:
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     widths = list(args.widths or PRUNED_7B_FFN)
-    by_128 = {w: max(128, w - w % 128) for w in widths}
+    by_128 = {w: w - w % 128 or w for w in widths}  # a width under 128 has no smaller multiple: itself
     distinct = sorted({LLAMA2_7B_FFN, *widths, *by_128.values()}, reverse=True)
     min_run_time = args.min_run_time or 0.1
     generator = torch.Generator(device=device).manual_seed(0)
@@ -157,11 +162,11 @@ def ffn_sweep(args, device) -> dict:
                 F.linear(x, w)
             for g, w in tensors["input_grad"]:  # dY (tokens, out) @ W (out, in)
                 g @ w
-        return Timer("run()", globals={"run": run})
+        return Timer("run()", globals={"run": run}, num_threads=args.threads)
 
     laps = {w: [] for w in distinct}
     for _ in range(args.repeats):
-        for width in distinct:  # one timer at a time: a 7B layer's tensors in bf16 are ~0.5 GB
+        for width in distinct:  # one timer at a time: a dense 7B layer's six pairs in bf16 are ~1.3 GB
             laps[width].append(layer_timer(width).blocked_autorange(min_run_time=min_run_time).median)
     seconds = {w: statistics.median(v) for w, v in laps.items()}
     dense = len(widths) * seconds[LLAMA2_7B_FFN]

@@ -35,9 +35,15 @@ def test_each_layer_times_the_six_frozen_ffn_matmuls_of_a_step():
                                        for fan_in, fan_out in ((4096, 1056), (4096, 1056), (1056, 4096))])
 
 
-@pytest.mark.parametrize("argv", [["--repeats", "0"], ["--tokens", "0"], ["--widths", "20000"], ["--device", "tpu"]])
-def test_bad_settings_are_one_line_errors(argv, tmp_path, capsys):
+@pytest.mark.parametrize("argv, message", [
+    (["--repeats", "0", "--tokens", "4"], "--repeats"),
+    (["--tokens", "0"], "--tokens must"),
+    (["--widths", "20000", "--tokens", "4"], "--widths in"),
+    (["--device", "tpu", "--tokens", "4"], "--device tpu"),
+    (["--device", "cpu"], "pass --tokens"),  # 16 x 512 tokens over every width on a CPU would take hours
+])
+def test_bad_settings_are_one_line_errors(argv, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
         matmul_alignment.main([*argv, "--ffn-7b", "--json", str(tmp_path / "x.json")])
-    assert stop.value.code == 2 and argv[0] in capsys.readouterr().err
+    assert stop.value.code == 2 and message in capsys.readouterr().err.splitlines()[-1]
     assert not (tmp_path / "x.json").exists()

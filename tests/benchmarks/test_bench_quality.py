@@ -92,11 +92,14 @@ def test_quality_benchmark_runs_every_method_on_the_tiny_model(tmp_path, tokeniz
     row = json.loads(stale.read_text())
     row["spec"]["steps"] = 99
     stale.write_text(json.dumps(row))
-    table_only = subprocess.run(cmd + ["--skip-speed", "--methods", "lora", "ptt_0.7", "--steps", "8", "--jobs", "1"],
-                                capture_output=True, text=True, cwd=ROOT)
+    # (run again with --apt target_density=0.5: the override reaches prune-then-tune's one-shot cut)
+    table_only = subprocess.run(cmd + ["--skip-speed", "--methods", "lora", "ptt_0.7", "--steps", "8", "--jobs", "1",
+                                       "--apt", "target_density=0.5"], capture_output=True, text=True, cwd=ROOT)
     assert table_only.returncode == 0, table_only.stderr[-3000:]
     assert "sst2/ptt_0.7: the saved result used other settings; running again" in table_only.stdout
-    assert json.loads(stale.read_text())["spec"]["steps"] == 8
+    redone = json.loads(stale.read_text())
+    assert redone["spec"]["steps"] == 8 and redone["spec"]["apt_overrides"] == {"target_density": 0.5}
+    assert redone["target_density"] == 0.5 and abs(redone["density"] - 0.5) < 0.15, redone["density"]
 
 
 def test_every_tasks_target_pair_is_queued_first_and_together():
