@@ -159,7 +159,8 @@ def run_worker(spec_path: Path) -> None:
 
     steps = spec["steps"]
     apt = apt_config(method, spec)
-    result.update(uniform=apt.uniform, distill=apt.distill, target_density=apt.target_density)  # --apt may change them
+    if method["kind"] != "lora":  # --apt may change them (dense LoRA trains apt.as_lora() whatever they say)
+        result.update(uniform=apt.uniform, distill=apt.distill, target_density=apt.target_density)
     train = TrainConfig(steps=steps, micro_batch_size=spec["micro_batch_size"], lr=spec["lr"],
                         warmup_steps=max(1, steps // 10), max_seq_len=seq, seed=spec["seed"], log_every=1)
     records = load_records(task_dir / "train.jsonl")

@@ -100,6 +100,8 @@ def test_quality_benchmark_runs_every_method_on_the_tiny_model(tmp_path, tokeniz
     redone = json.loads(stale.read_text())
     assert redone["spec"]["steps"] == 8 and redone["spec"]["apt_overrides"] == {"target_density": 0.5}
     assert redone["target_density"] == 0.5 and abs(redone["density"] - 0.5) < 0.15, redone["density"]
+    lora_row = json.loads((out / "sst2" / "lora" / "result.json").read_text())
+    assert lora_row["density"] == pytest.approx(1.0) and "target_density" not in lora_row  # LoRA stays dense
 
 
 def test_every_tasks_target_pair_is_queued_first_and_together():
