@@ -32,7 +32,7 @@ def block_influence(model, tokenizer, texts: list[str]) -> list[float]:
     import torch
 
     layers = model.model.layers
-    influence = torch.zeros(len(layers), dtype=torch.float64)
+    influence = [0.0] * len(layers)
     pairs: dict[int, tuple] = {}
 
     def recorder(index: int):
@@ -52,7 +52,7 @@ def block_influence(model, tokenizer, texts: list[str]) -> list[float]:
     finally:
         for handle in handles:
             handle.remove()
-    return influence.tolist()
+    return influence
 
 
 def without_layers(model, drop: list[int]):
@@ -101,7 +101,6 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     layers = model.config.num_hidden_layers
