@@ -13,8 +13,10 @@ import json
 import os
 import platform
 import resource
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -112,15 +114,20 @@ def ensure_hf_model(model: str | Path, cache_dir: str | Path) -> Path:
     if config.get("tie_word_embeddings"):
         hf.tie_weights()
     del gguf_model
-    tmp = cache_dir.with_name(cache_dir.name + ".tmp")
-    if tmp.exists():
-        import shutil
-
-        shutil.rmtree(tmp)
-    hf.save_pretrained(str(tmp))
-    tokenizer.save_pretrained(str(tmp))
-    (tmp / "converted_from.json").write_text(json.dumps({"source": str(model)}) + "\n")
-    tmp.rename(cache_dir)
+    # A directory of this process's own: two benchmarks started side by side on a fresh machine
+    # both convert, and a shared ".tmp" let one delete the other's half-written files.
+    cache_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=cache_dir.name + ".", suffix=".partial", dir=cache_dir.parent))
+    try:
+        hf.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / "converted_from.json").write_text(json.dumps({"source": str(model)}) + "\n")
+        tmp.rename(cache_dir)
+    except OSError:
+        if not (cache_dir / "converted_from.json").exists():  # not a sibling that finished first
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     print(f"[convert] done in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     return cache_dir
 

@@ -307,8 +307,10 @@ def _shape_from_config(cfg: dict):
     return ModelShape(cfg["hidden_size"], layers, cfg["vocab_size"], bool(cfg.get("tie_word_embeddings")))
 
 
-def apt_overrides(pairs: list[str]) -> dict:
-    """{'kurtosis_weight': 0.0, ...} from ['kurtosis_weight=0', ...], checked against APTConfig."""
+def apt_overrides(pairs: list[str], run_steps: list[int]) -> dict:
+    """{'kurtosis_weight': 0.0, ...} from ['kurtosis_weight=0', ...], checked against the APTConfig
+    of a run of each length in `run_steps` (a schedule override such as pruning_end_step=43 is only
+    valid against a run's own schedule, whose other steps scale with its length)."""
     import dataclasses
 
     known = {f.name for f in dataclasses.fields(APTConfig)}
@@ -322,7 +324,8 @@ def apt_overrides(pairs: list[str]) -> dict:
         except json.JSONDecodeError:
             found[name] = text
     try:
-        APTConfig(**found)
+        for steps in run_steps:
+            APTConfig.for_steps(steps, **found)
     except (ConfigError, TypeError) as err:  # the config's own one-line validation message
         raise ValueError(f"--apt: {err}") from None
     return found
@@ -376,10 +379,6 @@ def main(argv=None) -> None:
                              "method's name sets, e.g. target_density=0.84 for a model with layers already dropped "
                              "(benchmarks/drop_layers.py)")
     args = parser.parse_args(argv)
-    try:
-        args.apt = apt_overrides(args.apt)
-    except ValueError as err:
-        parser.error(str(err))
     if args.worker:
         run_worker(args.worker)
         return
@@ -390,6 +389,10 @@ def main(argv=None) -> None:
     if args.smoke:
         args.steps, args.eval_examples, args.calibration_batches, args.speed_rounds, args.check_rows = 8, 16, 2, 1, 8
         args.harness_limit, args.mmlu_limit = 4, 1
+    try:
+        args.apt = apt_overrides(args.apt, [args.steps] if args.steps else sorted({TASKS[t]["steps"] for t in args.tasks}))
+    except ValueError as err:
+        parser.error(str(err))
     args.out = args.out or ("bench_out/quality_smoke" if args.smoke else "bench_out/quality")
     args.img_dir = args.img_dir or str(Path(args.out) / "img")  # a narrower run must not replace the docs' plots
     run_all(args)

@@ -208,12 +208,18 @@ def test_apt_overrides_are_typed_and_checked():
         import quality
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    assert quality.apt_overrides(["kurtosis_weight=0", "score_normalization=none", "uniform=true"]) == {
+    assert quality.apt_overrides(["kurtosis_weight=0", "score_normalization=none", "uniform=true"], [48]) == {
         "kurtosis_weight": 0, "score_normalization": "none", "uniform": True}
     for bad, message in ((["kurtosis_weigth=0"], "APTConfig field"), (["kurtosis_weight"], "FIELD=VALUE"),
                          (["kurtosis_weight=-1"], "kurtosis_weight"), (["score_normalization=layer"], "score_normalization")):
         with pytest.raises(ValueError, match=message):
-            quality.apt_overrides(bad)
+            quality.apt_overrides(bad, [48])
+    # A schedule override is checked against each run's own schedule (start at 10% of its steps),
+    # not against APTConfig()'s defaults (start 100), which rejected every end before step 101.
+    assert quality.apt_overrides(["pruning_end_step=43"], [144]) == {"pruning_end_step": 43}
+    assert quality.apt_overrides(["pruning_end_step=10"], [48]) == {"pruning_end_step": 10}  # pruning from step 5
+    with pytest.raises(ValueError, match="pruning_end_step"):  # 144 steps start pruning at step 14
+        quality.apt_overrides(["pruning_end_step=10"], [48, 144])
 
 
 def test_apt_overrides_win_over_what_the_method_name_sets():
