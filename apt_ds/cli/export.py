@@ -58,7 +58,11 @@ def done_message(report_: dict, out: str) -> str:
 
 
 def _plain_model_and_kept(model_path: str, kept_path: str):
-    from apt_ds.io.modeling import load_model
+    from apt_ds.io.modeling import TINY_MODELS, load_model
+
+    if model_path in TINY_MODELS:  # its weights are drawn at random on each load: nothing to cut with --kept
+        raise ConfigError(f"--model {model_path} is the built-in random model, which --kept cannot export; "
+                          f"export its run instead: launch/export.py RUN_DIR --out OUT")
 
     if kept_path.endswith(".safetensors"):
         from apt_ds.export.kept import kept_from_masks

@@ -17,6 +17,7 @@ from apt_ds.config import help_field
 from apt_ds.io.run_dir import set_aside_note
 
 CURVES_FILE, SHAPE_FILE = "curves.png", "shape.png"
+PNG_SOFTWARE = "apt-ds plot"  # the PNGs' Software text chunk: what marks a file as ours to replace
 DPI = 100
 MAX_COLUMNS = 700  # about the heat map's width in pixels at DPI
 KEPT_COLOR, REMOVED_COLOR = "#1f5f8b", "#e4e4e4"
@@ -37,8 +38,9 @@ class PlotArguments:
 
     _argument_group_name = "plot"
 
-    out: Optional[str] = help_field("directory for the PNGs (created; files of the same name are replaced) (default for "
-                                    "one run: RUN/plots; required for several runs)", default=None)
+    out: Optional[str] = help_field("directory for the PNGs (created; PNGs this command wrote there before are replaced, "
+                                    "other files of the same name are refused) (default for one run: RUN/plots; required "
+                                    "for several runs)", default=None)
 
 
 def build_parser() -> ArgumentParser:
@@ -63,6 +65,11 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(err))
     if out.exists() and not out.is_dir():  # checked before anything is drawn or written
         return _fail(f"--out {out} exists and is not a directory")
+    names = [CURVES_FILE] + ([SHAPE_FILE] if any(run.shape is not None for run in runs) else [])
+    foreign = [name for name in names if (out / name).exists() and not _replaceable(out / name, default_out=args.out is None)]
+    if foreign:
+        return _fail(f"--out {out} holds {' and '.join(foreign)}, which this command did not write; move "
+                     f"{'them' if len(foreign) > 1 else 'it'} away or choose another --out")
     for run in runs:
         for note in run.notes:
             print(f"note: {note}", file=sys.stderr)
@@ -76,6 +83,20 @@ def main(argv: list[str] | None = None) -> int:
     for path in written:
         print(path)
     return 0
+
+
+def _replaceable(path: Path, default_out: bool) -> bool:
+    """A PNG this command wrote (its Software chunk says so), or any file of the run's own RUN/plots
+    (plots written before the mark existed; the directory belongs to the run)."""
+    if default_out:
+        return True
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            return image.format == "PNG" and image.info.get("Software") == PNG_SOFTWARE
+    except (OSError, UnidentifiedImageError):  # not an image, unreadable, a directory
+        return False
 
 
 def _fail(message: str) -> int:
@@ -96,7 +117,7 @@ def _save(figure, path: Path) -> Path:
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")  # unique: two plots at once
     try:
         with open(tmp, "xb") as stream:  # not mkstemp: the PNG gets the umask's mode, not 0600
-            figure.savefig(stream, format="png", dpi=DPI, metadata={"Software": None})
+            figure.savefig(stream, format="png", dpi=DPI, metadata={"Software": PNG_SOFTWARE})
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

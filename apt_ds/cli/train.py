@@ -69,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     given = explicit_values(build_train_parser, argv)
     out = given.get("out", RunArguments.out)
     try:
+        if given.get("global_batch_size") is not None and "micro_batch_size" in given:  # one would be ignored
+            raise ConfigError(f"--global-batch-size {given['global_batch_size']} sets the micro-batch size from the rank "
+                              f"and accumulation counts, and --micro-batch-size {given['micro_batch_size']} sets it "
+                              "directly: give one of them")
         run, apt, train = resolve(given)
         out = run.out
         check_inputs_early(run, train)

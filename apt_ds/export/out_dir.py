@@ -15,7 +15,7 @@ import re
 import shutil
 from pathlib import Path
 
-from apt_ds.io.run_dir import listing
+from apt_ds.io.run_dir import check_writable, listing
 
 REPORT_FILE = "apt_export.json"
 
@@ -31,6 +31,7 @@ def check_export_out(out: Path, overwrite: bool, protected: list[Path] = ()) -> 
         if resolved == path or resolved in path.parents:
             raise FileExistsError(f"--out {out} is or contains the input {path}; choose another directory")
     if not out.exists() and not out.is_symlink():
+        check_writable(out)  # e.g. a parent that is a file: one line naming it, not an OSError from mkdir
         return
     if not out.is_dir() or out.is_symlink():
         raise FileExistsError(f"--out {out} exists and is not a directory; remove it or choose another --out")

@@ -63,13 +63,41 @@ def _load_saved_dir(path: Path) -> datasets.Dataset:
 def _load_json_file(path: Path) -> datasets.Dataset:
     if path.suffix not in (".json", ".jsonl"):
         raise DataError(f"data file {path.name} is neither .json nor .jsonl (nor a saved dataset directory)")
-    if not path.read_text(encoding="utf-8", errors="replace").strip():
+    text = _utf8_text(path)
+    if not text.strip():
         raise DataError(f"data file {path.name} is empty")
+    if text.lstrip().startswith("["):
+        _check_top_level_list(text, path)
     try:
         with _quiet_datasets():
             return datasets.load_dataset("json", data_files=str(path), split="train")
     except Exception as err:  # datasets wraps parser errors in a long generic chain
         raise DataError(f"data file {path.name} is not valid JSON records: {_json_problem(path, err)}") from None
+
+
+def _utf8_text(path: Path) -> str:
+    """The file as text; bytes that are not UTF-8 would otherwise surface as a UnicodeDecodeError
+    from deep inside pyarrow, when the rows are first read."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        line = raw[: bad.start].count(b"\n") + 1
+        raise DataError(f"data file {path.name} is not UTF-8 text: byte 0x{raw[bad.start]:02x} on line {line} "
+                        "(re-save it as UTF-8)") from None
+
+
+def _check_top_level_list(text: str, path: Path) -> None:
+    """A .json list must hold records: `datasets` turns [1, 2, 3] into a 'text' column of numbers
+    (and a list of strings into texts, which is kept: each string is a text row)."""
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError:
+        return  # load_dataset fails next, and _json_problem says where
+    odd = next((row for row in rows if not isinstance(row, (dict, str))), None) if isinstance(rows, list) else None
+    if odd is not None:
+        raise DataError(f"data file {path.name} is a JSON list holding {type(odd).__name__} values: each row must be "
+                        f"an object with {USABLE_FIELDS}")
 
 
 @contextlib.contextmanager

@@ -189,3 +189,25 @@ def test_wide_ffn_is_drawn_as_shares_of_bins():
     assert binned.shape == (2, 500) and np.allclose(binned[0], 1 / 3)  # 3 neurons per column, one kept
     assert np.allclose(binned[1, :250], 1.0) and np.allclose(binned[1, 250:], 0.0)
     assert _binned(matrix[:, :700], most=700).shape == (2, 700)  # narrow enough: as is
+
+
+def test_a_users_file_in_out_is_refused_and_our_own_plots_are_replaced(runs, tmp_path, capsys):
+    """--out may hold PNGs this command wrote (re-plotting after more steps replaces them); a file
+    of the same name that it did not write is refused, byte for byte unchanged."""
+    out = tmp_path / "figures"
+    out.mkdir()
+    (out / "curves.png").write_bytes(b"my own figure")
+    capsys.readouterr()
+    assert main([str(runs[0]), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --out {out} holds curves.png, which this command did not write; move it away or choose "
+                   f"another --out"]
+    assert _files(out) == ["curves.png"] and (out / "curves.png").read_bytes() == b"my own figure"
+
+    mine = tmp_path / "mine"
+    assert main([str(runs[0]), "--out", str(mine)]) == 0
+    first = (mine / "shape.png").stat().st_mtime_ns
+    assert main([str(runs[0]), str(runs[1]), "--out", str(mine)]) == 0  # its own files: replaced
+    assert _files(mine) == ["curves.png", "shape.png"] and (mine / "shape.png").stat().st_mtime_ns != first
+    with Image.open(mine / "shape.png") as image:
+        assert image.info.get("Software") == "apt-ds plot"

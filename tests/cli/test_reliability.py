@@ -95,12 +95,20 @@ def home(tmp_path_factory):
     (bad / "empty.jsonl").write_text("")
     (bad / "no_fields.jsonl").write_text('{"foo": 1}\n')
     (bad / "torn.jsonl").write_text('{"text": "a"}\n{"text": \n')
+    (bad / "latin1.jsonl").write_bytes('{"text": "a"}\n{"text": "caf\u00e9"}\n'.encode("latin-1"))  # not UTF-8
+    (bad / "numbers.json").write_text("[1, 2, 3]")  # datasets reads it as a 'text' column of numbers
     (bad / "kept.json").write_text('{"groups": "all"}')
     return root
 
 
 def train(*argv: str) -> list[str]:
     return ["train", *BASE, *argv]
+
+
+def train_global_batch(*argv: str) -> list[str]:
+    """BASE without its --micro-batch-size, which --global-batch-size replaces (giving both is an error)."""
+    at = BASE.index("--micro-batch-size")
+    return ["train", *BASE[:at], *BASE[at + 2:], *argv]
 
 
 def export(*argv: str) -> list[str]:
@@ -157,6 +165,10 @@ CASES = [
     ("data-empty", ["train", *BASE[:-1], "bad/empty.jsonl", "--out", "new"], "empty.jsonl"),
     ("data-no-usable-rows", ["train", *BASE[:-1], "bad/no_fields.jsonl", "--out", "new"], "no usable rows"),
     ("data-torn-json", ["train", *BASE[:-1], "bad/torn.jsonl", "--out", "new"], "torn.jsonl"),
+    ("data-not-utf8", ["train", *BASE[:-1], "bad/latin1.jsonl", "--out", "new"],
+     "latin1.jsonl is not UTF-8 text: byte 0xe9 on line 2"),
+    ("data-list-of-numbers", ["train", *BASE[:-1], "bad/numbers.json", "--out", "new"],
+     "numbers.json is a JSON list holding int values: each row must be an object"),
     ("eval-data-missing", train("--eval-data", "bad/nope.jsonl", "--out", "new"), "--eval-data bad/nope.jsonl does not exist"),
     ("eval-examples-zero", train("--eval-data", "data.jsonl", "--eval-examples", "0", "--out", "new"), "--eval-examples must be >= 1"),
     ("probe-without-eval-data", train("--save-eval-probe", "--out", "new"), "--save-eval-probe needs --eval-data"),
@@ -188,10 +200,12 @@ CASES = [
     ("max-seq-len-one", train("--max-seq-len", "1", "--out", "new"), "--max-seq-len must be >= 2"),
     ("micro-batch-zero", train("--micro-batch-size", "0", "--out", "new"), "--micro-batch-size must be >= 1"),
     ("max-grad-norm-inf", train("--max-grad-norm", "inf", "--out", "new"), "--max-grad-norm must be a finite number"),
-    ("global-batch-zero", train("--global-batch-size", "0", "--out", "new"), "--global-batch-size must be >= 1"),
+    ("global-batch-zero", train_global_batch("--global-batch-size", "0", "--out", "new"), "--global-batch-size must be >= 1"),
     ("config-not-utf8", train("--config", "bad/utf16.json", "--out", "new"), "cannot read --config"),
     ("ds-not-utf8", train("--deepspeed", "bad/utf16.json", "--out", "new"), "cannot read it as UTF-8 JSON text"),
-    ("global-batch-indivisible", train("--global-batch-size", "3", "--grad-accum-steps", "2", "--out", "new"), "not divisible"),
+    ("global-and-micro-batch", train("--global-batch-size", "4", "--micro-batch-size", "1", "--out", "new"),
+     "--micro-batch-size 1 sets it directly: give one of them"),
+    ("global-batch-indivisible", train_global_batch("--global-batch-size", "3", "--grad-accum-steps", "2", "--out", "new"), "not divisible"),
     ("pruning-ends-after-run", train("--pruning-end-step", "20", "--out", "new"), "--pruning-end-step (20) must be <= steps"),
     ("rank-cap-below-rank", train("--rank-cap", "2", "--out", "new"), "--rank-cap must be >= adapter_rank"),
     ("adapter-target-unknown", train("--adapter-targets", "qq_proj", "--out", "new"), "invalid choice: 'qq_proj'"),
@@ -204,6 +218,9 @@ CASES = [
     ("export-out-previous-export", export("run", "--out", "export"), "holds a previous export; pass --overwrite"),
     ("export-out-is-the-run", export("run", "--out", "run", "--overwrite"), "is or contains the input"),
     ("export-out-is-a-file", export("run", "--out", "a_file", "--overwrite"), "exists and is not a directory"),
+    ("export-out-below-a-file", export("run", "--out", "a_file/sub"), "--out a_file/sub: a_file is a file, not a directory"),
+    ("export-kept-tiny-model", export("--model", "tiny", "--kept", "run/checkpoint/apt_state.json", "--out", "new"),
+     "--model tiny is the built-in random model, which --kept cannot export"),
     ("export-dtype-unknown", export("run", "--out", "new", "--dtype", "fp8"), "invalid choice: 'fp8'"),
     ("export-shard-size-garbage", export("run", "--out", "new", "--max-shard-size", "huge"), "max-shard-size"),
     ("export-torn-checkpoint", export("torn_masks", "--out", "new"), "torn_masks"),

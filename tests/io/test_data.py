@@ -160,6 +160,21 @@ def test_fields_that_are_not_text_are_refused(tmp_path, rows, message):
         data.load_records(_write_jsonl(tmp_path / "typed.jsonl", rows))
 
 
+def test_bytes_that_are_not_utf8_name_the_line(tmp_path):
+    """They used to pass the loader and end in a UnicodeDecodeError from pyarrow when rows were read."""
+    (tmp_path / "latin1.jsonl").write_bytes('{"text": "a"}\n{"text": "b"}\n{"text": "caf\u00e9"}\n'.encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin1\.jsonl is not UTF-8 text: byte 0xe9 on line 3"):
+        data.load_records(tmp_path / "latin1.jsonl")
+
+
+def test_a_json_list_must_hold_records_or_texts(tmp_path):
+    (tmp_path / "numbers.json").write_text('[{"text": "a"}, 7]')
+    with pytest.raises(DataError, match=r"numbers\.json is a JSON list holding int values: each row must be an object"):
+        data.load_records(tmp_path / "numbers.json")
+    (tmp_path / "texts.json").write_text('["one text", "another"]')  # datasets reads these as 'text' rows
+    assert data.load_records(tmp_path / "texts.json")["text"] == ["one text", "another"]
+
+
 def test_an_empty_input_and_extra_fields_are_fine(tmp_path):
     rows = [{"instruction": "q", "input": None, "output": "a", "id": 3}]
     assert len(data.load_records(_write_jsonl(tmp_path / "ok.jsonl", rows))) == 1
