@@ -20,6 +20,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--kept is for exporting a plain model: give either RUN_DIR [--model BASE], or --model and --kept")
     if not args.run_dir and not (args.model and args.kept):
         parser.error("give either RUN_DIR [--model BASE], or --model and --kept")
+    if not args.out.strip():  # Path("") is "."
+        parser.error("--out is empty: give the directory for the exported model")
     try:
         from apt_ds.export.merge import export_pruned, export_run
         from apt_ds.export.writer import check_options

@@ -18,6 +18,8 @@ from apt_ds.io.run_dir import check_out_dir, recover_interrupted_overwrite
 def check_inputs_early(run: RunArguments, train: TrainConfig) -> None:
     """The checks that need neither a process group nor a model, run before either exists
     (a launch costs minutes on a fresh machine): --out, the model path, the DeepSpeed JSON."""
+    if not str(run.out).strip():  # Path("") is ".": the current directory would be taken for the run
+        raise ConfigError("--out is empty: give the run directory")
     if run.resume and run.overwrite:
         raise ConfigError("--resume continues the run in --out and --overwrite replaces it: give one of them")
     for flag, value in (("--global-batch-size", run.global_batch_size), ("--eval-examples", run.eval_examples)):
