@@ -4,11 +4,10 @@ not at all."""
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 from apt_ds.evaluation.errors import EvaluationError
+from apt_ds.io.atomic import write_text_atomic
 
 # A model that gives one answer on this share of a task's rows (and at least this many rows: on
 # fewer, one answer throughout is too often chance) scores that answer's prior, not what it learned
@@ -61,19 +60,7 @@ def write_results(results: dict, out: str | Path) -> None:
     """JSON via a temporary file in the same directory and a rename, so a crash or a full disk
     never leaves a truncated results.json. Values JSON cannot hold (dtypes, functions in the
     task configs) are written as their text, as lm-eval's own output does."""
-    out = Path(out)
-    text = json.dumps(results, indent=2, default=_as_text, ensure_ascii=False) + "\n"
-    fd, temporary = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(temporary, 0o644)  # mkstemp makes it private; results are for everyone who can read the folder
-        os.replace(temporary, out)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    write_text_atomic(out, json.dumps(results, indent=2, default=_as_text, ensure_ascii=False) + "\n")
 
 
 def _as_text(value):

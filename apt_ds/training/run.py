@@ -19,10 +19,18 @@ import torch
 from apt_ds.config import APTConfig, ConfigError, TrainConfig
 from apt_ds.distributed.backend import LocalBackend
 from apt_ds.distributed.placement import check_fits, configure_cpu_threads, resolve_base_dtype, resolve_device
+from apt_ds.io.atomic import write_text_atomic
 from apt_ds.io.checkpoint import read_meta
 from apt_ds.io.data import TruncationStats, batches, collate, demo_data_path, load_records, tokenize_dataset
 from apt_ds.io.modeling import TINY_MODELS, build_tiny_llama, file_fingerprint, load_model, model_fingerprint
-from apt_ds.io.run_dir import RUN_FILE, check_out_dir, discard, prepare_out_dir, previous_run_back_on_failure
+from apt_ds.io.run_dir import (
+    RUN_FILE,
+    check_out_dir,
+    discard,
+    is_run_dir,
+    prepare_out_dir,
+    previous_run_back_on_failure,
+)
 from apt_ds.io.templates import check_template
 from apt_ds.io.tokenizer import load_tokenizer, train_sentencepiece_tokenizer
 from apt_ds.training.heap import freeze_prepared_data
@@ -237,8 +245,12 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
         backend.barrier()
         replaced = prepare_out_dir(out, args.resume, args.overwrite, backend.is_main())
         with previous_run_back_on_failure(out, replaced):
-            if backend.is_main() and not args.resume:  # run.json first: it marks the directory as a run
-                (out / RUN_FILE).write_text(json.dumps({**run_info, "apt_config": apt.to_dict(), "train_config": train.to_dict()}, indent=1))
+            # run.json first: it marks the directory as a run. A resume writes it again only where it
+            # is unreadable (the settings were just checked against the checkpoint's).
+            if backend.is_main() and not (args.resume and is_run_dir(out)):
+                run_record = {**run_info, "apt_config": apt.to_dict(), "train_config": train.to_dict()}
+                write_text_atomic(out / RUN_FILE, json.dumps(run_record, indent=1))
+            if backend.is_main() and not args.resume:
                 tokenizer.save_pretrained(str(out / TOKENIZER_DIR))
             backend.barrier()
     with previous_run_back_on_failure(out, replaced):

@@ -88,6 +88,19 @@ def test_resume_of_a_run_from_before_gradient_clipping(trained_runs, tmp_path, c
     assert "already finished" in capsys.readouterr().out
 
 
+def test_resume_writes_an_unreadable_run_json_again(trained_runs, tmp_path, capsys):
+    """run.json marks the directory as a run (what --overwrite may replace) and is read by plot and
+    export; a torn one used to stay torn through every resume."""
+    torn = tmp_path / "torn"
+    shutil.copytree(trained_runs / "nonuniform", torn)
+    whole = json.loads((torn / "run.json").read_text())
+    (torn / "run.json").write_text('{"model": ')
+    assert train_main([*FAST, "--target-density", "0.6", "--resume", "--out", str(torn)]) == 0
+    again = json.loads((torn / "run.json").read_text())
+    assert again["apt_config"] == whole["apt_config"] and again["train_config"] == whole["train_config"]
+    assert sorted(p.name for p in torn.iterdir() if p.name.startswith(".")) == []  # no temporary file left
+
+
 def test_clipping_of_deepspeed_runs_from_before_max_grad_norm(tmp_path):
     from apt_ds.training.run import _clipping_before_max_grad_norm
 

