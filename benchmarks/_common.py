@@ -115,21 +115,40 @@ def ensure_hf_model(model: str | Path, cache_dir: str | Path) -> Path:
         hf.tie_weights()
     del gguf_model
     # A directory of this process's own: two benchmarks started side by side on a fresh machine
-    # both convert, and a shared ".tmp" let one delete the other's half-written files.
+    # both convert, and a shared ".tmp" let one delete the other's half-written files. The pid in
+    # its name lets a later conversion remove what a killed one left.
     cache_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=cache_dir.name + ".", suffix=".partial", dir=cache_dir.parent))
+    for stale in cache_dir.parent.glob(f"{cache_dir.name}.*.partial"):
+        pid = stale.name[len(cache_dir.name) + 1:].split(".")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{cache_dir.name}.{os.getpid()}.", suffix=".partial", dir=cache_dir.parent))
     try:
         hf.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
         (tmp / "converted_from.json").write_text(json.dumps({"source": str(model)}) + "\n")
+        tmp.chmod(0o755)  # mkdtemp's 0700 would make the shared cache private
         tmp.rename(cache_dir)
     except OSError:
         if not (cache_dir / "converted_from.json").exists():  # not a sibling that finished first
             raise
+        recorded = json.loads((cache_dir / "converted_from.json").read_text()).get("source")
+        if Path(recorded).resolve() != model.resolve():
+            raise SystemExit(f"error: {cache_dir} holds a conversion of {recorded}, not {model}; pass another --hf-cache")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"[convert] done in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     return cache_dir
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def cpu_model_name() -> str:

@@ -323,11 +323,11 @@ def apt_overrides(pairs: list[str], run_steps: list[int]) -> dict:
             found[name] = json.loads(text)
         except json.JSONDecodeError:
             found[name] = text
-    try:
-        for steps in run_steps:
+    for steps in run_steps:
+        try:
             APTConfig.for_steps(steps, **found)
-    except (ConfigError, TypeError) as err:  # the config's own one-line validation message
-        raise ValueError(f"--apt: {err}") from None
+        except (ConfigError, TypeError) as err:  # the config's own one-line validation message
+            raise ValueError(f"--apt (a {steps}-step run): {err}") from None
     return found
 
 

@@ -62,7 +62,7 @@ def done_message(report_: dict, out: str) -> str:
 def _plain_model_and_kept(model_path: str, kept_path: str):
     from apt_ds.io.modeling import TINY_MODELS, load_model
 
-    if model_path in TINY_MODELS:  # its weights are drawn at random on each load: nothing to cut with --kept
+    if model_path in TINY_MODELS:  # seeded random weights, not files: nothing ties them to the kept units' run
         raise ConfigError(f"--model {model_path} is the built-in random model, which --kept cannot export; "
                           f"export its run instead: launch/export.py RUN_DIR --out OUT")
 

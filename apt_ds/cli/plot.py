@@ -39,8 +39,8 @@ class PlotArguments:
     _argument_group_name = "plot"
 
     out: Optional[str] = help_field("directory for the PNGs (created; PNGs this command wrote there before are replaced, "
-                                    "other files of the same name are refused) (default for one run: RUN/plots; required "
-                                    "for several runs)", default=None)
+                                    "other files of the same name are refused, except in a run's own RUN/plots) (default "
+                                    "for one run: RUN/plots; required for several runs)", default=None)
 
 
 def build_parser() -> ArgumentParser:
@@ -52,6 +52,8 @@ def build_parser() -> ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.out is not None and not args.out.strip():  # Path("") is "."
+        return _fail("--out is empty: give the directory for the PNGs")
     args.out = Path(args.out) if args.out is not None else None
     if args.out is None and len(args.runs) > 1:
         return _fail("plotting several runs needs --out DIR (where the PNGs go)")
@@ -66,10 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     if out.exists() and not out.is_dir():  # checked before anything is drawn or written
         return _fail(f"--out {out} exists and is not a directory")
     names = [CURVES_FILE] + ([SHAPE_FILE] if any(run.shape is not None for run in runs) else [])
-    foreign = [name for name in names if (out / name).exists() and not _replaceable(out / name, default_out=args.out is None)]
+    runs_own = out.resolve() in {(Path(path) / "plots").resolve() for path in args.runs}  # RUN/plots, named or not
+    foreign = [name for name in names if (out / name).exists() and not (runs_own or _ours(out / name))]
     if foreign:
-        return _fail(f"--out {out} holds {' and '.join(foreign)}, which this command did not write; move "
-                     f"{'them' if len(foreign) > 1 else 'it'} away or choose another --out")
+        return _fail(f"--out {out} holds {' and '.join(foreign)}, which this command did not write (or an apt-ds before "
+                     f"its PNGs were marked); move {'them' if len(foreign) > 1 else 'it'} away or choose another --out")
     for run in runs:
         for note in run.notes:
             print(f"note: {note}", file=sys.stderr)
@@ -85,17 +88,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _replaceable(path: Path, default_out: bool) -> bool:
-    """A PNG this command wrote (its Software chunk says so), or any file of the run's own RUN/plots
-    (plots written before the mark existed; the directory belongs to the run)."""
-    if default_out:
-        return True
-    from PIL import Image, UnidentifiedImageError
+def _ours(path: Path) -> bool:
+    """A PNG this command wrote: its Software chunk says so. (Any file in a run's own RUN/plots may
+    be replaced too: the folder belongs to the run, and plots from before the mark are there.)"""
+    from PIL import Image
 
     try:
         with Image.open(path) as image:
             return image.format == "PNG" and image.info.get("Software") == PNG_SOFTWARE
-    except (OSError, UnidentifiedImageError):  # not an image, unreadable, a directory
+    except (OSError, Image.DecompressionBombError):  # not an image, unreadable, a directory, absurdly large
         return False
 
 

@@ -15,6 +15,15 @@ from apt_ds.config import ConfigError, TrainConfig
 from apt_ds.io.run_dir import check_out_dir, recover_interrupted_overwrite
 
 
+def check_batch_flags(run: RunArguments, given: dict) -> None:
+    """A recipe's micro_batch_size gives way to --global-batch-size; a --micro-batch-size given on
+    the command line beside a global batch (from either) would be ignored without a word."""
+    if run.global_batch_size is not None and "micro_batch_size" in given:
+        raise ConfigError(f"a global batch size ({run.global_batch_size}) sets the micro-batch size from the rank and "
+                          f"accumulation counts, and --micro-batch-size {given['micro_batch_size']} sets it directly: "
+                          "give one of them")
+
+
 def check_inputs_early(run: RunArguments, train: TrainConfig) -> None:
     """The checks that need neither a process group nor a model, run before either exists
     (a launch costs minutes on a fresh machine): --out, the model path, the DeepSpeed JSON."""
@@ -71,11 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     given = explicit_values(build_train_parser, argv)
     out = given.get("out", RunArguments.out)
     try:
-        if given.get("global_batch_size") is not None and "micro_batch_size" in given:  # one would be ignored
-            raise ConfigError(f"--global-batch-size {given['global_batch_size']} sets the micro-batch size from the rank "
-                              f"and accumulation counts, and --micro-batch-size {given['micro_batch_size']} sets it "
-                              "directly: give one of them")
         run, apt, train = resolve(given)
+        check_batch_flags(run, given)
         out = run.out
         check_inputs_early(run, train)
         from apt_ds.training.heap import startup_objects_frozen

@@ -11,16 +11,25 @@ import tempfile
 from pathlib import Path
 
 
-def write_text_atomic(path: str | Path, text: str) -> None:
+def write_text_atomic(path: str | Path, text: str, temporary: str | None = None) -> None:
+    """`temporary`: a fixed name for the temporary file, for a directory whose entries are checked
+    (a run's: what a kill leaves must still look like the run's own); it gets the umask's mode.
+    Without it the name is unique and the mode 0644."""
     path = Path(path)
-    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    if temporary is not None:
+        tmp = path.with_name(temporary)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # a killed writer's leftover is reused
+    else:
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        tmp = Path(name)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
-        os.chmod(temporary, 0o644)  # mkstemp makes it private; these files are for whoever can read the folder
-        os.replace(temporary, path)
+        if temporary is None:
+            os.chmod(tmp, 0o644)  # mkstemp makes it private; these files are for whoever can read the folder
+        os.replace(tmp, path)
     except BaseException:
-        Path(temporary).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise

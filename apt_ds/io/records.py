@@ -5,6 +5,7 @@ Rows keep their fields; `apt_ds.io.data` turns them into token ids.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import io
 import json
@@ -14,6 +15,7 @@ import datasets
 
 from apt_ds.io.errors import DataError
 
+SCAN_CHUNK_BYTES = 1 << 20  # the UTF-8 check reads a data file in pieces of this size
 USABLE_FIELDS = "a 'text' field or 'instruction'/'output' fields (or 'prompt'/'completion')"
 
 
@@ -45,6 +47,9 @@ def _check_text_fields(ds: datasets.Dataset, path: Path) -> None:
         feature = ds.features.get(name)
         if feature is not None and not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string", "null")):
             kind = feature.dtype if isinstance(feature, datasets.Value) else type(feature).__name__.lower()
+            if name == "text" and path.is_file() and _scan_text(path) == "[":  # datasets names a list's items 'text'
+                raise DataError(f"data file {path.name} is a JSON list of {kind} values: each row must be an object "
+                                f"with {USABLE_FIELDS}")
             raise DataError(f"data file {path.name}: field {name!r} holds {kind} values, not text")
 
 
@@ -63,11 +68,8 @@ def _load_saved_dir(path: Path) -> datasets.Dataset:
 def _load_json_file(path: Path) -> datasets.Dataset:
     if path.suffix not in (".json", ".jsonl"):
         raise DataError(f"data file {path.name} is neither .json nor .jsonl (nor a saved dataset directory)")
-    text = _utf8_text(path)
-    if not text.strip():
+    if not _scan_text(path):
         raise DataError(f"data file {path.name} is empty")
-    if text.lstrip().startswith("["):
-        _check_top_level_list(text, path)
     try:
         with _quiet_datasets():
             return datasets.load_dataset("json", data_files=str(path), split="train")
@@ -75,29 +77,26 @@ def _load_json_file(path: Path) -> datasets.Dataset:
         raise DataError(f"data file {path.name} is not valid JSON records: {_json_problem(path, err)}") from None
 
 
-def _utf8_text(path: Path) -> str:
-    """The file as text; bytes that are not UTF-8 would otherwise surface as a UnicodeDecodeError
+def _scan_text(path: Path) -> str:
+    """The file's first non-blank character ("" when blank), read in chunks so a large file is
+    never held whole; bytes that are not UTF-8 would otherwise surface as a UnicodeDecodeError
     from deep inside pyarrow, when the rows are first read."""
-    raw = path.read_bytes()
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as bad:
-        line = raw[: bad.start].count(b"\n") + 1
-        raise DataError(f"data file {path.name} is not UTF-8 text: byte 0x{raw[bad.start]:02x} on line {line} "
-                        "(re-save it as UTF-8)") from None
-
-
-def _check_top_level_list(text: str, path: Path) -> None:
-    """A .json list must hold records: `datasets` turns [1, 2, 3] into a 'text' column of numbers
-    (and a list of strings into texts, which is kept: each string is a text row)."""
-    try:
-        rows = json.loads(text)
-    except json.JSONDecodeError:
-        return  # load_dataset fails next, and _json_problem says where
-    odd = next((row for row in rows if not isinstance(row, (dict, str))), None) if isinstance(rows, list) else None
-    if odd is not None:
-        raise DataError(f"data file {path.name} is a JSON list holding {type(odd).__name__} values: each row must be "
-                        f"an object with {USABLE_FIELDS}")
+    decoder, lines, first = codecs.getincrementaldecoder("utf-8")(), 1, ""
+    with open(path, "rb") as stream:
+        while True:
+            chunk = stream.read(SCAN_CHUNK_BYTES)
+            pending = decoder.getstate()[0]  # the end of a character split by the previous chunk: no newline in it
+            try:
+                text = decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as bad:
+                window = pending + chunk
+                line = lines + window[: bad.start].count(b"\n")
+                raise DataError(f"data file {path.name} is not UTF-8 text: byte 0x{window[bad.start]:02x} on line {line} "
+                                "(re-save it as UTF-8)") from None
+            first = first or text.lstrip("\ufeff \t\r\n")[:1]
+            lines += chunk.count(b"\n")
+            if not chunk:
+                return first
 
 
 @contextlib.contextmanager

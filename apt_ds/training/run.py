@@ -249,7 +249,7 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
             # is unreadable (the settings were just checked against the checkpoint's).
             if backend.is_main() and not (args.resume and is_run_dir(out)):
                 run_record = {**run_info, "apt_config": apt.to_dict(), "train_config": train.to_dict()}
-                write_text_atomic(out / RUN_FILE, json.dumps(run_record, indent=1))
+                write_text_atomic(out / RUN_FILE, json.dumps(run_record, indent=1), temporary=RUN_FILE + ".tmp")
             if backend.is_main() and not args.resume:
                 tokenizer.save_pretrained(str(out / TOKENIZER_DIR))
             backend.barrier()

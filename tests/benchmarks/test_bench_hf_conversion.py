@@ -6,6 +6,7 @@ a directory of its own and takes a sibling's finished conversion when it loses t
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -36,10 +37,16 @@ def test_conversion_is_written_whole_and_leaves_no_partial_directory(tmp_path, c
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"stand-in")
     cache = tmp_path / "cache" / "hf"
+    cache.parent.mkdir()
+    killed = cache.parent / "hf.4194999.x1.partial"  # above any pid_max: a conversion that was killed
+    running = cache.parent / f"hf.{os.getpid()}.x2.partial"  # a live process's: left alone
+    for leftover in (killed, running):
+        leftover.mkdir()
     assert common.ensure_hf_model(gguf, cache) == cache
     assert (cache / "config.json").is_file() and (cache / "tokenizer_config.json").is_file()
     assert json.loads((cache / "converted_from.json").read_text()) == {"source": str(gguf)}
-    assert sorted(p.name for p in cache.parent.iterdir()) == ["hf"]
+    assert sorted(p.name for p in cache.parent.iterdir()) == ["hf", running.name]
+    assert cache.stat().st_mode & 0o777 == 0o755  # not mkdtemp's private 0700
     assert common.ensure_hf_model(gguf, cache) == cache  # the second call reuses it
 
 
@@ -62,3 +69,24 @@ def test_a_sibling_that_finishes_first_wins_and_nothing_is_deleted(tmp_path, com
     assert common.ensure_hf_model(gguf, cache) == cache
     assert sibling_ran and (cache / "model.safetensors").is_file() and (cache / "converted_from.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "model.gguf"]
+
+
+def test_a_sibling_that_converted_another_model_is_not_taken(tmp_path, common, monkeypatch, tokenizer):
+    gguf, other = tmp_path / "model.gguf", tmp_path / "other.gguf"
+    gguf.write_bytes(b"stand-in")
+    other.write_bytes(b"another")
+    cache = tmp_path / "hf"
+    original_save = type(tokenizer).save_pretrained
+    sibling_ran = []
+
+    def save_then_sibling_finishes(self, directory, *args, **kwargs):
+        result = original_save(self, directory, *args, **kwargs)
+        if not sibling_ran:
+            sibling_ran.append(True)
+            common.ensure_hf_model(other, cache)
+        return result
+
+    monkeypatch.setattr(type(tokenizer), "save_pretrained", save_then_sibling_finishes)
+    with pytest.raises(SystemExit, match="holds a conversion of .*other.gguf, not .*model.gguf"):
+        common.ensure_hf_model(gguf, cache)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "model.gguf", "other.gguf"]

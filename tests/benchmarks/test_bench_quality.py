@@ -218,7 +218,7 @@ def test_apt_overrides_are_typed_and_checked():
     # not against APTConfig()'s defaults (start 100), which rejected every end before step 101.
     assert quality.apt_overrides(["pruning_end_step=43"], [144]) == {"pruning_end_step": 43}
     assert quality.apt_overrides(["pruning_end_step=10"], [48]) == {"pruning_end_step": 10}  # pruning from step 5
-    with pytest.raises(ValueError, match="pruning_end_step"):  # 144 steps start pruning at step 14
+    with pytest.raises(ValueError, match=r"--apt \(a 144-step run\): .*pruning_end_step"):  # pruning from step 14
         quality.apt_overrides(["pruning_end_step=10"], [48, 144])
 
 

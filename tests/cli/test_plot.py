@@ -200,8 +200,8 @@ def test_a_users_file_in_out_is_refused_and_our_own_plots_are_replaced(runs, tmp
     capsys.readouterr()
     assert main([str(runs[0]), "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"error: --out {out} holds curves.png, which this command did not write; move it away or choose "
-                   f"another --out"]
+    assert err == [f"error: --out {out} holds curves.png, which this command did not write (or an apt-ds before its "
+                   f"PNGs were marked); move it away or choose another --out"]
     assert _files(out) == ["curves.png"] and (out / "curves.png").read_bytes() == b"my own figure"
 
     mine = tmp_path / "mine"
@@ -211,3 +211,13 @@ def test_a_users_file_in_out_is_refused_and_our_own_plots_are_replaced(runs, tmp
     assert _files(mine) == ["curves.png", "shape.png"] and (mine / "shape.png").stat().st_mtime_ns != first
     with Image.open(mine / "shape.png") as image:
         assert image.info.get("Software") == "apt-ds plot"
+
+
+def test_a_runs_own_plots_folder_is_replaced_however_it_is_named(apt_copy):
+    """RUN/plots belongs to the run (plots from before the PNGs were marked live there): given as
+    --out or by default, its files are replaced."""
+    (apt_copy / "plots").mkdir()
+    (apt_copy / "plots" / "curves.png").write_bytes(b"an unmarked plot")
+    assert main([str(apt_copy), "--out", str(apt_copy / "plots")]) == 0
+    assert _png_size(apt_copy / "plots" / "curves.png")[0] >= 600
+    assert main(["--out", "", str(apt_copy)]) == 2  # "" is not the current directory

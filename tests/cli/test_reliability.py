@@ -169,7 +169,7 @@ CASES = [
     ("data-not-utf8", ["train", *BASE[:-1], "bad/latin1.jsonl", "--out", "new"],
      "latin1.jsonl is not UTF-8 text: byte 0xe9 on line 2"),
     ("data-list-of-numbers", ["train", *BASE[:-1], "bad/numbers.json", "--out", "new"],
-     "numbers.json is a JSON list holding int values: each row must be an object"),
+     "numbers.json is a JSON list of int64 values: each row must be an object"),
     ("eval-data-missing", train("--eval-data", "bad/nope.jsonl", "--out", "new"), "--eval-data bad/nope.jsonl does not exist"),
     ("eval-examples-zero", train("--eval-data", "data.jsonl", "--eval-examples", "0", "--out", "new"), "--eval-examples must be >= 1"),
     ("probe-without-eval-data", train("--save-eval-probe", "--out", "new"), "--save-eval-probe needs --eval-data"),

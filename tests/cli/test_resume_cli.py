@@ -13,6 +13,7 @@ from conftest import TRAIN_FAST as FAST
 from apt_ds.cli.train import main as train_main
 from apt_ds.io import checkpoint as checkpoint_module
 from apt_ds.io.metrics import read_metrics
+from apt_ds.io.run_dir import check_replaceable
 
 
 def test_resume_of_a_lora_run_without_method_lora_says_so(tmp_path, capsys):
@@ -89,8 +90,9 @@ def test_resume_of_a_run_from_before_gradient_clipping(trained_runs, tmp_path, c
 
 
 def test_resume_writes_an_unreadable_run_json_again(trained_runs, tmp_path, capsys):
-    """run.json marks the directory as a run (what --overwrite may replace) and is read by plot and
-    export; a torn one used to stay torn through every resume."""
+    """run.json marks the directory as a run (what --overwrite may replace) and plot reads it; a torn
+    one used to stay torn through every resume. A kill while it is written leaves run.json.tmp,
+    which the run's directory may hold (--overwrite still takes it)."""
     torn = tmp_path / "torn"
     shutil.copytree(trained_runs / "nonuniform", torn)
     whole = json.loads((torn / "run.json").read_text())
@@ -98,7 +100,9 @@ def test_resume_writes_an_unreadable_run_json_again(trained_runs, tmp_path, caps
     assert train_main([*FAST, "--target-density", "0.6", "--resume", "--out", str(torn)]) == 0
     again = json.loads((torn / "run.json").read_text())
     assert again["apt_config"] == whole["apt_config"] and again["train_config"] == whole["train_config"]
-    assert sorted(p.name for p in torn.iterdir() if p.name.startswith(".")) == []  # no temporary file left
+    assert not [p.name for p in torn.iterdir() if p.name.startswith(".") or p.name.endswith(".tmp")]  # none left
+    (torn / "run.json.tmp").write_text('{"mod')  # what a kill mid-write leaves
+    check_replaceable(torn)
 
 
 def test_clipping_of_deepspeed_runs_from_before_max_grad_norm(tmp_path):

@@ -106,6 +106,31 @@ def test_global_batch_size_without_deepspeed(tmp_path):
     assert train.micro_batch_size == 3
 
 
+def test_a_micro_batch_beside_a_global_batch_is_refused_unless_the_recipe_gave_it(tmp_path):
+    """--global-batch-size overrides a recipe's micro_batch_size (the shipped recipes set one); a
+    --micro-batch-size on the command line beside a global batch would be ignored, so it is refused."""
+    from apt_ds.cli.arguments import build_train_parser, explicit_values
+    from apt_ds.cli.recipe import resolve
+    from apt_ds.cli.train import check_batch_flags
+    from apt_ds.config import ConfigError
+
+    micro, glob = tmp_path / "micro.yaml", tmp_path / "global.yaml"
+    micro.write_text("micro_batch_size: 4\n")
+    glob.write_text("global_batch_size: 8\n")
+
+    def check(*argv):
+        given = explicit_values(build_train_parser, list(argv))
+        run, _, _ = resolve(given)
+        check_batch_flags(run, given)
+        return run
+
+    assert check("--config", str(micro), "--global-batch-size", "8").global_batch_size == 8
+    assert check("--micro-batch-size", "2").global_batch_size is None
+    for argv in (["--global-batch-size", "8", "--micro-batch-size", "2"], ["--config", str(glob), "--micro-batch-size", "2"]):
+        with pytest.raises(ConfigError, match=r"a global batch size \(8\) .* --micro-batch-size 2 sets it directly"):
+            check(*argv)
+
+
 def test_sixty_step_default_schedule(tmp_path):
     """The default schedule scales with --steps: warm-up, several events to the target, recovery."""
     out = tmp_path / "r60"

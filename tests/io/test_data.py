@@ -160,17 +160,31 @@ def test_fields_that_are_not_text_are_refused(tmp_path, rows, message):
         data.load_records(_write_jsonl(tmp_path / "typed.jsonl", rows))
 
 
-def test_bytes_that_are_not_utf8_name_the_line(tmp_path):
-    """They used to pass the loader and end in a UnicodeDecodeError from pyarrow when rows were read."""
-    (tmp_path / "latin1.jsonl").write_bytes('{"text": "a"}\n{"text": "b"}\n{"text": "caf\u00e9"}\n'.encode("latin-1"))
+@pytest.mark.parametrize("chunk", [5, 1 << 20])
+def test_bytes_that_are_not_utf8_name_the_line(tmp_path, monkeypatch, chunk):
+    """They used to pass the loader and end in a UnicodeDecodeError from pyarrow when rows were read.
+    The file is read in chunks: at 5 bytes, characters and lines are split across them."""
+    from apt_ds.io import records
+
+    monkeypatch.setattr(records, "SCAN_CHUNK_BYTES", chunk)
+    good = '{"text": "\u00e9t\u00e9"}\n{"text": "b"}\n'.encode("utf-8")
+    (tmp_path / "latin1.jsonl").write_bytes(good + '{"text": "caf\u00e9"}\n'.encode("latin-1"))
     with pytest.raises(DataError, match=r"latin1\.jsonl is not UTF-8 text: byte 0xe9 on line 3"):
         data.load_records(tmp_path / "latin1.jsonl")
+    (tmp_path / "cut.jsonl").write_bytes(good + '{"text": "\u00e9'.encode("utf-8")[:-1])  # ends inside a character
+    with pytest.raises(DataError, match=r"cut\.jsonl is not UTF-8 text: byte 0xc3 on line 3"):
+        data.load_records(tmp_path / "cut.jsonl")
+    (tmp_path / "fine.jsonl").write_bytes(good)
+    assert data.load_records(tmp_path / "fine.jsonl")["text"] == ["\u00e9t\u00e9", "b"]
 
 
 def test_a_json_list_must_hold_records_or_texts(tmp_path):
-    (tmp_path / "numbers.json").write_text('[{"text": "a"}, 7]')
-    with pytest.raises(DataError, match=r"numbers\.json is a JSON list holding int values: each row must be an object"):
+    (tmp_path / "numbers.json").write_text(' [1, 2, 3]')
+    with pytest.raises(DataError, match=r"numbers\.json is a JSON list of int64 values: each row must be an object"):
         data.load_records(tmp_path / "numbers.json")
+    (tmp_path / "mixed.json").write_text('[{"text": "a"}, 7]')
+    with pytest.raises(DataError, match=r"mixed\.json is not valid JSON records"):
+        data.load_records(tmp_path / "mixed.json")
     (tmp_path / "texts.json").write_text('["one text", "another"]')  # datasets reads these as 'text' rows
     assert data.load_records(tmp_path / "texts.json")["text"] == ["one text", "another"]
 
