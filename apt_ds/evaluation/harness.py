@@ -11,10 +11,12 @@ Two routes into the harness:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
 import sys
+import unittest.mock
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,6 +99,16 @@ def _check_device(device: str) -> None:
         raise EvaluationError(f"--device {device}: only cuda and cpu are supported")
 
 
+@contextlib.contextmanager
+def _without_git_lookup():
+    """lm-eval records `git describe` of the current directory, the user's and not apt-ds's or
+    lm-eval's, and outside a repository git prints "fatal: not a git repository" on stderr."""
+    import lm_eval.evaluator
+
+    with unittest.mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", lambda: None, create=True):
+        yield
+
+
 def evaluate(request: Request) -> dict:
     """Scores of `request.model` on `request.tasks`: lm-eval's results dict (without per-sample
     logs) plus an `apt_ds` entry saying which model, route and data were used."""
@@ -111,9 +123,11 @@ def evaluate(request: Request) -> dict:
     # lm-eval takes either a limit (the first rows) or the rows themselves, never both. The per-row
     # log (every row's document and log-likelihoods; ~100 MB for all of MMLU) is what shows which
     # rows were scored and what each answer was; only its answer counts are kept.
-    results = lm_eval.simple_evaluate(model=lm, tasks=request.tasks, task_manager=manager,
-                                      limit=request.limit if rows is None else None, samples=rows,
-                                      num_fewshot=request.num_fewshot, log_samples=True)
+    with _without_git_lookup():
+        results = lm_eval.simple_evaluate(model=lm, tasks=request.tasks, task_manager=manager,
+                                          limit=request.limit if rows is None else None, samples=rows,
+                                          num_fewshot=request.num_fewshot, log_samples=True)
+    results.pop("git_hash", None)
     per_row = results.pop("samples", {})
     if drawn is not None:
         _check_scored_rows(drawn, per_row)

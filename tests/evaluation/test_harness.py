@@ -131,9 +131,11 @@ def test_tasks_read_the_arrow_data_shipped_in_the_wheel(evaluated, task):
         assert results["apt_ds"]["data"]["root"] == str(root)
 
 
-def test_table_and_progress_bar_are_shown(models, tmp_path, capfd):
+def test_table_and_progress_bar_are_shown(models, tmp_path, capfd, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # not a git repository: lm-eval's own git lookup printed "fatal: ..." here
     assert main([str(models["hf"]), "--tasks", "sst2", "--limit", "2", "--out", str(tmp_path / "r.json")]) == 0
     printed = capfd.readouterr()
+    assert "fatal" not in printed.err and "git_hash" not in json.loads((tmp_path / "r.json").read_text())
     header, _, row = printed.out.strip().splitlines()
     assert header.split() == ["task", "metric", "value", "stderr", "n"]
     assert row.split()[:2] == ["sst2", "acc"] and row.split()[-1] == "2"
