@@ -85,15 +85,12 @@ def ensure_hf_model(model: str | Path, cache_dir: str | Path) -> Path:
     model, cache_dir = Path(model), Path(cache_dir)
     if model.is_dir():
         return model
-    if (cache_dir / "config.json").is_file() and (cache_dir / "tokenizer_config.json").is_file():
-        source = cache_dir / "converted_from.json"
-        recorded = json.loads(source.read_text()).get("source") if source.is_file() else None
-        if recorded is None or Path(recorded).resolve() == model.resolve():
-            return cache_dir
-        raise SystemExit(f"error: {cache_dir} holds a conversion of {recorded}, not {model}; pass another --hf-cache")
+    if _finished_conversion(model, cache_dir):
+        return cache_dir
     if not model.is_file():
         raise SystemExit(f"error: model {model} not found: pass --model (a .gguf or an HF LLaMA directory)")
     from apt_ds.io.modeling import load_model
+    from apt_ds.io.run_dir import pid_alive
     from apt_ds.io.tokenizer import load_tokenizer
 
     started = time.perf_counter()
@@ -120,7 +117,7 @@ def ensure_hf_model(model: str | Path, cache_dir: str | Path) -> Path:
     cache_dir.parent.mkdir(parents=True, exist_ok=True)
     for stale in cache_dir.parent.glob(f"{cache_dir.name}.*.partial"):
         pid = stale.name[len(cache_dir.name) + 1:].split(".")[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{cache_dir.name}.{os.getpid()}.", suffix=".partial", dir=cache_dir.parent))
     try:
@@ -130,25 +127,24 @@ def ensure_hf_model(model: str | Path, cache_dir: str | Path) -> Path:
         tmp.chmod(0o755)  # mkdtemp's 0700 would make the shared cache private
         tmp.rename(cache_dir)
     except OSError:
-        if not (cache_dir / "converted_from.json").exists():  # not a sibling that finished first
+        if not _finished_conversion(model, cache_dir):  # not a sibling that finished first
             raise
-        recorded = json.loads((cache_dir / "converted_from.json").read_text()).get("source")
-        if Path(recorded).resolve() != model.resolve():
-            raise SystemExit(f"error: {cache_dir} holds a conversion of {recorded}, not {model}; pass another --hf-cache")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"[convert] done in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     return cache_dir
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+def _finished_conversion(model: Path, cache_dir: Path) -> bool:
+    """True when `cache_dir` holds a finished conversion of `model` (or of an unrecorded source);
+    a conversion of another model is an error."""
+    if not ((cache_dir / "config.json").is_file() and (cache_dir / "tokenizer_config.json").is_file()):
         return False
-    except PermissionError:  # someone else's process
+    source = cache_dir / "converted_from.json"
+    recorded = json.loads(source.read_text()).get("source") if source.is_file() else None
+    if recorded is None or Path(recorded).resolve() == model.resolve():
         return True
-    return True
+    raise SystemExit(f"error: {cache_dir} holds a conversion of {recorded}, not {model}; pass another --hf-cache")
 
 
 def cpu_model_name() -> str:

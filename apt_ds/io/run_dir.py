@@ -167,7 +167,7 @@ def _owner_is_gone(aside: Path) -> bool:
         finally:
             os.close(handle)  # closing drops the probe's lock again
     pid = aside.name.split(".replaced-", 1)[-1].split("-", 1)[0]
-    return pid.isdigit() and not _alive(int(pid))
+    return pid.isdigit() and not pid_alive(int(pid))
 
 
 def set_aside_note(out: Path) -> str | None:
@@ -211,7 +211,7 @@ def _is_unstarted_run(path: Path) -> bool:
     return not entries or (is_run_dir(path) and not has_checkpoint(path) and set(entries) <= RUN_ENTRIES)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     if pid == os.getpid():
         return True
     try:

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from apt_ds.config import STEP_SCALED_FIELDS, APTConfig, ConfigError, TrainConfig, default_warmup_steps
+from apt_ds.io.atomic import write_text_atomic
 from apt_ds.io.checkpoint import CheckpointError, check_known_apt_fields, check_same_apt_config
 from apt_ds.io.modeling import same_model
 
@@ -146,6 +147,4 @@ def truncate_metrics(path: Path, step: int) -> None:
             continue
         if record.get("step", 0) <= step and not record.get("final"):
             kept.append(line)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    tmp.replace(path)
+    write_text_atomic(path, "".join(line + "\n" for line in kept), temporary=path.with_suffix(".tmp").name)

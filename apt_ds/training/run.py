@@ -247,11 +247,12 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
         with previous_run_back_on_failure(out, replaced):
             # run.json first: it marks the directory as a run. A resume writes it again only where it
             # is unreadable (the settings were just checked against the checkpoint's).
-            if backend.is_main() and not (args.resume and is_run_dir(out)):
-                run_record = {**run_info, "apt_config": apt.to_dict(), "train_config": train.to_dict()}
-                write_text_atomic(out / RUN_FILE, json.dumps(run_record, indent=1), temporary=RUN_FILE + ".tmp")
-            if backend.is_main() and not args.resume:
-                tokenizer.save_pretrained(str(out / TOKENIZER_DIR))
+            if backend.is_main():
+                if not (args.resume and is_run_dir(out)):
+                    run_record = {**run_info, "apt_config": apt.to_dict(), "train_config": train.to_dict()}
+                    write_text_atomic(out / RUN_FILE, json.dumps(run_record, indent=1), temporary=RUN_FILE + ".tmp")
+                if not args.resume:
+                    tokenizer.save_pretrained(str(out / TOKENIZER_DIR))
             backend.barrier()
     with previous_run_back_on_failure(out, replaced):
         return _train(backend, args, apt, train, out, meta, model, examples, eval_batches, pad_id, run_info, replaced)

@@ -50,22 +50,28 @@ def test_conversion_is_written_whole_and_leaves_no_partial_directory(tmp_path, c
     assert common.ensure_hf_model(gguf, cache) == cache  # the second call reuses it
 
 
-def test_a_sibling_that_finishes_first_wins_and_nothing_is_deleted(tmp_path, common, monkeypatch, tokenizer):
-    gguf = tmp_path / "model.gguf"
-    gguf.write_bytes(b"stand-in")
-    cache = tmp_path / "hf"
+def _sibling_converts_first(common, monkeypatch, tokenizer, sibling_model: Path, cache: Path) -> list:
+    """While this conversion writes its tokenizer, another process converts `sibling_model` into
+    the same cache and renames it into place first. Returns a list that is non-empty once it has."""
     original_save = type(tokenizer).save_pretrained
-
     sibling_ran = []
 
     def save_then_sibling_finishes(self, directory, *args, **kwargs):
         result = original_save(self, directory, *args, **kwargs)
-        if not sibling_ran:  # the other process converts into the same cache and renames first
+        if not sibling_ran:
             sibling_ran.append(True)
-            common.ensure_hf_model(gguf, cache)
+            common.ensure_hf_model(sibling_model, cache)
         return result
 
     monkeypatch.setattr(type(tokenizer), "save_pretrained", save_then_sibling_finishes)
+    return sibling_ran
+
+
+def test_a_sibling_that_finishes_first_wins_and_nothing_is_deleted(tmp_path, common, monkeypatch, tokenizer):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"stand-in")
+    cache = tmp_path / "hf"
+    sibling_ran = _sibling_converts_first(common, monkeypatch, tokenizer, gguf, cache)
     assert common.ensure_hf_model(gguf, cache) == cache
     assert sibling_ran and (cache / "model.safetensors").is_file() and (cache / "converted_from.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "model.gguf"]
@@ -76,17 +82,7 @@ def test_a_sibling_that_converted_another_model_is_not_taken(tmp_path, common, m
     gguf.write_bytes(b"stand-in")
     other.write_bytes(b"another")
     cache = tmp_path / "hf"
-    original_save = type(tokenizer).save_pretrained
-    sibling_ran = []
-
-    def save_then_sibling_finishes(self, directory, *args, **kwargs):
-        result = original_save(self, directory, *args, **kwargs)
-        if not sibling_ran:
-            sibling_ran.append(True)
-            common.ensure_hf_model(other, cache)
-        return result
-
-    monkeypatch.setattr(type(tokenizer), "save_pretrained", save_then_sibling_finishes)
+    _sibling_converts_first(common, monkeypatch, tokenizer, other, cache)
     with pytest.raises(SystemExit, match="holds a conversion of .*other.gguf, not .*model.gguf"):
         common.ensure_hf_model(gguf, cache)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "model.gguf", "other.gguf"]
