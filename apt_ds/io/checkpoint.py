@@ -12,16 +12,18 @@ import dataclasses
 import errno
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from apt_ds.config import LORA_SETTINGS, SCHEDULE_FIELDS, APTConfig
 from apt_ds.io.permissions import make_readable
 
 FORMAT_VERSION = 1
+EXPORT_COPY = "trainable.safetensors"  # what export reads; a resume does not
 
 
 class CheckpointError(ValueError):
@@ -84,10 +86,8 @@ def _save_and_rename(trainer, directory: Path, tmp: Path) -> None:
         tmp.mkdir(parents=True)
     backend.barrier()
     backend.save(tmp / "engine")  # collective: every rank writes its shard
-    # Full fp32 trainable tensors (collective under ZeRO-3): export reads these, no DeepSpeed needed.
-    trainable = {n: backend.full_param(n, p).float().cpu().contiguous() for n, p in state.model.named_parameters() if p.requires_grad}
+    _write_export_copy(trainer, tmp / EXPORT_COPY)
     if backend.is_main():
-        save_file(trainable, str(tmp / "trainable.safetensors"))
         meta = {
             "format": FORMAT_VERSION,
             "step": trainer.step,
@@ -124,6 +124,47 @@ def _save_and_rename(trainer, directory: Path, tmp: Path) -> None:
         tmp.rename(directory)
         shutil.rmtree(old, ignore_errors=True)
     backend.barrier()
+
+
+def _write_export_copy(trainer, path: Path) -> None:
+    """Full fp32 trainable tensors (collective under ZeRO-3): export reads these, no DeepSpeed needed."""
+    backend = trainer.backend
+    trainable = {n: backend.full_param(n, p).float().cpu().contiguous()
+                 for n, p in trainer.state.model.named_parameters() if p.requires_grad}
+    if backend.is_main():
+        save_file(trainable, str(path))
+
+
+def _repair_export_copy(trainer, directory: Path) -> None:
+    """A resume reads engine/, not trainable.safetensors (the export's copy): a damaged copy would let
+    the run go on while export fails until the next checkpoint. Rewrite it from the restored weights."""
+    backend, path = trainer.backend, directory / EXPORT_COPY
+    # every rank takes the main rank's answer: the rewrite gathers ZeRO-3 partitions collectively
+    if not backend.all_gather_object(backend.is_main() and not _readable_safetensors(path))[0]:
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        _write_export_copy(trainer, tmp)  # only the main rank writes: only it can fail here
+        if backend.is_main():
+            make_readable(tmp)
+            tmp.replace(path)
+            done = "rewritten from the restored weights"
+    except (OSError, SafetensorError) as err:  # e.g. the disk is full: training can still go on
+        tmp.unlink(missing_ok=True)
+        done = f"could not rewrite it ({err}); the next checkpoint will"
+    if backend.is_main():
+        print(f"apt-ds: {path} was unreadable (the export's copy of the weights; training resumes from "
+              f"{directory / 'engine'}): {done}", file=sys.stderr)
+    backend.barrier()
+
+
+def _readable_safetensors(path: Path) -> bool:
+    """The header parses and the data it lists covers the file (safetensors checks both on open)."""
+    try:
+        with safe_open(str(path), "pt"):
+            return True
+    except (OSError, SafetensorError):
+        return False
 
 
 def read_meta(directory: Path) -> dict:
@@ -252,3 +293,4 @@ def load_checkpoint(trainer, directory: Path) -> None:
     trainer.consumed_micro_batches = meta["consumed_micro_batches"]
     trainer.teacher_ready = meta["teacher_ready"]
     trainer.uniform_shapes = {int(step): tuple(shape) for step, shape in meta.get("uniform_shapes", {}).items()}
+    _repair_export_copy(trainer, directory)

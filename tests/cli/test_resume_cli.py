@@ -7,6 +7,7 @@ import json
 import shutil
 
 import pytest
+import torch
 from conftest import RUN_FLAGS as BASE
 from conftest import TRAIN_FAST as FAST
 
@@ -147,6 +148,49 @@ def test_resume_with_another_split_of_the_global_batch(tmp_path, monkeypatch, ca
     losses = [[r["loss"] for r in read_metrics(tmp_path / r / "metrics.jsonl") if "loss" in r] for r in ("whole", "split")]
     assert len(losses[0]) == len(losses[1]) == 8
     assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+
+
+def test_resume_rewrites_a_damaged_export_copy(tmp_path, monkeypatch, capsys):
+    """A resume reads engine/, not checkpoint/trainable.safetensors (what export reads): a truncated
+    copy used to stay until the next checkpoint, so export failed on a run that trained on. The
+    resume rewrites it from the restored weights, to the tensor what the checkpoint held."""
+    from safetensors.torch import load_file
+
+    from apt_ds.training.trainer import APTrainer
+
+    common = [*FAST, "--target-density", "0.6", "--checkpoint-every", "4"]
+    real_step = APTrainer._train_step
+
+    def crash_at(step):
+        def train_step(self, batches):
+            if self.step == step:
+                raise KeyboardInterrupt
+            return real_step(self, batches)
+        return train_step
+
+    run = tmp_path / "run"
+    monkeypatch.setattr(APTrainer, "_train_step", crash_at(5))
+    assert train_main([*common, "--out", str(run)]) == 130
+    copy = run / "checkpoint" / "trainable.safetensors"
+    saved = load_file(str(copy))
+    copy.write_bytes(copy.read_bytes()[:-64])  # torn by a full disk or a copy that stopped
+    monkeypatch.setattr(APTrainer, "_train_step", crash_at(6))  # before the next checkpoint rewrites it
+    real_save = checkpoint_module.save_file
+
+    def disk_full(tensors, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint_module, "save_file", disk_full)  # a rewrite that fails lets training go on
+    capsys.readouterr()
+    assert train_main([*common, "--resume", "--out", str(run)]) == 130
+    assert "could not rewrite it ([Errno 28] No space left on device); the next checkpoint will" in capsys.readouterr().err
+    assert not list((run / "checkpoint").glob("*.tmp"))
+    monkeypatch.setattr(checkpoint_module, "save_file", real_save)
+    assert train_main([*common, "--resume", "--out", str(run)]) == 130
+    assert "trainable.safetensors was unreadable (the export's copy of the weights" in capsys.readouterr().err
+    again = load_file(str(copy))
+    assert again.keys() == saved.keys() and all(torch.equal(again[k], saved[k]) for k in saved)
+    assert not list((run / "checkpoint").glob("*.tmp"))
 
 
 def test_resume_from_a_different_model_is_refused(trained_runs, tmp_path, capsys, monkeypatch):
