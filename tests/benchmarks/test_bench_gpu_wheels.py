@@ -1,0 +1,41 @@
+"""benchmarks/gpu_wheels.py: what a GPU machine without network needs carried, worked out from the
+packages installed here and the image's list (no download in these tests)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import gpu_wheels
+
+IMAGE = "absl-py, accelerate, numpy, torch, transformers, tokenizers, huggingface-hub, safetensors,\nPyYAML, tqdm"
+
+
+def test_the_image_list_parses_in_every_form_it_comes_in(tmp_path):
+    listed = tmp_path / "image.txt"
+    listed.write_text(IMAGE)
+    assert {"absl-py", "pyyaml", "huggingface-hub", "tqdm"} <= gpu_wheels.read_have(listed)
+    frozen = tmp_path / "freeze.txt"
+    frozen.write_text("Torch==2.11.0\n# a comment\nhuggingface_hub==1.33.0\n\n")
+    assert gpu_wheels.read_have(frozen) == {"torch", "huggingface-hub"}
+
+
+def test_what_the_image_lacks_is_carried_and_what_it_has_is_not(tmp_path):
+    listed = tmp_path / "image.txt"
+    listed.write_text(IMAGE)
+    carried = gpu_wheels.to_carry("apt-ds", gpu_wheels.read_have(listed), ("transformers",))
+    assert "deepspeed" in carried and "datasets" in carried  # apt-ds's own needs the image lacks
+    assert "transformers" in carried  # held by the image, at a version under apt-ds's pin: named to carry
+    assert not {"torch", "numpy", "tokenizers", "apt-ds"} & set(carried)
+    assert all(carried[name] for name in carried)  # each at the version installed here
+    assert "transformers" not in gpu_wheels.to_carry("apt-ds", gpu_wheels.read_have(listed), ())
+
+
+def test_an_out_directory_with_other_files_is_refused_and_kept(tmp_path, capsys):
+    listed = tmp_path / "image.txt"
+    listed.write_text(IMAGE)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(SystemExit) as stop:
+        gpu_wheels.main(["--have", str(listed), "--out", str(tmp_path / "mine")])
+    assert stop.value.code == 2 and "holds other things than wheels" in capsys.readouterr().err
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
