@@ -97,7 +97,7 @@ def wanda_sp_scores(model, batches: list[dict]):
 
 
 def prune(model, criterion: str, density: float, batches: list[dict]):
-    """Cut `model` in place; returns its new ModelShape."""
+    """Cut `model` in place; returns its new ModelShape and the KeepDecision (at the original shapes)."""
     import torch
 
     from apt_ds.algorithm.pruner import AdaptivePruner
@@ -108,7 +108,8 @@ def prune(model, criterion: str, density: float, batches: list[dict]):
     if criterion.startswith("salience"):
         if criterion == "salience_all_tokens":
             batches = [{**b, "labels": b["input_ids"].masked_fill(b["attention_mask"] == 0, -100)} for b in batches]
-        return one_shot_prune(model, batches, density, APTConfig(target_density=density, uniform=uniform)).shape
+        result = one_shot_prune(model, batches, density, APTConfig(target_density=density, uniform=uniform))
+        return result.shape, result.decision
     groups, neurons = wanda_sp_scores(model, batches)
     config = APTConfig(target_density=density, uniform=uniform, prune_hidden=False, use_kurtosis=False, distill=False,
                        grow_ranks=False, uniform_shape_trials=1)
@@ -117,7 +118,59 @@ def prune(model, criterion: str, density: float, batches: list[dict]):
         decision = AdaptivePruner(config).decide(state.shape, groups, neurons, torch.ones(state.shape.hidden), target,
                                                  state.original_shape)
         state.shrink(decision)
-    return state.shape
+    return state.shape, decision
+
+
+def output_inputs(model, batches: list[dict]) -> dict:
+    """The Gram matrix X^T X of the inputs of every layer's o_proj and down_proj over the real tokens
+    of `batches`, and those weights as they are: what `reconstruct` needs from the uncut model."""
+    import torch
+
+    grams, current, handles = {}, {}, []
+
+    def keep(key):
+        def hook(module, args):
+            real = args[0].detach()[current["mask"]].double()
+            grams[key] = grams.get(key, 0) + real.T @ real
+        return hook
+
+    weights = {}
+    for index, layer in enumerate(model.model.layers):
+        for kind, linear in (("attn", layer.self_attn.o_proj), ("ffn", layer.mlp.down_proj)):
+            handles.append(linear.register_forward_pre_hook(keep((kind, index))))
+            weights[(kind, index)] = linear.weight.detach().double().clone()
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                current["mask"] = batch["attention_mask"].bool()
+                model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=1)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {"grams": grams, "weights": weights}
+
+
+def reconstruct(model, decision, dense: dict, damping: float = 0.01) -> None:
+    """Refit each layer's o_proj and down_proj to what the uncut layer put out, from the inputs it
+    kept: least squares on the calibration tokens, W' = W C[:, K] (C[K, K] + d I)^-1 with C the
+    uncut inputs' Gram matrix and K the kept input channels (the fast post-training pruning of Kwon
+    et al. 2022, and FLAP's and SlimGPT's compensation; d = `damping` x the mean diagonal, as
+    SparseGPT's). The rows follow the kept hidden channels."""
+    import torch
+
+    groups, neurons, hidden = decision.indices()
+    for index, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        width = attn.head_dim * (attn.config.num_attention_heads // attn.config.num_key_value_heads)
+        channels = {"attn": torch.cat([torch.arange(g * width, (g + 1) * width) for g in groups[index].tolist()]),
+                    "ffn": neurons[index]}
+        for kind, linear in (("attn", attn.o_proj), ("ffn", layer.mlp.down_proj)):
+            kept, gram = channels[kind], dense["grams"][(kind, index)]
+            inner = gram[kept][:, kept]
+            inner = inner + damping * inner.diagonal().mean() * torch.eye(len(kept), dtype=inner.dtype)
+            refit = torch.linalg.solve(inner, (dense["weights"][(kind, index)][hidden] @ gram[:, kept]).T).T
+            with torch.no_grad():
+                linear.weight.copy_(refit.to(linear.weight.dtype))
 
 
 def tune(model, spec: dict, tokenizer, examples: list | None = None):
@@ -157,7 +210,13 @@ def run_worker(spec_path: Path) -> None:
     started = time.perf_counter()
     examples = instruction_examples(spec, tokenizer)  # once for the calibration and the tuning
     if spec["density"] < 1:
-        shape = prune(model, spec["criterion"], spec["density"], calibration_batches(spec, tokenizer, examples))
+        batches = calibration_batches(spec, tokenizer, examples)
+        refit_batches = calibration_batches({**spec, "calibration_batches": spec.get("refit_batches") or spec["calibration_batches"]},
+                                            tokenizer, examples)
+        dense = output_inputs(model, refit_batches) if spec.get("reconstruct") else None
+        shape, decision = prune(model, spec["criterion"], spec["density"], batches)
+        if dense is not None:
+            reconstruct(model, decision, dense, spec.get("refit_damping", 0.01))
     else:
         shape = original
     prune_s = time.perf_counter() - started
@@ -167,7 +226,9 @@ def run_worker(spec_path: Path) -> None:
     write_export(model.eval(), shape, run_dir / "export", torch.float32, tokenizer_dir=run_dir / "tokenizer")
     report = harness_report(run_dir / "export", {**spec, "harness_tasks": list(HARNESS_TASKS)})
     write_json(run_dir / "result.json", {
-        "criterion": spec["criterion"], "density": shape.block_params() / original.block_params(), "prune_s": prune_s,
+        "criterion": spec["criterion"] + (f"+refit({spec.get('refit_batches') or spec['calibration_batches']}, "
+                                          f"{spec.get('refit_damping', 0.01):g})" if spec.get("reconstruct") else ""),
+        "density": shape.block_params() / original.block_params(), "prune_s": prune_s,
         "train_steps": spec.get("train_steps", 0),
         "hidden": shape.hidden, "kv_groups": [l.num_kv_groups for l in shape.layers], "ffn": [l.ffn for l in shape.layers],
         **report})
@@ -225,6 +286,11 @@ def main(argv=None) -> None:
     parser.add_argument("--train-steps", type=int, default=0,
                         help="LoRA-tune each cut for this many steps before scoring (0: score the cut as it is)")
     parser.add_argument("--lr", type=float, default=2e-3, help="with --train-steps (quality.py's)")
+    parser.add_argument("--reconstruct", action="store_true",
+                        help="refit o_proj and down_proj to the uncut layer's output after the cut (least squares on the calibration tokens)")
+    parser.add_argument("--refit-batches", type=int, default=0,
+                        help="with --reconstruct: micro-batches the refit's statistics take (0: --calibration-batches)")
+    parser.add_argument("--refit-damping", type=float, default=0.01, help="with --reconstruct: x the Gram's mean diagonal")
     parser.add_argument("--no-dense", action="store_true", help="leave out the unpruned model's row (scored by an earlier run)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -251,7 +317,9 @@ def main(argv=None) -> None:
         spec = {"criterion": criterion, "density": density, "seed": args.seed, "hf_dir": str(hf_dir), "task_dir": str(task_dir),
                 "calibration_batches": args.calibration_batches, "micro_batch_size": args.micro_batch_size,
                 "max_seq_len": args.max_seq_len, "harness_limit": args.harness_limit, "mmlu_limit": args.mmlu_limit,
-                "train_steps": args.train_steps, "lr": args.lr, "threads": 1, "run_dir": str(run_dir)}
+                "train_steps": args.train_steps, "lr": args.lr, "threads": 1, "run_dir": str(run_dir),
+                "reconstruct": args.reconstruct and density < 1, "refit_batches": args.refit_batches,
+                "refit_damping": args.refit_damping}
         write_json(run_dir / "spec.json", spec)
         pending.append((run_dir, [sys.executable, __file__, "--worker", str(run_dir / "spec.json")]))
     running, failed = [], []

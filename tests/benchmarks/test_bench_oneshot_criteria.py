@@ -45,7 +45,7 @@ def test_wanda_sp_scores_are_input_norms_times_column_sums():
 def test_each_criterion_cuts_to_the_density_and_the_model_still_runs(criterion):
     model = tiny_llama("gqa", intermediate_size=256)
     before = ModelShape.from_model(model)
-    shape = oneshot_criteria.prune(model, criterion, 0.6, _batches())
+    shape, _ = oneshot_criteria.prune(model, criterion, 0.6, _batches())
     assert shape == ModelShape.from_model(model)
     assert 0.5 <= shape.block_params() / before.block_params() <= 0.6
     assert shape.uniform or not criterion.endswith("_uniform")
@@ -53,6 +53,41 @@ def test_each_criterion_cuts_to_the_density_and_the_model_still_runs(criterion):
         assert shape.hidden == before.hidden  # hidden channels are kept: the score has none for them
     assert not any(p.requires_grad for p in model.parameters())
     logits = model(**{k: v for k, v in _batches()[0].items() if k != "labels"}).logits
+    assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("criterion", ["salience", "wanda_sp_uniform"])
+def test_reconstruct_brings_each_cut_layer_closer_to_the_uncut_one(criterion):
+    """--reconstruct: after the cut, o_proj and down_proj are refit by least squares to the uncut
+    layer's output on the calibration tokens, so on those tokens each refit projection misses the
+    uncut output by less than the plain cut does (the inputs are the uncut model's)."""
+    model = tiny_llama("gqa", intermediate_size=256)
+    batches = _batches()
+    dense = oneshot_criteria.output_inputs(model, batches)
+    cut = tiny_llama("gqa", intermediate_size=256)
+    cut.load_state_dict(model.state_dict())
+    _, decision = oneshot_criteria.prune(model, criterion, 0.6, batches)
+    oneshot_criteria.prune(cut, criterion, 0.6, batches)
+    oneshot_criteria.reconstruct(model, decision, dense)
+    groups, neurons, hidden = decision.indices()
+    layer, compared = 1, 0
+    for kind, refit, plain in (("ffn", model.model.layers[layer].mlp.down_proj, cut.model.layers[layer].mlp.down_proj),
+                               ("attn", model.model.layers[layer].self_attn.o_proj, cut.model.layers[layer].self_attn.o_proj)):
+        gram, weight = dense["grams"][(kind, layer)], dense["weights"][(kind, layer)][hidden]
+        kept = neurons[layer] if kind == "ffn" else torch.cat([torch.arange(g * 32, (g + 1) * 32) for g in groups[layer].tolist()])  # 2 heads of 16
+        if len(kept) == gram.shape[0]:
+            continue  # nothing cut here
+
+        def error(w):  # sum over the calibration tokens of |W x - w x_kept|^2, from the Gram matrix
+            full = torch.zeros_like(weight)
+            full[:, kept] = w.double()
+            diff = weight - full
+            return float((diff @ gram * diff).sum())
+
+        assert error(refit.weight.detach()) < 0.9 * error(plain.weight.detach())
+        compared += 1
+    assert compared  # the layer lost some of its inputs
+    logits = model(**{k: v for k, v in batches[0].items() if k != "labels"}).logits
     assert torch.isfinite(logits).all()
 
 
@@ -67,7 +102,7 @@ def test_tune_trains_the_cut_model_and_returns_it_merged(tmp_path, tokenizer):
     task.mkdir()
     shutil.copy(demo_data_path(), task / "train.jsonl")
     model = tiny_llama("gqa", vocab=len(tokenizer), intermediate_size=256)
-    shape = oneshot_criteria.prune(model, "salience", 0.6, _batches_for(tokenizer, task))
+    shape, _ = oneshot_criteria.prune(model, "salience", 0.6, _batches_for(tokenizer, task))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     spec = {"train_steps": 4, "max_seq_len": 32, "micro_batch_size": 2, "lr": 1e-2, "seed": 0, "task_dir": str(task),
             "run_dir": str(tmp_path / "run")}
