@@ -5,7 +5,7 @@
 The machine's image already has PyTorch and much of the stack; this collects the rest as wheels
 for its Python (default 3.12, x86-64 manylinux), at the versions installed here, where the tests
 pass. `--have` lists what the image holds, one name per line or comma-separated (a `pip freeze`
-also works: `name==version` lines). A package the image holds at a version outside apt-ds's
+also works: `name==version` lines; copy the names only, without a heading). A package the image holds at a version outside apt-ds's
 range is carried anyway when named with `--carry` (default: transformers, whose pin asks for a
 newer release than the images seen so far). Packages published only as source (deepspeed, pure
 Python with its ops built on first use) are built into a wheel here. Then, on that machine:
@@ -22,6 +22,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from importlib.metadata import PackageNotFoundError, requires, version
 from pathlib import Path
 
@@ -47,8 +48,9 @@ def read_have(path: Path) -> set[str]:
     return names
 
 
-def closure(root: str) -> dict[str, str]:
-    """Every distribution `root` needs when installed without extras, with its version here."""
+def closure(root: str, python: str = "3.12") -> dict[str, str]:
+    """Every distribution `root` needs when installed without extras on that Python, with its version here."""
+    environment = {"extra": "", "python_version": python, "python_full_version": f"{python}.0"}
     found, todo = {}, [normalise(root)]
     while todo:
         name = todo.pop()
@@ -61,13 +63,13 @@ def closure(root: str) -> dict[str, str]:
             raise SystemExit(f"error: {name} (needed by {root}) is not installed here: pip install -e \".[dev]\" first")
         for text in needs:
             need = Requirement(text)
-            if need.marker is None or need.marker.evaluate({"extra": ""}):
+            if need.marker is None or need.marker.evaluate(environment):
                 todo.append(normalise(need.name))
     return found
 
 
-def to_carry(root: str, have: set[str], carry: tuple[str, ...]) -> dict[str, str]:
-    needed = closure(root)
+def to_carry(root: str, have: set[str], carry: tuple[str, ...], python: str = "3.12") -> dict[str, str]:
+    needed = closure(root, python)
     forced = {normalise(name) for name in carry}
     return {n: v for n, v in sorted(needed.items()) if n != normalise(root) and (n not in have or n in forced)}
 
@@ -79,17 +81,24 @@ def fetch(packages: dict[str, str], out: Path, python: str) -> list[str]:
     for name, ver in packages.items():
         download = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
                     python, "--implementation", "cp", *platform_flags, "-d", str(out), f"{name}=={ver}"]
-        if subprocess.run(download, capture_output=True, text=True).returncode == 0:
+        fetched = subprocess.run(download, capture_output=True, text=True)
+        if fetched.returncode == 0:
             continue
         # no wheel for that Python and platform: only a pure-Python source distribution can be built here
         build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), f"{name}=={ver}"]
         result = subprocess.run(build, capture_output=True, text=True)
         wheels = sorted(out.glob(f"{name.replace('-', '_')}-{ver}-*.whl"))
         if result.returncode != 0 or not wheels or not wheels[0].name.endswith("-py3-none-any.whl"):
+            said = " ".join(f"{_last_line(fetched.stderr)}; {_last_line(result.stderr)}".split())
             raise SystemExit(f"error: no wheel of {name}=={ver} for Python {python} on x86-64 Linux, and none could be "
-                             f"built here that runs there: {result.stderr.strip()[-300:]}")
+                             f"built here that runs there (pip: {said})")
         built.append(name)
     return built
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1][-200:] if lines else "no message"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,19 +112,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.have.is_file():
         parser.error(f"--have {args.have}: no such file")
-    if args.out.exists() and (not args.out.is_dir() or any(not p.name.endswith(".whl") for p in args.out.iterdir())):
-        parser.error(f"--out {args.out} holds other things than wheels; it is replaced: give a new directory")
-    packages = to_carry("apt-ds", read_have(args.have), tuple(args.carry))
+    if args.out.is_symlink() or (args.out.exists() and (not args.out.is_dir() or any(
+            not p.name.endswith(".whl") or not p.is_file() for p in args.out.iterdir()))):
+        parser.error(f"--out {args.out} is a link or holds other things than wheels; it is replaced: give a new directory")
+    if not args.out.parent.is_dir():
+        parser.error(f"--out {args.out}: {args.out.parent} is not a directory")
+    packages = to_carry("apt-ds", read_have(args.have), tuple(args.carry), args.python)
     print(" ".join(f"{n}=={v}" for n, v in packages.items()))
     if args.dry_run:
         return 0
-    tmp = args.out.with_name(args.out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    built = fetch(packages, tmp, args.python)
-    size_mb = sum(p.stat().st_size for p in tmp.iterdir()) / 2**20
-    shutil.rmtree(args.out, ignore_errors=True)
-    tmp.rename(args.out)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{args.out.name}.partial-", dir=args.out.parent))  # ours alone
+    try:
+        built = fetch(packages, tmp, args.python)
+        size_mb = sum(p.stat().st_size for p in tmp.iterdir()) / 2**20
+        shutil.rmtree(args.out, ignore_errors=True)  # checked above: nothing but wheels
+        tmp.rename(args.out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     print(f"{len(packages)} wheels in {args.out} ({size_mb:.1f} MB; built here: {', '.join(built) or 'none'})")
     if size_mb > CARRY_LIMIT_MB:
         print(f"warning: {size_mb:.0f} MB is over what one device call carries ({CARRY_LIMIT_MB} MB)", file=sys.stderr)

@@ -155,7 +155,8 @@ def reconstruct(model, decision, dense: dict, damping: float = 0.01) -> None:
     kept: least squares on the calibration tokens, W' = W C[:, K] (C[K, K] + d I)^-1 with C the
     uncut inputs' Gram matrix and K the kept input channels (the fast post-training pruning of Kwon
     et al. 2022, and FLAP's and SlimGPT's compensation; d = `damping` x the mean diagonal, as
-    SparseGPT's). The rows follow the kept hidden channels."""
+    SparseGPT's, of C[K, K]'s). The rows follow the kept hidden channels; a projection that lost no
+    input is left as the cut left it."""
     import torch
 
     groups, neurons, hidden = decision.indices()
@@ -165,10 +166,12 @@ def reconstruct(model, decision, dense: dict, damping: float = 0.01) -> None:
         channels = {"attn": torch.cat([torch.arange(g * width, (g + 1) * width) for g in groups[index].tolist()]),
                     "ffn": neurons[index]}
         for kind, linear in (("attn", attn.o_proj), ("ffn", layer.mlp.down_proj)):
-            kept, gram = channels[kind], dense["grams"][(kind, index)]
+            kept, gram, weight = channels[kind], dense["grams"][(kind, index)], dense["weights"][(kind, index)][hidden]
+            if len(kept) == gram.shape[0]:  # no input lost: the damped solve would only shrink the weight
+                continue
             inner = gram[kept][:, kept]
             inner = inner + damping * inner.diagonal().mean() * torch.eye(len(kept), dtype=inner.dtype)
-            refit = torch.linalg.solve(inner, (dense["weights"][(kind, index)][hidden] @ gram[:, kept]).T).T
+            refit = torch.linalg.solve(inner, (weight @ gram[:, kept]).T).T
             with torch.no_grad():
                 linear.weight.copy_(refit.to(linear.weight.dtype))
 

@@ -158,6 +158,13 @@ def _repair_export_copy(trainer, directory: Path) -> None:
     backend.barrier()
 
 
+def repair_finished_run(trainer, directory: Path) -> None:
+    """A finished run is not resumed, but export reads its copy of the weights: a damaged copy is
+    rewritten from engine/ (load_checkpoint restores the weights, then repairs it)."""
+    if not trainer.backend.all_gather_object(_readable_safetensors(directory / EXPORT_COPY))[0]:
+        load_checkpoint(trainer, directory)
+
+
 def _readable_safetensors(path: Path) -> bool:
     """The header parses and the data it lists covers the file (safetensors checks both on open)."""
     try:

@@ -20,7 +20,7 @@ from apt_ds.config import APTConfig, ConfigError, TrainConfig
 from apt_ds.distributed.backend import LocalBackend
 from apt_ds.distributed.placement import check_fits, configure_cpu_threads, resolve_base_dtype, resolve_device
 from apt_ds.io.atomic import write_text_atomic
-from apt_ds.io.checkpoint import read_meta
+from apt_ds.io.checkpoint import read_meta, repair_finished_run
 from apt_ds.io.data import TruncationStats, batches, collate, demo_data_path, load_records, tokenize_dataset
 from apt_ds.io.modeling import TINY_MODELS, build_tiny_llama, file_fingerprint, load_model, model_fingerprint
 from apt_ds.io.run_dir import (
@@ -265,6 +265,7 @@ def _train(backend, args, apt, train, out, meta, model, examples, eval_batches, 
     start = 0
     if args.resume:
         if meta["finished"]:
+            repair_finished_run(trainer, out / "checkpoint")
             if backend.is_main():
                 print(f"{out} already finished at step {meta['step']}; nothing to do")
             return {"step": meta["step"], "final": True, "already_finished": True}

@@ -39,3 +39,15 @@ def test_an_out_directory_with_other_files_is_refused_and_kept(tmp_path, capsys)
         gpu_wheels.main(["--have", str(listed), "--out", str(tmp_path / "mine")])
     assert stop.value.code == 2 and "holds other things than wheels" in capsys.readouterr().err
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+
+
+def test_an_out_link_is_refused_and_its_target_kept(tmp_path, capsys):
+    listed = tmp_path / "image.txt"
+    listed.write_text(IMAGE)
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "a.whl").write_text("mine")
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    with pytest.raises(SystemExit) as stop:
+        gpu_wheels.main(["--have", str(listed), "--out", str(tmp_path / "link")])
+    assert stop.value.code == 2 and "is a link" in capsys.readouterr().err
+    assert (tmp_path / "target" / "a.whl").read_text() == "mine"

@@ -75,8 +75,9 @@ def test_reconstruct_brings_each_cut_layer_closer_to_the_uncut_one(criterion):
                                ("attn", model.model.layers[layer].self_attn.o_proj, cut.model.layers[layer].self_attn.o_proj)):
         gram, weight = dense["grams"][(kind, layer)], dense["weights"][(kind, layer)][hidden]
         kept = neurons[layer] if kind == "ffn" else torch.cat([torch.arange(g * 32, (g + 1) * 32) for g in groups[layer].tolist()])  # 2 heads of 16
-        if len(kept) == gram.shape[0]:
-            continue  # nothing cut here
+        if len(kept) == gram.shape[0]:  # nothing cut here: left as the plain cut left it
+            assert torch.equal(refit.weight, plain.weight)
+            continue
 
         def error(w):  # sum over the calibration tokens of |W x - w x_kept|^2, from the Gram matrix
             full = torch.zeros_like(weight)

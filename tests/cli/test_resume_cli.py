@@ -172,7 +172,7 @@ def test_resume_rewrites_a_damaged_export_copy(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(APTrainer, "_train_step", crash_at(5))
     assert train_main([*common, "--out", str(run)]) == 130
     copy = run / "checkpoint" / "trainable.safetensors"
-    saved = load_file(str(copy))
+    saved = {k: v.clone() for k, v in load_file(str(copy)).items()}  # load_file maps the file we then tear
     copy.write_bytes(copy.read_bytes()[:-64])  # torn by a full disk or a copy that stopped
     monkeypatch.setattr(APTrainer, "_train_step", crash_at(6))  # before the next checkpoint rewrites it
     real_save = checkpoint_module.save_file
@@ -191,6 +191,25 @@ def test_resume_rewrites_a_damaged_export_copy(tmp_path, monkeypatch, capsys):
     again = load_file(str(copy))
     assert again.keys() == saved.keys() and all(torch.equal(again[k], saved[k]) for k in saved)
     assert not list((run / "checkpoint").glob("*.tmp"))
+
+
+def test_resume_of_a_finished_run_rewrites_a_damaged_export_copy(trained_runs, tmp_path, capsys):
+    """A finished run is not trained again, but export reads its copy of the weights: --resume
+    restores them from engine/ and rewrites a torn copy, then says the run is finished."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "finished"
+    shutil.copytree(trained_runs / "nonuniform", run)
+    copy = run / "checkpoint" / "trainable.safetensors"
+    saved = {k: v.clone() for k, v in load_file(str(copy)).items()}  # load_file maps the file we then tear
+    copy.write_bytes(copy.read_bytes()[: len(copy.read_bytes()) // 2])
+    metrics = (run / "metrics.jsonl").read_bytes()
+    assert train_main([*FAST, "--target-density", "0.6", "--resume", "--out", str(run)]) == 0
+    captured = capsys.readouterr()
+    assert "rewritten from the restored weights" in captured.err and "already finished" in captured.out
+    again = load_file(str(copy))
+    assert again.keys() == saved.keys() and all(torch.equal(again[k], saved[k]) for k in saved)
+    assert (run / "metrics.jsonl").read_bytes() == metrics  # nothing trained
 
 
 def test_resume_from_a_different_model_is_refused(trained_runs, tmp_path, capsys, monkeypatch):

@@ -251,7 +251,8 @@ def test_one_rank_killed_under_zero3_ends_the_run_and_it_resumes(tmp_path):
     export_copy.write_bytes(export_copy.read_bytes()[:-64])  # torn: the resume rewrites it, gathered from both ranks
     result = launch(2, [*args, "--out", str(out), "--resume"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert (result.stdout + result.stderr).count("trainable.safetensors was unreadable") == 1  # said once, by rank 0
+    said = (result.stdout + result.stderr).count("trainable.safetensors was unreadable")
+    assert said == 1 and "rewritten from the restored weights" in result.stdout + result.stderr  # once, by rank 0
     resumed = check_identical_and_pruned(out, 2, since_step=killed_at)
     expected = rank_records(reference)[0]
     assert resumed["kept"] == expected["kept"] and resumed["ranks"] == expected["ranks"]
