@@ -110,23 +110,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path(".whl"), help="where the wheels go (replaced; default .whl)")
     parser.add_argument("--dry-run", action="store_true", help="list what would be carried, fetch nothing")
     args = parser.parse_args(argv)
+    try:
+        return _collect(parser, args)
+    except (OSError, UnicodeDecodeError) as err:  # unreadable list, read-only parent, ...: one line
+        raise SystemExit(f"error: {err}") from None
+
+
+def _collect(parser, args) -> int:
     if not args.have.is_file():
         parser.error(f"--have {args.have}: no such file")
-    if args.out.is_symlink() or (args.out.exists() and (not args.out.is_dir() or any(
-            not p.name.endswith(".whl") or not p.is_file() for p in args.out.iterdir()))):
+    out = args.out.absolute()
+    if out.is_symlink() or (out.exists() and (not out.is_dir() or any(
+            not p.name.endswith(".whl") or not p.is_file() for p in out.iterdir()))):
         parser.error(f"--out {args.out} is a link or holds other things than wheels; it is replaced: give a new directory")
-    if not args.out.parent.is_dir():
-        parser.error(f"--out {args.out}: {args.out.parent} is not a directory")
+    if not out.parent.is_dir():
+        parser.error(f"--out {args.out}: {out.parent} is not a directory")
+    if out == Path.cwd() or out in Path.cwd().parents:
+        parser.error(f"--out {args.out} is the current directory or holds it: give a new directory")
     packages = to_carry("apt-ds", read_have(args.have), tuple(args.carry), args.python)
     print(" ".join(f"{n}=={v}" for n, v in packages.items()))
     if args.dry_run:
         return 0
-    tmp = Path(tempfile.mkdtemp(prefix=f".{args.out.name}.partial-", dir=args.out.parent))  # ours alone
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))  # ours alone
     try:
         built = fetch(packages, tmp, args.python)
         size_mb = sum(p.stat().st_size for p in tmp.iterdir()) / 2**20
-        shutil.rmtree(args.out, ignore_errors=True)  # checked above: nothing but wheels
-        tmp.rename(args.out)
+        shutil.rmtree(out, ignore_errors=True)  # checked above: nothing but wheels
+        tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"{len(packages)} wheels in {args.out} ({size_mb:.1f} MB; built here: {', '.join(built) or 'none'})")

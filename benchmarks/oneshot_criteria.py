@@ -293,7 +293,7 @@ def main(argv=None) -> None:
                         help="refit o_proj and down_proj to the uncut layer's output after the cut (least squares on the calibration tokens)")
     parser.add_argument("--refit-batches", type=int, default=0,
                         help="with --reconstruct: micro-batches the refit's statistics take (0: --calibration-batches)")
-    parser.add_argument("--refit-damping", type=float, default=0.01, help="with --reconstruct: x the Gram's mean diagonal")
+    parser.add_argument("--refit-damping", type=float, default=0.01, help="with --reconstruct: x the mean diagonal of the kept inputs' Gram matrix")
     parser.add_argument("--no-dense", action="store_true", help="leave out the unpruned model's row (scored by an earlier run)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -135,34 +135,40 @@ def _write_export_copy(trainer, path: Path) -> None:
         save_file(trainable, str(path))
 
 
-def _repair_export_copy(trainer, directory: Path) -> None:
+def _repair_export_copy(trainer, directory: Path, finished: bool = False) -> None:
     """A resume reads engine/, not trainable.safetensors (the export's copy): a damaged copy would let
-    the run go on while export fails until the next checkpoint. Rewrite it from the restored weights."""
+    the run go on while export fails until the next checkpoint. Rewrite it from the restored weights.
+    If that fails, a run that trains on says so (its next checkpoint writes the copy); a `finished`
+    run has no next checkpoint, so that is an error."""
     backend, path = trainer.backend, directory / EXPORT_COPY
     # every rank takes the main rank's answer: the rewrite gathers ZeRO-3 partitions collectively
     if not backend.all_gather_object(backend.is_main() and not _readable_safetensors(path))[0]:
         return
-    tmp = path.with_name(path.name + ".tmp")
+    tmp, failed = path.with_name(path.name + ".tmp"), None
     try:
         _write_export_copy(trainer, tmp)  # only the main rank writes: only it can fail here
         if backend.is_main():
             make_readable(tmp)
             tmp.replace(path)
-            done = "rewritten from the restored weights"
-    except (OSError, SafetensorError) as err:  # e.g. the disk is full: training can still go on
+    except (OSError, SafetensorError) as err:  # e.g. the disk is full
         tmp.unlink(missing_ok=True)
-        done = f"could not rewrite it ({err}); the next checkpoint will"
-    if backend.is_main():
-        print(f"apt-ds: {path} was unreadable (the export's copy of the weights; training resumes from "
-              f"{directory / 'engine'}): {done}", file=sys.stderr)
+        failed = err
     backend.barrier()
+    if not backend.is_main():
+        return
+    if failed is not None and finished:
+        raise CheckpointError(f"{path} (the export's copy of the weights) is unreadable and could not be rewritten from "
+                              f"{directory / 'engine'} ({failed}); free space, then run --resume again")
+    done = "rewritten from the restored weights" if failed is None else f"could not rewrite it ({failed}); the next checkpoint will"
+    print(f"apt-ds: {path} was unreadable (the export's copy of the weights; a resume reads {directory / 'engine'}): "
+          f"{done}", file=sys.stderr)
 
 
 def repair_finished_run(trainer, directory: Path) -> None:
     """A finished run is not resumed, but export reads its copy of the weights: a damaged copy is
     rewritten from engine/ (load_checkpoint restores the weights, then repairs it)."""
     if not trainer.backend.all_gather_object(_readable_safetensors(directory / EXPORT_COPY))[0]:
-        load_checkpoint(trainer, directory)
+        load_checkpoint(trainer, directory, finished=True)
 
 
 def _readable_safetensors(path: Path) -> bool:
@@ -266,7 +272,7 @@ def _flag_value(value) -> str:
     return str(value)
 
 
-def load_checkpoint(trainer, directory: Path) -> None:
+def load_checkpoint(trainer, directory: Path, finished: bool = False) -> None:
     meta = read_meta(directory)
     state = trainer.state
     if meta["original_shape"] != state.original_shape.to_dict():
@@ -300,4 +306,4 @@ def load_checkpoint(trainer, directory: Path) -> None:
     trainer.consumed_micro_batches = meta["consumed_micro_batches"]
     trainer.teacher_ready = meta["teacher_ready"]
     trainer.uniform_shapes = {int(step): tuple(shape) for step, shape in meta.get("uniform_shapes", {}).items()}
-    _repair_export_copy(trainer, directory)
+    _repair_export_copy(trainer, directory, finished)

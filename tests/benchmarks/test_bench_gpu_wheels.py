@@ -51,3 +51,19 @@ def test_an_out_link_is_refused_and_its_target_kept(tmp_path, capsys):
         gpu_wheels.main(["--have", str(listed), "--out", str(tmp_path / "link")])
     assert stop.value.code == 2 and "is a link" in capsys.readouterr().err
     assert (tmp_path / "target" / "a.whl").read_text() == "mine"
+
+
+def test_an_unreadable_list_and_the_current_directory_are_one_line_each(tmp_path, monkeypatch, capsys):
+    listed = tmp_path / "image.txt"
+    listed.write_bytes(b"\xff\xfe not text")
+    with pytest.raises(SystemExit) as stop:
+        gpu_wheels.main(["--have", str(listed), "--out", str(tmp_path / "wheels"), "--dry-run"])
+    assert str(stop.value.code).startswith("error: ") and "\n" not in str(stop.value.code)
+    listed.write_text(IMAGE)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.chdir(empty)
+    with pytest.raises(SystemExit) as stop:
+        gpu_wheels.main(["--have", str(listed), "--out", "."])
+    assert stop.value.code == 2 and "is the current directory or holds it" in capsys.readouterr().err
+    assert empty.is_dir()

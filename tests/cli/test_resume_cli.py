@@ -203,13 +203,25 @@ def test_resume_of_a_finished_run_rewrites_a_damaged_export_copy(trained_runs, t
     copy = run / "checkpoint" / "trainable.safetensors"
     saved = {k: v.clone() for k, v in load_file(str(copy)).items()}  # load_file maps the file we then tear
     copy.write_bytes(copy.read_bytes()[: len(copy.read_bytes()) // 2])
-    metrics = (run / "metrics.jsonl").read_bytes()
+    metrics, state = (run / "metrics.jsonl").read_bytes(), (run / "checkpoint" / "apt_state.json").read_bytes()
+
+    def disk_full(tensors, path):
+        raise OSError(28, "No space left on device")
+
+    # no later checkpoint will write the copy of a finished run: a failed rewrite is an error
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(checkpoint_module, "save_file", disk_full)
+        assert train_main([*FAST, "--target-density", "0.6", "--resume", "--out", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: ") and err.endswith("could not be rewritten from " + str(run / "checkpoint" / "engine") +
+                        " ([Errno 28] No space left on device); free space, then run --resume again")
     assert train_main([*FAST, "--target-density", "0.6", "--resume", "--out", str(run)]) == 0
     captured = capsys.readouterr()
     assert "rewritten from the restored weights" in captured.err and "already finished" in captured.out
     again = load_file(str(copy))
     assert again.keys() == saved.keys() and all(torch.equal(again[k], saved[k]) for k in saved)
     assert (run / "metrics.jsonl").read_bytes() == metrics  # nothing trained
+    assert (run / "checkpoint" / "apt_state.json").read_bytes() == state and not list((run / "checkpoint").glob("*.tmp"))
 
 
 def test_resume_from_a_different_model_is_refused(trained_runs, tmp_path, capsys, monkeypatch):
