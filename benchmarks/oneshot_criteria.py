@@ -60,25 +60,22 @@ def calibration_batches(spec: dict, tokenizer, examples: list | None = None) -> 
                            spec["calibration_batches"])
 
 
-def wanda_sp_scores(model, batches: list[dict]):
-    """(KV group scores, neuron scores) per layer: sum over the unit's input columns j of
-    ||X_j||_2 (over the real tokens of all batches) * sum_i |W_ij| (o_proj for a group's query
-    channels, down_proj for a neuron)."""
+def projection_input_sums(model, batches: list[dict], reduce) -> dict:
+    """{(kind, layer index): the sum over `batches` of reduce(inputs at the real tokens)} for every
+    layer's o_proj (kind "attn") and down_proj ("ffn"); inputs are (real tokens, channels)."""
     import torch
 
-    layers = model.model.layers
-    squares, current = {}, {}
+    sums, current, handles = {}, {}, []
 
     def keep(key):
         def hook(module, args):
-            real = args[0].detach()[current["mask"]].float()  # (real tokens, channels)
-            squares[key] = squares.get(key, 0) + real.pow(2).sum(0)
+            real = args[0].detach()[current["mask"]]
+            sums[key] = sums.get(key, 0) + reduce(real)
         return hook
 
-    handles = []
-    for index, layer in enumerate(layers):
-        handles.append(layer.self_attn.o_proj.register_forward_pre_hook(keep(("attn", index))))
-        handles.append(layer.mlp.down_proj.register_forward_pre_hook(keep(("ffn", index))))
+    for index, layer in enumerate(model.model.layers):
+        for kind, linear in (("attn", layer.self_attn.o_proj), ("ffn", layer.mlp.down_proj)):
+            handles.append(linear.register_forward_pre_hook(keep((kind, index))))
     try:
         with torch.no_grad():
             for batch in batches:
@@ -87,8 +84,16 @@ def wanda_sp_scores(model, batches: list[dict]):
     finally:
         for handle in handles:
             handle.remove()
+    return sums
+
+
+def wanda_sp_scores(model, batches: list[dict]):
+    """(KV group scores, neuron scores) per layer: sum over the unit's input columns j of
+    ||X_j||_2 (over the real tokens of all batches) * sum_i |W_ij| (o_proj for a group's query
+    channels, down_proj for a neuron)."""
+    squares = projection_input_sums(model, batches, lambda real: real.float().pow(2).sum(0))
     groups, neurons = [], []
-    for index, layer in enumerate(layers):
+    for index, layer in enumerate(model.model.layers):
         attn = squares[("attn", index)].sqrt() * layer.self_attn.o_proj.weight.detach().float().abs().sum(0)
         kv_heads = layer.self_attn.k_proj.weight.shape[0] // layer.self_attn.head_dim
         groups.append(attn.reshape(kv_heads, -1).sum(1))
@@ -124,29 +129,10 @@ def prune(model, criterion: str, density: float, batches: list[dict]):
 def output_inputs(model, batches: list[dict]) -> dict:
     """The Gram matrix X^T X of the inputs of every layer's o_proj and down_proj over the real tokens
     of `batches`, and those weights as they are: what `reconstruct` needs from the uncut model."""
-    import torch
-
-    grams, current, handles = {}, {}, []
-
-    def keep(key):
-        def hook(module, args):
-            real = args[0].detach()[current["mask"]].double()
-            grams[key] = grams.get(key, 0) + real.T @ real
-        return hook
-
-    weights = {}
-    for index, layer in enumerate(model.model.layers):
-        for kind, linear in (("attn", layer.self_attn.o_proj), ("ffn", layer.mlp.down_proj)):
-            handles.append(linear.register_forward_pre_hook(keep((kind, index))))
-            weights[(kind, index)] = linear.weight.detach().double().clone()
-    try:
-        with torch.no_grad():
-            for batch in batches:
-                current["mask"] = batch["attention_mask"].bool()
-                model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=1)
-    finally:
-        for handle in handles:
-            handle.remove()
+    weights = {(kind, index): linear.weight.detach().double().clone()
+               for index, layer in enumerate(model.model.layers)
+               for kind, linear in (("attn", layer.self_attn.o_proj), ("ffn", layer.mlp.down_proj))}
+    grams = projection_input_sums(model, batches, lambda real: real.double().T @ real.double())
     return {"grams": grams, "weights": weights}
 
 

@@ -129,20 +129,17 @@ def _save_and_rename(trainer, directory: Path, tmp: Path) -> None:
 def _write_export_copy(trainer, path: Path) -> None:
     """Full fp32 trainable tensors (collective under ZeRO-3): export reads these, no DeepSpeed needed."""
     backend = trainer.backend
-    trainable = {n: backend.full_param(n, p).float().cpu().contiguous()
-                 for n, p in trainer.state.model.named_parameters() if p.requires_grad}
+    trainable = {n: backend.full_param(n, p).float().cpu().contiguous() for n, p in trainer.state.model.named_parameters() if p.requires_grad}
     if backend.is_main():
         save_file(trainable, str(path))
 
 
-def _repair_export_copy(trainer, directory: Path, finished: bool = False) -> None:
-    """A resume reads engine/, not trainable.safetensors (the export's copy): a damaged copy would let
-    the run go on while export fails until the next checkpoint. Rewrite it from the restored weights.
-    If that fails, a run that trains on says so (its next checkpoint writes the copy); a `finished`
-    run has no next checkpoint, so that is an error."""
+def repair_export_copy(trainer, directory: Path, finished: bool = False) -> None:
+    """After load_checkpoint, which reads engine/: rewrite a damaged export copy from the restored weights
+    (else export fails until the next checkpoint). A failure is said, or for a `finished` run, whose
+    copy no later checkpoint writes, an error."""
     backend, path = trainer.backend, directory / EXPORT_COPY
-    # every rank takes the main rank's answer: the rewrite gathers ZeRO-3 partitions collectively
-    if not backend.all_gather_object(backend.is_main() and not _readable_safetensors(path))[0]:
+    if not _export_copy_damaged(backend, path):
         return
     tmp, failed = path.with_name(path.name + ".tmp"), None
     try:
@@ -165,10 +162,15 @@ def _repair_export_copy(trainer, directory: Path, finished: bool = False) -> Non
 
 
 def repair_finished_run(trainer, directory: Path) -> None:
-    """A finished run is not resumed, but export reads its copy of the weights: a damaged copy is
-    rewritten from engine/ (load_checkpoint restores the weights, then repairs it)."""
-    if not trainer.backend.all_gather_object(_readable_safetensors(directory / EXPORT_COPY))[0]:
-        load_checkpoint(trainer, directory, finished=True)
+    """A finished run is not resumed, but export reads its copy: a damaged one is rewritten from engine/."""
+    if _export_copy_damaged(trainer.backend, directory / EXPORT_COPY):
+        load_checkpoint(trainer, directory)
+        repair_export_copy(trainer, directory, finished=True)
+
+
+def _export_copy_damaged(backend, path: Path) -> bool:
+    """The main rank's answer on every rank: the rewrite gathers ZeRO-3 partitions collectively."""
+    return backend.all_gather_object(backend.is_main() and not _readable_safetensors(path))[0]
 
 
 def _readable_safetensors(path: Path) -> bool:
@@ -272,7 +274,7 @@ def _flag_value(value) -> str:
     return str(value)
 
 
-def load_checkpoint(trainer, directory: Path, finished: bool = False) -> None:
+def load_checkpoint(trainer, directory: Path) -> None:
     meta = read_meta(directory)
     state = trainer.state
     if meta["original_shape"] != state.original_shape.to_dict():
@@ -306,4 +308,3 @@ def load_checkpoint(trainer, directory: Path, finished: bool = False) -> None:
     trainer.consumed_micro_batches = meta["consumed_micro_batches"]
     trainer.teacher_ready = meta["teacher_ready"]
     trainer.uniform_shapes = {int(step): tuple(shape) for step, shape in meta.get("uniform_shapes", {}).items()}
-    _repair_export_copy(trainer, directory, finished)

@@ -27,7 +27,7 @@ from apt_ds.algorithm.tuner import AdaptiveTuner
 from apt_ds.config import APTConfig, TrainConfig
 from apt_ds.distributed.backend import LocalBackend, TrainingBackend
 from apt_ds.distributed.placement import move_batch
-from apt_ds.io.checkpoint import load_checkpoint, save_checkpoint
+from apt_ds.io.checkpoint import load_checkpoint, repair_export_copy, save_checkpoint
 from apt_ds.io.metrics import MetricsWriter, memory_mb
 from apt_ds.training.attention_kernels import training_attention_kernels
 from apt_ds.training.forward import (
@@ -89,6 +89,7 @@ class APTrainer:
 
     def resume(self, checkpoint_dir: str | Path) -> None:
         load_checkpoint(self, Path(checkpoint_dir))
+        repair_export_copy(self, Path(checkpoint_dir))
 
     def train(self, batches: Iterator[dict], skip_consumed: bool = True) -> dict:
         """Train to `steps`. A resumed trainer skips the micro-batches it already consumed,

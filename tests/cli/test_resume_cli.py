@@ -17,6 +17,10 @@ from apt_ds.io.metrics import read_metrics
 from apt_ds.io.run_dir import check_replaceable
 
 
+def _disk_full(tensors, path):  # stands in for safetensors' save_file on a full disk
+    raise OSError(28, "No space left on device")
+
+
 def test_resume_of_a_lora_run_without_method_lora_says_so(tmp_path, capsys):
     run = tmp_path / "lora"
     assert train_main([*FAST, "--method", "lora", "--out", str(run)]) == 0
@@ -177,10 +181,7 @@ def test_resume_rewrites_a_damaged_export_copy(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(APTrainer, "_train_step", crash_at(6))  # before the next checkpoint rewrites it
     real_save = checkpoint_module.save_file
 
-    def disk_full(tensors, path):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(checkpoint_module, "save_file", disk_full)  # a rewrite that fails lets training go on
+    monkeypatch.setattr(checkpoint_module, "save_file", _disk_full)  # a rewrite that fails lets training go on
     capsys.readouterr()
     assert train_main([*common, "--resume", "--out", str(run)]) == 130
     assert "could not rewrite it ([Errno 28] No space left on device); the next checkpoint will" in capsys.readouterr().err
@@ -205,12 +206,9 @@ def test_resume_of_a_finished_run_rewrites_a_damaged_export_copy(trained_runs, t
     copy.write_bytes(copy.read_bytes()[: len(copy.read_bytes()) // 2])
     metrics, state = (run / "metrics.jsonl").read_bytes(), (run / "checkpoint" / "apt_state.json").read_bytes()
 
-    def disk_full(tensors, path):
-        raise OSError(28, "No space left on device")
-
     # no later checkpoint will write the copy of a finished run: a failed rewrite is an error
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(checkpoint_module, "save_file", disk_full)
+        patch.setattr(checkpoint_module, "save_file", _disk_full)
         assert train_main([*FAST, "--target-density", "0.6", "--resume", "--out", str(run)]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: ") and err.endswith("could not be rewritten from " + str(run / "checkpoint" / "engine") +
