@@ -10,6 +10,7 @@ from pathlib import Path
 from apt_ds.cli.arguments import ExportArguments, build_export_parser, parse_with_positional
 from apt_ds.cli.errors import report, user_errors
 from apt_ds.config import ConfigError
+from apt_ds.io import run_lock
 from apt_ds.io.run_dir import set_aside_note
 
 
@@ -38,14 +39,18 @@ def main(argv: list[str] | None = None) -> int:
                                     max_shard_size=args.max_shard_size, format=args.format)
     except user_errors() as err:
         return report(err)
+    except KeyboardInterrupt:  # the export is written to a temporary directory and renamed into place
+        print(f"interrupted: the export to {args.out} did not finish, and left no partial model there", file=sys.stderr)
+        return 130
     print(json.dumps(report_["final"], indent=1))
-    print(done_message(report_, args.out), file=sys.stderr)
+    training = run_lock.training_now(Path(args.run_dir)) if args.run_dir else None
+    print(done_message(report_, args.out, training), file=sys.stderr)
     return 0
 
 
-def done_message(report_: dict, out: str) -> str:
+def done_message(report_: dict, out: str, training: str | None = None) -> str:
     """Where the export went and what it holds; a warning first when the run had not finished
-    (its last checkpoint is what was exported)."""
+    (its last checkpoint is what was exported), or is still training (`training`: who trains it)."""
     final, original = report_["final"], report_.get("original")
     size = f"{final['total_params']:,} parameters"
     if original:
@@ -54,8 +59,10 @@ def done_message(report_: dict, out: str) -> str:
     message = f"exported {size} to {target}"
     if report_.get("finished") is False:
         steps = f" of {report_['steps']}" if report_.get("steps") else ""
-        message = (f"warning: the run stopped at step {report_.get('step')}{steps}, so its last checkpoint was exported; "
-                   f"its launch/train.py command run again with --resume finishes it\n" + message)
+        message = (f"warning: the run is still training ({training}); its last checkpoint, step {report_.get('step')}{steps}, "
+                   f"was exported\n" if training else
+                   f"warning: the run stopped at step {report_.get('step')}{steps}, so its last checkpoint was exported; "
+                   f"its launch/train.py command run again with --resume finishes it\n") + message
     return message
 
 

@@ -12,6 +12,7 @@ from apt_ds.cli.arguments import RunArguments, build_train_parser, explicit_valu
 from apt_ds.cli.errors import launcher_rank, report, user_errors
 from apt_ds.cli.recipe import resolve
 from apt_ds.config import ConfigError, TrainConfig
+from apt_ds.io import run_lock
 from apt_ds.io.run_dir import check_out_dir, recover_interrupted_overwrite
 
 
@@ -37,7 +38,9 @@ def check_inputs_early(run: RunArguments, train: TrainConfig) -> None:
     for flag, value in (("--data", run.data), ("--eval-data", run.eval_data)):
         if value and not Path(value).exists():
             raise ConfigError(f"{flag} {value} does not exist")
-    if launcher_rank() == "0":  # one rank repairs what a killed --overwrite left
+    if launcher_rank() == "0":  # one rank holds the run (apt_ds.io.run_lock) and repairs what a killed --overwrite left
+        if Path(run.out).absolute().parent.is_dir():  # else nothing can train there yet: prepare_out_dir locks it
+            run_lock.acquire(Path(run.out))
         note = recover_interrupted_overwrite(Path(run.out))
         if note:
             print(note, file=sys.stderr)
@@ -108,4 +111,6 @@ def main(argv: list[str] | None = None) -> int:
             raise
         return report(f"disk full writing {getattr(err, 'filename', None) or out}: {err.strerror or err}; free space "
                       f"and run again")
+    finally:
+        run_lock.release(Path(out))
     return 0

@@ -137,7 +137,7 @@ def export_run(run_dir: Path, out: Path, dtype: str = "fp32", overwrite: bool = 
     check_options(dtype, max_shard_size, format)
     recorded_base = read_meta(run_dir / "checkpoint").get("run_info", {}).get("model")
     bases = [Path(p) for p in (model_path, recorded_base) if p is not None and str(p) not in TINY_MODELS]
-    check_export_out(out, overwrite, protected=[run_dir, *bases])
+    check_export_out(out, overwrite, protected=[run_dir, *bases], run_dir=run_dir)
     base = str(model_path) if model_path is not None else recorded_base
     if streaming is not False and base is not None and base not in TINY_MODELS and Path(base).is_dir():
         return _export_streaming(run_dir, out, Path(base), dtype, max_shard_size, format)

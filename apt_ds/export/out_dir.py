@@ -15,21 +15,25 @@ import re
 import shutil
 from pathlib import Path
 
-from apt_ds.io.run_dir import check_writable, listing
+from apt_ds.io.run_dir import RUN_ENTRIES, check_writable, listing
 
 REPORT_FILE = "apt_export.json"
 
 
-def check_export_out(out: Path, overwrite: bool, protected: list[Path] = ()) -> None:
+def check_export_out(out: Path, overwrite: bool, protected: list[Path] = (), run_dir: Path | None = None) -> None:
     """Refuse an --out that would destroy data: an existing path without --overwrite, and, even
-    with it, anything but a previous export (or an empty directory), or a path that is or
-    contains one of the inputs."""
+    with it, anything but a previous export (or an empty directory), a path that is or
+    contains one of the inputs, or one inside a folder that `run_dir`'s run replaces whole."""
     recover_interrupted_overwrite(out)
     resolved = out.resolve()
     for path in protected:
         path = Path(path).resolve()
         if resolved == path or resolved in path.parents:
             raise FileExistsError(f"--out {out} is or contains the input {path}; choose another directory")
+    for folder in [Path(run_dir).resolve() / name for name in sorted(RUN_ENTRIES)] if run_dir else []:
+        if folder == resolved or folder in resolved.parents:  # checkpoint/ at the next --resume, plots/ at a plot, ...
+            raise FileExistsError(f"--out {out} is or is inside {folder}, which the run replaces whole (and the export with "
+                                  f"it); choose a directory outside it")
     if not out.exists() and not out.is_symlink():
         check_writable(out)  # e.g. a parent that is a file: one line naming it, not an OSError from mkdir
         return

@@ -5,10 +5,9 @@ that is not a run, cannot be written, or has no checkpoint to --resume; `prepare
 creates it (or sets the previous run aside) once every input has been validated.
 
 `--overwrite` replaces only what apt-ds itself wrote: an empty directory, or a run directory (its `run.json`
-holds `apt_config` and `train_config`) with nothing but what a run writes. Anything else is refused in one
-line that names it: a checkout, a home directory or a folder of the user's files is never deleted. The old
-run is moved aside (`.NAME.replaced-*` next to it) and deleted only once the new run has written
-its first checkpoint; a start that fails before then puts it back.
+holds `apt_config` and `train_config`) with nothing but what a run writes; anything else is refused in one
+line that names it. The old run is moved aside (`.NAME.replaced-*` next to it) and deleted only once the
+new run has written its first checkpoint; a start that fails before then puts it back.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from apt_ds.io import run_lock
 from apt_ds.io.tokenizer import is_tokenizer_file
 
 RUN_FILE = "run.json"
@@ -104,7 +104,6 @@ _HELD_LOCKS: dict[Path, int] = {}
 
 def _lock_path(aside: Path) -> Path:
     return aside.with_name(aside.name + ".lock")
-
 
 def move_aside(out: Path) -> Path | None:
     """Rename a replaceable `out` to a hidden sibling of a name no other attempt uses, beside a
@@ -284,6 +283,7 @@ def prepare_out_dir(out: Path, resume: bool, overwrite: bool, is_main: bool) -> 
         return None
     aside = move_aside(out) if overwrite else None
     out.mkdir(parents=True, exist_ok=True)
+    run_lock.acquire(out)  # held already when its parent existed at the start (apt_ds.cli.train)
     return aside
 
 

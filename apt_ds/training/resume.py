@@ -7,6 +7,8 @@ because data order and loss normalisation depend only on the global batch.
 
 from __future__ import annotations
 
+import array
+import hashlib
 import json
 from pathlib import Path
 
@@ -127,6 +129,25 @@ def check_resumable_model(meta: dict, args, fingerprint: dict) -> None:
     info = meta["run_info"]
     if not same_model(info.get("model_fingerprint") or {"missing": True}, fingerprint):
         raise CheckpointError(f"--resume: --model {args.model} is not the model this run was trained from ({info.get('model')})")
+
+
+def data_fingerprint(meta: dict | None, examples: list[dict], data_path: str) -> str:
+    """A digest of the tokenized examples (token ids and labels, in order), recorded in run.json; for
+    a resume (`meta`) it must equal the run's: the same --data path can hold other rows by now, and
+    --no-pack or a tokenizer change makes other examples from the same rows. A resume continues at a
+    position in the example stream, which in another stream means other rows seen twice or never."""
+    digest = hashlib.sha256()
+    for example in examples:
+        for key in ("input_ids", "labels"):
+            digest.update(array.array("q", example[key]).tobytes())
+            digest.update(b"|")
+    fingerprint = f"sha256:{digest.hexdigest()} ({len(examples)} examples)"
+    recorded = (meta or {}).get("run_info", {}).get("data_fingerprint")  # runs from before it have none
+    if recorded is not None and recorded != fingerprint:
+        raise CheckpointError(f"--resume: --data {data_path} no longer gives the examples the run was trained on "
+                              f"({recorded.split(' ', 1)[1]} then, {len(examples)} now, or other rows: its contents, "
+                              f"--no-pack or the tokenizer changed); restore them, or start a new run with --overwrite")
+    return fingerprint
 
 
 def checkpoint_to_resume(out: Path) -> Path:

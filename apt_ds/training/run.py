@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from apt_ds.algorithm.reachable import check_model_target
 from apt_ds.config import APTConfig, ConfigError, TrainConfig
 from apt_ds.distributed.backend import LocalBackend
 from apt_ds.distributed.placement import check_fits, configure_cpu_threads, resolve_base_dtype, resolve_device
@@ -33,19 +34,10 @@ from apt_ds.io.run_dir import (
 )
 from apt_ds.io.templates import check_template
 from apt_ds.io.tokenizer import load_tokenizer, train_sentencepiece_tokenizer
+from apt_ds.training import resume
 from apt_ds.training.heap import freeze_prepared_data
 from apt_ds.training.probe import live_probe, save_probe
-from apt_ds.training.resume import (
-    check_resumable_model,
-    check_resumable_settings,
-    checkpoint_to_resume,
-    clipping_before_max_grad_norm,
-    truncate_metrics,
-)
 from apt_ds.training.trainer import APTrainer
-
-# the names these had when they lived here (tests/export and tests/distributed import them)
-_checkpoint_dir, _clipping_before_max_grad_norm = checkpoint_to_resume, clipping_before_max_grad_norm
 
 logger = logging.getLogger(__name__)
 
@@ -210,13 +202,13 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
     check_out_dir(out, args.resume, args.overwrite)  # fail early; nothing is touched yet
     if getattr(args, "save_eval_probe", False) and not args.eval_data:
         raise ConfigError("--save-eval-probe needs --eval-data (the probe is the first eval batch)")
-    meta = read_meta(checkpoint_to_resume(out)) if args.resume else None
+    meta = read_meta(resume.checkpoint_to_resume(out)) if args.resume else None
     # Validate every input before writing anything into --out.
     data_path = args.data or str(demo_data_path())
     if meta is not None:  # the command line's settings, before the data is read; the model's after it is built
         # the APT config too, and a finished run's: a changed setting is named, never ignored
-        check_resumable_settings(meta, train, data_path, backend.world_size, apt.to_dict(), checkpoint_to_resume(out),
-                                 deepspeed=args.deepspeed, method=args.method)
+        resume.check_resumable_settings(meta, train, data_path, backend.world_size, apt.to_dict(),
+                                        resume.checkpoint_to_resume(out), deepspeed=args.deepspeed, method=args.method)
     records = load_records(data_path)
     with tempfile.TemporaryDirectory(prefix="apt-tokenizer-") as staging:
         tokenizer = _tokenizer(args, out, _texts_for_tokenizer(records), train, Path(staging))
@@ -224,6 +216,7 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
         truncation = TruncationStats()
         examples = tokenize_dataset(records, tokenizer, train.max_seq_len, pack=not args.no_pack, source=data_path,
                                     stats=truncation, template=train.template)
+        examples_digest = resume.data_fingerprint(meta, examples, data_path)  # a resume: the same examples as before
         warning = truncation.message(data_path, train.max_seq_len)
         if warning and backend.is_main():
             print(warning, file=sys.stderr)
@@ -233,15 +226,17 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
 
         def check_model(fingerprint):  # the model the run was trained from; known before its weights are read
             if meta is not None:
-                check_resumable_model(meta, args, fingerprint)
+                resume.check_resumable_model(meta, args, fingerprint)
 
         model, fingerprint = _model(args, tokenizer, train, apt.prune, backend, check_model)
+        check_model_target(model, apt)  # before --out is written: else it fails at the first pruning event
         backend.validate(model, train.grad_accum_steps, train.max_grad_norm)  # e.g. DeepSpeed JSON vs TrainConfig
         # Absolute: the run is exported/resumed from other working directories.
         model_ref = args.model if args.model in TINY_MODELS else str(Path(args.model).resolve())
         run_info = {"model": model_ref, "data": data_path, "tokenizer": TOKENIZER_DIR, "method": args.method,
                     "deepspeed": args.deepspeed, "world_size": backend.world_size, "model_fingerprint": fingerprint,
-                    "truncation": truncation.to_dict(), "data_resolved": str(Path(data_path).resolve())}
+                    "truncation": truncation.to_dict(), "data_resolved": str(Path(data_path).resolve()),
+                    "data_fingerprint": examples_digest}
         backend.barrier()
         replaced = prepare_out_dir(out, args.resume, args.overwrite, backend.is_main())
         with previous_run_back_on_failure(out, replaced):
@@ -277,7 +272,7 @@ def _train(backend, args, apt, train, out, meta, model, examples, eval_batches, 
         start = examples_done // (train.micro_batch_size * backend.world_size)
         trainer.consumed_micro_batches = start
         if backend.is_main():
-            truncate_metrics(out / "metrics.jsonl", meta["step"])
+            resume.truncate_metrics(out / "metrics.jsonl", meta["step"])
     stream = batches(examples, train.micro_batch_size, train.seed, rank=backend.rank, world_size=backend.world_size,
                      pad_id=pad_id, start_step=start)
     final = trainer.train(stream, skip_consumed=False)

@@ -4,8 +4,7 @@ Per optimizer step: forward/backward over the gradient-accumulation micro-batche
 pass first when distilling), reduce salience and adapter importance across ranks, optimizer
 step; in the window before a pruning event move masks toward the upcoming decision; at an
 event snap masks, physically shrink, grow ranks, rebuild the optimizer carrying its state,
-and snapshot the teacher. Everything the loop needs from the executor goes through
-`TrainingBackend`.
+and snapshot the teacher. Everything the loop needs from the executor goes through `TrainingBackend`.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from tqdm.auto import tqdm
 from apt_ds.algorithm.distill import SelfDistiller
 from apt_ds.algorithm.edits import merge_changes
 from apt_ds.algorithm.pruner import AdaptivePruner, GradualMasker
+from apt_ds.algorithm.reachable import check_target_reachable
 from apt_ds.algorithm.schedule import SparsityScheduler
 from apt_ds.algorithm.state import APTModel
 from apt_ds.algorithm.tuner import AdaptiveTuner
@@ -68,6 +68,7 @@ class APTrainer:
         self.model = model
         self.schedule = SparsityScheduler(apt)
         self.pruner = AdaptivePruner(apt)
+        check_target_reachable(self.pruner, self.state.shape, apt.target_density, self.state.shape.budget_params(apt.count_embeddings))
         self.masker = GradualMasker(apt.mask_decay_step)
         self.tuner = AdaptiveTuner(apt)
         self.distiller = SelfDistiller(apt, len(self.state.shape.layers), seed=train.seed)

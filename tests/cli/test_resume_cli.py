@@ -111,7 +111,7 @@ def test_resume_writes_an_unreadable_run_json_again(trained_runs, tmp_path, caps
 
 
 def test_clipping_of_deepspeed_runs_from_before_max_grad_norm(tmp_path):
-    from apt_ds.training.run import _clipping_before_max_grad_norm
+    from apt_ds.training.resume import clipping_before_max_grad_norm as _clipping_before_max_grad_norm
 
     own = tmp_path / "ds.json"
     own.write_text(json.dumps({"zero_optimization": {"stage": 2}, "gradient_clipping": 0.3}))
@@ -248,7 +248,7 @@ def test_resume_without_checkpoint_is_refused(tmp_path, capsys):
 
 
 def test_torn_metrics_line_and_changed_data_on_resume(tmp_path, capsys):
-    from apt_ds.training.run import truncate_metrics
+    from apt_ds.training.resume import truncate_metrics
 
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.9}\n{"step": 3, "lo')

@@ -179,7 +179,7 @@ def test_sigkill_then_resume_finishes_like_uninterrupted(two_rank_zero2, tmp_pat
     _wait_for_checkpoint(proc, out, 4)  # the first checkpoint: 8 steps of margin before the end
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    from apt_ds.training.run import _checkpoint_dir
+    from apt_ds.training.resume import checkpoint_to_resume as _checkpoint_dir
 
     killed_at = json.loads((_checkpoint_dir(out) / "apt_state.json").read_text())["step"]
     assert killed_at < 12
@@ -241,7 +241,7 @@ def test_one_rank_killed_under_zero3_ends_the_run_and_it_resumes(tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    from apt_ds.training.run import _checkpoint_dir
+    from apt_ds.training.resume import checkpoint_to_resume as _checkpoint_dir
 
     killed_at = json.loads((_checkpoint_dir(out) / "apt_state.json").read_text())["step"]
     assert 6 <= killed_at < 12

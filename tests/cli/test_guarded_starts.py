@@ -1,0 +1,172 @@
+"""One training process per run directory, exports that a run would delete, and targets that
+no pruning can reach: each refused in one line before anything is written."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import RUN_FLAGS, TRAIN_FAST, tree_digest
+
+from apt_ds.algorithm.blocks import PruningError
+from apt_ds.algorithm.pruner import AdaptivePruner
+from apt_ds.algorithm.reachable import check_target_reachable
+from apt_ds.algorithm.units import ModelShape
+from apt_ds.cli.export import done_message
+from apt_ds.cli.export import main as export_main
+from apt_ds.cli.train import main as train_main
+from apt_ds.config import APTConfig
+from apt_ds.io import run_lock
+from apt_ds.io.modeling import build_tiny_llama
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def held(tmp_path):
+    """Another process holding `run`'s training lock, as a live `launch/train.py` on it does."""
+    holders = []
+
+    def hold(run: Path) -> subprocess.Popen:
+        code = textwrap.dedent(f"""
+            import sys, time
+            from pathlib import Path
+            from apt_ds.io import run_lock
+            run_lock.acquire(Path({str(run)!r}))
+            print("held", flush=True)
+            time.sleep(120)
+        """)
+        holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                                  env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert holder.stdout.readline().strip() == "held"
+        holders.append(holder)
+        return holder
+
+    yield hold
+    for holder in holders:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.parametrize("mode", ["--resume", "--overwrite"])
+def test_a_second_start_on_a_run_in_training_is_refused(trained_runs, tmp_path, held, capsys, mode):
+    run = tmp_path / "run"
+    shutil.copytree(trained_runs / "nonuniform", run)
+    holder = held(run)
+    before = tree_digest(tmp_path)
+    code = train_main([*TRAIN_FAST, "--target-density", "0.6", "--steps", "12", "--out", str(run), mode])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert "is being trained by another process" in err and f"PID {holder.pid}" in err
+    assert tree_digest(tmp_path) == before  # nothing moved aside, nothing written, the live run's lock kept
+
+
+def test_a_dead_holder_leaves_no_lock(tmp_path, held):
+    """flock dies with its process (SIGKILL included): the file it leaves locks nothing."""
+    run = tmp_path / "run"
+    holder = held(run)
+    assert "PID" in run_lock.training_now(run)
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    assert run_lock.lock_path(run).exists() and run_lock.training_now(run) is None
+    run_lock.acquire(run)
+    try:
+        assert "this process" in run_lock.training_now(run)
+    finally:
+        run_lock.release(run)
+    assert not run_lock.lock_path(run).exists()
+
+
+def test_training_holds_the_lock_and_lets_it_go(in_tmp, monkeypatch):
+    seen = []
+    real = run_lock.acquire
+
+    def spy(out):
+        real(out)
+        seen.append(run_lock.training_now(out))
+
+    monkeypatch.setattr(run_lock, "acquire", spy)
+    assert train_main([*TRAIN_FAST, "--out", "runs/new/r"]) == 0  # its parent did not exist at the start
+    assert seen and all("this process" in who for who in seen)
+    assert run_lock.training_now(in_tmp / "runs/new/r") is None
+    assert sorted(p.name for p in (in_tmp / "runs" / "new").iterdir()) == ["r"]  # no lock file left beside it
+
+
+def test_export_of_a_run_in_training_says_so():
+    report = {"final": {"total_params": 10}, "finished": False, "step": 53, "steps": 80}
+    assert "still training (PID 7 on h)" in done_message(report, "x", training="PID 7 on h")
+    assert "stopped at step 53 of 80" in done_message(report, "x")
+
+
+def test_export_inside_a_folder_the_run_replaces_is_refused(trained_runs, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(trained_runs / "nonuniform", run)
+    before = tree_digest(run)
+    for inside in ("checkpoint/my_export", "plots", "tokenizer/x"):
+        assert export_main([str(run), "--out", str(run / inside)]) == 2
+        assert "which the run replaces whole" in capsys.readouterr().err
+    assert tree_digest(run) == before
+    assert export_main([str(run), "--out", str(run / "exports" / "e")]) == 0  # elsewhere in the run: allowed
+
+
+def test_an_interrupted_export_is_one_line(trained_runs, tmp_path, monkeypatch, capsys):
+    import apt_ds.export.merge as merge
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(merge, "export_run", interrupted)
+    assert export_main([str(trained_runs / "nonuniform"), "--out", str(tmp_path / "e")]) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "did not finish" in err
+    assert not (tmp_path / "e").exists()
+
+
+def test_an_unreachable_target_is_refused_before_anything_is_written(in_tmp, capsys):
+    code = train_main([*TRAIN_FAST, "--target-density", "0.01", "--out", "r"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.splitlines()[-1].startswith("error: --target-density 0.01 is below")  # after a truncation note
+    assert not (in_tmp / "r").exists()
+
+
+@pytest.mark.parametrize("uniform", [False, True])
+def test_the_named_minimum_is_the_smallest_density_that_fits(uniform):
+    shape = ModelShape.from_model(build_tiny_llama(vocab_size=97, seed=0))
+    config = APTConfig(uniform=uniform)
+    pruner, budget = AdaptivePruner(config), shape.budget_params(config.count_embeddings)
+    check_target_reachable(pruner, shape, 0.7, budget)  # the default fits
+    with pytest.raises(PruningError, match=r"at least (0\.\d+)") as info:
+        check_target_reachable(pruner, shape, 0.001, budget)
+    minimum = float(info.value.args[0].split("at least ")[1].split(" ")[0])
+    check_target_reachable(pruner, shape, minimum, budget)  # what the error names does fit
+    with pytest.raises(PruningError):
+        check_target_reachable(pruner, shape, minimum - 1e-3, budget)
+
+
+def test_no_check_without_pruning():
+    shape = ModelShape.from_model(build_tiny_llama(vocab_size=97, seed=0))
+    check_target_reachable(AdaptivePruner(APTConfig(prune=False)), shape, 0.001, shape.budget_params(False))
+
+
+def test_resume_refuses_data_that_gives_other_examples(in_tmp, capsys):
+    """The same --data path with other rows, or the same rows packed differently: a resume would
+    continue at a position in another example stream."""
+    assert train_main([*RUN_FLAGS, "--out", "r"]) == 0
+    rows = (in_tmp / "data.jsonl").read_text()
+    (in_tmp / "data.jsonl").write_text(rows.replace("lazy dog number 7.", "lazy cat number 7."))
+    before = tree_digest(in_tmp / "r")
+    capsys.readouterr()
+    assert train_main([*RUN_FLAGS, "--out", "r", "--resume"]) == 2
+    assert "no longer gives the examples the run was trained on" in capsys.readouterr().err
+    (in_tmp / "data.jsonl").write_text(rows)
+    assert train_main([*RUN_FLAGS, "--out", "r", "--resume", "--no-pack"]) == 2
+    assert "--no-pack" in capsys.readouterr().err
+    assert tree_digest(in_tmp / "r") == before
+    assert train_main([*RUN_FLAGS, "--out", "r", "--resume"]) == 0  # the data as it was: nothing to do
+    assert "already finished" in capsys.readouterr().out
