@@ -122,8 +122,12 @@ def _resolve(given: dict[str, Any], recipe: dict[str, Any]) -> tuple[RunArgument
     check_field_types(TrainConfig, train_values)
     steps = int(train_values.get("steps", TrainConfig.steps))
     train_values.setdefault("checkpoint_every", default_checkpoint_every(steps))
+    warmup_given = "warmup_steps" in train_values
     train_values.setdefault("warmup_steps", default_warmup_steps(steps))
     train = TrainConfig(**train_values)
+    if warmup_given and train.warmup_steps >= train.steps:
+        raise field_error("TrainConfig", "warmup_steps", f"({train.warmup_steps}) must be < steps ({train.steps}): the "
+                          "learning rate would never reach --lr")
     apt_values = {k: (tuple(v) if isinstance(v, list) else v) for k, v in merged.items() if k in _field_names(APTConfig)}
     check_field_types(APTConfig, apt_values)
     if run.method == "lora":  # its own settings first, so that checks of what LoRA ignores do not refuse it

@@ -11,9 +11,9 @@ from pathlib import Path
 from apt_ds.cli.arguments import RunArguments, build_train_parser, explicit_values
 from apt_ds.cli.errors import launcher_rank, report, user_errors
 from apt_ds.cli.recipe import resolve
-from apt_ds.config import ConfigError, TrainConfig
+from apt_ds.config import LORA_SETTINGS, SCHEDULE_FIELDS, ConfigError, TrainConfig
 from apt_ds.io import run_lock
-from apt_ds.io.run_dir import check_out_dir, recover_interrupted_overwrite
+from apt_ds.io.run_dir import check_out_dir, has_checkpoint, is_run_dir, recover_interrupted_overwrite
 
 
 def check_batch_flags(run: RunArguments, given: dict) -> None:
@@ -23,6 +23,15 @@ def check_batch_flags(run: RunArguments, given: dict) -> None:
         raise ConfigError(f"a global batch size ({run.global_batch_size}) sets the micro-batch size from the rank and "
                           f"accumulation counts, and --micro-batch-size {given['micro_batch_size']} sets it directly: "
                           "give one of them")
+
+
+def note_what_lora_ignores(run: RunArguments, given: dict) -> None:
+    """--method lora sets its own pruning, growth and distillation settings whatever else is given
+    (a recipe's stay, for the baseline of the same recipe); ones typed beside it are said to be unused."""
+    typed = [name for name in (*LORA_SETTINGS, *SCHEDULE_FIELDS) if name in given and given[name] != LORA_SETTINGS.get(name)]
+    if run.method == "lora" and typed and launcher_rank() == "0":
+        flags = ", ".join(f"--{name.replace('_', '-')} {given[name]}" for name in typed)
+        print(f"note: --method lora does not prune, grow ranks or distill: {flags} not used", file=sys.stderr)
 
 
 def check_inputs_early(run: RunArguments, train: TrainConfig) -> None:
@@ -57,6 +66,15 @@ def check_inputs_early(run: RunArguments, train: TrainConfig) -> None:
                         base_dtype=train.base_dtype)
 
 
+def interrupted_note(how: str, out: Path) -> str:
+    """What a stopped start leaves to do: resume, start again, or nothing was written."""
+    if has_checkpoint(out):
+        return f"{how}; --resume continues from the last checkpoint in {out}"
+    if is_run_dir(out):
+        return f"{how} before the first checkpoint, so there is nothing to resume: the same command with --overwrite starts again"
+    return f"{how} before the run wrote anything to {out}"
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM (the deepspeed launcher's Ctrl-C to its ranks, Slurm, docker stop), handled as
     Ctrl-C is: an --overwrite start puts the previous run back, and the run says how to resume."""
@@ -85,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run, apt, train = resolve(given)
         check_batch_flags(run, given)
+        note_what_lora_ignores(run, given)
         out = run.out
         check_inputs_early(run, train)
         from apt_ds.training.heap import startup_objects_frozen
@@ -101,8 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         how = "terminated" if isinstance(interrupt, Terminated) else "interrupted"
         if launcher_rank() == "0":  # rank 0 says it (and put the previous run back), once
             print(f"{how} before the new run's first checkpoint; the previous run is back in {out}"
-                  if getattr(interrupt, "previous_run_restored", False)
-                  else f"{how}; --resume continues from the last checkpoint in {out} (if one was written)", file=sys.stderr)
+                  if getattr(interrupt, "previous_run_restored", False) else interrupted_note(how, Path(out)), file=sys.stderr)
         return 143 if how == "terminated" else 130
     except OSError as err:  # e.g. the disk filled up while the tokenizer or a metrics line was written
         from apt_ds.io.checkpoint import is_disk_full

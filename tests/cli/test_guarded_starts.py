@@ -170,3 +170,34 @@ def test_resume_refuses_data_that_gives_other_examples(in_tmp, capsys):
     assert tree_digest(in_tmp / "r") == before
     assert train_main([*RUN_FLAGS, "--out", "r", "--resume"]) == 0  # the data as it was: nothing to do
     assert "already finished" in capsys.readouterr().out
+
+
+def test_a_warm_up_longer_than_the_run_is_refused(in_tmp, capsys):
+    assert train_main([*RUN_FLAGS, "--warmup-steps", "8", "--out", "r"]) == 2
+    assert "--warmup-steps (8) must be < steps (8)" in capsys.readouterr().err
+    assert not (in_tmp / "r").exists()
+
+
+def test_lora_says_which_typed_apt_settings_it_does_not_use(monkeypatch, capsys):
+    """A recipe's APT values stay quiet (its LoRA baseline is --config R --method lora)."""
+    from apt_ds.cli.arguments import RunArguments
+    from apt_ds.cli.train import note_what_lora_ignores
+
+    note_what_lora_ignores(RunArguments(method="lora"), {"target_density": 0.5, "distill": False, "lr": 1e-3})
+    assert capsys.readouterr().err.strip() == "note: --method lora does not prune, grow ranks or distill: --target-density 0.5 not used"
+    note_what_lora_ignores(RunArguments(method="apt"), {"target_density": 0.5})
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("state", ["nothing", "no checkpoint", "checkpoint"])
+def test_an_interrupted_start_says_what_is_left_to_do(trained_runs, tmp_path, state):
+    from apt_ds.cli.train import interrupted_note
+
+    run = tmp_path / "run"
+    if state != "nothing":
+        shutil.copytree(trained_runs / "nonuniform", run)
+    if state == "no checkpoint":
+        shutil.rmtree(run / "checkpoint")
+    expected = {"nothing": "before the run wrote anything", "no checkpoint": "with --overwrite starts again",
+                "checkpoint": "--resume continues from the last checkpoint"}[state]
+    assert expected in interrupted_note("interrupted", run)
