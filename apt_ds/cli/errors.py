@@ -24,8 +24,13 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 
 def launcher_rank() -> str:
-    """This process's rank as the deepspeed launcher (or torchrun, Slurm's wrapper) set it; "0" alone."""
-    return os.environ.get("RANK", "0")
+    """This process's global rank as its launcher set it, before the process group exists: RANK
+    (deepspeed, torchrun), else mpirun's, srun's or another MPI's own variable (apt_ds maps those to
+    RANK later, apt_ds.distributed.launcher_env); "0" alone."""
+    for name in ("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PMI_RANK"):
+        if os.environ.get(name, "").isdigit():
+            return os.environ[name]
+    return "0"
 
 
 def report(err: BaseException | str) -> int:

@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     except user_errors() as err:
         return report(err)
     except KeyboardInterrupt:  # the export is written to a temporary directory and renamed into place
-        print(f"interrupted: the export to {args.out} did not finish, and left no partial model there", file=sys.stderr)
+        print(f"interrupted: the export to {args.out} did not finish (it is written to a temporary directory first; the "
+              f"next export to {args.out} clears what is left and puts back a previous export set aside)", file=sys.stderr)
         return 130
     print(json.dumps(report_["final"], indent=1))
     training = run_lock.training_now(Path(args.run_dir)) if args.run_dir else None

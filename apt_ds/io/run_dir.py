@@ -269,12 +269,13 @@ def check_writable(path: Path, out: Path | None = None) -> None:
 
 
 def prepare_out_dir(out: Path, resume: bool, overwrite: bool, is_main: bool) -> Path | None:
-    """After every input has been validated: create the run directory (--overwrite: the previous
-    run is moved aside, and its new place returned, to be deleted after the first checkpoint),
-    or recover a checkpoint that a crash left renamed to checkpoint.old."""
+    """After every input has been validated: lock and create the run directory (--overwrite: the previous run is
+    moved aside, its new place returned), or recover a checkpoint that a crash left renamed to checkpoint.old."""
     if not is_main:  # every rank ran check_out_dir before anything was written
         return None
     check_out_dir(out, resume, overwrite)
+    out.absolute().parent.mkdir(parents=True, exist_ok=True)
+    run_lock.acquire(out)  # held already where the parent existed at the start; before anything moves
     if resume:
         current, old = out / "checkpoint", out / "checkpoint.old"
         if not (current / "apt_state.json").is_file() and (old / "apt_state.json").is_file():
@@ -282,8 +283,7 @@ def prepare_out_dir(out: Path, resume: bool, overwrite: bool, is_main: bool) -> 
             old.rename(current)
         return None
     aside = move_aside(out) if overwrite else None
-    out.mkdir(parents=True, exist_ok=True)
-    run_lock.acquire(out)  # held already when its parent existed at the start (apt_ds.cli.train)
+    out.mkdir(exist_ok=True)
     return aside
 
 

@@ -4,91 +4,135 @@ Two `launch/train.py` on one --out (a `--resume` or `--overwrite` started while 
 trains) would interleave their checkpoints and metrics, and an --overwrite would move the live
 run aside and delete it. The process that trains a run holds an exclusive lock on a file beside
 it (`.NAME.train.lock`, next to --out rather than in it, so that it stays put while --overwrite
-renames the run aside); a second start finds it held and stops in one line, before touching
-anything. Export and plot ask the same lock whether a run is still training.
+renames the run aside; beside the real directory, so a symbolic link or `..` in --out names the
+same lock); a second start finds it held and stops in one line, before touching anything.
+Export asks the same lock whether a run is still training.
 
 flock: released by the kernel when the process dies however it dies (SIGKILL included), so a
-crash never leaves a run locked; it works on local file systems and on NFSv4.
+crash never leaves a run locked; it works on local file systems and on NFSv4. Where no file can
+be made beside --out (a read-only parent holding a writable run directory), the run directory
+itself is locked; where the file system has no locks, the run goes on unlocked and says so.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
-_HELD: dict[Path, int] = {}  # lock file -> descriptor, for the life of the training process
+_HELD: dict[Path, int] = {}  # the lock's path (file or run directory) -> descriptor, for the life of the run
+_PROBE_RETRIES = 5  # a probe (training_now) holds a shared lock for microseconds: retry before refusing
 
 
 class RunLockedError(FileExistsError):
     """Another process is training the run in --out."""
 
 
-def lock_path(out: Path) -> Path:
-    out = Path(os.path.abspath(out))
-    return out.with_name(f".{out.name}.train.lock")
+def lock_path(out: Path) -> Path | None:
+    """`.NAME.train.lock` beside the real --out (None for `/`, which no run can use)."""
+    out = Path(out).resolve()
+    return out.with_name(f".{out.name}.train.lock") if out.name else None
 
 
 def acquire(out: Path) -> None:
     """Hold the run's lock until release() or the end of the process; RunLockedError when another
-    process holds it. Holding it already (this process) is fine; where no file can be made beside
-    --out (a read-only or missing parent) nothing is locked: no run can write there."""
+    process holds it. Holding it already (this process) is fine."""
     path = lock_path(out)
-    if path in _HELD:
+    if path is None or path in _HELD or Path(out).resolve() in _HELD:
         return
-    while True:
-        try:
-            handle = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
-        except OSError:  # nothing can be written beside --out: the run cannot write either, as its checks say
+    for attempt in range(_PROBE_RETRIES):
+        target, handle, writable = _open_lock(out, path)
+        if handle is None:  # nowhere to lock: nothing exists or can be made there, and the run's own checks say so
             return
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             owner = _owner(handle)
             os.close(handle)
+            if attempt + 1 < _PROBE_RETRIES:
+                time.sleep(0.05)
+                continue
             raise RunLockedError(f"--out {out} is being trained by another process ({owner}); wait for it to finish or "
                                  f"stop it, then run again: two runs in one directory would mix their checkpoints") from None
-        # A holder that released between our open and our lock may have unlinked the file: ours
-        # would then be a lock on a name nobody else sees. Only the file still at the path counts.
-        try:
-            current = os.stat(path).st_ino
-        except FileNotFoundError:
-            current = None
-        if current == os.fstat(handle).st_ino:
+        except OSError as err:  # ENOLCK, EOPNOTSUPP: a file system without locks
+            os.close(handle)
+            if target == path:
+                path.unlink(missing_ok=True)
+            print(f"note: cannot lock {target} ({os.strerror(err.errno)}): a second start on {out} would not be "
+                  f"noticed while this one trains", file=sys.stderr)
+            return
+        if target != path or _still_at(path, handle):
             break
-        os.close(handle)
-    os.ftruncate(handle, 0)
-    os.write(handle, f"PID {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
-    _HELD[path] = handle
+        os.close(handle)  # the holder released and unlinked it between our open and our lock: try the new one
+    if writable:
+        os.ftruncate(handle, 0)
+        os.write(handle, f"PID {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
+    _HELD[target] = handle
+
+
+def _open_lock(out: Path, path: Path) -> tuple[Path, int | None, bool]:
+    """(what is locked, its descriptor, whether it takes the owner's line): the file beside --out
+    (created, or an existing one opened read-only where it cannot be written: flock needs no write
+    access), else the run directory."""
+    for flags in (os.O_CREAT | os.O_RDWR, os.O_RDONLY):
+        try:
+            return path, os.open(path, flags, 0o644), flags != os.O_RDONLY
+        except OSError:
+            continue
+    run = Path(out).resolve()
+    try:
+        return run, os.open(run, os.O_RDONLY | os.O_DIRECTORY), False
+    except OSError:
+        return run, None, False
+
+
+def _still_at(path: Path, handle: int) -> bool:
+    """Only the file still at the path counts: a lock on a name since unlinked locks out nobody."""
+    try:
+        return os.stat(path).st_ino == os.fstat(handle).st_ino
+    except FileNotFoundError:
+        return False
 
 
 def release(out: Path) -> None:
     path = lock_path(out)
-    handle = _HELD.pop(path, None)
-    if handle is None:
-        return
-    path.unlink(missing_ok=True)  # before the unlock: no other process can hold this name's lock yet
-    os.close(handle)
+    for target in (path, Path(out).resolve()) if path is not None else ():
+        handle = _HELD.pop(target, None)
+        if handle is None:
+            continue
+        if target == path:
+            path.unlink(missing_ok=True)  # before the unlock: no other process can hold this name's lock yet
+        os.close(handle)
 
 
 def training_now(out: Path) -> str | None:
     """Who trains the run in `out` now ("PID 123 on host, since ..."), or None (asks without waiting)."""
     path = lock_path(out)
-    if path in _HELD:
+    if path is None:
+        return None
+    if path in _HELD or Path(out).resolve() in _HELD:
         return f"PID {os.getpid()} (this process)"
-    try:
-        handle = os.open(path, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return None
-    except BlockingIOError:
-        return _owner(handle)
-    finally:
-        os.close(handle)  # drops the probe's lock
+    for target, flags in ((path, os.O_RDONLY), (Path(out).resolve(), os.O_RDONLY | os.O_DIRECTORY)):
+        try:
+            handle = os.open(target, flags)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return None
+        except BlockingIOError:
+            return _owner(handle) if target == path else "the run directory is locked; its PID is not recorded"
+        except OSError as err:
+            if err.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                return None
+            raise
+        finally:
+            os.close(handle)  # drops the probe's lock
+    return None
 
 
 def _owner(handle: int) -> str:

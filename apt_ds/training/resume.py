@@ -142,11 +142,13 @@ def data_fingerprint(meta: dict | None, examples: list[dict], data_path: str) ->
             digest.update(array.array("q", example[key]).tobytes())
             digest.update(b"|")
     fingerprint = f"sha256:{digest.hexdigest()} ({len(examples)} examples)"
-    recorded = (meta or {}).get("run_info", {}).get("data_fingerprint")  # runs from before it have none
+    # runs from before it have none; a finished run trains no more, whatever the data now
+    recorded = (meta or {}).get("run_info", {}).get("data_fingerprint") if not (meta or {}).get("finished") else None
     if recorded is not None and recorded != fingerprint:
+        then = str(recorded).partition(" (")[2].rstrip(")") or "other examples"
         raise CheckpointError(f"--resume: --data {data_path} no longer gives the examples the run was trained on "
-                              f"({recorded.split(' ', 1)[1]} then, {len(examples)} now, or other rows: its contents, "
-                              f"--no-pack or the tokenizer changed); restore them, or start a new run with --overwrite")
+                              f"({then} then, {len(examples)} now, or other rows: its contents, --no-pack or the "
+                              f"tokenizer changed); restore them, or start a new run with --overwrite")
     return fingerprint
 
 

@@ -3,6 +3,9 @@ no pruning can reach: each refused in one line before anything is written."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import json
 import os
 import shutil
 import signal
@@ -158,6 +161,9 @@ def test_resume_refuses_data_that_gives_other_examples(in_tmp, capsys):
     """The same --data path with other rows, or the same rows packed differently: a resume would
     continue at a position in another example stream."""
     assert train_main([*RUN_FLAGS, "--out", "r"]) == 0
+    state = in_tmp / "r" / "checkpoint" / "apt_state.json"
+    finished = state.read_text()
+    state.write_text(json.dumps({**json.loads(finished), "finished": False}))  # as if stopped at its last checkpoint
     rows = (in_tmp / "data.jsonl").read_text()
     (in_tmp / "data.jsonl").write_text(rows.replace("lazy dog number 7.", "lazy cat number 7."))
     before = tree_digest(in_tmp / "r")
@@ -168,7 +174,11 @@ def test_resume_refuses_data_that_gives_other_examples(in_tmp, capsys):
     assert train_main([*RUN_FLAGS, "--out", "r", "--resume", "--no-pack"]) == 2
     assert "--no-pack" in capsys.readouterr().err
     assert tree_digest(in_tmp / "r") == before
-    assert train_main([*RUN_FLAGS, "--out", "r", "--resume"]) == 0  # the data as it was: nothing to do
+    assert train_main([*RUN_FLAGS, "--out", "r", "--resume"]) == 0  # the data as it was: it resumes
+    assert json.loads(state.read_text())["finished"]
+    (in_tmp / "data.jsonl").write_text(rows.replace("lazy dog number 7.", "lazy cat number 7."))
+    capsys.readouterr()
+    assert train_main([*RUN_FLAGS, "--out", "r", "--resume"]) == 0  # a finished run trains no more, whatever the data
     assert "already finished" in capsys.readouterr().out
 
 
@@ -201,3 +211,79 @@ def test_an_interrupted_start_says_what_is_left_to_do(trained_runs, tmp_path, st
     expected = {"nothing": "before the run wrote anything", "no checkpoint": "with --overwrite starts again",
                 "checkpoint": "--resume continues from the last checkpoint"}[state]
     assert expected in interrupted_note("interrupted", run)
+
+
+def test_the_lock_is_the_real_directorys(trained_runs, tmp_path, held, capsys):
+    """A symbolic link or `..` in --out names the same run, and so the same lock."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_runs / "nonuniform", run)
+    (tmp_path / "link").symlink_to(run)
+    (tmp_path / "x").mkdir()
+    held(run)
+    for spelled in (tmp_path / "link", tmp_path / "x" / ".." / "run"):
+        assert train_main([*TRAIN_FAST, "--target-density", "0.6", "--out", str(spelled), "--resume"]) == 2
+        assert "is being trained by another process" in capsys.readouterr().err
+        assert run_lock.training_now(spelled)
+
+
+def test_ranks_of_mpirun_and_srun_do_not_lock(monkeypatch):
+    """Only global rank 0 holds the run: under mpirun or srun RANK is set later, from their variables."""
+    from apt_ds.cli.errors import launcher_rank
+
+    for name in ("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PMI_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert launcher_rank() == "0"
+    for name in ("OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PMI_RANK"):
+        monkeypatch.setenv(name, "1")
+        assert launcher_rank() == "1"
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("RANK", "0")  # set by the deepspeed launcher or torchrun: it wins
+    assert launcher_rank() == "0"
+
+
+def test_without_a_file_beside_out_the_run_directory_is_locked(tmp_path, monkeypatch):
+    """A writable run directory in a read-only parent (a container volume): the directory itself is locked."""
+    run = tmp_path / "run"
+    run.mkdir()
+    monkeypatch.setattr(run_lock, "lock_path", lambda out: tmp_path / "read-only" / ".run.train.lock")  # cannot be made
+    run_lock.acquire(run)
+    try:
+        other = os.open(run, os.O_RDONLY | os.O_DIRECTORY)
+        with pytest.raises(BlockingIOError):  # another open of the directory, as a second process's
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.close(other)
+    finally:
+        run_lock.release(run)
+    assert run_lock.training_now(run) is None
+
+
+def test_a_file_system_without_locks_trains_unlocked_and_says_so(in_tmp, monkeypatch, capsys):
+    def no_locks(handle, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    import types
+
+    monkeypatch.setattr(run_lock, "fcntl", types.SimpleNamespace(**{**vars(fcntl), "flock": no_locks}))  # run_lock's only
+    assert train_main([*RUN_FLAGS, "--out", "r"]) == 0
+    assert "cannot lock" in capsys.readouterr().err
+    assert sorted(p.name for p in in_tmp.iterdir()) == ["data.jsonl", "r"]  # no lock file left
+
+
+def test_out_root_is_one_line(capsys):
+    assert train_main([*TRAIN_FAST, "--out", "/"]) == 2
+    assert capsys.readouterr().err.startswith("error: --out / ")
+
+
+def test_prepare_out_dir_locks_before_it_moves_anything(trained_runs, tmp_path, held):
+    """A start whose --out had no parent at its beginning locks in prepare_out_dir: a concurrent
+    start that got there first keeps its run where it is."""
+    from apt_ds.io.run_dir import prepare_out_dir
+
+    run = tmp_path / "new" / "run"
+    shutil.copytree(trained_runs / "nonuniform", run)
+    held(run)
+    before = tree_digest(tmp_path)
+    with pytest.raises(run_lock.RunLockedError):
+        prepare_out_dir(run, resume=False, overwrite=True, is_main=True)
+    assert tree_digest(tmp_path) == before and sorted(p.name for p in run.parent.iterdir()) == [".run.train.lock", "run"]
