@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import typing
 from collections.abc import Collection
 from pathlib import Path
@@ -33,6 +34,7 @@ from apt_ds.config import (
 )
 
 _CLASSES = (RunArguments, APTConfig, TrainConfig)
+RECIPE_PATHS = ("model", "data", "eval_data", "out", "deepspeed")  # RunArguments fields that name files
 
 
 def _field_names(cls) -> set[str]:
@@ -60,6 +62,8 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
             hint = f"; did you mean {close[0]}?" if close else ""
             raise ConfigError(f"--config {path}: unknown field {key!r}{hint}")
     values = {k: _float_from_text(k, v) for k, v in values.items()}
+    # `~` in a recipe's paths is the home directory, as a shell makes it of a flag's (not a directory named "~")
+    values.update({k: os.path.expanduser(v) for k, v in values.items() if k in RECIPE_PATHS and isinstance(v, str)})
     for cls in _CLASSES:
         check_field_types(cls, {k: v for k, v in values.items() if k in _field_names(cls) and v is not None})
     return values

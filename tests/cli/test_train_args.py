@@ -175,3 +175,13 @@ def test_a_full_disk_outside_a_checkpoint_is_one_line(tmp_path, monkeypatch, cap
     assert train_main(["--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert err == f"[rank 1] error: disk full writing {tmp_path / 'run' / 'metrics.jsonl'}: No space left on device; free space and run again\n"
+
+
+def test_a_recipes_paths_expand_the_home_directory(tmp_path, monkeypatch):
+    """A shell turns `~` of a flag into the home directory; a recipe's `~` means the same, never a directory named "~"."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("out: ~/runs/r1\ndata: ~/data.jsonl\nsteps: 40\n")
+    values = load_recipe(recipe)
+    assert values["out"] == str(tmp_path / "home" / "runs" / "r1") and values["data"] == str(tmp_path / "home" / "data.jsonl")
+    assert values["steps"] == 40
