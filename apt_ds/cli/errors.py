@@ -23,11 +23,12 @@ def user_errors() -> tuple[type[BaseException], ...]:
             UnsupportedModelError, DeepSpeedConfigError, WeightsError)
 
 
-def launcher_rank() -> str:
-    """This process's global rank as its launcher set it, before the process group exists: RANK
-    (deepspeed, torchrun), else mpirun's, srun's or another MPI's own variable (apt_ds maps those to
-    RANK later, apt_ds.distributed.launcher_env); "0" alone."""
-    for name in ("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PMI_RANK"):
+def launcher_rank(deepspeed: bool = False) -> str:
+    """This process's rank as its launcher set it, before the process group exists: RANK (deepspeed,
+    torchrun), "0" alone. `deepspeed`: the run joins a process group, so mpirun's, srun's or another
+    MPI's own variable counts too (apt_ds maps those to RANK later, apt_ds.distributed.launcher_env);
+    without --deepspeed every task of such a launch is a one-process run of its own, rank 0."""
+    for name in ("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PMI_RANK") if deepspeed else ("RANK",):
         if os.environ.get(name, "").isdigit():
             return os.environ[name]
     return "0"

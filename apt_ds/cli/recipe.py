@@ -131,7 +131,7 @@ def _resolve(given: dict[str, Any], recipe: dict[str, Any]) -> tuple[RunArgument
     train = TrainConfig(**train_values)
     if warmup_given and train.warmup_steps >= train.steps:
         raise field_error("TrainConfig", "warmup_steps", f"({train.warmup_steps}) must be < steps ({train.steps}): the "
-                          "learning rate would never reach --lr")
+                          "learning rate would never reach --lr; lower the warm-up or raise --steps")
     apt_values = {k: (tuple(v) if isinstance(v, list) else v) for k, v in merged.items() if k in _field_names(APTConfig)}
     check_field_types(APTConfig, apt_values)
     if run.method == "lora":  # its own settings first, so that checks of what LoRA ignores do not refuse it

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import signal
 import sys
 import threading
@@ -11,7 +12,7 @@ from pathlib import Path
 from apt_ds.cli.arguments import RunArguments, build_train_parser, explicit_values
 from apt_ds.cli.errors import launcher_rank, report, user_errors
 from apt_ds.cli.recipe import resolve
-from apt_ds.config import LORA_SETTINGS, SCHEDULE_FIELDS, ConfigError, TrainConfig
+from apt_ds.config import LORA_SETTINGS, APTConfig, ConfigError, TrainConfig
 from apt_ds.io import run_lock
 from apt_ds.io.run_dir import check_out_dir, has_checkpoint, is_run_dir, recover_interrupted_overwrite
 
@@ -25,12 +26,17 @@ def check_batch_flags(run: RunArguments, given: dict) -> None:
                           "give one of them")
 
 
+LORA_USES = ("adapter_targets", "adapter_rank", "adapter_alpha")  # the APTConfig fields a LoRA run uses
+
+
 def note_what_lora_ignores(run: RunArguments, given: dict) -> None:
     """--method lora sets its own pruning, growth and distillation settings whatever else is given
     (a recipe's stay, for the baseline of the same recipe); ones typed beside it are said to be unused."""
-    typed = [name for name in (*LORA_SETTINGS, *SCHEDULE_FIELDS) if name in given and given[name] != LORA_SETTINGS.get(name)]
+    apt_only = [f.name for f in dataclasses.fields(APTConfig) if f.name not in LORA_USES]
+    typed = [name for name in apt_only if name in given and given[name] != LORA_SETTINGS.get(name)]
     if run.method == "lora" and typed and launcher_rank() == "0":
-        flags = ", ".join(f"--{name.replace('_', '-')} {given[name]}" for name in typed)
+        flags = ", ".join(f"--{name.replace('_', '-')} {str(given[name]).lower() if isinstance(given[name], bool) else given[name]}"
+                          for name in typed)
         print(f"note: --method lora does not prune, grow ranks or distill: {flags} not used", file=sys.stderr)
 
 
@@ -47,7 +53,7 @@ def check_inputs_early(run: RunArguments, train: TrainConfig) -> None:
     for flag, value in (("--data", run.data), ("--eval-data", run.eval_data)):
         if value and not Path(value).exists():
             raise ConfigError(f"{flag} {value} does not exist")
-    if launcher_rank() == "0":  # one rank holds the run (apt_ds.io.run_lock) and repairs what a killed --overwrite left
+    if launcher_rank(bool(run.deepspeed)) == "0":  # one rank holds the run (apt_ds.io.run_lock), repairs a killed --overwrite
         if Path(run.out).absolute().parent.is_dir():  # else nothing can train there yet: prepare_out_dir locks it
             run_lock.acquire(Path(run.out))
         note = recover_interrupted_overwrite(Path(run.out))

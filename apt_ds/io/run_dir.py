@@ -273,9 +273,9 @@ def prepare_out_dir(out: Path, resume: bool, overwrite: bool, is_main: bool) -> 
     moved aside, its new place returned), or recover a checkpoint that a crash left renamed to checkpoint.old."""
     if not is_main:  # every rank ran check_out_dir before anything was written
         return None
-    check_out_dir(out, resume, overwrite)
     out.absolute().parent.mkdir(parents=True, exist_ok=True)
-    run_lock.acquire(out)  # held already where the parent existed at the start; before anything moves
+    run_lock.acquire(out)  # held already where the parent existed at the start; before anything is checked or moved
+    check_out_dir(out, resume, overwrite)
     if resume:
         current, old = out / "checkpoint", out / "checkpoint.old"
         if not (current / "apt_state.json").is_file() and (old / "apt_state.json").is_file():

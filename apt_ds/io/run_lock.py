@@ -26,6 +26,7 @@ from pathlib import Path
 
 _HELD: dict[Path, int] = {}  # the lock's path (file or run directory) -> descriptor, for the life of the run
 _PROBE_RETRIES = 5  # a probe (training_now) holds a shared lock for microseconds: retry before refusing
+_UNLOCKED = -1  # in _HELD: this process trains unlocked (no locks on that file system), as it said
 
 
 class RunLockedError(FileExistsError):
@@ -44,34 +45,65 @@ def acquire(out: Path) -> None:
     path = lock_path(out)
     if path is None or path in _HELD or Path(out).resolve() in _HELD:
         return
-    for attempt in range(_PROBE_RETRIES):
+    blocked = 0
+    while True:
         target, handle, writable = _open_lock(out, path)
         if handle is None:  # nowhere to lock: nothing exists or can be made there, and the run's own checks say so
             return
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            owner = _owner(handle)
+            owner = _owner(handle) if target == path else "the run directory is locked; its PID is not recorded"
             os.close(handle)
-            if attempt + 1 < _PROBE_RETRIES:
+            blocked += 1
+            if blocked < _PROBE_RETRIES:
                 time.sleep(0.05)
                 continue
             raise RunLockedError(f"--out {out} is being trained by another process ({owner}); wait for it to finish or "
                                  f"stop it, then run again: two runs in one directory would mix their checkpoints") from None
         except OSError as err:  # ENOLCK, EOPNOTSUPP: a file system without locks
             os.close(handle)
-            if target == path:
-                path.unlink(missing_ok=True)
+            if writable:
+                _unlink(path)
             print(f"note: cannot lock {target} ({os.strerror(err.errno)}): a second start on {out} would not be "
                   f"noticed while this one trains", file=sys.stderr)
+            _HELD[path] = _UNLOCKED  # said once
             return
         if target != path or _still_at(path, handle):
             break
         os.close(handle)  # the holder released and unlinked it between our open and our lock: try the new one
+    if target == path and _directory_locked(out):  # a start that could not make the file locked the directory
+        os.close(handle)
+        raise RunLockedError(f"--out {out} is being trained by another process (the run directory is locked; its PID is "
+                             f"not recorded); wait for it to finish or stop it, then run again")
     if writable:
         os.ftruncate(handle, 0)
         os.write(handle, f"PID {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
     _HELD[target] = handle
+
+
+def _directory_locked(out: Path) -> bool:
+    try:
+        handle = os.open(Path(out).resolve(), os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(handle)  # drops the probe's lock
+
+
+def _unlink(path: Path) -> None:
+    """Remove the lock file where this process may (a read-only or shared parent may not let it: it then stays, locking nothing)."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def _open_lock(out: Path, path: Path) -> tuple[Path, int | None, bool]:
@@ -102,10 +134,10 @@ def release(out: Path) -> None:
     path = lock_path(out)
     for target in (path, Path(out).resolve()) if path is not None else ():
         handle = _HELD.pop(target, None)
-        if handle is None:
+        if handle is None or handle == _UNLOCKED:
             continue
         if target == path:
-            path.unlink(missing_ok=True)  # before the unlock: no other process can hold this name's lock yet
+            _unlink(path)  # before the unlock: no other process can hold this name's lock yet
         os.close(handle)
 
 
@@ -123,7 +155,7 @@ def training_now(out: Path) -> str | None:
             continue
         try:
             fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            return None
+            continue  # free: the directory may still be locked by a start that could not make the file
         except BlockingIOError:
             return _owner(handle) if target == path else "the run directory is locked; its PID is not recorded"
         except OSError as err:

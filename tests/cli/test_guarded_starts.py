@@ -227,19 +227,69 @@ def test_the_lock_is_the_real_directorys(trained_runs, tmp_path, held, capsys):
 
 
 def test_ranks_of_mpirun_and_srun_do_not_lock(monkeypatch):
-    """Only global rank 0 holds the run: under mpirun or srun RANK is set later, from their variables."""
+    """Only global rank 0 holds the run: under mpirun or srun with --deepspeed RANK is set later, from
+    their variables; without --deepspeed each of their tasks is a one-process run of its own."""
     from apt_ds.cli.errors import launcher_rank
 
     for name in ("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PMI_RANK"):
         monkeypatch.delenv(name, raising=False)
-    assert launcher_rank() == "0"
+    assert launcher_rank(deepspeed=True) == "0"
     for name in ("OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PMI_RANK"):
         monkeypatch.setenv(name, "1")
-        assert launcher_rank() == "1"
+        assert launcher_rank(deepspeed=True) == "1" and launcher_rank() == "0"
         monkeypatch.delenv(name)
     monkeypatch.setenv("SLURM_PROCID", "3")
     monkeypatch.setenv("RANK", "0")  # set by the deepspeed launcher or torchrun: it wins
-    assert launcher_rank() == "0"
+    assert launcher_rank(deepspeed=True) == "0"
+
+
+def test_a_probes_brief_shared_lock_is_waited_out(tmp_path):
+    """Export asks with a shared lock held for microseconds: a start at that instant is not refused."""
+    import threading
+
+    run = tmp_path / "run"
+    run_lock.acquire(run)
+    path = run_lock.lock_path(run)
+    run_lock.release(run)
+    path.touch()
+    probe = os.open(path, os.O_RDONLY)
+    fcntl.flock(probe, fcntl.LOCK_SH)
+    threading.Timer(0.08, os.close, [probe]).start()  # let go while acquire retries
+    try:
+        run_lock.acquire(run)
+        assert "this process" in run_lock.training_now(run)
+    finally:
+        run_lock.release(run)
+
+
+def test_a_directory_locked_run_refuses_a_start_that_can_make_the_file(tmp_path):
+    """A start that could not make the lock file locked the directory; one that can make it must still see that."""
+    run = tmp_path / "run"
+    run.mkdir()
+    handle = os.open(run, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(handle, fcntl.LOCK_EX)  # as the other start's fallback holds it
+    try:
+        assert run_lock.training_now(run) == "the run directory is locked; its PID is not recorded"
+        with pytest.raises(run_lock.RunLockedError, match="the run directory is locked"):
+            run_lock.acquire(run)
+        assert run_lock.training_now(run)  # the file it made does not hide the directory's lock
+    finally:
+        os.close(handle)
+    run_lock.acquire(run)
+    run_lock.release(run)
+
+
+def test_a_lock_file_that_cannot_be_removed_is_left_locking_nothing(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    run_lock.acquire(run)
+
+    def refuse(self, missing_ok=False):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    run_lock.release(run)  # no exception: the run's own error or result stays what the user sees
+    monkeypatch.undo()
+    assert run_lock.lock_path(run).exists() and run_lock.training_now(run) is None
 
 
 def test_without_a_file_beside_out_the_run_directory_is_locked(tmp_path, monkeypatch):
@@ -266,7 +316,7 @@ def test_a_file_system_without_locks_trains_unlocked_and_says_so(in_tmp, monkeyp
 
     monkeypatch.setattr(run_lock, "fcntl", types.SimpleNamespace(**{**vars(fcntl), "flock": no_locks}))  # run_lock's only
     assert train_main([*RUN_FLAGS, "--out", "r"]) == 0
-    assert "cannot lock" in capsys.readouterr().err
+    assert capsys.readouterr().err.count("cannot lock") == 1  # said once, not again by prepare_out_dir
     assert sorted(p.name for p in in_tmp.iterdir()) == ["data.jsonl", "r"]  # no lock file left
 
 

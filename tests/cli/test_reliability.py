@@ -199,6 +199,7 @@ CASES = [
     ("steps-too-few", train("--steps", "2", "--out", "new"), "--steps must be >= 4"),
     ("steps-not-a-number", train("--steps", "many", "--out", "new"), "invalid int value: 'many'"),
     ("lr-negative", train("--lr", "-1", "--out", "new"), "--lr must be > 0"),
+    ("warmup-not-shorter-than-run", train("--warmup-steps", "8", "--out", "new"), "--warmup-steps (8) must be < steps (8)"),
     ("max-seq-len-one", train("--max-seq-len", "1", "--out", "new"), "--max-seq-len must be >= 2"),
     ("micro-batch-zero", train("--micro-batch-size", "0", "--out", "new"), "--micro-batch-size must be >= 1"),
     ("max-grad-norm-inf", train("--max-grad-norm", "inf", "--out", "new"), "--max-grad-norm must be a finite number"),
