@@ -1,8 +1,7 @@
 """The run directory (--out): what may be written there, and what `--overwrite` may do to it.
 
-`check_out_dir` refuses, before anything is loaded, an --out that is a file, holds something
-that is not a run, cannot be written, or has no checkpoint to --resume; `prepare_out_dir` then
-creates it (or sets the previous run aside) once every input has been validated.
+`check_out_dir` refuses, before anything loads, an --out that is a file, holds what is not a run, cannot be written or
+has no checkpoint to --resume; once every input is valid `prepare_out_dir` locks it (apt_ds.io.run_lock) and creates it.
 
 `--overwrite` replaces only what apt-ds itself wrote: an empty directory, or a run directory (its `run.json`
 holds `apt_config` and `train_config`) with nothing but what a run writes; anything else is refused in one
@@ -104,6 +103,7 @@ _HELD_LOCKS: dict[Path, int] = {}
 
 def _lock_path(aside: Path) -> Path:
     return aside.with_name(aside.name + ".lock")
+
 
 def move_aside(out: Path) -> Path | None:
     """Rename a replaceable `out` to a hidden sibling of a name no other attempt uses, beside a
