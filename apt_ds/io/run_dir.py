@@ -154,17 +154,7 @@ def _owner_is_gone(aside: Path) -> bool:
     the PID in its name is dead)."""
     lock_path = _lock_path(aside)
     if lock_path.exists():
-        try:
-            handle = os.open(lock_path, os.O_WRONLY)
-        except OSError:
-            return False
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            return False
-        finally:
-            os.close(handle)  # closing drops the probe's lock again
+        return run_lock.held_elsewhere(lock_path, os.O_WRONLY) is False  # None: not ours to judge
     pid = aside.name.split(".replaced-", 1)[-1].split("-", 1)[0]
     return pid.isdigit() and not pid_alive(int(pid))
 

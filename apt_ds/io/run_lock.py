@@ -83,10 +83,17 @@ def acquire(out: Path) -> None:
 
 
 def _directory_locked(out: Path) -> bool:
+    return held_elsewhere(Path(out).resolve(), os.O_RDONLY | os.O_DIRECTORY) is True
+
+
+def held_elsewhere(path: Path, flags: int = os.O_RDONLY) -> bool | None:
+    """Whether another process holds a lock on `path`, asked without waiting (the probe's own lock
+    goes with its descriptor at once); None where `path` cannot be opened with `flags`; False on a
+    file system without locks."""
     try:
-        handle = os.open(Path(out).resolve(), os.O_RDONLY | os.O_DIRECTORY)
+        handle = os.open(path, flags)
     except OSError:
-        return False
+        return None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return False
@@ -95,7 +102,7 @@ def _directory_locked(out: Path) -> bool:
     except OSError:
         return False
     finally:
-        os.close(handle)  # drops the probe's lock
+        os.close(handle)
 
 
 def _unlink(path: Path) -> None:
