@@ -28,7 +28,10 @@ def launcher_rank(deepspeed: bool = False) -> str:
     torchrun), "0" alone. `deepspeed`: the run joins a process group, so mpirun's, srun's or another
     MPI's own variable counts too (apt_ds maps those to RANK later, apt_ds.distributed.launcher_env);
     without --deepspeed every task of such a launch is a one-process run of its own, rank 0."""
-    for name in ("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PMI_RANK") if deepspeed else ("RANK",):
+    from apt_ds.distributed.launcher_env import LAUNCHER_VARS
+
+    names = ("RANK", *(rank for _, rank, _, _ in LAUNCHER_VARS), "PMI_RANK") if deepspeed else ("RANK",)
+    for name in names:
         if os.environ.get(name, "").isdigit():
             return os.environ[name]
     return "0"

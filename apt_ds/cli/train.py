@@ -35,8 +35,9 @@ def note_what_lora_ignores(run: RunArguments, given: dict) -> None:
     apt_only = [f.name for f in dataclasses.fields(APTConfig) if f.name not in LORA_USES]
     typed = [name for name in apt_only if name in given and given[name] != LORA_SETTINGS.get(name)]
     if run.method == "lora" and typed and launcher_rank() == "0":
-        flags = ", ".join(f"--{name.replace('_', '-')} {str(given[name]).lower() if isinstance(given[name], bool) else given[name]}"
-                          for name in typed)
+        from apt_ds.io.checkpoint import as_flag
+
+        flags = ", ".join(as_flag(name, given[name]) for name in typed)
         print(f"note: --method lora does not prune, grow ranks or distill: {flags} not used", file=sys.stderr)
 
 

@@ -228,16 +228,16 @@ def check_same_apt_config(meta: dict, current: dict, directory: Path, leave_out:
     legacy = [k for k in changed if k in LEGACY_APT_FIELDS and k not in meta["apt_config"]]
     why = f"; the run predates {', '.join(legacy)}" if legacy else ""
     trained_as = meta.get("run_info", {}).get("method")
-    to_do = "pass " + " ".join(_flag(k, saved[k]) for k in changed)
+    to_do = "pass " + " ".join(as_flag(k, saved[k]) for k in changed)
     if method and trained_as and method != trained_as:
         # --method lora sets LORA_SETTINGS and the schedule's defaults whatever else is given: back to
         # LoRA, the method is the flag to fix; back to APT, so are those of its settings that were not
         # the defaults (--prune false, --target-density 0.5), which --method apt alone does not restore
         if trained_as == "lora":
-            flags = [_flag(k, saved[k]) for k in changed if k not in LORA_SETTINGS and k not in SCHEDULE_FIELDS]
+            flags = [as_flag(k, saved[k]) for k in changed if k not in LORA_SETTINGS and k not in SCHEDULE_FIELDS]
         else:
             apt_defaults = {f.name: f.default for f in dataclasses.fields(APTConfig)}
-            flags = [_flag(k, saved[k]) for k in sorted(set(changed) | set(LORA_SETTINGS))
+            flags = [as_flag(k, saved[k]) for k in sorted(set(changed) | set(LORA_SETTINGS))
                      if k not in LORA_SETTINGS or saved.get(k, apt_defaults[k]) != apt_defaults[k]]
         to_do = f"it was trained with --method {trained_as}: pass {' '.join([f'--method {trained_as}', *flags])}"
     raise CheckpointError(f"checkpoint {directory} used a different APT config; changed: {details}{why} ({to_do})")
@@ -261,7 +261,7 @@ def _saved_apt_config(meta: dict) -> dict:
     return {**LEGACY_APT_FIELDS, **meta["apt_config"]}
 
 
-def _flag(name: str, value) -> str:
+def as_flag(name: str, value) -> str:
     return f"--{name.replace('_', '-')} {_flag_value(value)}"
 
 

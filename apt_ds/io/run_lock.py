@@ -16,7 +16,6 @@ itself is locked; where the file system has no locks, the run goes on unlocked a
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
 import socket
@@ -27,6 +26,7 @@ from pathlib import Path
 _HELD: dict[Path, int] = {}  # the lock's path (file or run directory) -> descriptor, for the life of the run
 _PROBE_RETRIES = 5  # a probe (training_now) holds a shared lock for microseconds: retry before refusing
 _UNLOCKED = -1  # in _HELD: this process trains unlocked (no locks on that file system), as it said
+_DIRECTORY_OWNER = "the run directory is locked; its PID is not recorded"  # the fallback lock holds no line
 
 
 class RunLockedError(FileExistsError):
@@ -42,25 +42,23 @@ def lock_path(out: Path) -> Path | None:
 def acquire(out: Path) -> None:
     """Hold the run's lock until release() or the end of the process; RunLockedError when another
     process holds it. Holding it already (this process) is fine."""
-    path = lock_path(out)
-    if path is None or path in _HELD or Path(out).resolve() in _HELD:
+    path, run = lock_path(out), Path(out).resolve()
+    if path is None or path in _HELD or run in _HELD:
         return
     blocked = 0
     while True:
-        target, handle, writable = _open_lock(out, path)
+        target, handle, writable = _open_lock(run, path)
         if handle is None:  # nowhere to lock: nothing exists or can be made there, and the run's own checks say so
             return
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            owner = _owner(handle) if target == path else "the run directory is locked; its PID is not recorded"
             os.close(handle)
             blocked += 1
             if blocked < _PROBE_RETRIES:
                 time.sleep(0.05)
                 continue
-            raise RunLockedError(f"--out {out} is being trained by another process ({owner}); wait for it to finish or "
-                                 f"stop it, then run again: two runs in one directory would mix their checkpoints") from None
+            raise _locked(out, _owner(path) if target == path else _DIRECTORY_OWNER) from None
         except OSError as err:  # ENOLCK, EOPNOTSUPP: a file system without locks
             os.close(handle)
             if writable:
@@ -72,30 +70,31 @@ def acquire(out: Path) -> None:
         if target != path or _still_at(path, handle):
             break
         os.close(handle)  # the holder released and unlinked it between our open and our lock: try the new one
-    if target == path and _directory_locked(out):  # a start that could not make the file locked the directory
+    if target == path and held_elsewhere(run, os.O_RDONLY | os.O_DIRECTORY):  # a start that could not make the file
         os.close(handle)
-        raise RunLockedError(f"--out {out} is being trained by another process (the run directory is locked; its PID is "
-                             f"not recorded); wait for it to finish or stop it, then run again")
+        raise _locked(out, _DIRECTORY_OWNER)
     if writable:
         os.ftruncate(handle, 0)
         os.write(handle, f"PID {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
     _HELD[target] = handle
 
 
-def _directory_locked(out: Path) -> bool:
-    return held_elsewhere(Path(out).resolve(), os.O_RDONLY | os.O_DIRECTORY) is True
+def _locked(out: Path, owner: str) -> RunLockedError:
+    return RunLockedError(f"--out {out} is being trained by another process ({owner}); wait for it to finish or stop it, "
+                          f"then run again: two runs in one directory would mix their checkpoints")
 
 
-def held_elsewhere(path: Path, flags: int = os.O_RDONLY) -> bool | None:
+def held_elsewhere(path: Path, flags: int = os.O_RDONLY, exclusive: bool = True) -> bool | None:
     """Whether another process holds a lock on `path`, asked without waiting (the probe's own lock
-    goes with its descriptor at once); None where `path` cannot be opened with `flags`; False on a
-    file system without locks."""
+    goes with its descriptor at once; `exclusive=False` probes with a shared one, which another
+    probe does not see); None where `path` cannot be opened with `flags`; False on a file system
+    without locks."""
     try:
         handle = os.open(path, flags)
     except OSError:
         return None
     try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(handle, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
         return False
     except BlockingIOError:
         return True
@@ -113,7 +112,7 @@ def _unlink(path: Path) -> None:
         pass
 
 
-def _open_lock(out: Path, path: Path) -> tuple[Path, int | None, bool]:
+def _open_lock(run: Path, path: Path) -> tuple[Path, int | None, bool]:
     """(what is locked, its descriptor, whether it takes the owner's line): the file beside --out
     (created, or an existing one opened read-only where it cannot be written: flock needs no write
     access), else the run directory."""
@@ -122,7 +121,6 @@ def _open_lock(out: Path, path: Path) -> tuple[Path, int | None, bool]:
             return path, os.open(path, flags, 0o644), flags != os.O_RDONLY
         except OSError:
             continue
-    run = Path(out).resolve()
     try:
         return run, os.open(run, os.O_RDONLY | os.O_DIRECTORY), False
     except OSError:
@@ -149,34 +147,23 @@ def release(out: Path) -> None:
 
 
 def training_now(out: Path) -> str | None:
-    """Who trains the run in `out` now ("PID 123 on host, since ..."), or None (asks without waiting)."""
-    path = lock_path(out)
+    """Who trains the run in `out` now ("PID 123 on host, since ..."), or None (asks without waiting,
+    with a shared probe: two exports asking at once do not see each other)."""
+    path, run = lock_path(out), Path(out).resolve()
     if path is None:
         return None
-    if path in _HELD or Path(out).resolve() in _HELD:
+    if path in _HELD or run in _HELD:
         return f"PID {os.getpid()} (this process)"
-    for target, flags in ((path, os.O_RDONLY), (Path(out).resolve(), os.O_RDONLY | os.O_DIRECTORY)):
-        try:
-            handle = os.open(target, flags)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            continue  # free: the directory may still be locked by a start that could not make the file
-        except BlockingIOError:
-            return _owner(handle) if target == path else "the run directory is locked; its PID is not recorded"
-        except OSError as err:
-            if err.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
-                return None
-            raise
-        finally:
-            os.close(handle)  # drops the probe's lock
+    if held_elsewhere(path, exclusive=False):
+        return _owner(path)
+    if held_elsewhere(run, os.O_RDONLY | os.O_DIRECTORY, exclusive=False):  # a start that could not make the file
+        return _DIRECTORY_OWNER
     return None
 
 
-def _owner(handle: int) -> str:
+def _owner(path: Path) -> str:
     try:
-        text = os.pread(handle, 200, 0).decode(errors="replace").strip()
+        text = path.read_bytes()[:200].decode(errors="replace").strip()
     except OSError:
         text = ""
     return text or "its PID is not recorded"

@@ -20,7 +20,6 @@ from tqdm.auto import tqdm
 from apt_ds.algorithm.distill import SelfDistiller
 from apt_ds.algorithm.edits import merge_changes
 from apt_ds.algorithm.pruner import AdaptivePruner, GradualMasker
-from apt_ds.algorithm.reachable import check_target_reachable
 from apt_ds.algorithm.schedule import SparsityScheduler
 from apt_ds.algorithm.state import APTModel
 from apt_ds.algorithm.tuner import AdaptiveTuner
@@ -68,7 +67,6 @@ class APTrainer:
         self.model = model
         self.schedule = SparsityScheduler(apt)
         self.pruner = AdaptivePruner(apt)
-        check_target_reachable(self.pruner, self.state.shape, apt.target_density, self.state.shape.budget_params(apt.count_embeddings))
         self.masker = GradualMasker(apt.mask_decay_step)
         self.tuner = AdaptiveTuner(apt)
         self.distiller = SelfDistiller(apt, len(self.state.shape.layers), seed=train.seed)
