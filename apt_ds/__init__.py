@@ -1,17 +1,38 @@
-"""apt-ds: APT (Adaptive Pruning and Tuning) for LLaMA-family models under DeepSpeed."""
+"""apt-ds: APT (Adaptive Pruning and Tuning) for LLaMA-family models under DeepSpeed.
 
-from apt_ds.algorithm.adapters import APTAdapter
-from apt_ds.algorithm.distill import SelfDistiller
-from apt_ds.algorithm.pruner import AdaptivePruner
-from apt_ds.algorithm.schedule import SparsityScheduler
-from apt_ds.algorithm.tuner import AdaptiveTuner
-from apt_ds.algorithm.units import ModelShape, UnsupportedModelError
-from apt_ds.config import APTConfig, ConfigError, TrainConfig
-from apt_ds.io.modeling import load_pretrained
-from apt_ds.training.trainer import APTrainer
+The public names below are imported on first use (PEP 562): `import apt_ds.cli.train` must not
+load torch and transformers, so that `--help` is quick and a Ctrl-C while a command starts is
+caught by the command, not printed as a traceback from inside an import."""
 
-__all__ = [
-    "APTAdapter", "APTConfig", "APTrainer", "AdaptivePruner", "AdaptiveTuner", "ConfigError", "ModelShape",
-    "SelfDistiller", "SparsityScheduler", "TrainConfig", "UnsupportedModelError", "load_pretrained",
-]
+from __future__ import annotations
+
+import importlib
+
+_PUBLIC = {
+    "APTAdapter": "apt_ds.algorithm.adapters",
+    "SelfDistiller": "apt_ds.algorithm.distill",
+    "AdaptivePruner": "apt_ds.algorithm.pruner",
+    "SparsityScheduler": "apt_ds.algorithm.schedule",
+    "AdaptiveTuner": "apt_ds.algorithm.tuner",
+    "ModelShape": "apt_ds.algorithm.units",
+    "UnsupportedModelError": "apt_ds.algorithm.units",
+    "APTConfig": "apt_ds.config",
+    "ConfigError": "apt_ds.config",
+    "TrainConfig": "apt_ds.config",
+    "load_pretrained": "apt_ds.io.modeling",
+    "APTrainer": "apt_ds.training.trainer",
+}
+__all__ = sorted(_PUBLIC)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'apt_ds' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

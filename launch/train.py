@@ -11,7 +11,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from apt_ds.cli.train import main  # noqa: E402
+try:
+    from apt_ds.cli.train import main  # noqa: E402
+except KeyboardInterrupt:  # Ctrl-C while the libraries load: nothing was read or written yet
+    print("interrupted while starting; nothing was written", file=sys.stderr)
+    sys.exit(130)
 
 if __name__ == "__main__":
     sys.exit(main())

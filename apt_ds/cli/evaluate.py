@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         write_results(results, args.out)
     except (*user_errors(), EvaluationError) as err:
         return report(err)
+    except KeyboardInterrupt:  # results are written whole at the end: an interrupted evaluation leaves none
+        print(f"interrupted; no results written (--out {args.out} is as it was)", file=sys.stderr)
+        return 130
     print(format_table(table_rows(results, tasks)))
     for note in one_answer_notes(results, tasks):
         print(note, file=sys.stderr)

@@ -81,7 +81,10 @@ def _plain_model_and_kept(model_path: str, kept_path: str):
     else:
         try:
             kept = json.loads(Path(kept_path).read_text())
-        except (OSError, ValueError) as err:  # ValueError: bad JSON, or not UTF-8 text
+        except UnicodeDecodeError:  # e.g. a pickled .pt/.bin, which is never unpickled
+            raise ConfigError(f"cannot read --kept {kept_path}: it is not JSON text; give a run's checkpoint/apt_state.json, "
+                              f"a JSON of kept unit indices, or its masks.safetensors") from None
+        except (OSError, ValueError) as err:  # ValueError: bad JSON
             raise ConfigError(f"cannot read --kept {kept_path}: {err}") from None
     if isinstance(kept, dict) and "kept" in kept:  # a run's checkpoint/apt_state.json
         kept = kept["kept"]

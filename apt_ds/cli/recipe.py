@@ -41,10 +41,27 @@ def _field_names(cls) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
 
 
+class _RecipeLoader(yaml.SafeLoader):
+    """safe_load's loader, but a key given twice is refused: YAML would keep the last value silently."""
+
+    def construct_mapping(self, node, deep=False):
+        lines: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, (str, int, float, bool)) and key in lines:
+                raise yaml.constructor.ConstructorError(problem=f"{key} is given twice (lines {lines[key]} and {line}): "
+                                                        f"keep one")
+            lines.setdefault(key, line)
+        return super().construct_mapping(node, deep)
+
+
 def load_recipe(path: str | Path) -> dict[str, Any]:
     """The recipe's values, type-checked; one-line ConfigError for anything wrong in it."""
     try:
-        values = yaml.safe_load(Path(path).read_text())
+        values = yaml.load(Path(path).read_text(), Loader=_RecipeLoader)
+    except yaml.constructor.ConstructorError as err:
+        raise ConfigError(f"--config {path}: {err.problem}") from None
     except (OSError, ValueError, yaml.YAMLError) as err:  # ValueError: not UTF-8 text
         reason = str(err).replace("\n", " ")
         raise ConfigError(f"cannot read --config {path}: {reason}") from None

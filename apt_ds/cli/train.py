@@ -41,7 +41,23 @@ def note_what_lora_ignores(run: RunArguments, given: dict) -> None:
         print(f"note: --method lora does not prune, grow ranks or distill: {flags} not used", file=sys.stderr)
 
 
-def check_inputs_early(run: RunArguments, train: TrainConfig) -> None:
+def flag_of(field: str, given: dict) -> str:
+    """How to name a setting in an error: the flag typed, or the recipe's field."""
+    if field in given or not given.get("config"):
+        return f"--{field.replace('_', '-')}"
+    return f"--config {given['config']}'s {field}"
+
+
+def missing_path(field: str, value: str, given: dict) -> str:
+    """A recipe's relative path is read from the current directory, as a flag's is (not from the
+    recipe's own directory): the message says so, since the file may well sit beside the recipe."""
+    from_recipe = field not in given and given.get("config")
+    where = f"; a recipe's relative paths are read from the current directory, {Path.cwd()}" \
+        if from_recipe and not Path(value).is_absolute() else ""
+    return f"{flag_of(field, given)} {value} does not exist{where}"
+
+
+def check_inputs_early(run: RunArguments, train: TrainConfig, given: dict | None = None) -> None:
     """The checks that need neither a process group nor a model, run before either exists
     (a launch costs minutes on a fresh machine): --out, the model path, the DeepSpeed JSON."""
     if not str(run.out).strip():  # Path("") is ".": the current directory would be taken for the run
@@ -51,9 +67,11 @@ def check_inputs_early(run: RunArguments, train: TrainConfig) -> None:
     for flag, value in (("--global-batch-size", run.global_batch_size), ("--eval-examples", run.eval_examples)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
-    for flag, value in (("--data", run.data), ("--eval-data", run.eval_data)):
+    given = {} if given is None else given
+    for field in ("data", "eval_data"):
+        value = getattr(run, field)
         if value and not Path(value).exists():
-            raise ConfigError(f"{flag} {value} does not exist")
+            raise ConfigError(missing_path(field, value, given))
     if launcher_rank(bool(run.deepspeed)) == "0":  # one rank holds the run (apt_ds.io.run_lock), repairs a killed --overwrite
         if Path(run.out).absolute().parent.is_dir():  # else nothing can train there yet: prepare_out_dir locks it
             run_lock.acquire(Path(run.out))
@@ -64,7 +82,7 @@ def check_inputs_early(run: RunArguments, train: TrainConfig) -> None:
     from apt_ds.io.modeling import TINY_MODELS, check_model_path
 
     if run.model not in TINY_MODELS:
-        check_model_path(run.model, flag="--model")
+        check_model_path(run.model, flag=flag_of("model", given))
     if run.deepspeed:
         from apt_ds.distributed.ds_config import precheck_config
 
@@ -112,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         check_batch_flags(run, given)
         note_what_lora_ignores(run, given)
         out = run.out
-        check_inputs_early(run, train)
+        check_inputs_early(run, train, given)
         from apt_ds.training.heap import startup_objects_frozen
         from apt_ds.training.run import import_training_libraries, run_training
 

@@ -15,7 +15,7 @@ import re
 import shutil
 from pathlib import Path
 
-from apt_ds.io.run_dir import RUN_ENTRIES, check_writable, listing
+from apt_ds.io.run_dir import RUN_ENTRIES, check_writable, is_run_dir, listing
 
 REPORT_FILE = "apt_export.json"
 
@@ -23,14 +23,17 @@ REPORT_FILE = "apt_export.json"
 def check_export_out(out: Path, overwrite: bool, protected: list[Path] = (), run_dir: Path | None = None) -> None:
     """Refuse an --out that would destroy data: an existing path without --overwrite, and, even
     with it, anything but a previous export (or an empty directory), a path that is or
-    contains one of the inputs, or one inside a folder that `run_dir`'s run replaces whole."""
+    contains one of the inputs, or one inside a folder that a run replaces whole (`run_dir`'s, the
+    one exported, or any run directory above --out)."""
     recover_interrupted_overwrite(out)
     resolved = out.resolve()
     for path in protected:
         path = Path(path).resolve()
         if resolved == path or resolved in path.parents:
             raise FileExistsError(f"--out {out} is or contains the input {path}; choose another directory")
-    for folder in [Path(run_dir).resolve() / name for name in sorted(RUN_ENTRIES)] if run_dir else []:
+    runs = {Path(run_dir).resolve()} if run_dir else set()
+    runs |= {parent for parent in resolved.parents if is_run_dir(parent)}  # another run's entries are replaced too
+    for folder in [run / name for run in sorted(runs) for name in sorted(RUN_ENTRIES)]:
         if folder == resolved or folder in resolved.parents:  # checkpoint/ at the next --resume, plots/ at a plot, ...
             raise FileExistsError(f"--out {out} is or is inside {folder}, which the run replaces whole (and the export with "
                                   f"it); choose a directory outside it")

@@ -123,30 +123,39 @@ def pack_blocks(streams: Iterable[list[int]], max_seq_len: int) -> list[dict]:
 
 
 class TruncationStats:
-    """What max_seq_len cost: rows whose prompt was cut from the left, rows dropped because their
-    response alone did not fit, unpacked text rows cut at the end, and the longest of the rows
-    that were cut or dropped (the longest row of all when any was; 0 when every row fitted)."""
+    """What the data lost. To max_seq_len: rows whose prompt was cut from the left, rows dropped
+    because their response alone did not fit, unpacked text rows cut at the end, and the longest of
+    the rows that were cut or dropped (the longest row of all when any was; 0 when every row
+    fitted). Besides: rows skipped for having no usable text (e.g. an empty or null output), and
+    the first of them (1-based)."""
 
     def __init__(self):
         self.prompt_cut = self.dropped = self.text_cut = 0
         self.longest = 0
+        self.skipped = self.first_skipped = 0
 
     def count(self, kind: str, length: int) -> None:
         setattr(self, kind, getattr(self, kind) + 1)
         self.longest = max(self.longest, length)
 
+    def count_skipped(self, row_number: int) -> None:
+        self.skipped += 1
+        self.first_skipped = self.first_skipped or row_number
+
     def to_dict(self) -> dict:
-        return {"prompt_cut": self.prompt_cut, "dropped": self.dropped, "text_cut": self.text_cut, "longest": self.longest}
+        return {"prompt_cut": self.prompt_cut, "dropped": self.dropped, "text_cut": self.text_cut, "longest": self.longest,
+                "skipped": self.skipped}
 
     def message(self, source: str, max_seq_len: int) -> str | None:
-        """One warning line, or None when nothing was cut."""
-        if not (self.prompt_cut or self.dropped or self.text_cut):
-            return None
-        parts = [f"{n} {what}" for n, what in ((self.prompt_cut, "rows had their prompt cut from the left"),
-                                              (self.dropped, "rows were dropped (the response alone exceeds it)"),
-                                              (self.text_cut, "rows without a prompt were cut at the end")) if n]
-        return (f"warning: {source}: --max-seq-len {max_seq_len}: {'; '.join(parts)}; the longest row has "
-                f"{self.longest} tokens")
+        """One warning line, or None when nothing was cut or skipped."""
+        cut = [f"{n} {what}" for n, what in ((self.prompt_cut, "rows had their prompt cut from the left"),
+                                            (self.dropped, "rows were dropped (the response alone exceeds it)"),
+                                            (self.text_cut, "rows without a prompt were cut at the end")) if n]
+        parts = [f"--max-seq-len {max_seq_len}: {'; '.join(cut)}; the longest row has {self.longest} tokens"] if cut else []
+        if self.skipped:
+            parts.append(f"{self.skipped} rows were skipped, having no usable text (the first is row {self.first_skipped}; "
+                         f"each row needs {USABLE_FIELDS}, not empty)")
+        return f"warning: {source}: {'; '.join(parts)}" if parts else None
 
 
 def tokenize_dataset(ds, tokenizer, max_seq_len: int, pack: bool, source: str = "dataset",
@@ -157,7 +166,14 @@ def tokenize_dataset(ds, tokenizer, max_seq_len: int, pack: bool, source: str = 
     if max_seq_len < 2:
         raise DataError(f"{source}: max_seq_len must be >= 2, got {max_seq_len}")
     check_template(template, tokenizer)
-    pairs = [pair for pair in (split_record(row, template, tokenizer) for row in ds) if pair is not None]
+    stats = TruncationStats() if stats is None else stats
+    pairs = []
+    for number, row in enumerate(ds, start=1):
+        pair = split_record(row, template, tokenizer)
+        if pair is None:
+            stats.count_skipped(number)
+        else:
+            pairs.append(pair)
     if not pairs:
         raise DataError(f"{source} has no usable rows: need {USABLE_FIELDS}")
     texts = [pair.response for pair in pairs if pair.prompt is None]
@@ -168,7 +184,7 @@ def tokenize_dataset(ds, tokenizer, max_seq_len: int, pack: bool, source: str = 
     else:
         examples = [{"input_ids": s[:max_seq_len], "labels": s[:max_seq_len]} for s in text_streams if len(s) >= 2]
         for stream in text_streams:
-            if stats is not None and len(stream) > max_seq_len:
+            if len(stream) > max_seq_len:
                 stats.count("text_cut", len(stream))
     prompt_ids = _encode(tokenizer, [pair.prompt for pair in supervised])
     response_ids = _encode(tokenizer, [pair.response for pair in supervised])
@@ -176,6 +192,9 @@ def tokenize_dataset(ds, tokenizer, max_seq_len: int, pack: bool, source: str = 
         example = _join_prompt_response(tokenizer, p_ids, r_ids, max_seq_len, stats, framed=pair.framed)
         if example is not None:
             examples.append(example)
+    if not examples and stats.dropped:
+        raise DataError(f"{source}: every row was dropped: its response alone exceeds --max-seq-len {max_seq_len} (the "
+                        f"longest row has {stats.longest} tokens); raise --max-seq-len or shorten the responses")
     if not examples:
         raise DataError(f"{source}: no row has a token to learn from after tokenization (max_seq_len={max_seq_len})")
     return examples

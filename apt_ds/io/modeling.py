@@ -58,6 +58,7 @@ def check_model_path(path: str | Path, flag: str = "model path") -> dict:
     if not (path / "config.json").is_file():
         gguf = sorted(path.glob("*.gguf"))
         if len(gguf) == 1:  # an apt-ds GGUF export's directory (or a folder holding one GGUF)
+            check_gguf_architecture(gguf[0], flag)  # one that cannot be loaded says so, not "give the file"
             raise ModelLoadError(f"{flag} {path} holds a GGUF file and no config.json: give the file, {gguf[0]}")
         raise ModelLoadError(f"{flag} {path} has no config.json: not a Hugging Face model directory")
     try:

@@ -47,10 +47,34 @@ def _check_text_fields(ds: datasets.Dataset, path: Path) -> None:
         feature = ds.features.get(name)
         if feature is not None and not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string", "null")):
             kind = feature.dtype if isinstance(feature, datasets.Value) else type(feature).__name__.lower()
-            if name == "text" and path.is_file() and _scan_text(path) == "[":  # datasets names a list's items 'text'
+            where = _first_non_text(path, name) if path.is_file() else ""
+            if name == "text" and not where and path.is_file() and _scan_text(path) == "[":  # datasets names a list's items 'text'
                 raise DataError(f"data file {path.name} is a JSON list of {kind} values: each row must be an object "
                                 f"with {USABLE_FIELDS}")
-            raise DataError(f"data file {path.name}: field {name!r} holds {kind} values, not text")
+            what = "text mixed with other values" if kind == "json" else f"{kind} values, not text"  # json: mixed types
+            raise DataError(f"data file {path.name}: field {name!r} holds {what}{where}")
+
+
+def _first_non_text(path: Path, name: str) -> str:
+    """Where the first row whose `name` is neither text nor null is (" (line 3: 5)"), or "" where
+    the file cannot say (it was parsed by datasets already: it is valid JSON)."""
+    def describe(where: str, row) -> str | None:
+        value = row.get(name) if isinstance(row, dict) else None
+        if value is None or isinstance(value, str):
+            return None
+        shown = json.dumps(value, ensure_ascii=False)
+        return f" ({where}: {shown if len(shown) <= 40 else shown[:37] + '...'})"
+
+    try:
+        if _scan_text(path) == "[":
+            rows = json.loads(path.read_text(encoding="utf-8"))
+            found = (describe(f"row {i}", row) for i, row in enumerate(rows, start=1))
+        else:
+            with open(path, encoding="utf-8") as lines:
+                found = [describe(f"line {i}", json.loads(line)) for i, line in enumerate(lines, start=1) if line.strip()]
+        return next((where for where in found if where), "")
+    except (OSError, ValueError):
+        return ""
 
 
 def _load_saved_dir(path: Path) -> datasets.Dataset:
@@ -66,7 +90,7 @@ def _load_saved_dir(path: Path) -> datasets.Dataset:
 
 
 def _load_json_file(path: Path) -> datasets.Dataset:
-    if path.suffix not in (".json", ".jsonl"):
+    if path.suffix.lower() not in (".json", ".jsonl"):
         raise DataError(f"data file {path.name} is neither .json nor .jsonl (nor a saved dataset directory)")
     if not _scan_text(path):
         raise DataError(f"data file {path.name} is empty")

@@ -156,7 +156,7 @@ def _owner_is_gone(aside: Path) -> bool:
     if lock_path.exists():
         return run_lock.held_elsewhere(lock_path, os.O_WRONLY) is False  # None: not ours to judge
     pid = aside.name.split(".replaced-", 1)[-1].split("-", 1)[0]
-    return pid.isdigit() and not pid_alive(int(pid))
+    return pid.isdigit() and not run_lock.pid_alive(int(pid))
 
 
 def set_aside_note(out: Path) -> str | None:
@@ -198,18 +198,6 @@ def _is_unstarted_run(path: Path) -> bool:
         return False
     entries = [entry.name for entry in path.iterdir()]
     return not entries or (is_run_dir(path) and not has_checkpoint(path) and set(entries) <= RUN_ENTRIES)
-
-
-def pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
 
 
 def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import socket
 import sys
 import time
@@ -162,8 +163,26 @@ def training_now(out: Path) -> str | None:
 
 
 def _owner(path: Path) -> str:
+    """The holder's line. A holder that could open the file only read-only (another user's, left by
+    a killed run) could not write its own: a line naming a process of this host that has ended is
+    that earlier owner's, and is not passed on."""
     try:
         text = path.read_bytes()[:200].decode(errors="replace").strip()
     except OSError:
         text = ""
+    named = re.match(r"PID (\d+) on (\S+),", text)
+    if named and named.group(2) == socket.gethostname() and not pid_alive(int(named.group(1))):
+        text = ""
     return text or "its PID is not recorded"
+
+
+def pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True

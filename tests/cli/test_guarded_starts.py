@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -118,6 +119,16 @@ def test_export_inside_a_folder_the_run_replaces_is_refused(trained_runs, tmp_pa
     assert export_main([str(run), "--out", str(run / "exports" / "e")]) == 0  # elsewhere in the run: allowed
 
 
+def test_export_into_another_runs_checkpoint_is_refused(trained_runs, tmp_path, capsys):
+    other = tmp_path / "other"
+    shutil.copytree(trained_runs / "nonuniform", other)
+    before = tree_digest(other)
+    for inside in ("checkpoint/my_export", "ranks/e"):  # its next --resume would replace them, the export with them
+        assert export_main([str(trained_runs / "nonuniform"), "--out", str(other / inside)]) == 2
+        assert f"is inside {other.resolve() / inside.split('/')[0]}, which the run replaces whole" in capsys.readouterr().err
+    assert tree_digest(other) == before
+
+
 def test_an_interrupted_export_is_one_line(trained_runs, tmp_path, monkeypatch, capsys):
     import apt_ds.export.merge as merge
 
@@ -129,6 +140,39 @@ def test_an_interrupted_export_is_one_line(trained_runs, tmp_path, monkeypatch, 
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "did not finish" in err
     assert not (tmp_path / "e").exists()
+
+
+@pytest.mark.parametrize("script", ["train", "export", "evaluate", "plot"])
+def test_ctrl_c_while_a_command_starts_is_one_line(script, tmp_path):
+    """Ctrl-C while Python loads the libraries (the first second or two of every command) stops it
+    with one line, not a traceback from inside an import."""
+    code = textwrap.dedent(f"""
+        import runpy, sys
+        class CtrlC:  # raises where the import of the command's module would begin
+            def find_spec(self, name, path=None, target=None):
+                if name == "apt_ds.cli.{script}":
+                    raise KeyboardInterrupt
+        sys.meta_path.insert(0, CtrlC())
+        sys.argv = ["launch/{script}.py", "--help"]
+        runpy.run_path({str(REPO / "launch" / f"{script}.py")!r}, run_name="__main__")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 130
+    assert done.stderr == "interrupted while starting; nothing was written\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_commands_modules_load_without_torch():
+    """What a command imports before its main() runs, where its Ctrl-C handling starts: no torch
+    (apt_ds's public names are imported on first use), so --help is quick and a Ctrl-C is caught."""
+    code = "import sys, apt_ds.cli.train, apt_ds.cli.export, apt_ds.cli.evaluate, apt_ds.cli.plot; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.stdout.strip() == "False", done.stderr
+    import apt_ds
+
+    assert apt_ds.APTrainer.__name__ == "APTrainer" and "APTrainer" in dir(apt_ds)
+    with pytest.raises(AttributeError, match="no attribute 'Trainer'"):
+        apt_ds.Trainer
 
 
 def test_an_unreachable_target_is_refused_before_anything_is_written(in_tmp, capsys):
@@ -290,6 +334,39 @@ def test_a_lock_file_that_cannot_be_removed_is_left_locking_nothing(tmp_path, mo
     run_lock.release(run)  # no exception: the run's own error or result stays what the user sees
     monkeypatch.undo()
     assert run_lock.lock_path(run).exists() and run_lock.training_now(run) is None
+
+
+def test_a_left_lock_file_never_names_its_dead_owner(tmp_path, monkeypatch):
+    """A holder that could open the lock file only read-only (another user's, left by a killed run)
+    cannot write its own line: a refusal must not name the earlier owner, which has ended."""
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = socket.gethostname()
+    run = tmp_path / "run"
+    path = run_lock.lock_path(run)
+    dead_line = f"PID {ended.stdout.strip()} on {host}, since 2026-01-01 00:00:00"
+    for line, shown in ((dead_line, "its PID is not recorded"),
+                        (f"PID {os.getpid()} on {host}, since 2026-01-01 00:00:00", f"PID {os.getpid()} on {host}"),
+                        ("PID 12 on another-node, since 2026-01-01 00:00:00", "PID 12 on another-node")):  # cannot be asked
+        path.write_text(line)
+        assert run_lock._owner(path).startswith(shown)
+    real_open = os.open
+
+    def read_only(name, flags, *args):  # the file is another user's: it opens for reading only
+        if Path(name) == path and flags & (os.O_RDWR | os.O_WRONLY):
+            raise PermissionError(13, "Permission denied")
+        return real_open(name, flags, *args)
+
+    path.write_text(dead_line)
+    monkeypatch.setattr(os, "open", read_only)
+    run_lock.acquire(run)
+    monkeypatch.undo()
+    try:
+        assert path.read_text() == dead_line  # it could not write its own line
+        second = "from apt_ds.io import run_lock\ntry:\n    run_lock.acquire({!r})\nexcept run_lock.RunLockedError as e:\n    print(e)"
+        refused = subprocess.run([sys.executable, "-c", second.format(str(run))], capture_output=True, text=True, cwd=REPO)
+        assert "is being trained by another process (its PID is not recorded)" in refused.stdout, refused.stderr
+    finally:
+        run_lock.release(run)
 
 
 def test_without_a_file_beside_out_the_run_directory_is_locked(tmp_path, monkeypatch):

@@ -98,6 +98,13 @@ def home(tmp_path_factory):
     (bad / "latin1.jsonl").write_bytes('{"text": "a"}\n{"text": "caf\u00e9"}\n'.encode("latin-1"))  # not UTF-8
     (bad / "numbers.json").write_text("[1, 2, 3]")  # datasets reads it as a 'text' column of numbers
     (bad / "kept.json").write_text('{"groups": "all"}')
+    (bad / "masks.pt").write_bytes(b"\x80\x04\x95\xfd" + bytes(range(256)))  # a pickle's first bytes: not text
+    (bad / "twice.yaml").write_text("steps: 8\nlr: 0.001\nsteps: 6\n")
+    (bad / "data_beside.yaml").write_text("data: data_beside.jsonl  # beside the recipe, not in the current directory\n")
+    shutil.copy(root / "data.jsonl", bad / "data_beside.jsonl")
+    (bad / "number_text.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n{"text": 5}\n')
+    (bad / "too_long.jsonl").write_text(json.dumps({"prompt": "p", "completion": "w " * 200}) + "\n")
+    shutil.copytree(root / "run", root / "other_run")
     return root
 
 
@@ -154,6 +161,9 @@ CASES = [
      "leaves model to the command line: give --model"),
     ("recipe-command-line-only", train("--config", "bad/resume.yaml", "--out", "new"), "resume is a command-line flag only"),
     ("recipe-bad-yaml", train("--config", "bad/tabs.yaml", "--out", "new"), "cannot read --config"),
+    ("recipe-key-twice", train("--config", "bad/twice.yaml", "--out", "new"), "steps is given twice (lines 1 and 3): keep one"),
+    ("recipe-relative-data", ["train", *BASE[:-2], "--config", "bad/data_beside.yaml", "--out", "new"],
+     "--config bad/data_beside.yaml's data data_beside.jsonl does not exist; a recipe's relative paths are read from the current directory"),
     ("config-mistyped", train("--config", "bad/typed.json", "--out", "new"), "steps in --config bad/typed.json must be of type int"),
     # --model
     ("model-missing", train("--model", "nope", "--out", "new"), "--model nope does not exist"),
@@ -170,6 +180,10 @@ CASES = [
      "latin1.jsonl is not UTF-8 text: byte 0xe9 on line 2"),
     ("data-list-of-numbers", ["train", *BASE[:-1], "bad/numbers.json", "--out", "new"],
      "numbers.json is a JSON list of int64 values: each row must be an object"),
+    ("data-number-as-text", ["train", *BASE[:-1], "bad/number_text.jsonl", "--out", "new"],
+     "field 'text' holds text mixed with other values (line 3: 5)"),
+    ("eval-data-all-too-long", train("--eval-data", "bad/too_long.jsonl", "--out", "new"),
+     "every row was dropped: its response alone exceeds --max-seq-len 32"),
     ("eval-data-missing", train("--eval-data", "bad/nope.jsonl", "--out", "new"), "--eval-data bad/nope.jsonl does not exist"),
     ("eval-examples-zero", train("--eval-data", "data.jsonl", "--eval-examples", "0", "--out", "new"), "--eval-examples must be >= 1"),
     ("probe-without-eval-data", train("--save-eval-probe", "--out", "new"), "--save-eval-probe needs --eval-data"),
@@ -221,6 +235,7 @@ CASES = [
     ("export-out-previous-export", export("run", "--out", "export"), "holds a previous export; pass --overwrite"),
     ("export-out-is-the-run", export("run", "--out", "run", "--overwrite"), "is or contains the input"),
     ("export-out-in-checkpoint", export("run", "--out", "run/checkpoint/e"), "which the run replaces whole"),
+    ("export-out-in-another-run", export("run", "--out", "other_run/checkpoint/e"), "which the run replaces whole"),
     ("export-out-is-a-file", export("run", "--out", "a_file", "--overwrite"), "exists and is not a directory"),
     ("export-out-empty", export("run", "--out", ""), "--out is empty"),
     ("export-out-below-a-file", export("run", "--out", "a_file/sub"), "--out a_file/sub: a_file is a file, not a directory"),
@@ -230,6 +245,8 @@ CASES = [
     ("export-shard-size-garbage", export("run", "--out", "new", "--max-shard-size", "huge"), "max-shard-size"),
     ("export-torn-checkpoint", export("torn_masks", "--out", "new"), "torn_masks"),
     ("export-kept-with-run", export("run", "--kept", "bad/kept.json", "--out", "new"), "--kept is for exporting a plain model"),
+    ("export-kept-pickle", export("--model", "export", "--kept", "bad/masks.pt", "--out", "new"),
+     "cannot read --kept bad/masks.pt: it is not JSON text"),
     ("export-kept-bad-record", export("--model", "export", "--kept", "bad/kept.json", "--out", "new"), "kept"),
 ]
 

@@ -233,6 +233,7 @@ def test_evaluations_report_their_answer_shares(evaluated):
     (["{tmp}/torn_export"], "cannot read"),
     (["{hf}", "--out", "{tmp}/linked.json"], "is a symbolic link"),
     (["{tmp}/gguf_dir"], "holds a GGUF file and no config.json: give the file"),
+    (["{tmp}/deci_dir"], "deci_dir.gguf is a GGUF of architecture 'deci'"),  # not "give the file", which is refused too
 ])
 def test_bad_inputs_are_one_line_and_exit_2(models, tmp_path, capsys, args, message):
     (tmp_path / "not_a_model").mkdir()
@@ -245,6 +246,8 @@ def test_bad_inputs_are_one_line_and_exit_2(models, tmp_path, capsys, args, mess
     (tmp_path / "linked.json").symlink_to(tmp_path / "old.json")
     (tmp_path / "gguf_dir").mkdir()
     (tmp_path / "gguf_dir" / "gguf_dir.gguf").write_bytes(_gguf_header("llama"))
+    (tmp_path / "deci_dir").mkdir()
+    (tmp_path / "deci_dir" / "deci_dir.gguf").write_bytes(_gguf_header("deci"))
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
     argv = [a.format(hf=models["hf"], tmp=tmp_path) for a in args]
     if "--out" not in argv:
@@ -261,6 +264,20 @@ def _gguf_header(architecture: str) -> bytes:
     key, value = b"general.architecture", architecture.encode()
     return (b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key + struct.pack("<I", 8)
             + struct.pack("<Q", len(value)) + value)
+
+
+def test_an_interrupted_evaluation_is_one_line_and_writes_nothing(models, tmp_path, monkeypatch, capsys):
+    import apt_ds.evaluation.harness as harness
+
+    def interrupted(request):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(harness, "evaluate", interrupted)
+    out = tmp_path / "r.json"
+    out.write_text(json.dumps({"results": {}, "apt_ds": {"old": True}}))
+    assert main([str(models["hf"]), "--tasks", "sst2", "--out", str(out), "--overwrite"]) == 130
+    assert capsys.readouterr().err == f"interrupted; no results written (--out {out} is as it was)\n"
+    assert json.loads(out.read_text())["apt_ds"] == {"old": True}
 
 
 def test_previous_results_are_replaced_with_overwrite(models, tmp_path):

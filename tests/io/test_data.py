@@ -160,6 +160,24 @@ def test_fields_that_are_not_text_are_refused(tmp_path, rows, message):
         data.load_records(_write_jsonl(tmp_path / "typed.jsonl", rows))
 
 
+def test_a_field_that_is_not_text_is_named_with_its_line(tmp_path):
+    """In a large file, "holds int64 values" alone leaves the user to search for the row."""
+    rows = [{"text": "a"}, {"text": None}, {"text": 5}, {"text": "b"}, {"text": [1]}]
+    with pytest.raises(DataError, match=r"field 'text' holds text mixed with other values \(line 3: 5\)$"):
+        data.load_records(_write_jsonl(tmp_path / "typed.jsonl", rows))
+    (tmp_path / "typed.json").write_text(json.dumps([{"instruction": "q", "output": "x"}, {"instruction": "q", "output": {"a": 1}}]))
+    with pytest.raises(DataError, match=r"field 'output' holds .*\(row 2: \{\"a\": 1\}\)$"):
+        data.load_records(tmp_path / "typed.json")
+
+
+def test_the_suffix_is_read_in_any_case(tmp_path):
+    _write_jsonl(tmp_path / "upper.JSONL", [{"text": "a"}, {"text": "b"}])
+    assert data.load_records(tmp_path / "upper.JSONL")["text"] == ["a", "b"]
+    (tmp_path / "notes.TXT").write_text('{"text": "a"}\n')
+    with pytest.raises(DataError, match="neither .json nor .jsonl"):
+        data.load_records(tmp_path / "notes.TXT")
+
+
 @pytest.mark.parametrize("chunk", [5, 1 << 20])
 def test_bytes_that_are_not_utf8_name_the_line(tmp_path, monkeypatch, chunk):
     """They used to pass the loader and end in a UnicodeDecodeError from pyarrow when rows were read.
@@ -296,6 +314,24 @@ def test_max_seq_len_never_makes_prompt_less_rows_and_counts_what_it_cut(tokeniz
     message = stats.message("rows", 16)
     assert message.startswith("warning: rows: --max-seq-len 16: 1 rows had their prompt cut") and "\n" not in message
     assert data.TruncationStats().message("rows", 16) is None
+
+
+def test_rows_without_usable_text_are_counted_and_named(tokenizer):
+    rows = [{"instruction": "q", "output": "a"}, {"instruction": "q", "output": None}, {"text": "  "},
+            {"prompt": "p", "completion": "c"}]
+    stats = data.TruncationStats()
+    examples = data.tokenize_dataset(rows, tokenizer, max_seq_len=128, pack=False, source="rows", stats=stats)
+    assert len(examples) == 2 and stats.to_dict()["skipped"] == 2
+    message = stats.message("rows", 128)
+    assert message.startswith("warning: rows: 2 rows were skipped, having no usable text (the first is row 2;")
+    assert "--max-seq-len" not in message  # nothing was cut
+
+
+def test_data_whose_every_response_is_too_long_says_so(tokenizer):
+    rows = [{"prompt": "p", "completion": "answer " * 40}] * 3
+    with pytest.raises(DataError, match=r"rows: every row was dropped: its response alone exceeds --max-seq-len 16 "
+                                         r"\(the longest row has \d+ tokens\); raise --max-seq-len"):
+        data.tokenize_dataset(rows, tokenizer, max_seq_len=16, pack=False, source="rows")
 
 
 def test_a_row_without_prompt_cut_at_the_end_is_counted_as_such(tokenizer):
