@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
@@ -43,6 +44,9 @@ class ArgumentParser(HfArgumentParser):
             action.option_strings.sort(key=lambda option: "_" in option)
             if action.nargs == "?" and action.const is True:  # a boolean flag: "--resume", not "--resume [RESUME]"
                 action.metavar = "true|false"
+        # Values that start with "-" and a digit are values, as Python 3.13's argparse reads them: here
+        # `--max-shard-size -5MB` gets that flag's own error instead of "expected one argument"
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
 
     def error(self, message: str):
         prefix = "unrecognized arguments: "

@@ -71,6 +71,8 @@ def load_tokenizer(path: str | Path):
     return tokenizer
 
 
+SPACE_MARK = "\u2581"  # sentencepiece's piece for a space
+MERGE_HEADROOM = 256  # pieces for merges where the distinct characters alone exceed the asked vocabulary
 SPECIAL_PIECES = {"unk": (0, "<unk>"), "bos": (1, "<s>"), "eos": (2, "</s>"), "pad": (3, "<pad>")}
 
 
@@ -87,6 +89,15 @@ def train_sentencepiece_tokenizer(texts: Iterable[str], out_dir: str | Path, voc
     lines = [line for text in texts for line in str(text).splitlines() if line.strip()]
     if not lines:
         raise DataError("cannot train a tokenizer: no non-empty text given")
+    marked = next((line for line in lines if SPACE_MARK in line), None)
+    if marked is not None:  # sentencepiece writes spaces as U+2581 and decodes U+2581 as a space
+        at = max(marked.index(SPACE_MARK) - 20, 0)
+        raise DataError(f"the data holds U+2581 ('{SPACE_MARK}', in {marked[at:at + 40]!r}), which the built-in model's "
+                        f"sentencepiece tokenizer uses for spaces and cannot reproduce: replace it in the data")
+    # byte fallback needs 256 byte pieces and the 4 special ones, plus one piece per distinct character:
+    # many distinct characters (CJK text) get a larger vocabulary, with room for merges
+    needed = len(set().union(*map(set, lines))) + 260
+    vocab_size = vocab_size if needed <= vocab_size else needed + MERGE_HEADROOM
     model = io.BytesIO()
     ids = {f"{name}_id": index for name, (index, _) in SPECIAL_PIECES.items()}
     try:
@@ -98,8 +109,8 @@ def train_sentencepiece_tokenizer(texts: Iterable[str], out_dir: str | Path, voc
             num_threads=1, minloglevel=2, **ids,  # one thread: same corpus -> same model bytes
         )
     except RuntimeError as err:
-        raise DataError(f"sentencepiece training failed (vocab_size={vocab_size}; byte fallback needs "
-                        f">= 260 + distinct characters): {str(err).strip().splitlines()[-1]}") from None
+        raise DataError(f"sentencepiece training failed (vocab_size={vocab_size}): "
+                        f"{str(err).strip().splitlines()[-1]}") from None
     config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False, "legacy": False,
               **{f"{name}_token": piece for name, (_, piece) in SPECIAL_PIECES.items()}}
     # read in a directory of its own: transformers prefers a tokenizer.json, and out_dir may hold an old one
@@ -114,12 +125,13 @@ def train_sentencepiece_tokenizer(texts: Iterable[str], out_dir: str | Path, voc
     tokenizer = load_tokenizer(out_dir)
     # Leading whitespace is skipped: a text that already starts with a space gets no extra
     # dummy-prefix space, but decoding strips one (see `apt_ds.io.sentencepiece_dir`).
-    _check_round_trip(tokenizer, [line.lstrip() for line in lines[:20]], out_dir)
+    _check_round_trip(tokenizer, [line.lstrip() for line in lines[:20]])
     return tokenizer
 
 
-def _check_round_trip(tokenizer, samples: list[str], where: Path) -> None:
+def _check_round_trip(tokenizer, samples: list[str]) -> None:
     for sample in samples:
         ids = tokenizer(sample, add_special_tokens=False)["input_ids"]
         if not ids or tokenizer.decode(ids) != sample:
-            raise DataError(f"tokenizer written to {where} does not round-trip {sample[:40]!r} (ids {ids[:8]})")
+            raise DataError(f"the tokenizer trained for the built-in model does not reproduce the text {sample[:40]!r} "
+                            f"(ids {ids[:8]}): give --model with a tokenizer of its own")

@@ -245,6 +245,8 @@ CASES = [
     ("export-shard-size-garbage", export("run", "--out", "new", "--max-shard-size", "huge"), "max-shard-size"),
     ("export-torn-checkpoint", export("torn_masks", "--out", "new"), "torn_masks"),
     ("export-kept-with-run", export("run", "--kept", "bad/kept.json", "--out", "new"), "--kept is for exporting a plain model"),
+    ("export-shard-size-negative", export("run", "--out", "new", "--max-shard-size", "-5MB"),
+     "--max-shard-size must be a positive size such as 500MB or 5GB, got '-5MB'"),
     ("export-kept-pickle", export("--model", "export", "--kept", "bad/masks.pt", "--out", "new"),
      "cannot read --kept bad/masks.pt: it is not JSON text"),
     ("export-kept-bad-record", export("--model", "export", "--kept", "bad/kept.json", "--out", "new"), "kept"),

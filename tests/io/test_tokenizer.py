@@ -37,6 +37,25 @@ def test_sentencepiece_tokenizer_round_trips_and_is_deterministic(tmp_path, toke
         assert first(text, add_special_tokens=False)["input_ids"] == processor.encode(text)
 
 
+def test_many_distinct_characters_get_a_larger_vocabulary(tmp_path):
+    """CJK text has more distinct characters than the built-in model's 512 pieces leave room for
+    (256 byte pieces and 4 special ones first): the vocabulary grows instead of sentencepiece failing."""
+    characters = "".join(chr(0x4E00 + i) for i in range(400))
+    texts = [characters[i:i + 40] for i in range(0, 400, 10)]
+    tokenizer = train_sentencepiece_tokenizer(texts, tmp_path / "cjk", vocab_size=512)
+    assert len(tokenizer) > 660
+    ids = tokenizer(texts[3], add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == texts[3]
+    small = train_sentencepiece_tokenizer(["alpha beta gamma"] * 10, tmp_path / "small", vocab_size=300)
+    assert len(small) <= 300  # text that fits keeps the vocabulary asked for
+
+
+def test_text_holding_sentencepieces_space_mark_is_refused_in_one_line(tmp_path):
+    with pytest.raises(DataError, match=r"the data holds U\+2581 .* 'a\u2581b c'.*replace it in the data$"):
+        train_sentencepiece_tokenizer(["plain text", "a\u2581b c"] * 10, tmp_path / "t", vocab_size=300)
+    assert not (tmp_path / "t").exists()
+
+
 def test_load_tokenizer_falls_back_to_eos_for_padding(tmp_path):
     out = tmp_path / "tok"
     train_sentencepiece_tokenizer(["alpha beta gamma"] * 10, out, vocab_size=300)
