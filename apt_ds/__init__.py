@@ -4,9 +4,7 @@ The public names below are imported on first use (PEP 562): `import apt_ds.cli.t
 load torch and transformers, so that `--help` is quick and a Ctrl-C while a command starts is
 caught by the command, not printed as a traceback from inside an import."""
 
-from __future__ import annotations
-
-import importlib
+import importlib as _importlib
 
 _PUBLIC = {
     "APTAdapter": "apt_ds.algorithm.adapters",
@@ -29,10 +27,10 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     if name not in _PUBLIC:
         raise AttributeError(f"module 'apt_ds' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    value = getattr(_importlib.import_module(_PUBLIC[name]), name)
     globals()[name] = value  # later lookups skip this function
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_PUBLIC))
+    return sorted(set(globals()) - {"_importlib", "_PUBLIC"} | set(_PUBLIC))

@@ -90,7 +90,7 @@ def ensure_hf_model(model: str | Path, cache_dir: str | Path) -> Path:
     if not model.is_file():
         raise SystemExit(f"error: model {model} not found: pass --model (a .gguf or an HF LLaMA directory)")
     from apt_ds.io.modeling import load_model
-    from apt_ds.io.run_dir import pid_alive
+    from apt_ds.io.run_lock import pid_alive
     from apt_ds.io.tokenizer import load_tokenizer
 
     started = time.perf_counter()

@@ -76,11 +76,11 @@ def main(argv: list[str] | None = None) -> int:
                           batch_size=int(args.batch_size) if args.batch_size.isdigit() else args.batch_size)
         results = evaluate(request)
         write_results(results, args.out)
-    except (*user_errors(), EvaluationError) as err:
-        return report(err)
-    except KeyboardInterrupt:  # results are written whole at the end: an interrupted evaluation leaves none
+    except KeyboardInterrupt:  # first (user_errors() imports torch); results are written whole at the end
         print(f"interrupted; no results written (--out {args.out} is as it was)", file=sys.stderr)
         return 130
+    except (*user_errors(), EvaluationError) as err:
+        return report(err)
     print(format_table(table_rows(results, tasks)))
     for note in one_answer_notes(results, tasks):
         print(note, file=sys.stderr)

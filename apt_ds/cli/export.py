@@ -37,12 +37,12 @@ def main(argv: list[str] | None = None) -> int:
             report_ = export_pruned(*_plain_model_and_kept(args.model, args.kept), Path(args.out), dtype=args.dtype,
                                     tokenizer_dir=Path(args.model), overwrite=args.overwrite,
                                     max_shard_size=args.max_shard_size, format=args.format)
-    except user_errors() as err:
-        return report(err)
-    except KeyboardInterrupt:  # the export is written to a temporary directory and renamed into place
+    except KeyboardInterrupt:  # first: user_errors() imports torch, which the interrupt may have left half-imported
         print(f"interrupted: the export to {args.out} did not finish (it is written to a temporary directory first; the "
               f"next export to {args.out} clears what is left and puts back a previous export set aside)", file=sys.stderr)
         return 130
+    except user_errors() as err:
+        return report(err)
     print(json.dumps(report_["final"], indent=1))
     training = run_lock.training_now(Path(args.run_dir)) if args.run_dir else None
     print(done_message(report_, args.out, training), file=sys.stderr)

@@ -51,7 +51,14 @@ def build_parser() -> ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        return _plot(build_parser().parse_args(argv))
+    except KeyboardInterrupt:  # each PNG is written to a temporary file and renamed into place
+        print("interrupted; no plot was left half-written", file=sys.stderr)
+        return 130
+
+
+def _plot(args) -> int:
     if args.out is not None and not args.out.strip():  # Path("") is "."
         return _fail("--out is empty: give the directory for the PNGs")
     args.out = Path(args.out) if args.out is not None else None

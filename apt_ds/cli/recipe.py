@@ -41,18 +41,25 @@ def _field_names(cls) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
 
 
+class _DuplicateKey(yaml.YAMLError):
+    pass
+
+
 class _RecipeLoader(yaml.SafeLoader):
-    """safe_load's loader, but a key given twice is refused: YAML would keep the last value silently."""
+    """safe_load's loader, but a key given twice is refused: YAML would keep the last value silently.
+    Only the mapping's own plain keys count: a merge key (`<<: *base`) and the keys it brings in
+    are YAML's way to override, and other keys are left to safe_load's own checks."""
 
     def construct_mapping(self, node, deep=False):
         lines: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            line = key_node.start_mark.line + 1
-            if isinstance(key, (str, int, float, bool)) and key in lines:
-                raise yaml.constructor.ConstructorError(problem=f"{key} is given twice (lines {lines[key]} and {line}): "
-                                                        f"keep one")
-            lines.setdefault(key, line)
+        for key_node, _ in node.value if isinstance(node, yaml.MappingNode) else ():
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key, line = self.construct_object(key_node), key_node.start_mark.line + 1
+            if key in lines:
+                where = f"line {line}" if lines[key] == line else f"lines {lines[key]} and {line}"
+                raise _DuplicateKey(f"{key} is given twice ({where}): keep one")
+            lines[key] = line
         return super().construct_mapping(node, deep)
 
 
@@ -60,8 +67,8 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
     """The recipe's values, type-checked; one-line ConfigError for anything wrong in it."""
     try:
         values = yaml.load(Path(path).read_text(), Loader=_RecipeLoader)
-    except yaml.constructor.ConstructorError as err:
-        raise ConfigError(f"--config {path}: {err.problem}") from None
+    except _DuplicateKey as err:
+        raise ConfigError(f"--config {path}: {err}") from None
     except (OSError, ValueError, yaml.YAMLError) as err:  # ValueError: not UTF-8 text
         reason = str(err).replace("\n", " ")
         raise ConfigError(f"cannot read --config {path}: {reason}") from None

@@ -139,14 +139,14 @@ def main(argv: list[str] | None = None) -> int:
         # the collector, or pruned weights held in an old engine's cycles would outlive events.
         with startup_objects_frozen(), terminate_as_interrupt():
             run_training(run, apt, train)
-    except user_errors() as err:
-        return report(err)
-    except KeyboardInterrupt as interrupt:
+    except KeyboardInterrupt as interrupt:  # first: user_errors() imports torch, which it may have left half-imported
         how = "terminated" if isinstance(interrupt, Terminated) else "interrupted"
         if launcher_rank() == "0":  # rank 0 says it (and put the previous run back), once
             print(f"{how} before the new run's first checkpoint; the previous run is back in {out}"
                   if getattr(interrupt, "previous_run_restored", False) else interrupted_note(how, Path(out)), file=sys.stderr)
         return 143 if how == "terminated" else 130
+    except user_errors() as err:
+        return report(err)
     except OSError as err:  # e.g. the disk filled up while the tokenizer or a metrics line was written
         from apt_ds.io.checkpoint import is_disk_full
 

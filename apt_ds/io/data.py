@@ -193,8 +193,9 @@ def tokenize_dataset(ds, tokenizer, max_seq_len: int, pack: bool, source: str = 
         if example is not None:
             examples.append(example)
     if not examples and stats.dropped:
+        skipped = f"; {stats.skipped} more rows had no usable text" if stats.skipped else ""
         raise DataError(f"{source}: every row was dropped: its response alone exceeds --max-seq-len {max_seq_len} (the "
-                        f"longest row has {stats.longest} tokens); raise --max-seq-len or shorten the responses")
+                        f"longest row has {stats.longest} tokens){skipped}; raise --max-seq-len or shorten the responses")
     if not examples:
         raise DataError(f"{source}: no row has a token to learn from after tokenization (max_seq_len={max_seq_len})")
     return examples

@@ -86,7 +86,9 @@ def gguf_architecture(path: Path) -> str | None:
             head = handle.read(4 + 4 + 8 + 8 + 8)
             if len(head) < 32 or head[:4] != b"GGUF":
                 return None
-            key = handle.read(struct.unpack("<Q", head[24:32])[0])
+            if struct.unpack("<Q", head[24:32])[0] != len(b"general.architecture"):  # also: a damaged length, never read
+                return None
+            key = handle.read(len(b"general.architecture"))
             value_type = struct.unpack("<I", handle.read(4))[0]
             if key != b"general.architecture" or value_type != 8:  # 8: a string
                 return None

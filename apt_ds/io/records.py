@@ -66,14 +66,13 @@ def _first_non_text(path: Path, name: str) -> str:
         return f" ({where}: {shown if len(shown) <= 40 else shown[:37] + '...'})"
 
     try:
-        if _scan_text(path) == "[":
-            rows = json.loads(path.read_text(encoding="utf-8"))
-            found = (describe(f"row {i}", row) for i, row in enumerate(rows, start=1))
-        else:
-            with open(path, encoding="utf-8") as lines:
-                found = [describe(f"line {i}", json.loads(line)) for i, line in enumerate(lines, start=1) if line.strip()]
-        return next((where for where in found if where), "")
-    except (OSError, ValueError):
+        if _scan_text(path) == "[":  # datasets has read the whole list already: it fits in memory
+            rows = json.loads(path.read_text(encoding="utf-8-sig"))
+            return next((where for i, row in enumerate(rows, start=1) if (where := describe(f"row {i}", row))), "")
+        with open(path, encoding="utf-8-sig") as lines:  # line by line, up to the first such row
+            return next((where for i, line in enumerate(lines, start=1)
+                         if line.strip() and (where := describe(f"line {i}", json.loads(line)))), "")
+    except (OSError, ValueError, MemoryError):
         return ""
 
 

@@ -179,9 +179,11 @@ def _owner(path: Path) -> str:
 def pid_alive(pid: int) -> bool:
     if pid == os.getpid():
         return True
+    if pid <= 0:  # os.kill(0, ...) would ask about this process group
+        return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # OverflowError: no PID is that large
         return False
     except PermissionError:  # exists, owned by someone else
         return True

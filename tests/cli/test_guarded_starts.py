@@ -162,6 +162,51 @@ def test_ctrl_c_while_a_command_starts_is_one_line(script, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("command", ["train", "export", "evaluate", "plot"])
+def test_ctrl_c_inside_main_never_asks_for_the_error_classes(command, trained_runs, tmp_path, monkeypatch, capsys):
+    """A Ctrl-C while main() imports torch leaves it half-imported: an `except user_errors()` (which
+    imports torch's modules again) matched before `except KeyboardInterrupt` gave two tracebacks or a
+    crash. The interrupt is raised where each command's heavy work starts."""
+    import apt_ds.cli.errors
+
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    def not_now():
+        raise AssertionError("user_errors() evaluated for a KeyboardInterrupt")
+
+    run = str(trained_runs / "nonuniform")
+    if command == "train":
+        import apt_ds.cli.train as cli
+
+        monkeypatch.setattr(cli, "resolve", ctrl_c)
+        argv = [*TRAIN_FAST, "--out", str(tmp_path / "r")]
+    elif command == "export":
+        import apt_ds.cli.export as cli
+        import apt_ds.export.merge as merge
+
+        monkeypatch.setattr(merge, "export_run", ctrl_c)
+        argv = [run, "--out", str(tmp_path / "e")]
+    elif command == "evaluate":
+        import apt_ds.cli.evaluate as cli
+        import apt_ds.evaluation.report as report
+
+        monkeypatch.setattr(report, "check_out_path", ctrl_c)
+        argv = [run, "--out", str(tmp_path / "r.json")]
+    else:
+        import apt_ds.cli.plot as cli
+
+        monkeypatch.setattr(cli, "read_run", ctrl_c)
+        argv = [run, "--out", str(tmp_path / "p")]
+    monkeypatch.setattr(apt_ds.cli.errors, "user_errors", not_now)
+    if hasattr(cli, "user_errors"):
+        monkeypatch.setattr(cli, "user_errors", not_now)
+    assert cli.main(argv) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "interrupted" in err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_commands_modules_load_without_torch():
     """What a command imports before its main() runs, where its Ctrl-C handling starts: no torch
     (apt_ds's public names are imported on first use), so --help is quick and a Ctrl-C is caught."""
@@ -334,6 +379,11 @@ def test_a_lock_file_that_cannot_be_removed_is_left_locking_nothing(tmp_path, mo
     run_lock.release(run)  # no exception: the run's own error or result stays what the user sees
     monkeypatch.undo()
     assert run_lock.lock_path(run).exists() and run_lock.training_now(run) is None
+
+
+def test_a_pid_no_process_can_have_is_not_alive():
+    assert not run_lock.pid_alive(99999999999) and not run_lock.pid_alive(0) and not run_lock.pid_alive(-1)
+    assert run_lock.pid_alive(os.getpid()) and run_lock.pid_alive(1)
 
 
 def test_a_left_lock_file_never_names_its_dead_owner(tmp_path, monkeypatch):

@@ -112,6 +112,10 @@ def test_a_recipe_null_must_come_from_the_command_line(tmp_path):
     ("adapter_targets: q_proj\n", "APTConfig.adapter_targets must be of type list, got 'q_proj'"),
     ("- steps\n", "must hold a mapping of field names to values"),
     ("steps: [1\n", "cannot read --config"),
+    ("steps: 8\nlr: 0.001\nsteps: 6\n", "steps is given twice (lines 1 and 3): keep one"),  # YAML keeps the last one
+    ('{"steps": 6, "steps": 7}\n', "steps is given twice (line 1): keep one"),
+    ("? [a, b]\n: 1\n", "found unhashable key"),
+    ("a: !!python/object:os.system x\n", "could not determine a constructor"),
 ])
 def test_bad_recipes_are_one_line(tmp_path, text, message):
     path = tmp_path / "r.yaml"
@@ -119,6 +123,13 @@ def test_bad_recipes_are_one_line(tmp_path, text, message):
     with pytest.raises(ConfigError) as error:
         load_recipe(path)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_anchors_and_merge_keys_still_load(tmp_path):
+    """A merge key's keys are YAML's own way to override: not a key given twice."""
+    path = tmp_path / "r.yaml"
+    path.write_text("<<: {steps: 6, lr: 0.001}\nsteps: 5\ncheckpoint_every: &every 2\nlog_every: *every\n")
+    assert load_recipe(path) == {"steps": 5, "lr": 0.001, "checkpoint_every": 2, "log_every": 2}
 
 
 def test_yaml_exponent_without_a_dot_is_a_number(tmp_path):

@@ -234,6 +234,7 @@ def test_evaluations_report_their_answer_shares(evaluated):
     (["{hf}", "--out", "{tmp}/linked.json"], "is a symbolic link"),
     (["{tmp}/gguf_dir"], "holds a GGUF file and no config.json: give the file"),
     (["{tmp}/deci_dir"], "deci_dir.gguf is a GGUF of architecture 'deci'"),  # not "give the file", which is refused too
+    (["{tmp}/damaged_dir"], "holds a GGUF file and no config.json"),  # a key length of 2**63 in its header: never read
 ])
 def test_bad_inputs_are_one_line_and_exit_2(models, tmp_path, capsys, args, message):
     (tmp_path / "not_a_model").mkdir()
@@ -248,6 +249,8 @@ def test_bad_inputs_are_one_line_and_exit_2(models, tmp_path, capsys, args, mess
     (tmp_path / "gguf_dir" / "gguf_dir.gguf").write_bytes(_gguf_header("llama"))
     (tmp_path / "deci_dir").mkdir()
     (tmp_path / "deci_dir" / "deci_dir.gguf").write_bytes(_gguf_header("deci"))
+    (tmp_path / "damaged_dir").mkdir()
+    (tmp_path / "damaged_dir" / "d.gguf").write_bytes(b"GGUF" + struct.pack("<IQQQ", 3, 0, 1, 2**63) + bytes(64))
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
     argv = [a.format(hf=models["hf"], tmp=tmp_path) for a in args]
     if "--out" not in argv:

@@ -168,6 +168,9 @@ def test_a_field_that_is_not_text_is_named_with_its_line(tmp_path):
     (tmp_path / "typed.json").write_text(json.dumps([{"instruction": "q", "output": "x"}, {"instruction": "q", "output": {"a": 1}}]))
     with pytest.raises(DataError, match=r"field 'output' holds .*\(row 2: \{\"a\": 1\}\)$"):
         data.load_records(tmp_path / "typed.json")
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + b'{"text": "a"}\n{"text": 7}\n')  # as Notepad saves UTF-8
+    with pytest.raises(DataError, match=r"\(line 2: 7\)$"):
+        data.load_records(tmp_path / "bom.jsonl")
 
 
 def test_the_suffix_is_read_in_any_case(tmp_path):
@@ -332,6 +335,9 @@ def test_data_whose_every_response_is_too_long_says_so(tokenizer):
     with pytest.raises(DataError, match=r"rows: every row was dropped: its response alone exceeds --max-seq-len 16 "
                                          r"\(the longest row has \d+ tokens\); raise --max-seq-len"):
         data.tokenize_dataset(rows, tokenizer, max_seq_len=16, pack=False, source="rows")
+    with pytest.raises(DataError, match=r"has \d+ tokens\); 1 more rows had no usable text; raise"):
+        data.tokenize_dataset([*rows, {"instruction": "q", "output": None}], tokenizer, max_seq_len=16, pack=False,
+                              source="rows")
 
 
 def test_a_row_without_prompt_cut_at_the_end_is_counted_as_such(tokenizer):
