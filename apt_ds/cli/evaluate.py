@@ -58,8 +58,10 @@ def build_evaluate_parser() -> ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_evaluate_parser()
     args = parse_with_positional(parser, argv, EvaluateArguments, "model", "model")
-    if not args.model:
+    if not args.model or not args.model.strip():
         parser.error("give the model to evaluate: launch/evaluate.py MODEL --out results.json")
+    if not args.out.strip():
+        parser.error("--out is empty: give the results file, e.g. --out results.json")
     if not re.fullmatch(r"[1-9][0-9]*|auto(:[1-9][0-9]*)?", args.batch_size):
         parser.error(f"--batch-size must be a positive number or 'auto', got {args.batch_size!r}")
     from apt_ds.evaluation.errors import EvaluationError
@@ -69,9 +71,11 @@ def main(argv: list[str] | None = None) -> int:
 
         check_out_path(args.out, args.overwrite)
         from apt_ds.evaluation.harness import Request, evaluate
+        from apt_ds.io.modeling import single_gguf
 
-        tasks = [name.strip() for name in args.tasks.split(",") if name.strip()]
-        request = Request(model=args.model, tasks=tasks, limit=args.limit, num_fewshot=args.num_fewshot,
+        model = str(single_gguf(args.model) or args.model)  # a GGUF export's directory: its one file
+        tasks = list(dict.fromkeys(name.strip() for name in args.tasks.split(",") if name.strip()))  # each once
+        request = Request(model=model, tasks=tasks, limit=args.limit, num_fewshot=args.num_fewshot,
                           device=args.device, dtype=args.dtype, sample_seed=args.sample_seed,
                           batch_size=int(args.batch_size) if args.batch_size.isdigit() else args.batch_size)
         results = evaluate(request)

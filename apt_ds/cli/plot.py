@@ -14,7 +14,7 @@ from typing import Optional
 from apt_ds.cli.arguments import ArgumentParser, _HelpFormatter
 from apt_ds.cli.plot_data import PlotInputError, RunData, read_run
 from apt_ds.config import help_field
-from apt_ds.io.run_dir import set_aside_note
+from apt_ds.io.run_dir import is_run_dir, replaced_folder, set_aside_note
 
 CURVES_FILE, SHAPE_FILE = "curves.png", "shape.png"
 PNG_SOFTWARE = "apt-ds plot"  # the PNGs' Software text chunk: what marks a file as ours to replace
@@ -74,6 +74,12 @@ def _plot(args) -> int:
         return _fail(str(err))
     if out.exists() and not out.is_dir():  # checked before anything is drawn or written
         return _fail(f"--out {out} exists and is not a directory")
+    if is_run_dir(out):  # PNGs among a run's files would make --overwrite refuse the run as not only apt-ds's
+        return _fail(f"--out {out} is a run directory; its plots go to {out / 'plots'} (the default for one run)")
+    folder = replaced_folder(out, tuple(Path(path) for path in args.runs), keep=frozenset({"plots"}))
+    if folder is not None:  # e.g. RUN/checkpoint/, replaced whole at the run's next checkpoint
+        return _fail(f"--out {out} is or is inside {folder}, which the run replaces whole (and the plots with it); "
+                     f"choose a directory outside it")
     names = [CURVES_FILE] + ([SHAPE_FILE] if any(run.shape is not None for run in runs) else [])
     runs_own = out.resolve() in {(Path(path) / "plots").resolve() for path in args.runs}  # RUN/plots, named or not
     foreign = [name for name in names if (out / name).exists() and not (runs_own or _ours(out / name))]

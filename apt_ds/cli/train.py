@@ -122,10 +122,22 @@ def terminate_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
+PATH_FLAGS = ("model", "data", "eval_data", "config", "deepspeed")  # an empty one is a mistake, never "the default"
+
+
+def check_no_empty_paths(given: dict) -> None:
+    """`--data ""` (an unset $DATA in a script) would otherwise train on the demo data without a word."""
+    for field in PATH_FLAGS:
+        if isinstance(given.get(field), str) and not given[field].strip():
+            flag = f"--{field.replace('_', '-')}"
+            raise ConfigError(f"{flag} is empty: give the {field.replace('_', ' ')} path, or leave {flag} out for its default")
+
+
 def main(argv: list[str] | None = None) -> int:
     given = explicit_values(build_train_parser, argv)
     out = given.get("out", RunArguments.out)
     try:
+        check_no_empty_paths(given)
         run, apt, train = resolve(given)
         check_batch_flags(run, given)
         note_what_lora_ignores(run, given)

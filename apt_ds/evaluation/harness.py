@@ -117,16 +117,21 @@ def evaluate(request: Request) -> dict:
     _quiet_expected_warnings()
     import lm_eval
 
-    drawn = None if request.sample_seed is None else _draw(manager, request.tasks, request.limit, request.sample_seed)
-    rows = None if drawn is None else {name: sorted(docs) for name, docs in drawn.items()}
-    lm, route = build_lm(request)
-    # lm-eval takes either a limit (the first rows) or the rows themselves, never both. The per-row
-    # log (every row's document and log-likelihoods; ~100 MB for all of MMLU) is what shows which
-    # rows were scored and what each answer was; only its answer counts are kept.
-    with _without_git_lookup():
-        results = lm_eval.simple_evaluate(model=lm, tasks=request.tasks, task_manager=manager,
-                                          limit=request.limit if rows is None else None, samples=rows,
-                                          num_fewshot=request.num_fewshot, log_samples=True)
+    try:
+        drawn = None if request.sample_seed is None else _draw(manager, request.tasks, request.limit, request.sample_seed)
+        rows = None if drawn is None else {name: sorted(docs) for name, docs in drawn.items()}
+        lm, route = build_lm(request)
+        # lm-eval takes either a limit (the first rows) or the rows themselves, never both. The per-row
+        # log (every row's document and log-likelihoods; ~100 MB for all of MMLU) is what shows which
+        # rows were scored and what each answer was; only its answer counts are kept.
+        with _without_git_lookup():
+            results = lm_eval.simple_evaluate(model=lm, tasks=request.tasks, task_manager=manager,
+                                              limit=request.limit if rows is None else None, samples=rows,
+                                              num_fewshot=request.num_fewshot, log_samples=True)
+    except ValueError as err:  # e.g. mmlu_stem and one of its subjects: lm-eval refuses to score a task twice
+        if not str(err).startswith("Duplicate task"):
+            raise
+        raise EvaluationError(f"--tasks overlap: {err}; give only one of them") from None
     results.pop("git_hash", None)
     per_row = results.pop("samples", {})
     if drawn is not None:

@@ -27,6 +27,7 @@ from apt_ds.io.modeling import (
     TINY_MODELS,
     ModelLoadError,
     build_tiny_llama,
+    check_model_path,
     file_fingerprint,
     load_model,
     model_fingerprint,
@@ -66,7 +67,11 @@ def _rebuild(run_dir: Path, checkpoint: Path, meta: dict, model_path):
         model = load_model(base)
     recorded = info.get("model_fingerprint")
     if recorded is not None:
-        if not same_model(recorded, model_fingerprint(model)):
+        matches = same_model(recorded, model_fingerprint(model))
+        if not matches and base in TINY_MODELS:  # built from the run's tokenizer
+            raise CheckpointError(f"{run_dir}: the built-in model rebuilt with {run_dir / info.get('tokenizer', 'tokenizer')} "
+                                  f"is not the one the run trained: its tokenizer files were changed or removed")
+        if not matches:
             raise CheckpointError(f"{run_dir}: model {base} is not the base model this run was trained from")
     state = APTModel(model, apt, seed=meta["train_config"]["seed"])
     if state.original_shape.to_dict() != meta["original_shape"]:
@@ -135,6 +140,8 @@ def export_run(run_dir: Path, out: Path, dtype: str = "fp32", overwrite: bool = 
     `format="gguf"` writes one llama.cpp file instead (apt_ds.export.gguf)."""
     run_dir, out = Path(run_dir), Path(out)
     check_options(dtype, max_shard_size, format)
+    if model_path is not None and str(model_path) not in TINY_MODELS:  # e.g. a run directory given as the base
+        check_model_path(model_path, flag="--model")
     recorded_base = read_meta(run_dir / "checkpoint").get("run_info", {}).get("model")
     bases = [Path(p) for p in (model_path, recorded_base) if p is not None and str(p) not in TINY_MODELS]
     check_export_out(out, overwrite, protected=[run_dir, *bases], run_dir=run_dir)

@@ -15,7 +15,7 @@ import re
 import shutil
 from pathlib import Path
 
-from apt_ds.io.run_dir import RUN_ENTRIES, check_writable, is_run_dir, listing
+from apt_ds.io.run_dir import check_writable, listing, replaced_folder
 
 REPORT_FILE = "apt_export.json"
 
@@ -31,12 +31,10 @@ def check_export_out(out: Path, overwrite: bool, protected: list[Path] = (), run
         path = Path(path).resolve()
         if resolved == path or resolved in path.parents:
             raise FileExistsError(f"--out {out} is or contains the input {path}; choose another directory")
-    runs = {Path(run_dir).resolve()} if run_dir else set()
-    runs |= {parent for parent in resolved.parents if is_run_dir(parent)}  # another run's entries are replaced too
-    for folder in [run / name for run in sorted(runs) for name in sorted(RUN_ENTRIES)]:
-        if folder == resolved or folder in resolved.parents:  # checkpoint/ at the next --resume, plots/ at a plot, ...
-            raise FileExistsError(f"--out {out} is or is inside {folder}, which the run replaces whole (and the export with "
-                                  f"it); choose a directory outside it")
+    folder = replaced_folder(out, (run_dir,) if run_dir else ())  # checkpoint/ at the next --resume, plots/ at a plot, ...
+    if folder is not None:
+        raise FileExistsError(f"--out {out} is or is inside {folder}, which the run replaces whole (and the export with "
+                              f"it); choose a directory outside it")
     if not out.exists() and not out.is_symlink():
         check_writable(out)  # e.g. a parent that is a file: one line naming it, not an OSError from mkdir
         return

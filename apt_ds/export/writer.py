@@ -131,7 +131,10 @@ def check_options(dtype: str, max_shard_size, format: str = "hf") -> None:
         if size <= 0:
             raise ValueError
     except (ValueError, TypeError, AttributeError):
-        raise ConfigError(f"--max-shard-size must be a positive size such as 500MB or 5GB, got {max_shard_size!r}") from None
+        raise ConfigError(f"--max-shard-size must be a positive size in KB, MB, GB or TB (powers of 1000) such as 500MB "
+                          f"or 5GB, got {max_shard_size!r}") from None
+    if format == "gguf" and max_shard_size != DEFAULT_SHARD_SIZE:
+        raise ConfigError("--max-shard-size applies to --format hf: a GGUF export is one file")
 
 
 def _save_shards(state_dict: dict, directory: Path, max_shard_size) -> None:

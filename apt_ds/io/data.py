@@ -148,14 +148,19 @@ class TruncationStats:
 
     def message(self, source: str, max_seq_len: int) -> str | None:
         """One warning line, or None when nothing was cut or skipped."""
-        cut = [f"{n} {what}" for n, what in ((self.prompt_cut, "rows had their prompt cut from the left"),
-                                            (self.dropped, "rows were dropped (the response alone exceeds it)"),
-                                            (self.text_cut, "rows without a prompt were cut at the end")) if n]
+        cut = [f"{n} {_rows(n, what)}" for n, what in ((self.prompt_cut, "rows had the prompt cut from the left"),
+                                                      (self.dropped, "rows were dropped (the response alone exceeds it)"),
+                                                      (self.text_cut, "rows without a prompt were cut at the end")) if n]
         parts = [f"--max-seq-len {max_seq_len}: {'; '.join(cut)}; the longest row has {self.longest} tokens"] if cut else []
         if self.skipped:
-            parts.append(f"{self.skipped} rows were skipped, having no usable text (the first is row {self.first_skipped}; "
+            parts.append(f"{self.skipped} {_rows(self.skipped, 'rows were')} skipped, having no usable text (the first is row {self.first_skipped}; "
                          f"each row needs {USABLE_FIELDS}, not empty)")
         return f"warning: {source}: {'; '.join(parts)}" if parts else None
+
+
+def _rows(count: int, words: str) -> str:
+    """ "rows had ..." as "row had ..." for one: `words` starts with "rows" (and "were" becomes "was")."""
+    return words if count != 1 else words.replace("rows", "row", 1).replace("were", "was", 1)
 
 
 def tokenize_dataset(ds, tokenizer, max_seq_len: int, pack: bool, source: str = "dataset",
@@ -193,7 +198,7 @@ def tokenize_dataset(ds, tokenizer, max_seq_len: int, pack: bool, source: str = 
         if example is not None:
             examples.append(example)
     if not examples and stats.dropped:
-        skipped = f"; {stats.skipped} more rows had no usable text" if stats.skipped else ""
+        skipped = f"; {stats.skipped} more {_rows(stats.skipped, 'rows')} had no usable text" if stats.skipped else ""
         raise DataError(f"{source}: every row was dropped: its response alone exceeds --max-seq-len {max_seq_len} (the "
                         f"longest row has {stats.longest} tokens){skipped}; raise --max-seq-len or shorten the responses")
     if not examples:

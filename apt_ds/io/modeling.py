@@ -56,6 +56,10 @@ def check_model_path(path: str | Path, flag: str = "model path") -> dict:
         check_gguf_architecture(path, flag)
         return {}
     if not (path / "config.json").is_file():
+        if (path / "run.json").is_file() or (path / "apt_state.json").is_file():  # a run, or its checkpoint/
+            run, what = (path, "an apt-ds run") if (path / "run.json").is_file() else (path.parent, "an apt-ds run's checkpoint")
+            raise ModelLoadError(f"{flag} {path} is {what}, not a model: export it first (launch/export.py {run} --out DIR) "
+                                 f"and give DIR")
         gguf = sorted(path.glob("*.gguf"))
         if len(gguf) == 1:  # an apt-ds GGUF export's directory (or a folder holding one GGUF)
             check_gguf_architecture(gguf[0], flag)  # one that cannot be loaded says so, not "give the file"
@@ -73,6 +77,16 @@ def check_model_path(path: str | Path, flag: str = "model path") -> dict:
         pickled = " (only pickled *.bin weights, which are not loaded: convert them to safetensors)" if any(path.glob("*.bin")) else ""
         raise ModelLoadError(f"{flag} {path} holds no *.safetensors weights{pickled}")
     return config
+
+
+def single_gguf(path: str | Path) -> Path | None:
+    """The .gguf file of a directory that holds one and no config.json (an apt-ds GGUF export's
+    directory), else None."""
+    path = Path(path)
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    found = sorted(path.glob("*.gguf"))
+    return found[0] if len(found) == 1 else None
 
 
 def gguf_architecture(path: Path) -> str | None:

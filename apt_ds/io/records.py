@@ -79,6 +79,8 @@ def _first_non_text(path: Path, name: str) -> str:
 def _load_saved_dir(path: Path) -> datasets.Dataset:
     try:
         loaded = datasets.load_from_disk(str(path))
+    except IndexError:  # datasets cannot open a saved dataset of no rows (no arrow table to read)
+        raise DataError(f"data directory {path} holds a saved dataset with no rows") from None
     except (FileNotFoundError, ValueError) as err:
         raise DataError(f"data directory {path} is not a dataset saved by `datasets` ({err})") from None
     if isinstance(loaded, datasets.DatasetDict):
@@ -97,6 +99,8 @@ def _load_json_file(path: Path) -> datasets.Dataset:
         with _quiet_datasets():
             return datasets.load_dataset("json", data_files=str(path), split="train")
     except Exception as err:  # datasets wraps parser errors in a long generic chain
+        if "corresponds to no data" in str(err):  # `[]` or `{}`: valid JSON, no records
+            raise DataError(f"data file {path.name} has no rows") from None
         raise DataError(f"data file {path.name} is not valid JSON records: {_json_problem(path, err)}") from None
 
 

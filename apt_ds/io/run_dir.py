@@ -49,6 +49,18 @@ def is_run_dir(path: Path) -> bool:
     return isinstance(record, dict) and "apt_config" in record and "train_config" in record
 
 
+def replaced_folder(out: Path, runs: tuple[Path, ...] = (), keep: frozenset[str] = frozenset()) -> Path | None:
+    """The folder of a run that `out` is or is inside and that the run replaces whole (its
+    checkpoint/ at the next checkpoint, tokenizer/, ...; `keep` names entries the caller may write
+    in), among `runs` and every run directory above `out`; None when there is none."""
+    resolved = Path(out).resolve()
+    candidates = {Path(run).resolve() for run in runs} | {parent for parent in resolved.parents if is_run_dir(parent)}
+    for folder in [run / name for run in sorted(candidates) for name in sorted(RUN_ENTRIES - keep)]:
+        if folder == resolved or folder in resolved.parents:
+            return folder
+    return None
+
+
 def check_replaceable(out: Path) -> None:
     """Raise RunDirError unless `--overwrite` may replace `out` (missing, empty, or a run)."""
     if not out.exists() and not out.is_symlink():

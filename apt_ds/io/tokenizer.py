@@ -71,6 +71,7 @@ def load_tokenizer(path: str | Path):
     return tokenizer
 
 
+LINE_PIECE = 1000  # characters: at most 4,000 UTF-8 bytes, under sentencepiece's sentence limit
 SPACE_MARK = "\u2581"  # sentencepiece's piece for a space
 MERGE_HEADROOM = 256  # pieces for merges where the distinct characters alone exceed the asked vocabulary
 SPECIAL_PIECES = {"unk": (0, "<unk>"), "bos": (1, "<s>"), "eos": (2, "</s>"), "pad": (3, "<pad>")}
@@ -86,7 +87,10 @@ def train_sentencepiece_tokenizer(texts: Iterable[str], out_dir: str | Path, voc
     """
     import sentencepiece as spm
 
-    lines = [line for text in texts for line in str(text).splitlines() if line.strip()]
+    # sentencepiece skips sentences over 4,192 bytes: long lines are cut into pieces it reads (the
+    # pieces only train the vocabulary; the data itself is tokenized whole)
+    lines = [line[at:at + LINE_PIECE] for text in texts for line in str(text).splitlines() if line.strip()
+             for at in range(0, len(line), LINE_PIECE)]
     if not lines:
         raise DataError("cannot train a tokenizer: no non-empty text given")
     marked = next((line for line in lines if SPACE_MARK in line), None)

@@ -103,8 +103,14 @@ def home(tmp_path_factory):
     (bad / "data_beside.yaml").write_text("data: data_beside.jsonl  # beside the recipe, not in the current directory\n")
     shutil.copy(root / "data.jsonl", bad / "data_beside.jsonl")
     (bad / "number_text.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n{"text": 5}\n')
+    (bad / "no_rows.json").write_text("[]")
+    import datasets
+
+    datasets.Dataset.from_list([{"text": "a"}]).select([]).save_to_disk(str(bad / "no_rows_dataset"))
     (bad / "too_long.jsonl").write_text(json.dumps({"prompt": "p", "completion": "w " * 200}) + "\n")
     shutil.copytree(root / "run", root / "other_run")
+    shutil.copytree(root / "run", root / "tokenizer_gone")
+    (root / "tokenizer_gone" / "tokenizer" / "tokenizer.json").unlink()  # the tiny model is rebuilt from the run's tokenizer
     return root
 
 
@@ -170,6 +176,8 @@ CASES = [
     ("model-a-file", train("--model", "a_file", "--out", "new"), "is not a .gguf file"),
     ("model-no-config", train("--model", "not_a_model", "--out", "new"), "has no config.json"),
     ("model-no-weights", train("--model", "config_only", "--out", "new"), "holds no *.safetensors weights"),
+    ("model-is-a-run", train("--model", "run", "--out", "new"),
+     "--model run is an apt-ds run, not a model: export it first (launch/export.py run --out DIR)"),
     ("model-not-llama", train("--model", "gpt2", "--out", "new"), "model_type 'gpt2' is not supported"),
     # --data / --eval-data
     ("data-missing", ["train", *BASE[:-1], "bad/nope.jsonl", "--out", "new"], "nope.jsonl"),
@@ -184,6 +192,11 @@ CASES = [
      "field 'text' holds text mixed with other values (line 3: 5)"),
     ("eval-data-all-too-long", train("--eval-data", "bad/too_long.jsonl", "--out", "new"),
      "every row was dropped: its response alone exceeds --max-seq-len 32"),
+    ("data-empty-flag", ["train", *BASE[:-1], "", "--out", "new"], "--data is empty"),  # an unset $DATA: not the demo data
+    ("config-empty-flag", train("--config", "", "--out", "new"), "--config is empty"),
+    ("data-json-no-rows", ["train", *BASE[:-1], "bad/no_rows.json", "--out", "new"], "data file no_rows.json has no rows"),
+    ("data-saved-dataset-no-rows", ["train", *BASE[:-1], "bad/no_rows_dataset", "--out", "new"],
+     "holds a saved dataset with no rows"),
     ("eval-data-missing", train("--eval-data", "bad/nope.jsonl", "--out", "new"), "--eval-data bad/nope.jsonl does not exist"),
     ("eval-examples-zero", train("--eval-data", "data.jsonl", "--eval-examples", "0", "--out", "new"), "--eval-examples must be >= 1"),
     ("probe-without-eval-data", train("--save-eval-probe", "--out", "new"), "--save-eval-probe needs --eval-data"),
@@ -246,7 +259,11 @@ CASES = [
     ("export-torn-checkpoint", export("torn_masks", "--out", "new"), "torn_masks"),
     ("export-kept-with-run", export("run", "--kept", "bad/kept.json", "--out", "new"), "--kept is for exporting a plain model"),
     ("export-shard-size-negative", export("run", "--out", "new", "--max-shard-size", "-5MB"),
-     "--max-shard-size must be a positive size such as 500MB or 5GB, got '-5MB'"),
+     "--max-shard-size must be a positive size in KB, MB, GB or TB (powers of 1000) such as 500MB or 5GB, got '-5MB'"),
+    ("export-tokenizer-removed", export("tokenizer_gone", "--out", "new"), "its tokenizer files were changed or removed"),
+    ("export-base-is-a-run", export("run", "--model", "other_run", "--out", "new"), "--model other_run is an apt-ds run"),
+    ("export-shard-size-with-gguf", export("run", "--out", "new", "--format", "gguf", "--max-shard-size", "1GB"),
+     "--max-shard-size applies to --format hf"),
     ("export-kept-pickle", export("--model", "export", "--kept", "bad/masks.pt", "--out", "new"),
      "cannot read --kept bad/masks.pt: it is not JSON text"),
     ("export-kept-bad-record", export("--model", "export", "--kept", "bad/kept.json", "--out", "new"), "kept"),

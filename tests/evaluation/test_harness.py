@@ -232,9 +232,11 @@ def test_evaluations_report_their_answer_shares(evaluated):
     (["{tmp}/deci.gguf"], "is a GGUF of architecture 'deci' (apt-ds's non-uniform GGUF export"),
     (["{tmp}/torn_export"], "cannot read"),
     (["{hf}", "--out", "{tmp}/linked.json"], "is a symbolic link"),
-    (["{tmp}/gguf_dir"], "holds a GGUF file and no config.json: give the file"),
-    (["{tmp}/deci_dir"], "deci_dir.gguf is a GGUF of architecture 'deci'"),  # not "give the file", which is refused too
-    (["{tmp}/damaged_dir"], "holds a GGUF file and no config.json"),  # a key length of 2**63 in its header: never read
+    (["{tmp}/gguf_dir"], "gguf_dir/gguf_dir.gguf"),  # a GGUF export's directory is read as its one file (a bare header)
+    (["{tmp}/deci_dir"], "deci_dir.gguf is a GGUF of architecture 'deci'"),
+    (["{tmp}/damaged_dir"], "damaged_dir/d.gguf"),  # a key length of 2**63 in its header: one line, no allocation
+    (["{tmp}/a_run"], "a_run is an apt-ds run, not a model: export it first (launch/export.py "),
+    (["{hf}", "--out", ""], "--out is empty"),
 ])
 def test_bad_inputs_are_one_line_and_exit_2(models, tmp_path, capsys, args, message):
     (tmp_path / "not_a_model").mkdir()
@@ -249,6 +251,8 @@ def test_bad_inputs_are_one_line_and_exit_2(models, tmp_path, capsys, args, mess
     (tmp_path / "gguf_dir" / "gguf_dir.gguf").write_bytes(_gguf_header("llama"))
     (tmp_path / "deci_dir").mkdir()
     (tmp_path / "deci_dir" / "deci_dir.gguf").write_bytes(_gguf_header("deci"))
+    (tmp_path / "a_run").mkdir()
+    (tmp_path / "a_run" / "run.json").write_text("{}")
     (tmp_path / "damaged_dir").mkdir()
     (tmp_path / "damaged_dir" / "d.gguf").write_bytes(b"GGUF" + struct.pack("<IQQQ", 3, 0, 1, 2**63) + bytes(64))
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
@@ -281,6 +285,30 @@ def test_an_interrupted_evaluation_is_one_line_and_writes_nothing(models, tmp_pa
     assert main([str(models["hf"]), "--tasks", "sst2", "--out", str(out), "--overwrite"]) == 130
     assert capsys.readouterr().err == f"interrupted; no results written (--out {out} is as it was)\n"
     assert json.loads(out.read_text())["apt_ds"] == {"old": True}
+
+
+def test_tasks_are_scored_once_and_overlaps_are_one_line(models, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert main([str(models["hf"]), "--tasks", "sst2,sst2", "--limit", "2", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert sum(line.startswith("sst2") for line in printed.splitlines()) == 1  # one row, as results.json has one entry
+    assert main([str(models["hf"]), "--tasks", "mmlu_stem,mmlu_abstract_algebra", "--limit", "1",
+                 "--out", str(tmp_path / "o.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the model's loading bar
+    assert err.startswith("error: --tasks overlap: Duplicate task 'mmlu_abstract_algebra'")
+    assert err.endswith("give only one of them") and not (tmp_path / "o.json").exists()
+
+
+def test_a_gguf_export_directory_is_evaluated_as_its_file(models, tmp_path, capsys):
+    from apt_ds.export.merge import export_pruned
+    from apt_ds.io.modeling import load_model
+
+    model = load_model(models["hf"])
+    full = {"groups": [[0, 1], [0, 1]], "neurons": [list(range(96))] * 2, "hidden": list(range(64))}
+    export_pruned(model, full, tmp_path / "g", tokenizer_dir=models["hf"], format="gguf")  # uniform: a llama GGUF
+    assert main([str(tmp_path / "g"), "--tasks", "sst2", "--limit", "2", "--out", str(tmp_path / "r.json")]) == 0
+    results = json.loads((tmp_path / "r.json").read_text())
+    assert results["apt_ds"]["model"].endswith("g.gguf")
 
 
 def test_previous_results_are_replaced_with_overwrite(models, tmp_path):

@@ -315,7 +315,7 @@ def test_max_seq_len_never_makes_prompt_less_rows_and_counts_what_it_cut(tokeniz
     assert stats.to_dict()["prompt_cut"] == 1 and stats.to_dict()["dropped"] == 1
     assert stats.longest > 16
     message = stats.message("rows", 16)
-    assert message.startswith("warning: rows: --max-seq-len 16: 1 rows had their prompt cut") and "\n" not in message
+    assert message.startswith("warning: rows: --max-seq-len 16: 1 row had the prompt cut") and "\n" not in message
     assert data.TruncationStats().message("rows", 16) is None
 
 
@@ -335,7 +335,7 @@ def test_data_whose_every_response_is_too_long_says_so(tokenizer):
     with pytest.raises(DataError, match=r"rows: every row was dropped: its response alone exceeds --max-seq-len 16 "
                                          r"\(the longest row has \d+ tokens\); raise --max-seq-len"):
         data.tokenize_dataset(rows, tokenizer, max_seq_len=16, pack=False, source="rows")
-    with pytest.raises(DataError, match=r"has \d+ tokens\); 1 more rows had no usable text; raise"):
+    with pytest.raises(DataError, match=r"has \d+ tokens\); 1 more row had no usable text; raise"):
         data.tokenize_dataset([*rows, {"instruction": "q", "output": None}], tokenizer, max_seq_len=16, pack=False,
                               source="rows")
 

@@ -50,6 +50,15 @@ def test_many_distinct_characters_get_a_larger_vocabulary(tmp_path):
     assert len(small) <= 300  # text that fits keeps the vocabulary asked for
 
 
+def test_lines_longer_than_sentencepiece_reads_still_train_a_tokenizer(tmp_path):
+    """sentencepiece skips sentences over 4,192 bytes: data of only such lines left it nothing."""
+    text = "word and other words " * 2500  # 52,500 characters on one line
+    tokenizer = train_sentencepiece_tokenizer([text], tmp_path / "long", vocab_size=300)
+    sample = "other words and word"
+    assert tokenizer.decode(tokenizer(sample, add_special_tokens=False)["input_ids"]) == sample
+    assert "\u2581word" in tokenizer.get_vocab()  # merges were learnt from the pieces
+
+
 def test_text_holding_sentencepieces_space_mark_is_refused_in_one_line(tmp_path):
     with pytest.raises(DataError, match=r"the data holds U\+2581 .* 'a\u2581b c'.*replace it in the data$"):
         train_sentencepiece_tokenizer(["plain text", "a\u2581b c"] * 10, tmp_path / "t", vocab_size=300)
