@@ -17,6 +17,9 @@ from apt_ds.io.run_dir import set_aside_note
 def main(argv: list[str] | None = None) -> int:
     parser = build_export_parser()
     args = parse_with_positional(parser, argv, ExportArguments, "run_dir", "run")
+    for flag, value in (("RUN/--run-dir", args.run_dir), ("--model", args.model), ("--kept", args.kept)):
+        if value is not None and not value.strip():  # Path("") is ".": never the directory meant
+            parser.error(f"{flag} is empty: give the path, or leave it out")
     if args.run_dir and args.kept:
         parser.error("--kept is for exporting a plain model: give either RUN_DIR [--model BASE], or --model and --kept")
     if not args.run_dir and not (args.model and args.kept):

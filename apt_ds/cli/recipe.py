@@ -85,6 +85,9 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
             close = difflib.get_close_matches(str(key).replace("-", "_"), sorted(known), n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
             raise ConfigError(f"--config {path}: unknown field {key!r}{hint}")
+    for key in RECIPE_PATHS:  # "" is no path: a recipe's `data: ""` would otherwise train on the demo data
+        if isinstance(values.get(key), str) and not values[key].strip():
+            raise ConfigError(f"--config {path}: {key} is empty: give a path, or remove the key for its default")
     values = {k: _float_from_text(k, v) for k, v in values.items()}
     # `~` in a recipe's paths is the home directory, as a shell makes it of a flag's (not a directory named "~")
     values.update({k: os.path.expanduser(v) for k, v in values.items() if k in RECIPE_PATHS and isinstance(v, str)})

@@ -68,7 +68,7 @@ def _rebuild(run_dir: Path, checkpoint: Path, meta: dict, model_path):
     recorded = info.get("model_fingerprint")
     if recorded is not None:
         matches = same_model(recorded, model_fingerprint(model))
-        if not matches and base in TINY_MODELS:  # built from the run's tokenizer
+        if not matches and base == info["model"] and base in TINY_MODELS:  # the run's own, built from its tokenizer
             raise CheckpointError(f"{run_dir}: the built-in model rebuilt with {run_dir / info.get('tokenizer', 'tokenizer')} "
                                   f"is not the one the run trained: its tokenizer files were changed or removed")
         if not matches:

@@ -56,8 +56,10 @@ def check_model_path(path: str | Path, flag: str = "model path") -> dict:
         check_gguf_architecture(path, flag)
         return {}
     if not (path / "config.json").is_file():
-        if (path / "run.json").is_file() or (path / "apt_state.json").is_file():  # a run, or its checkpoint/
-            run, what = (path, "an apt-ds run") if (path / "run.json").is_file() else (path.parent, "an apt-ds run's checkpoint")
+        from apt_ds.io.run_dir import is_run_dir
+
+        if is_run_dir(path) or ((path / "apt_state.json").is_file() and is_run_dir(path.parent)):  # a run, or its checkpoint/
+            run, what = (path, "an apt-ds run") if is_run_dir(path) else (path.parent, "an apt-ds run's checkpoint")
             raise ModelLoadError(f"{flag} {path} is {what}, not a model: export it first (launch/export.py {run} --out DIR) "
                                  f"and give DIR")
         gguf = sorted(path.glob("*.gguf"))

@@ -71,7 +71,8 @@ def load_tokenizer(path: str | Path):
     return tokenizer
 
 
-LINE_PIECE = 1000  # characters: at most 4,000 UTF-8 bytes, under sentencepiece's sentence limit
+SENTENCE_BYTES = 4192  # sentencepiece's max_sentence_length default: longer lines are skipped in training
+LINE_PIECE = 1000  # characters: at most 4,000 UTF-8 bytes, under that limit
 SPACE_MARK = "\u2581"  # sentencepiece's piece for a space
 MERGE_HEADROOM = 256  # pieces for merges where the distinct characters alone exceed the asked vocabulary
 SPECIAL_PIECES = {"unk": (0, "<unk>"), "bos": (1, "<s>"), "eos": (2, "</s>"), "pad": (3, "<pad>")}
@@ -87,10 +88,9 @@ def train_sentencepiece_tokenizer(texts: Iterable[str], out_dir: str | Path, voc
     """
     import sentencepiece as spm
 
-    # sentencepiece skips sentences over 4,192 bytes: long lines are cut into pieces it reads (the
+    # sentencepiece skips sentences over 4,192 bytes: only such lines are cut, into pieces it reads (the
     # pieces only train the vocabulary; the data itself is tokenized whole)
-    lines = [line[at:at + LINE_PIECE] for text in texts for line in str(text).splitlines() if line.strip()
-             for at in range(0, len(line), LINE_PIECE)]
+    lines = [piece for text in texts for line in str(text).splitlines() if line.strip() for piece in _readable(line)]
     if not lines:
         raise DataError("cannot train a tokenizer: no non-empty text given")
     marked = next((line for line in lines if SPACE_MARK in line), None)
@@ -131,6 +131,13 @@ def train_sentencepiece_tokenizer(texts: Iterable[str], out_dir: str | Path, voc
     # dummy-prefix space, but decoding strips one (see `apt_ds.io.sentencepiece_dir`).
     _check_round_trip(tokenizer, [line.lstrip() for line in lines[:20]])
     return tokenizer
+
+
+def _readable(line: str) -> list[str]:
+    """`line`, or where sentencepiece would skip it, pieces of LINE_PIECE characters."""
+    if len(line.encode("utf-8")) <= SENTENCE_BYTES:
+        return [line]
+    return [line[at:at + LINE_PIECE] for at in range(0, len(line), LINE_PIECE)]
 
 
 def _check_round_trip(tokenizer, samples: list[str]) -> None:

@@ -109,6 +109,9 @@ def home(tmp_path_factory):
     datasets.Dataset.from_list([{"text": "a"}]).select([]).save_to_disk(str(bad / "no_rows_dataset"))
     (bad / "too_long.jsonl").write_text(json.dumps({"prompt": "p", "completion": "w " * 200}) + "\n")
     shutil.copytree(root / "run", root / "other_run")
+    (bad / "empty_data.yaml").write_text('data: ""\nsteps: 8\n')
+    (root / "other_tool").mkdir()  # another program's run.json: not an apt-ds run
+    _write_json(root / "other_tool" / "run.json", {"tool": "other"})
     shutil.copytree(root / "run", root / "tokenizer_gone")
     (root / "tokenizer_gone" / "tokenizer" / "tokenizer.json").unlink()  # the tiny model is rebuilt from the run's tokenizer
     return root
@@ -178,6 +181,9 @@ CASES = [
     ("model-no-weights", train("--model", "config_only", "--out", "new"), "holds no *.safetensors weights"),
     ("model-is-a-run", train("--model", "run", "--out", "new"),
      "--model run is an apt-ds run, not a model: export it first (launch/export.py run --out DIR)"),
+    ("model-another-programs-run-json", train("--model", "other_tool", "--out", "new"), "other_tool has no config.json"),
+    ("out-inside-a-runs-checkpoint", train("--out", "run/checkpoint/sub"),
+     "is or is inside"),
     ("model-not-llama", train("--model", "gpt2", "--out", "new"), "model_type 'gpt2' is not supported"),
     # --data / --eval-data
     ("data-missing", ["train", *BASE[:-1], "bad/nope.jsonl", "--out", "new"], "nope.jsonl"),
@@ -194,6 +200,8 @@ CASES = [
      "every row was dropped: its response alone exceeds --max-seq-len 32"),
     ("data-empty-flag", ["train", *BASE[:-1], "", "--out", "new"], "--data is empty"),  # an unset $DATA: not the demo data
     ("config-empty-flag", train("--config", "", "--out", "new"), "--config is empty"),
+    ("recipe-empty-data", ["train", *BASE[:-2], "--config", "bad/empty_data.yaml", "--out", "new"],
+     "--config bad/empty_data.yaml: data is empty: give a path, or remove the key for its default"),
     ("data-json-no-rows", ["train", *BASE[:-1], "bad/no_rows.json", "--out", "new"], "data file no_rows.json has no rows"),
     ("data-saved-dataset-no-rows", ["train", *BASE[:-1], "bad/no_rows_dataset", "--out", "new"],
      "holds a saved dataset with no rows"),
@@ -261,6 +269,9 @@ CASES = [
     ("export-shard-size-negative", export("run", "--out", "new", "--max-shard-size", "-5MB"),
      "--max-shard-size must be a positive size in KB, MB, GB or TB (powers of 1000) such as 500MB or 5GB, got '-5MB'"),
     ("export-tokenizer-removed", export("tokenizer_gone", "--out", "new"), "its tokenizer files were changed or removed"),
+    ("export-other-tiny-variant", export("run", "--model", "tiny-mha", "--out", "new"),
+     "model tiny-mha is not the base model this run was trained from"),
+    ("export-model-empty", export("run", "--model", "", "--out", "new"), "--model is empty"),
     ("export-base-is-a-run", export("run", "--model", "other_run", "--out", "new"), "--model other_run is an apt-ds run"),
     ("export-shard-size-with-gguf", export("run", "--out", "new", "--format", "gguf", "--max-shard-size", "1GB"),
      "--max-shard-size applies to --format hf"),

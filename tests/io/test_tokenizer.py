@@ -59,6 +59,16 @@ def test_lines_longer_than_sentencepiece_reads_still_train_a_tokenizer(tmp_path)
     assert "\u2581word" in tokenizer.get_vocab()  # merges were learnt from the pieces
 
 
+def test_only_lines_sentencepiece_would_skip_are_cut():
+    from apt_ds.io.tokenizer import LINE_PIECE, SENTENCE_BYTES, _readable
+
+    fits = "é" * (SENTENCE_BYTES // 2)  # 4,192 bytes: read whole, as before the cut existed
+    assert _readable(fits) == [fits]
+    too_long = fits + "a"
+    assert "".join(_readable(too_long)) == too_long
+    assert all(len(piece) <= LINE_PIECE and len(piece.encode()) <= SENTENCE_BYTES for piece in _readable(too_long))
+
+
 def test_text_holding_sentencepieces_space_mark_is_refused_in_one_line(tmp_path):
     with pytest.raises(DataError, match=r"the data holds U\+2581 .* 'a\u2581b c'.*replace it in the data$"):
         train_sentencepiece_tokenizer(["plain text", "a\u2581b c"] * 10, tmp_path / "t", vocab_size=300)
