@@ -59,7 +59,12 @@ def _rebuild(run_dir: Path, checkpoint: Path, meta: dict, model_path):
     if base in TINY_MODELS:
         from apt_ds.io.tokenizer import load_tokenizer
 
-        tokenizer = load_tokenizer(run_dir / info.get("tokenizer", "tokenizer"))
+        tokenizer_dir = run_dir / info.get("tokenizer", "tokenizer")
+        tokenizer = load_tokenizer(tokenizer_dir)
+        trained = meta.get("original_shape", {}).get("vocab")
+        if trained is not None and len(tokenizer) != trained:  # the built-in model's vocabulary is its tokenizer's
+            raise CheckpointError(f"{run_dir}: its tokenizer ({tokenizer_dir}) has {len(tokenizer)} pieces, not the {trained} "
+                                  f"the run trained with: its files were changed or removed")
         model = build_tiny_llama(vocab_size=len(tokenizer), seed=meta["train_config"]["seed"], variant=base)
     else:
         if not Path(base).exists():
@@ -67,11 +72,7 @@ def _rebuild(run_dir: Path, checkpoint: Path, meta: dict, model_path):
         model = load_model(base)
     recorded = info.get("model_fingerprint")
     if recorded is not None:
-        matches = same_model(recorded, model_fingerprint(model))
-        if not matches and base == info["model"] and base in TINY_MODELS:  # the run's own, built from its tokenizer
-            raise CheckpointError(f"{run_dir}: the built-in model rebuilt with {run_dir / info.get('tokenizer', 'tokenizer')} "
-                                  f"is not the one the run trained: its tokenizer files were changed or removed")
-        if not matches:
+        if not same_model(recorded, model_fingerprint(model)):
             raise CheckpointError(f"{run_dir}: model {base} is not the base model this run was trained from")
     state = APTModel(model, apt, seed=meta["train_config"]["seed"])
     if state.original_shape.to_dict() != meta["original_shape"]:

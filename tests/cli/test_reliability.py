@@ -268,7 +268,7 @@ CASES = [
     ("export-kept-with-run", export("run", "--kept", "bad/kept.json", "--out", "new"), "--kept is for exporting a plain model"),
     ("export-shard-size-negative", export("run", "--out", "new", "--max-shard-size", "-5MB"),
      "--max-shard-size must be a positive size in KB, MB, GB or TB (powers of 1000) such as 500MB or 5GB, got '-5MB'"),
-    ("export-tokenizer-removed", export("tokenizer_gone", "--out", "new"), "its tokenizer files were changed or removed"),
+    ("export-tokenizer-removed", export("tokenizer_gone", "--out", "new"), "the run trained with: its files were changed or removed"),
     ("export-other-tiny-variant", export("run", "--model", "tiny-mha", "--out", "new"),
      "model tiny-mha is not the base model this run was trained from"),
     ("export-model-empty", export("run", "--model", "", "--out", "new"), "--model is empty"),
