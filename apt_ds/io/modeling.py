@@ -56,7 +56,7 @@ def check_model_path(path: str | Path, flag: str = "model path") -> dict:
         check_gguf_architecture(path, flag)
         return {}
     if not (path / "config.json").is_file():
-        from apt_ds.io.run_dir import is_run_dir
+        from apt_ds.io.run_record import is_run_dir
 
         if is_run_dir(path) or ((path / "apt_state.json").is_file() and is_run_dir(path.parent)):  # a run, or its checkpoint/
             run, what = (path, "an apt-ds run") if is_run_dir(path) else (path.parent, "an apt-ds run's checkpoint")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import glob
-import json
 import os
 import secrets
 import shutil
@@ -23,9 +22,9 @@ import tempfile
 from pathlib import Path
 
 from apt_ds.io import run_lock
+from apt_ds.io.run_record import RUN_FILE, is_run_dir
 from apt_ds.io.tokenizer import is_tokenizer_file
 
-RUN_FILE = "run.json"
 # What a run writes into its directory (checkpoint.tmp / .old and run.json.tmp: atomic writes;
 # plots: apt-ds-plot's default output, drawn from the run and replaced with it).
 RUN_ENTRIES = frozenset({RUN_FILE, "metrics.jsonl", "checkpoint", "checkpoint.tmp", "checkpoint.old", "tokenizer", "ranks",
@@ -39,14 +38,6 @@ class RunDirError(FileExistsError):
 def has_checkpoint(path: Path) -> bool:
     """A complete checkpoint, or the previous one that a crash mid-rename left as checkpoint.old."""
     return any((path / name / "apt_state.json").is_file() for name in ("checkpoint", "checkpoint.old"))
-
-
-def is_run_dir(path: Path) -> bool:
-    try:
-        record = json.loads((path / RUN_FILE).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(record, dict) and "apt_config" in record and "train_config" in record
 
 
 def replaced_folder(out: Path, runs: tuple[Path, ...] = (), keep: frozenset[str] = frozenset()) -> Path | None:

@@ -252,7 +252,7 @@ def test_bad_inputs_are_one_line_and_exit_2(models, tmp_path, capsys, args, mess
     (tmp_path / "deci_dir").mkdir()
     (tmp_path / "deci_dir" / "deci_dir.gguf").write_bytes(_gguf_header("deci"))
     (tmp_path / "a_run").mkdir()
-    (tmp_path / "a_run" / "run.json").write_text("{}")
+    (tmp_path / "a_run" / "run.json").write_text(json.dumps({"apt_config": {}, "train_config": {}}))
     (tmp_path / "damaged_dir").mkdir()
     (tmp_path / "damaged_dir" / "d.gguf").write_bytes(b"GGUF" + struct.pack("<IQQQ", 3, 0, 1, 2**63) + bytes(64))
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
