@@ -14,7 +14,7 @@ from apt_ds.cli.errors import launcher_rank, report, user_errors
 from apt_ds.cli.recipe import resolve
 from apt_ds.config import LORA_SETTINGS, APTConfig, ConfigError, TrainConfig
 from apt_ds.io import run_lock
-from apt_ds.io.run_dir import check_out_dir, has_checkpoint, is_run_dir, recover_interrupted_overwrite, replaced_folder
+from apt_ds.io.run_dir import check_out_dir, has_checkpoint, is_run_dir, recover_interrupted_overwrite
 
 
 def check_batch_flags(run: RunArguments, given: dict) -> None:
@@ -78,10 +78,6 @@ def check_inputs_early(run: RunArguments, train: TrainConfig, given: dict | None
         note = recover_interrupted_overwrite(Path(run.out))
         if note:
             print(note, file=sys.stderr)
-    folder = replaced_folder(Path(run.out))
-    if folder is not None:  # a run inside another run's checkpoint/ would go at that run's next checkpoint
-        raise ConfigError(f"--out {run.out} is or is inside {folder}, which that run replaces whole; choose a directory "
-                          f"outside it")
     check_out_dir(Path(run.out), run.resume, run.overwrite)
     from apt_ds.io.modeling import TINY_MODELS, check_model_path
 

@@ -58,8 +58,10 @@ def check_model_path(path: str | Path, flag: str = "model path") -> dict:
     if not (path / "config.json").is_file():
         from apt_ds.io.run_record import is_run_dir
 
-        if is_run_dir(path) or ((path / "apt_state.json").is_file() and is_run_dir(path.parent)):  # a run, or its checkpoint/
-            run, what = (path, "an apt-ds run") if is_run_dir(path) else (path.parent, "an apt-ds run's checkpoint")
+        run = path if is_run_dir(path) else path.parent if (path / "apt_state.json").is_file() and is_run_dir(path.parent) \
+            else None  # a run, or its checkpoint/
+        if run is not None:
+            what = "an apt-ds run" if run == path else "an apt-ds run's checkpoint"
             raise ModelLoadError(f"{flag} {path} is {what}, not a model: export it first (launch/export.py {run} --out DIR) "
                                  f"and give DIR")
         gguf = sorted(path.glob("*.gguf"))

@@ -206,6 +206,9 @@ def _is_unstarted_run(path: Path) -> bool:
 def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
     """Refuse to clobber a previous run unless asked to, and an --out that cannot be written
     (checks only; nothing is left behind)."""
+    folder = replaced_folder(out)
+    if folder is not None:  # a run inside another run's checkpoint/ would go at that run's next checkpoint
+        raise RunDirError(f"--out {out} is or is inside {folder}, which that run replaces whole; choose a directory outside it")
     if resume:
         if not has_checkpoint(out):
             if is_run_dir(out):
