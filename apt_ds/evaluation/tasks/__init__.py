@@ -41,3 +41,30 @@ def check_task_names(names: list[str], manager) -> None:
             f"unknown task{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; known tasks: "
             f"{', '.join(DEFAULT_TASKS)}, and mmlu's parts (mmlu_stem, mmlu_humanities, mmlu_social_sciences, "
             f"mmlu_other, mmlu_<subject> such as mmlu_anatomy)")
+
+
+def single_tasks(name: str, manager) -> set[str]:
+    """The single tasks `name` scores: itself, or every task of a group or tag, recursively
+    (mmlu -> mmlu_stem, ... -> mmlu_abstract_algebra, ...)."""
+    from lm_eval.tasks._index import Kind
+
+    entry = manager.task_index[name]
+    if entry.kind == Kind.GROUP:
+        members = [m if isinstance(m, str) else m.get("task") for m in entry.cfg.get("task", [])]
+    elif entry.kind == Kind.TAG:
+        members = sorted(entry.tags)
+    else:
+        return {name}
+    return set().union(*(single_tasks(m, manager) for m in members if m in manager.task_index))
+
+
+def check_task_overlap(names: list[str], manager) -> None:
+    """lm-eval refuses to score a task twice (mmlu_stem and mmlu_anatomy), but only once the model
+    is loaded: minutes for a 7B model. The same rule, before."""
+    owner: dict[str, str] = {}
+    for name in names:
+        for task in sorted(single_tasks(name, manager)):
+            if task in owner and owner[task] != name:
+                raise EvaluationError(f"--tasks overlap: {task!r} is part of both {owner[task]!r} and {name!r}; "
+                                      "give only one of them")
+            owner[task] = name
