@@ -77,16 +77,17 @@ def _plain_model_and_kept(model_path: str, kept_path: str):
         raise ConfigError(f"--model {model_path} is the built-in random model, which --kept cannot export; "
                           f"export its run instead: launch/export.py RUN_DIR --out OUT")
 
+    widths = None
     if kept_path.endswith(".safetensors"):
         from apt_ds.export.kept import kept_from_masks
 
-        kept = kept_from_masks(kept_path)
+        kept, widths = kept_from_masks(kept_path)
     else:
         try:
             kept = json.loads(Path(kept_path).read_text())
         except UnicodeDecodeError:  # e.g. a pickled .pt/.bin, which is never unpickled
             raise ConfigError(f"cannot read --kept {kept_path}: it is not JSON text; give a run's checkpoint/apt_state.json, "
-                              f"a JSON of kept unit indices, or its masks.safetensors") from None
+                              f"a JSON of kept unit indices, or binary masks over the original model (.safetensors)") from None
         except (OSError, ValueError) as err:  # ValueError: bad JSON
             raise ConfigError(f"cannot read --kept {kept_path}: {err}") from None
     if isinstance(kept, dict) and "kept" in kept:  # a run's checkpoint/apt_state.json
@@ -94,4 +95,15 @@ def _plain_model_and_kept(model_path: str, kept_path: str):
     from apt_ds.export.kept import read_kept_record
 
     read_kept_record(kept)  # before the (slow) model load
-    return load_model(model_path), kept
+    if widths is not None:
+        from apt_ds.export.kept import check_mask_widths
+        from apt_ds.io.modeling import check_model_path
+
+        config = check_model_path(model_path, flag="--model")  # a directory's config.json; {} for a GGUF file
+        if "intermediate_size" in config and "hidden_size" in config:
+            check_mask_widths(kept_path, widths, config)
+            widths = None
+    model = load_model(model_path)
+    if widths is not None:  # a GGUF's shapes are known once it is read
+        check_mask_widths(kept_path, widths, model.config.to_dict())
+    return model, kept

@@ -11,9 +11,10 @@ from apt_ds.config import ConfigError
 from apt_ds.io.checkpoint import CheckpointError
 
 
-def kept_from_masks(path: str) -> dict:
+def kept_from_masks(path: str) -> tuple[dict, dict]:
     """Binary unit masks over the ORIGINAL model (`hidden`, `kv_group.<layer>`, `ffn_neuron.<layer>`,
-    as `UnitMasks.state_dict()` names them) -> the kept-units record."""
+    as `UnitMasks.state_dict()` names them) -> (the kept-units record, each mask's length), the
+    lengths for `check_mask_widths` once the model's config is known."""
     try:
         masks = load_file(path)
     except Exception as err:
@@ -28,8 +29,31 @@ def kept_from_masks(path: str) -> dict:
     def kept(name: str) -> list[int]:
         return masks[name].nonzero().flatten().tolist()
 
-    return {"groups": [kept(f"kv_group.{i}") for i in range(layers)],
-            "neurons": [kept(f"ffn_neuron.{i}") for i in range(layers)], "hidden": kept("hidden")}
+    record = {"groups": [kept(f"kv_group.{i}") for i in range(layers)],
+              "neurons": [kept(f"ffn_neuron.{i}") for i in range(layers)], "hidden": kept("hidden")}
+    widths = {"groups": [len(masks[f"kv_group.{i}"]) for i in range(layers)],
+              "neurons": [len(masks[f"ffn_neuron.{i}"]) for i in range(layers)], "hidden": len(masks["hidden"])}
+    return record, widths
+
+
+def check_mask_widths(path: str, widths: dict, config: dict) -> None:
+    """Masks must cover the ORIGINAL model unit for unit. A run's checkpoint/masks.safetensors covers
+    the run's pruned model instead: its kept positions 0..n-1 are not the original units 0..n-1,
+    and exporting them would silently keep the wrong ones. `config`: the model's config.json as a dict."""
+    expected = {"groups": config.get("num_key_value_heads") or config["num_attention_heads"],
+                "neurons": config["intermediate_size"], "hidden": config["hidden_size"]}
+    layers = config["num_hidden_layers"]
+    if len(widths["groups"]) != layers:
+        raise CheckpointError(f"--kept {path} has masks for {len(widths['groups'])} layers; the model has {layers}")
+    found = [(kind, i, width) for kind in ("groups", "neurons") for i, width in enumerate(widths[kind])
+             if width != expected[kind]] + ([("hidden", None, widths["hidden"])] if widths["hidden"] != expected["hidden"] else [])
+    if found:
+        kind, layer, width = found[0]
+        where = "" if layer is None else f" of layer {layer}"
+        unit = {"groups": "KV groups", "neurons": "FFN neurons", "hidden": "hidden channels"}[kind]
+        raise CheckpointError(f"--kept {path} masks {width} {unit}{where}, the model has {expected[kind]}: masks must cover "
+                              f"the original model (a run's checkpoint/masks.safetensors covers its pruned model; give "
+                              f"the run's checkpoint/apt_state.json instead)")
 
 
 def read_kept_record(kept) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:

@@ -301,3 +301,13 @@ def test_plain_model_with_saved_binary_masks(run, tmp_path, capsys):
     capsys.readouterr()
     assert export_main(["--model", str(plain), "--kept", str(tmp_path / "frac.safetensors"), "--out", str(tmp_path / "f")]) == 2
     assert "binary" in capsys.readouterr().err and not (tmp_path / "f").exists()
+    # A run's own checkpoint/masks.safetensors covers its PRUNED model: same names, shorter masks, all ones.
+    # Its positions 0..n-1 are not the original units; it is refused, naming the file to give instead.
+    own = load_file(str(run / "checkpoint" / "masks.safetensors"))
+    assert any(len(own[f"ffn_neuron.{i}"]) < len(m) for i, m in enumerate(masks.ffn_neuron))  # the run pruned
+    capsys.readouterr()
+    assert export_main(["--model", str(plain), "--kept", str(run / "checkpoint" / "masks.safetensors"),
+                        "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "masks must cover the original model" in err
+    assert "checkpoint/apt_state.json instead" in err and not (tmp_path / "o").exists()
