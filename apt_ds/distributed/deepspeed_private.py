@@ -48,6 +48,7 @@ OWNERS = {
     "zero3_param": "parameter under a ZeRO-3 engine (or made by zero.Init)",
     "zero3_partition": "a ZeRO-3 parameter's ds_tensor",
     "zero3_module": "submodule of a model under a ZeRO-3 engine, after one forward and backward",
+    "csv_monitor": "deepspeed.monitor.csv_monitor.csvMonitor instance (rank 0 of a run whose JSON enables csv_monitor)",
 }
 
 PRIVATE_NAMES: tuple[PrivateName, ...] = (
@@ -59,6 +60,8 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("engine", "micro_steps", "set_engine_position"),
     PrivateName("engine", "global_samples", "set_engine_position"),
     PrivateName("engine", "monitor", "set_engine_monitor"),
+    PrivateName("csv_monitor", "log_dir", "csv_monitor_dir"),
+    PrivateName("csv_monitor", "filenames", "mark_csv_files_started"),
     PrivateName("zero12_optimizer", "single_partition_of_fp32_groups", "flat_fp32_partitions"),
     PrivateName("zero3_optimizer", "fp32_partitioned_groups_flat", "flat_fp32_partitions"),
     PrivateName("zero12_optimizer", "_hp_optimizer_states_linked", "relink_fragment_states"),
@@ -108,6 +111,20 @@ def set_engine_monitor(engine, monitor) -> None:
     engine.py creates `self.monitor = MonitorMaster(...)` in __init__ and has no way to hand one
     in; building a new one per rebuild would restart W&B runs and CSV headers."""
     engine.monitor = monitor
+
+
+def csv_monitor_dir(monitor) -> str | None:
+    """The folder a MonitorMaster's CSV writer fills (`csvMonitor.log_dir`, csv_monitor.py
+    `setup_log_dir`: output_path/job_name); None without one (or off rank 0)."""
+    writer = getattr(monitor, "csv_monitor", None)
+    return None if writer is None else writer.log_dir
+
+
+def mark_csv_files_started(monitor, names: list[str]) -> None:
+    """csvMonitor writes a `step,<name>` header the first time its process writes a file (it keeps
+    the names in `filenames`), also into a file that has one: a resumed run would put a second
+    header mid-file. Files that already start with one are marked as written."""
+    monitor.csv_monitor.filenames.extend(name for name in names if name not in monitor.csv_monitor.filenames)
 
 
 # ---- ZeRO's flat fp32 partitions and their Adam state ---------------------------------------

@@ -10,11 +10,18 @@ The backend rebuilds its engine at every shape change, and each engine would bui
 file, a new TensorBoard event file. So the run builds ONE monitor from the resolved config with
 DeepSpeed's own classes, engines are built from a config without the monitor sections, and each
 new engine is handed the run's monitor.
+
+Where the files go: a section that names no `output_path` (tensorboard, csv_monitor) writes into
+the run's own RUN/monitor/, so two runs never append to one file; on --resume the CSV rows after
+the checkpoint's step are dropped there and redone, as metrics.jsonl's are (`resume_csv_files`).
 """
 
 from __future__ import annotations
 
+import csv
 import importlib.util
+import os
+from pathlib import Path
 
 MONITOR_SECTIONS = ("tensorboard", "wandb", "csv_monitor", "comet")
 PREFIX = "apt/"
@@ -72,3 +79,50 @@ def metric_events(record: dict) -> list[tuple[str, float, int]]:
             continue
         events.append((PREFIX + name, value, step))
     return events
+
+
+PATH_SECTIONS = ("tensorboard", "csv_monitor")  # the monitors that write files under output_path
+MONITOR_DIR = "monitor"  # RUN/monitor: the default output_path
+
+
+def monitor_into_run(backend, run_dir: Path) -> None:
+    """Point the monitor sections without an output_path at RUN/monitor (DeepSpeed's default, "",
+    is the current directory, which every run shares). No-op for a backend without a JSON."""
+    config = getattr(backend, "user_config", None)
+    for key in PATH_SECTIONS:
+        section = (config or {}).get(key)
+        if isinstance(section, dict) and section.get("enabled") is True and not section.get("output_path"):
+            section["output_path"] = str(Path(run_dir).resolve() / MONITOR_DIR)
+
+
+def resume_csv_files(backend, step: int, run_dir: Path) -> None:
+    """A resumed run redoes the steps after its checkpoint: drop their rows from the CSV files
+    (and any header but the first), so each step is in each file once, and let the writer append
+    without a second header. Only files inside the run: a folder outside it may be shared with
+    other runs, whose rows are not this run's to drop. Rank 0 (the writer) only."""
+    from apt_ds.distributed import deepspeed_private as private
+
+    monitor = getattr(backend, "monitor", None)
+    folder = private.csv_monitor_dir(monitor) if monitor is not None else None
+    if folder is None or not Path(folder).resolve().is_relative_to(Path(run_dir).resolve()):
+        return
+    started = []
+    for path in sorted(Path(folder).glob("*.csv")):
+        with path.open(newline="") as handle:
+            rows = list(csv.reader(handle))
+        if not rows or rows[0][:1] != ["step"]:
+            continue  # not a file this writer started
+        kept = [rows[0]] + [row for row in rows[1:] if row and row[0] != "step" and _step(row[0]) <= step]
+        partial = path.with_name(f".{path.name}.tmp")
+        with partial.open("w", newline="") as handle:
+            csv.writer(handle).writerows(kept)
+        os.replace(partial, path)
+        started.append(path.stem)
+    private.mark_csv_files_started(monitor, started)
+
+
+def _step(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return float("inf")  # unreadable: dropped with the redone rows

@@ -28,7 +28,7 @@ from apt_ds.io.tokenizer import is_tokenizer_file
 # What a run writes into its directory (checkpoint.tmp / .old and run.json.tmp: atomic writes;
 # plots: apt-ds-plot's default output, drawn from the run and replaced with it).
 RUN_ENTRIES = frozenset({RUN_FILE, "metrics.jsonl", "checkpoint", "checkpoint.tmp", "checkpoint.old", "tokenizer", "ranks",
-                         "eval_probe.safetensors", "plots", RUN_FILE + ".tmp"})
+                         "eval_probe.safetensors", "plots", "monitor", RUN_FILE + ".tmp"})
 
 
 class RunDirError(FileExistsError):

@@ -20,6 +20,7 @@ from apt_ds.algorithm.reachable import check_model_target
 from apt_ds.config import APTConfig, ConfigError, TrainConfig
 from apt_ds.distributed.backend import LocalBackend
 from apt_ds.distributed.placement import check_fits, configure_cpu_threads, resolve_base_dtype, resolve_device
+from apt_ds.distributed.zero_monitor import monitor_into_run, resume_csv_files
 from apt_ds.io.atomic import write_text_atomic
 from apt_ds.io.checkpoint import read_meta, repair_finished_run
 from apt_ds.io.data import TruncationStats, batches, collate, demo_data_path, load_records, tokenize_dataset
@@ -254,6 +255,7 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
 
 
 def _train(backend, args, apt, train, out, meta, model, examples, eval_batches, pad_id, run_info, replaced) -> dict:
+    monitor_into_run(backend, out)  # before the engine (and its monitor) is built
     trainer = APTrainer(model, apt, train, backend=backend, out_dir=out, eval_batches=eval_batches, run_info=run_info)
     if replaced is not None:  # the previous run goes once the new one can be resumed
         trainer.checkpoint_hooks.append(lambda: discard(replaced))
@@ -273,6 +275,7 @@ def _train(backend, args, apt, train, out, meta, model, examples, eval_batches, 
         trainer.consumed_micro_batches = start
         if backend.is_main():
             resume.truncate_metrics(out / "metrics.jsonl", meta["step"])
+            resume_csv_files(backend, meta["step"], out)
     stream = batches(examples, train.micro_batch_size, train.seed, rank=backend.rank, world_size=backend.world_size,
                      pad_id=pad_id, start_step=start)
     final = trainer.train(stream, skip_consumed=False)

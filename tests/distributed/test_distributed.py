@@ -33,14 +33,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ds_config(tmp: Path, stage: int, csv_monitor: Path | None = None) -> str:
+def ds_config(tmp: Path, stage: int, csv_monitor: Path | bool | None = None) -> str:
     """fp32 so that 1-rank and 2-rank runs round identically; `csv_monitor`: DeepSpeed's CSV
-    monitor writes there."""
+    monitor writes there (True: no output_path, so into RUN/monitor)."""
     path = tmp / f"zero{stage}_fp32.json"
     config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
               "bf16": {"enabled": False}, "zero_optimization": {"stage": stage}}
     if csv_monitor is not None:
-        config["csv_monitor"] = {"enabled": True, "output_path": str(csv_monitor), "job_name": "apt"}
+        config["csv_monitor"] = {"enabled": True, "job_name": "apt"}
+        if csv_monitor is not True:
+            config["csv_monitor"]["output_path"] = str(csv_monitor)
     path.write_text(json.dumps(config))
     return str(path)
 
@@ -173,7 +175,8 @@ def test_one_rank_with_double_batch_decides_the_same(two_rank_zero2, tmp_path):
 def test_sigkill_then_resume_finishes_like_uninterrupted(two_rank_zero2, tmp_path):
     tmp, reference = two_rank_zero2
     out = tmp_path / "killed"
-    args = ["--deepspeed", ds_config(tmp_path, 2), *COMMON, "--micro-batch-size", "2", "--checkpoint-every", "4", "--out", str(out)]
+    args = ["--deepspeed", ds_config(tmp_path, 2, csv_monitor=True), *COMMON, "--micro-batch-size", "2", "--checkpoint-every",
+            "4", "--out", str(out)]
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()), TRAIN, *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env(), cwd=REPO, start_new_session=True)
     _wait_for_checkpoint(proc, out, 4)  # the first checkpoint: 8 steps of margin before the end
@@ -199,6 +202,13 @@ def test_sigkill_then_resume_finishes_like_uninterrupted(two_rank_zero2, tmp_pat
         assert resumed["kept"] == expected["kept"] and resumed["ranks"] == expected["ranks"]
         resumed_losses = {m["step"]: m["loss"] for m in metrics(run) if not m.get("final") and m["step"] > killed_at}
         assert resumed_losses and all(abs(resumed_losses[s] - reference_losses[s]) < 1e-4 for s in resumed_losses)
+        # The monitor wrote into the run (no output_path in the JSON); the resume dropped the CSV rows
+        # of the steps it redid: one header, each step once, as in metrics.jsonl.
+        with (run / "monitor" / "apt" / "apt_loss.csv").open() as handle:
+            rows = list(csv.reader(handle))
+        assert rows[0] == ["step", "loss"]
+        assert [(int(step), float(loss)) for step, loss in rows[1:]] == \
+            [(m["step"], m["loss"]) for m in metrics(run) if not m.get("final")]
 
 
 def _wait_for_checkpoint(proc, out: Path, step: int) -> None:

@@ -4,7 +4,8 @@ tests/distributed/test_deepspeed_private.py (one process, DeepSpeed's CPU accele
     RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29511 \
         python tests/distributed/multirank/private_probe.py out.json
 
-Builds a ZeRO-2 engine (with optimizer offload: ZeRO-2 sets `_zero_optimizer` only then) and
+Builds a ZeRO-2 engine (with optimizer offload: ZeRO-2 sets `_zero_optimizer` only then; and a
+CSV monitor) and
 a ZeRO-3 engine on a two-layer model, runs one step on each (some internals appear only then),
 and writes {owner: {name: present}} before tearing each down.
 """
@@ -37,7 +38,8 @@ def owners(backend, stage: int) -> dict[str, list]:
     """Each owner of OWNERS as the objects that may carry its names (any of them will do)."""
     engine, params = backend.engine, list(backend.module.parameters())
     if stage in (1, 2):
-        return {"engine": [engine], "zero12_optimizer": [engine.optimizer], "zero12_param": params}
+        return {"engine": [engine], "zero12_optimizer": [engine.optimizer], "zero12_param": params,
+                "csv_monitor": [backend.monitor.csv_monitor]}
     return {"zero3_optimizer": [engine.optimizer], "zero3_param": params,
             "zero3_partition": [p.ds_tensor for p in params], "zero3_module": list(backend.module.modules())}
 
@@ -50,6 +52,8 @@ def main(out: Path) -> None:
         if stage == 2:
             zero["offload_optimizer"] = {"device": "cpu"}
         config = {"zero_optimization": zero, "bf16": {"enabled": False}, "train_micro_batch_size_per_gpu": 1}
+        if stage == 2:  # the run's monitor, whose CSV writer apt_ds resumes
+            config["csv_monitor"] = {"enabled": True, "output_path": str(out.parent / "csv"), "job_name": "probe"}
         backend = DeepSpeedBackend(config)
         backend.attach(Tiny(), 1e-2, lambda step: 1.0, 0.0, 1, max_grad_norm=0.0)
         backend.backward(backend.forward(x=torch.randn(2, 8)))
