@@ -3,8 +3,10 @@ transformers directory or (--format gguf) one llama.cpp file."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 from apt_ds.cli.arguments import ExportArguments, build_export_parser, parse_with_positional
@@ -37,9 +39,11 @@ def main(argv: list[str] | None = None) -> int:
                                  model_path=args.model, max_shard_size=args.max_shard_size, format=args.format)
         else:
             check_options(args.dtype, args.max_shard_size, args.format)  # before the (slow) model load
-            report_ = export_pruned(*_plain_model_and_kept(args.model, args.kept), Path(args.out), dtype=args.dtype,
-                                    tokenizer_dir=Path(args.model), overwrite=args.overwrite,
-                                    max_shard_size=args.max_shard_size, format=args.format)
+            model, kept = _plain_model_and_kept(args.model, args.kept)
+            with _tokenizer_dir(args.model) as tokenizer_dir:
+                report_ = export_pruned(model, kept, Path(args.out), dtype=args.dtype,
+                                        tokenizer_dir=tokenizer_dir, overwrite=args.overwrite,
+                                        max_shard_size=args.max_shard_size, format=args.format)
     except KeyboardInterrupt:  # first: user_errors() imports torch, which the interrupt may have left half-imported
         print(f"interrupted: the export to {args.out} did not finish (it is written to a temporary directory first; the "
               f"next export to {args.out} clears what is left and puts back a previous export set aside)", file=sys.stderr)
@@ -68,6 +72,23 @@ def done_message(report_: dict, out: str, training: str | None = None) -> str:
                    f"warning: the run stopped at step {report_.get('step')}{steps}, so its last checkpoint was exported; "
                    f"its launch/train.py command run again with --resume finishes it\n") + message
     return message
+
+
+@contextlib.contextmanager
+def _tokenizer_dir(model_path: str):
+    """The directory whose tokenizer files the export carries: the model's own, or for a .gguf base
+    (whose tokenizer is inside the file) the tokenizer read from it, saved to a temporary one, as a
+    run trained from that file saves it."""
+    path = Path(model_path)
+    if not path.is_file():
+        yield path
+        return
+    from apt_ds.io.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(path)
+    with tempfile.TemporaryDirectory(prefix="apt-export-tokenizer-") as folder:
+        tokenizer.save_pretrained(folder)
+        yield Path(folder)
 
 
 def _plain_model_and_kept(model_path: str, kept_path: str):

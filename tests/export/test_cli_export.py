@@ -184,6 +184,37 @@ def test_export_from_plain_model_and_kept_units(trained_runs, tmp_path):
         assert torch.allclose(exported(input_ids=ids).logits, expected, atol=1e-4)
 
 
+def test_a_gguf_base_with_kept_units_exports_its_tokenizer(trained_runs, tmp_path, capsys):
+    """--model BASE.gguf --kept: the tokenizer is inside the GGUF; both formats carry it."""
+    from apt_ds.export.merge import export_pruned
+    from apt_ds.io.modeling import build_tiny_llama
+    from apt_ds.io.tokenizer import load_tokenizer
+
+    meta = json.loads((trained_runs / "nonuniform" / "checkpoint" / "apt_state.json").read_text())
+    tokenizer = load_tokenizer(trained_runs / "nonuniform" / "tokenizer")
+    original = build_tiny_llama(vocab_size=len(tokenizer), seed=meta["train_config"]["seed"])
+    config = original.config
+    everything = {"groups": [list(range(config.num_key_value_heads))] * config.num_hidden_layers,
+                  "neurons": [list(range(config.intermediate_size))] * config.num_hidden_layers,
+                  "hidden": list(range(config.hidden_size))}
+    export_pruned(original, everything, tmp_path / "base", tokenizer_dir=trained_runs / "nonuniform" / "tokenizer",
+                  format="gguf")  # the dense model as one GGUF file, its tokenizer inside
+    base = next((tmp_path / "base").glob("*.gguf"))
+    kept = str(trained_runs / "nonuniform" / "checkpoint" / "apt_state.json")
+    text = "the quick brown fox"
+    assert export_main(["--model", str(base), "--kept", kept, "--out", str(tmp_path / "hf")]) == 0
+    assert load_tokenizer(tmp_path / "hf")(text)["input_ids"] == tokenizer(text)["input_ids"]
+    assert export_main(["--model", str(base), "--kept", kept, "--out", str(tmp_path / "g"), "--format", "gguf"]) == 0
+    assert _gguf_tokens(next((tmp_path / "g").glob("*.gguf"))) == _gguf_tokens(base)  # a deci GGUF: read by gguf-py
+
+
+def _gguf_tokens(path: Path) -> list[str]:
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path)).fields["tokenizer.ggml.tokens"]
+    return [bytes(field.parts[index]).decode() for index in field.data]
+
+
 def test_checkpoint_whose_shapes_contradict_its_config(trained_runs, tmp_path, capsys):
 
     broken = tmp_path / "broken"
