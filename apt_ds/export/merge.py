@@ -33,15 +33,17 @@ from apt_ds.io.modeling import (
     model_fingerprint,
     same_model,
 )
+from apt_ds.io.pinned import pinned_directory, replaced
 from apt_ds.io.weights import WeightsError
 
 
-def rebuild_trained_model(run_dir: Path, model_path: str | Path | None = None):
+def rebuild_trained_model(run_dir: Path, model_path: str | Path | None = None, checkpoint: Path | None = None):
     """The run's model as trained: original weights, shrunk, adapters loaded, masks installed.
 
-    `model_path` overrides the base model recorded in the run (a run moved to another machine).
+    `model_path` overrides the base model recorded in the run (a run moved to another machine);
+    `checkpoint`: where its checkpoint is read (default RUN/checkpoint; `export_run` pins it).
     Every inconsistency of the run's files is reported as one CheckpointError."""
-    checkpoint = run_dir / "checkpoint"
+    checkpoint = run_dir / "checkpoint" if checkpoint is None else checkpoint
     meta = read_meta(checkpoint)
     try:
         return _rebuild(run_dir, checkpoint, meta, model_path)
@@ -147,9 +149,26 @@ def export_run(run_dir: Path, out: Path, dtype: str = "fp32", overwrite: bool = 
     bases = [Path(p) for p in (model_path, recorded_base) if p is not None and str(p) not in TINY_MODELS]
     check_export_out(out, overwrite, protected=[run_dir, *bases], run_dir=run_dir)
     base = str(model_path) if model_path is not None else recorded_base
-    if streaming is not False and base is not None and base not in TINY_MODELS and Path(base).is_dir():
-        return _export_streaming(run_dir, out, Path(base), dtype, max_shard_size, format)
-    model, state, meta = rebuild_trained_model(run_dir, model_path)
+    stream = streaming is not False and base is not None and base not in TINY_MODELS and Path(base).is_dir()
+    for attempt in range(CHECKPOINT_READS):
+        with pinned_directory(run_dir / "checkpoint") as checkpoint:
+            try:
+                if stream:
+                    return _export_streaming(run_dir, out, Path(base), dtype, max_shard_size, format, checkpoint)
+                return _export_in_memory(run_dir, out, model_path, dtype, max_shard_size, format, checkpoint)
+            except CheckpointError:
+                # A run in training renamed its next checkpoint into place and deleted this one while
+                # it was read: read the new one (the export's output is only renamed into place at the end).
+                if attempt + 1 == CHECKPOINT_READS or not replaced(checkpoint, run_dir / "checkpoint"):
+                    raise
+
+
+CHECKPOINT_READS = 3  # a checkpoint every few seconds could outpace one read; more is a misconfigured run
+
+
+def _export_in_memory(run_dir: Path, out: Path, model_path, dtype: str, max_shard_size, format: str,
+                      checkpoint: Path) -> dict:
+    model, state, meta = rebuild_trained_model(run_dir, model_path, checkpoint)
     model = compact_model(model, state)
     extra = _run_report(run_dir, meta)
     if format == "gguf":
@@ -168,13 +187,13 @@ def _run_report(run_dir: Path, meta: dict) -> dict:
             "step": meta["step"], "steps": meta.get("train_config", {}).get("steps"), "finished": meta["finished"]}
 
 
-def _export_streaming(run_dir: Path, out: Path, base: Path, dtype: str, max_shard_size, format: str = "hf") -> dict:
+def _export_streaming(run_dir: Path, out: Path, base: Path, dtype: str, max_shard_size, format: str,
+                      checkpoint: Path) -> dict:
     from huggingface_hub.serialization._base import parse_size_to_int
     from safetensors import SafetensorError, safe_open
 
     from apt_ds.export.streaming import RunTensors, exported_config, generation_config, stream_weights
 
-    checkpoint = run_dir / "checkpoint"
     meta = read_meta(checkpoint)
     try:
         weights = _checked_base(run_dir, base, meta)

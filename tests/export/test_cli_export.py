@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TRAIN_FAST as FAST
+from safetensors.torch import load_file
 
 from apt_ds.cli.export import main as export_main
 from apt_ds.cli.train import main as train_main
@@ -213,6 +214,34 @@ def _gguf_tokens(path: Path) -> list[str]:
 
     field = GGUFReader(str(path)).fields["tokenizer.ggml.tokens"]
     return [bytes(field.parts[index]).decode() for index in field.data]
+
+
+def test_a_checkpoint_replaced_while_it_is_exported_is_read_again_whole(trained_runs, tmp_path, monkeypatch):
+    """A run in training renames its next checkpoint into place (and deletes the last) while an export
+    reads it: the export reads one checkpoint whole, never apt_state.json of one and tensors of the
+    next (which failed as 'does not fit the rebuilt model', or mixed them silently)."""
+    import apt_ds.export.merge as merge
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_runs / "nonuniform", run)
+    swaps = []
+
+    def load_during_a_checkpoint(path, *args, **kwargs):
+        if not swaps:  # the trainer's rename sequence (apt_ds.io.checkpoint), with another run's checkpoint
+            swaps.append(path)
+            shutil.copytree(trained_runs / "uniform" / "checkpoint", run / "checkpoint.tmp")
+            (run / "checkpoint").rename(run / "checkpoint.old")
+            (run / "checkpoint.tmp").rename(run / "checkpoint")
+            shutil.rmtree(run / "checkpoint.old")
+        return load_file(path, *args, **kwargs)
+
+    monkeypatch.setattr(merge, "load_file", load_during_a_checkpoint)
+    export_run(run, tmp_path / "out")
+    assert swaps  # the swap happened during the read
+    monkeypatch.undo()
+    export_run(trained_runs / "uniform", tmp_path / "expected")
+    got, expected = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("out", "expected"))
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
 
 
 def test_checkpoint_whose_shapes_contradict_its_config(trained_runs, tmp_path, capsys):
