@@ -58,6 +58,23 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def _inside_another_run(out: Path, runs: list[Path]) -> str | None:
+    """A run's directory holds only what apt-ds writes there: PNGs of one of the plotted runs in its
+    own plots/. Anything else inside a run (RUN/plots/sub, RUN/figures, another run's plots/) would
+    make that run's `--overwrite` refuse it, or replace its curves with other runs'."""
+    resolved = out.resolve()
+    plotted = {run.resolve() for run in runs}
+    for run in (parent for parent in resolved.parents if is_run_dir(parent)):
+        if resolved == run / "plots" and run in plotted:
+            return None
+        if resolved == run / "plots":
+            return (f"--out {out} is the plots folder of the run {run}, which is not among the runs plotted (its own "
+                    f"curves would be replaced); choose a directory outside it")
+        return (f"--out {out} is inside the run {run}, which holds only what apt-ds writes (its --overwrite would "
+                f"refuse it); use {run / 'plots'} for that run's own plots, or a directory outside it")
+    return None
+
+
 def _plot(args) -> int:
     if args.out is not None and not args.out.strip():  # Path("") is "."
         return _fail("--out is empty: give the directory for the PNGs")
@@ -80,6 +97,8 @@ def _plot(args) -> int:
     if folder is not None:  # e.g. RUN/checkpoint/, replaced whole at the run's next checkpoint
         return _fail(f"--out {out} is or is inside {folder}, which the run replaces whole (and the plots with it); "
                      f"choose a directory outside it")
+    if problem := _inside_another_run(out, [Path(path) for path in args.runs]):
+        return _fail(problem)
     names = [CURVES_FILE] + ([SHAPE_FILE] if any(run.shape is not None for run in runs) else [])
     runs_own = out.resolve() in {(Path(path) / "plots").resolve() for path in args.runs}  # RUN/plots, named or not
     foreign = [name for name in names if (out / name).exists() and not (runs_own or _ours(out / name))]
