@@ -20,11 +20,31 @@ def is_one_sided(share: float, rows: int) -> bool:
 
 
 def one_answer_notes(results: dict, requested: list[str]) -> list[str]:
-    """A line for each task asked for on which the model gave (nearly) one answer throughout."""
-    counts = results.get("n-samples", {})
-    return [f"note: {task}: {share:.0%} of the rows got the same answer; the score is mostly that answer's share of the data"
-            for task, share in results["apt_ds"]["most_common_answer_share"].items()
-            if task in requested and is_one_sided(share, counts.get(task, {}).get("effective", 0))]
+    """A line for each task asked for on which the model gave (nearly) one answer throughout; for a
+    group asked for (mmlu), how many of its single tasks (subjects) did."""
+    counts, shares = results.get("n-samples", {}), results["apt_ds"]["most_common_answer_share"]
+    subtasks = results.get("group_subtasks", {})
+
+    def one_sided(task: str) -> bool:
+        return task in shares and is_one_sided(shares[task], counts.get(task, {}).get("effective", 0))
+
+    def singles(name: str) -> list[str]:
+        return [leaf for part in subtasks[name] for leaf in singles(part)] if name in subtasks else [name]
+
+    notes = []
+    for name in requested:
+        if name not in subtasks:
+            if one_sided(name):
+                notes.append(f"note: {name}: {shares[name]:.0%} of the rows got the same answer; the score is mostly "
+                             f"that answer's share of the data")
+            continue
+        parts = singles(name)
+        sided = [part for part in parts if one_sided(part)]
+        if sided:
+            notes.append(f"note: {name}: {len(sided)} of its {len(parts)} tasks got the same answer on "
+                         f"{ONE_ANSWER_SHARE:.0%} or more of their rows (e.g. {sided[0]}); their scores are mostly "
+                         f"that answer's share of the data")
+    return notes
 
 
 def check_out_path(out: str | Path, overwrite: bool = False) -> Path:

@@ -192,17 +192,24 @@ def test_one_sided_answers_are_measured():
 
 
 def test_one_sided_tasks_get_a_note():
-    """A note for each requested task with >= 95% of >= 20 rows on one answer; not for fewer rows,
-    lower shares, or a group's single subjects."""
+    """A note for each requested task with >= 95% of >= 20 rows on one answer; not for fewer rows or
+    lower shares. A group asked for (mmlu) gets one note counting its one-sided single tasks."""
     from apt_ds.evaluation.report import one_answer_notes
 
     results = {"apt_ds": {"most_common_answer_share": {"sst2": 1.0, "boolq": 1.0, "arc_easy": 0.94, "piqa": 0.96,
-                                                       "mmlu_anatomy": 1.0}},
+                                                       "mmlu_anatomy": 1.0, "mmlu_astronomy": 0.5,
+                                                       "mmlu_law": 0.97}},
                "n-samples": {"sst2": {"effective": 25}, "boolq": {"effective": 19}, "arc_easy": {"effective": 100},
-                             "piqa": {"effective": 20}, "mmlu_anatomy": {"effective": 135}}}
+                             "piqa": {"effective": 20}, "mmlu_anatomy": {"effective": 135},
+                             "mmlu_astronomy": {"effective": 152}, "mmlu_law": {"effective": 19}},
+               "group_subtasks": {"mmlu": ["mmlu_stem", "mmlu_humanities"], "mmlu_stem": ["mmlu_anatomy", "mmlu_astronomy"],
+                                  "mmlu_humanities": ["mmlu_law"]}}
     notes = one_answer_notes(results, ["sst2", "boolq", "arc_easy", "piqa", "mmlu"])
-    assert [note.split(":")[1].strip() for note in notes] == ["sst2", "piqa"]
+    assert [note.split(":")[1].strip() for note in notes] == ["sst2", "piqa", "mmlu"]
     assert notes[0].startswith("note: sst2: 100% of the rows got the same answer")
+    assert notes[2].startswith("note: mmlu: 1 of its 3 tasks got the same answer on 95% or more of their rows "
+                               "(e.g. mmlu_anatomy)")
+    assert one_answer_notes(results, ["mmlu_humanities"]) == []  # its one subject has too few rows
 
 
 def test_evaluations_report_their_answer_shares(evaluated):
