@@ -67,6 +67,9 @@ def _is_auto(value) -> bool:
     return isinstance(value, str) and value.lower() == "auto"
 
 
+_WARNED: set[tuple[str, str]] = set()  # (config source, section) whose "ignoring" warning was given
+
+
 def resolve_config(user: dict, *, grad_accum_steps: int, world_size: int, micro_batch_size: int | None = None,
                    max_grad_norm: float = 0.0, bf16_supported: bool = True, hidden_size: int | None = None,
                    source: str = "<dict>", base_dtype: str = "auto", on_cpu: bool = False) -> dict:
@@ -80,7 +83,10 @@ def resolve_config(user: dict, *, grad_accum_steps: int, world_size: int, micro_
         raise DeepSpeedConfigError(f"DeepSpeed config {source}: {msg}")
 
     for section in ("optimizer", "scheduler"):
-        if section in cfg:
+        if section in cfg and (source, section) in _WARNED:
+            cfg.pop(section)
+        elif section in cfg:
+            _WARNED.add((source, section))  # resolved again at validation and at the engine's build: said once
             logger.warning("DeepSpeed config %s: ignoring its %r section %s; apt_ds uses torch AdamW + LambdaLR with "
                            "lr / weight decay / schedule from the APT config", source, section,
                            json.dumps(cfg.pop(section)))
@@ -109,6 +115,11 @@ def precheck_config(config: str | os.PathLike, *, grad_accum_steps: int, micro_b
     world_size = launch_world_size(environ)
     resolve_config(user, grad_accum_steps=grad_accum_steps, world_size=world_size, micro_batch_size=micro_batch_size,
                    max_grad_norm=max_grad_norm, hidden_size=_ANY_HIDDEN_SIZE, source=source, base_dtype=base_dtype)
+    from apt_ds.distributed.zero_monitor import monitor_config_problem
+
+    problem = monitor_config_problem(user)  # a missing tensorboard/wandb package, a malformed section
+    if problem:
+        raise DeepSpeedConfigError(f"DeepSpeed config {source}: {problem}")
 
 
 _ANY_HIDDEN_SIZE = 64  # stands in for the model's hidden size in precheck_config

@@ -82,13 +82,19 @@ def test_resolve_refuses_stage0_and_forced_ds_cpu_adam():
         _resolve(forced)
 
 
-def test_resolve_drops_optimizer_and_scheduler(caplog):
+def test_resolve_drops_optimizer_and_scheduler(caplog, monkeypatch):
+    import apt_ds.distributed.ds_config as ds_config
+
+    monkeypatch.setattr(ds_config, "_WARNED", set())
     user = {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 5}},
             "scheduler": {"type": "WarmupLR"}}
     cfg = _resolve(user)
     assert "optimizer" not in cfg and "scheduler" not in cfg
     assert "optimizer" in user  # the caller's dict is not modified
     assert "ignoring its 'optimizer' section" in caplog.text
+    again = _resolve(user)  # a run resolves its JSON at validation and at each engine build: warned once
+    assert "optimizer" not in again and "scheduler" not in again
+    assert caplog.text.count("ignoring its 'optimizer' section") == 1
 
 
 @pytest.mark.parametrize("name", ["zero2.json", "zero3.json", "zero3_offload.json", "zero2_monitor.json"])
@@ -221,6 +227,17 @@ def test_enabled_monitor_without_its_package_is_named(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     assert monitor_config_problem({"wandb": {"enabled": True}}) == \
         "wandb.enabled is true but the wandb package is not installed (pip install wandb)"
+
+
+def test_precheck_names_a_missing_monitor_package_before_any_process_group(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, "tensorboard": {"enabled": True}}))
+    with pytest.raises(DeepSpeedConfigError, match=r"tensorboard\.enabled is true but the tensorboard package is not "):
+        precheck_config(path, grad_accum_steps=1, micro_batch_size=1, max_grad_norm=1.0, environ={})
 
 
 def test_metric_events_are_the_numbers_of_a_record():
