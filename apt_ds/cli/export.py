@@ -117,14 +117,16 @@ def _plain_model_and_kept(model_path: str, kept_path: str):
 
     read_kept_record(kept)  # before the (slow) model load
     if widths is not None:
-        from apt_ds.export.kept import check_mask_widths
+        from apt_ds.export.kept import check_mask_widths, config_widths
         from apt_ds.io.modeling import check_model_path
 
-        config = check_model_path(model_path, flag="--model")  # a directory's config.json; {} for a GGUF file
-        if "intermediate_size" in config and "hidden_size" in config:
-            check_mask_widths(kept_path, widths, config)
+        expected = config_widths(check_model_path(model_path, flag="--model"))  # {} config for a GGUF file: None
+        if expected is not None:
+            check_mask_widths(kept_path, widths, expected)
             widths = None
     model = load_model(model_path)
-    if widths is not None:  # a GGUF's shapes are known once it is read
-        check_mask_widths(kept_path, widths, model.config.to_dict())
+    if widths is not None:  # a GGUF's or a per-layer export's widths are known once it is loaded
+        from apt_ds.export.kept import model_widths
+
+        check_mask_widths(kept_path, widths, model_widths(model))
     return model, kept

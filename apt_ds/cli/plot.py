@@ -70,8 +70,9 @@ def _inside_another_run(out: Path, runs: list[Path]) -> str | None:
         if resolved == run / "plots":
             return (f"--out {out} is the plots folder of the run {run}, which is not among the runs plotted (its own "
                     f"curves would be replaced); choose a directory outside it")
+        own = f"use {run / 'plots'} for that run's own plots, or " if run in plotted else ""
         return (f"--out {out} is inside the run {run}, which holds only what apt-ds writes (its --overwrite would "
-                f"refuse it); use {run / 'plots'} for that run's own plots, or a directory outside it")
+                f"refuse it); {own}choose a directory outside it")
     return None
 
 

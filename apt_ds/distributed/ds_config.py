@@ -67,7 +67,7 @@ def _is_auto(value) -> bool:
     return isinstance(value, str) and value.lower() == "auto"
 
 
-_WARNED: set[tuple[str, str]] = set()  # (config source, section) whose "ignoring" warning was given
+_WARNED: set[tuple[int, str, str]] = set()  # (id of the user's dict, source, section) already warned about
 
 
 def resolve_config(user: dict, *, grad_accum_steps: int, world_size: int, micro_batch_size: int | None = None,
@@ -83,10 +83,10 @@ def resolve_config(user: dict, *, grad_accum_steps: int, world_size: int, micro_
         raise DeepSpeedConfigError(f"DeepSpeed config {source}: {msg}")
 
     for section in ("optimizer", "scheduler"):
-        if section in cfg and (source, section) in _WARNED:
+        if section in cfg and (id(user), source, section) in _WARNED:
             cfg.pop(section)
         elif section in cfg:
-            _WARNED.add((source, section))  # resolved again at validation and at the engine's build: said once
+            _WARNED.add((id(user), source, section))  # a backend resolves its dict at validation and at each engine build
             logger.warning("DeepSpeed config %s: ignoring its %r section %s; apt_ds uses torch AdamW + LambdaLR with "
                            "lr / weight decay / schedule from the APT config", source, section,
                            json.dumps(cfg.pop(section)))

@@ -82,6 +82,8 @@ def metric_events(record: dict) -> list[tuple[str, float, int]]:
 
 
 PATH_SECTIONS = ("tensorboard", "csv_monitor")  # the monitors that write files under output_path
+FILE_PREFIX = PREFIX.replace("/", "_")  # csvMonitor's file of an event: its name with "/" as "_"
+ENGINE_FILE_PREFIX = "Train_Samples_"  # the engine's events (lr, loss scale, timers), at global_samples
 MONITOR_DIR = "monitor"  # RUN/monitor: the default output_path
 
 
@@ -107,12 +109,16 @@ def resume_csv_files(backend, step: int, run_dir: Path) -> None:
     if folder is None or not Path(folder).resolve().is_relative_to(Path(run_dir).resolve()):
         return
     started = []
+    samples = (getattr(backend, "ds_config", None) or {}).get("train_batch_size")
     for path in sorted(Path(folder).glob("*.csv")):
+        # apt/<name> rows are at the optimizer step; DeepSpeed's own Train/Samples/<name> at the samples seen
+        last = step if path.name.startswith(FILE_PREFIX) else step * samples if (
+            samples and path.name.startswith(ENGINE_FILE_PREFIX)) else None
         with path.open(newline="") as handle:
             rows = list(csv.reader(handle))
-        if not rows or rows[0][:1] != ["step"]:
-            continue  # not a file this writer started
-        kept = [rows[0]] + [row for row in rows[1:] if row and row[0] != "step" and _step(row[0]) <= step]
+        if last is None or not rows or rows[0][:1] != ["step"]:
+            continue  # not a file whose x-axis is known here, or not one this writer started
+        kept = [rows[0]] + [row for row in rows[1:] if row and row[0] != "step" and _step(row[0]) <= last]
         partial = path.with_name(f".{path.name}.tmp")
         with partial.open("w", newline="") as handle:
             csv.writer(handle).writerows(kept)

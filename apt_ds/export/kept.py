@@ -23,6 +23,8 @@ def kept_from_masks(path: str) -> tuple[dict, dict]:
     names = ["hidden"] + [f"{kind}.{i}" for i in range(layers) for kind in ("kv_group", "ffn_neuron")]
     if not layers or any(name not in masks for name in names):
         raise CheckpointError(f"--kept {path}: expected masks hidden, kv_group.<i>, ffn_neuron.<i> for every layer")
+    if any(m.dim() != 1 for m in masks.values()):
+        raise CheckpointError(f"--kept {path}: every mask must be a 1-D tensor (one entry per unit)")
     if any(not bool(((m == 0) | (m == 1)).all()) for m in masks.values()):
         raise CheckpointError(f"--kept {path}: masks must be binary (0/1) to be exported; finish the decay first")
 
@@ -36,24 +38,46 @@ def kept_from_masks(path: str) -> tuple[dict, dict]:
     return record, widths
 
 
-def check_mask_widths(path: str, widths: dict, config: dict) -> None:
+def check_mask_widths(path: str, widths: dict, expected: dict) -> None:
     """Masks must cover the ORIGINAL model unit for unit. A run's checkpoint/masks.safetensors covers
     the run's pruned model instead: its kept positions 0..n-1 are not the original units 0..n-1,
-    and exporting them would silently keep the wrong ones. `config`: the model's config.json as a dict."""
-    expected = {"groups": config.get("num_key_value_heads") or config["num_attention_heads"],
-                "neurons": config["intermediate_size"], "hidden": config["hidden_size"]}
-    layers = config["num_hidden_layers"]
+    and exporting them would silently keep the wrong ones. `expected`: the model's widths in the
+    same form (`model_widths`)."""
+    layers = len(expected["groups"])
     if len(widths["groups"]) != layers:
         raise CheckpointError(f"--kept {path} has masks for {len(widths['groups'])} layers; the model has {layers}")
-    found = [(kind, i, width) for kind in ("groups", "neurons") for i, width in enumerate(widths[kind])
-             if width != expected[kind]] + ([("hidden", None, widths["hidden"])] if widths["hidden"] != expected["hidden"] else [])
+    found = [(kind, i, width, expected[kind][i]) for kind in ("groups", "neurons") for i, width in enumerate(widths[kind])
+             if width != expected[kind][i]]
+    if widths["hidden"] != expected["hidden"]:
+        found.append(("hidden", None, widths["hidden"], expected["hidden"]))
     if found:
-        kind, layer, width = found[0]
-        where = "" if layer is None else f" of layer {layer}"
+        kind, layer, width, wanted = found[0]
+        where = "" if layer is None else f" in layer {layer}"
         unit = {"groups": "KV groups", "neurons": "FFN neurons", "hidden": "hidden channels"}[kind]
-        raise CheckpointError(f"--kept {path} masks {width} {unit}{where}, the model has {expected[kind]}: masks must cover "
+        raise CheckpointError(f"--kept {path} masks {width} {unit}{where}, where the model has {wanted}: masks must cover "
                               f"the original model (a run's checkpoint/masks.safetensors covers its pruned model; give "
                               f"the run's checkpoint/apt_state.json instead)")
+
+
+def model_widths(model) -> dict:
+    """Each layer's KV groups and FFN neurons and the hidden size of a loaded model (per layer: an
+    apt-ds export given as the base may have layers of different widths)."""
+    from apt_ds.algorithm.units import ModelShape
+
+    shape = ModelShape.from_model(model)
+    return {"groups": [layer.num_kv_groups for layer in shape.layers], "neurons": [layer.ffn for layer in shape.layers],
+            "hidden": shape.hidden}
+
+
+def config_widths(config: dict) -> dict | None:
+    """`model_widths` from a plain LLaMA config.json, before the weights are loaded; None when the
+    config alone does not say (an apt-ds export's per-layer shapes, a missing field)."""
+    if config.get("apt_layer_shapes") or not all(key in config for key in ("num_hidden_layers", "intermediate_size",
+                                                                          "hidden_size", "num_attention_heads")):
+        return None
+    layers = config["num_hidden_layers"]
+    return {"groups": [config.get("num_key_value_heads") or config["num_attention_heads"]] * layers,
+            "neurons": [config["intermediate_size"]] * layers, "hidden": config["hidden_size"]}
 
 
 def read_kept_record(kept) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:

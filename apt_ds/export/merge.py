@@ -156,11 +156,11 @@ def export_run(run_dir: Path, out: Path, dtype: str = "fp32", overwrite: bool = 
                 if stream:
                     return _export_streaming(run_dir, out, Path(base), dtype, max_shard_size, format, checkpoint)
                 return _export_in_memory(run_dir, out, model_path, dtype, max_shard_size, format, checkpoint)
-            except CheckpointError:
+            except CheckpointError as err:
                 # A run in training renamed its next checkpoint into place and deleted this one while
                 # it was read: read the new one (the export's output is only renamed into place at the end).
                 if attempt + 1 == CHECKPOINT_READS or not replaced(checkpoint, run_dir / "checkpoint"):
-                    raise
+                    raise CheckpointError(str(err).replace(str(checkpoint), str(run_dir / "checkpoint"))) from None
 
 
 CHECKPOINT_READS = 3  # a checkpoint every few seconds could outpace one read; more is a misconfigured run

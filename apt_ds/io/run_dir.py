@@ -84,6 +84,10 @@ _FOLDER_FILES = {
 }
 
 
+def _monitor_file(name: str) -> bool:  # DeepSpeed's csvMonitor and TensorBoard writers, our CSV rewrite's temporary
+    return name.endswith(".csv") or name.startswith("events.out.tfevents.") or (name.startswith(".") and name.endswith(".tmp"))
+
+
 def _foreign_inside(out: Path) -> list[str]:
     """Entries of the run's own folders that the run did not write, as FOLDER/NAME."""
     foreign = []
@@ -91,6 +95,10 @@ def _foreign_inside(out: Path) -> list[str]:
         if (out / folder).is_dir() and not (out / folder).is_symlink():
             foreign += [f"{folder}/{item.name}" for item in sorted((out / folder).iterdir())
                         if not (item.is_file() and not item.is_symlink() and written(item.name))]
+    monitor = out / "monitor"  # the monitors' job folders (RUN/monitor/<job_name>/...), any depth
+    if monitor.is_dir() and not monitor.is_symlink():
+        foreign += [str(item.relative_to(out)) for item in sorted(monitor.rglob("*")) if item.is_symlink()
+                    or not (item.is_dir() or (item.is_file() and _monitor_file(item.name)))]
     return foreign
 
 

@@ -176,8 +176,9 @@ def test_out_inside_what_a_run_replaces_is_refused(apt_copy, runs, capsys):
     assert "which is not among the runs plotted" in _one_line_error(capsys, [str(apt_copy), "--out", str(other / "plots")],
                                                                      other / "plots" / "curves.png")
     for out in (apt_copy / "plots" / "sub", other / "figures"):
-        assert "holds only what apt-ds writes" in _one_line_error(capsys, [str(apt_copy), "--out", str(out)],
-                                                                  out / "curves.png")
+        err = _one_line_error(capsys, [str(apt_copy), "--out", str(out)], out / "curves.png")
+        assert "holds only what apt-ds writes" in err
+        assert ("for that run's own plots" in err) == (out.parent.parent == apt_copy)  # offered only for a plotted run
     assert main([str(apt_copy), str(other), "--out", str(other / "plots")]) == 0  # both plotted: other's own folder
 
 

@@ -207,8 +207,12 @@ def test_sigkill_then_resume_finishes_like_uninterrupted(two_rank_zero2, tmp_pat
         with (run / "monitor" / "apt" / "apt_loss.csv").open() as handle:
             rows = list(csv.reader(handle))
         assert rows[0] == ["step", "loss"]
+        steps = [m["step"] for m in metrics(run) if not m.get("final")]
         assert [(int(step), float(loss)) for step, loss in rows[1:]] == \
             [(m["step"], m["loss"]) for m in metrics(run) if not m.get("final")]
+        with (run / "monitor" / "apt" / "Train_Samples_lr.csv").open() as handle:
+            samples = [int(row[0]) for row in list(csv.reader(handle))[1:]]  # DeepSpeed's own: at samples seen
+        assert samples == [samples[0] * step for step in steps]  # each step's row once, those before the checkpoint kept
 
 
 def _wait_for_checkpoint(proc, out: Path, step: int) -> None:

@@ -95,6 +95,8 @@ def test_resolve_drops_optimizer_and_scheduler(caplog, monkeypatch):
     again = _resolve(user)  # a run resolves its JSON at validation and at each engine build: warned once
     assert "optimizer" not in again and "scheduler" not in again
     assert caplog.text.count("ignoring its 'optimizer' section") == 1
+    _resolve(dict(user))  # another run's config (another dict): warned again
+    assert caplog.text.count("ignoring its 'optimizer' section") == 2
 
 
 @pytest.mark.parametrize("name", ["zero2.json", "zero3.json", "zero3_offload.json", "zero2_monitor.json"])

@@ -314,6 +314,15 @@ def test_tasks_are_scored_once_and_overlaps_are_one_line(models, tmp_path, capsy
         assert err == (f"error: --tasks overlap: {task!r} is part of both {first!r} and {second!r}; "
                        "give only one of them")
         assert not (tmp_path / "o.json").exists()
+    monkeypatch.undo()
+    # A tag is only a list: lm-eval scores its tasks as themselves, so a tag with one of its own tasks is
+    # no overlap (sst2 is scored once), while a tag's task inside a group asked for too is.
+    assert main([str(models["hf"]), "--tasks", "glue,sst2", "--limit", "2", "--out", str(out), "--overwrite"]) == 0
+    assert list(json.loads(out.read_text())["results"]) == ["sst2"]
+    capsys.readouterr()
+    assert main([str(models["hf"]), "--tasks", "mmlu_stem_tasks,mmlu_stem", "--out", str(tmp_path / "o.json")]) == 2
+    assert capsys.readouterr().err.strip() == ("error: --tasks overlap: 'mmlu_abstract_algebra' is part of both "
+                                               "'mmlu_stem_tasks' and 'mmlu_stem'; give only one of them")
 
 
 def test_lm_evals_own_duplicate_refusal_is_still_one_line(models, tmp_path, capsys, monkeypatch):

@@ -203,6 +203,7 @@ def _edit_meta(run: Path, edit) -> None:
     (lambda r: _edit_meta(r, lambda m: m.pop("run_info")), "run_info"),
     (lambda r: _edit_meta(r, lambda m: m["run_info"].update(model="tiny-mha")), "not the base model"),
     (lambda r: _edit_meta(r, lambda m: m["run_info"].update(model="/nonexistent/model")), "--model"),
+    (lambda r: (r / "checkpoint" / "masks.safetensors").unlink(), "broken/checkpoint/masks.safetensors"),
 ])
 def test_damaged_runs_give_one_line_and_write_nothing(run, tmp_path, capsys, damage, message):
     broken = _broken_copy(run, tmp_path)
@@ -210,6 +211,7 @@ def test_damaged_runs_give_one_line_and_write_nothing(run, tmp_path, capsys, dam
     assert export_main([str(broken), "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and message in err and len(err.splitlines()) == 1, err
+    assert "/proc/" not in err  # the checkpoint is read through /proc/self/fd (apt_ds.io.pinned), named as the user's
     assert [p.name for p in tmp_path.iterdir()] == ["broken"]
 
 
@@ -311,3 +313,21 @@ def test_plain_model_with_saved_binary_masks(run, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "masks must cover the original model" in err
     assert "checkpoint/apt_state.json instead" in err and not (tmp_path / "o").exists()
+    # A compact export whose layers differ in width is a valid base: masks over ITS units are checked
+    # layer by layer (its config.json's intermediate_size is one layer's), and a 0-d mask is one line.
+    assert export_main([str(run), "--out", str(tmp_path / "compact")]) == 0
+    from apt_ds.io.modeling import load_pretrained
+
+    compact = load_pretrained(tmp_path / "compact")
+    widths = [layer.mlp.up_proj.out_features for layer in compact.model.layers]
+    assert len(set(widths)) > 1  # non-uniform
+    ones = UnitMasks(ModelShape.from_model(compact)).state_dict()
+    save_file(ones, str(tmp_path / "ones.safetensors"))
+    assert export_main(["--model", str(tmp_path / "compact"), "--kept", str(tmp_path / "ones.safetensors"),
+                        "--out", str(tmp_path / "again")]) == 0
+    ones["hidden"] = torch.tensor(1.0)
+    save_file(ones, str(tmp_path / "scalar.safetensors"))
+    capsys.readouterr()
+    assert export_main(["--model", str(tmp_path / "compact"), "--kept", str(tmp_path / "scalar.safetensors"),
+                        "--out", str(tmp_path / "s")]) == 2
+    assert "every mask must be a 1-D tensor" in capsys.readouterr().err and not (tmp_path / "s").exists()

@@ -62,7 +62,8 @@ def test_a_run_with_foreign_files_is_refused(previous_run, tmp_path, capsys):
     assert tree_digest(run) == before
 
 
-@pytest.mark.parametrize("added", ["plots/my_figure.svg", "tokenizer/README_mine.txt", "ranks/notes.md", "plots/mine/a.png"])
+@pytest.mark.parametrize("added", ["plots/my_figure.svg", "tokenizer/README_mine.txt", "ranks/notes.md", "plots/mine/a.png",
+                                   "monitor/NOTES.md", "monitor/apt/notes.txt"])
 def test_user_files_inside_a_runs_own_folders_are_refused(previous_run, tmp_path, capsys, added):
     """--overwrite checks the folders a user opens (plots/, tokenizer/, ranks/), not only the top level."""
     run = tmp_path / "run"
@@ -72,8 +73,20 @@ def test_user_files_inside_a_runs_own_folders_are_refused(previous_run, tmp_path
     before = tree_digest(run)
     assert train_main([*FAST, "--out", str(run), "--overwrite"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f"also {'/'.join(added.split('/')[:2])}, which a run does not write" in err[0], err
+    shown = added if added.startswith("monitor/") else '/'.join(added.split('/')[:2])  # monitor/: checked at any depth
+    assert len(err) == 1 and f"also {shown}, which a run does not write" in err[0], err
     assert tree_digest(run) == before
+
+
+def test_a_run_with_its_monitor_files_is_replaced(previous_run, tmp_path):
+    """RUN/monitor/<job>/ holds what DeepSpeed's monitors write there (CSV, TensorBoard events)."""
+    run = tmp_path / "run"
+    shutil.copytree(previous_run, run)
+    (run / "monitor" / "apt").mkdir(parents=True)
+    (run / "monitor" / "apt" / "apt_loss.csv").write_text("step,loss\n1,2.0\n")
+    (run / "monitor" / "apt" / "events.out.tfevents.1764000000.host.1.0").write_bytes(b"")
+    assert train_main([*FAST, "--out", str(run), "--overwrite"]) == 0
+    assert not (run / "monitor").exists()  # the new run (no DeepSpeed monitor) replaced the old one whole
 
 
 def test_a_run_with_its_own_plots_is_replaced(previous_run, tmp_path):

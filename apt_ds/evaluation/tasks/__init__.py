@@ -45,26 +45,33 @@ def check_task_names(names: list[str], manager) -> None:
 
 def single_tasks(name: str, manager) -> set[str]:
     """The single tasks `name` scores: itself, or every task of a group or tag, recursively
-    (mmlu -> mmlu_stem, ... -> mmlu_abstract_algebra, ...)."""
+    (mmlu -> mmlu_stem -> the tag mmlu_stem_tasks -> mmlu_abstract_algebra, ...)."""
+    return {task for task, _ in _scored_as(name, manager)}
+
+
+def _scored_as(name: str, manager) -> set[tuple[str, str]]:
+    """(single task, the name lm-eval scores it under) for each task `name` brings: a group's tasks
+    are scored as part of the group; a tag is only a list, each of its tasks scored as itself (so
+    lm-eval accepts `glue,sst2` and scores sst2 once, but refuses `mmlu_stem,mmlu_anatomy`)."""
     from lm_eval.tasks._index import Kind
 
     entry = manager.task_index[name]
     if entry.kind == Kind.GROUP:
         members = [m if isinstance(m, str) else m.get("task") for m in entry.cfg.get("task", [])]
-    elif entry.kind == Kind.TAG:
-        members = sorted(entry.tags)
-    else:
-        return {name}
-    return set().union(*(single_tasks(m, manager) for m in members if m in manager.task_index))
+        return {(task, name) for member in members if member in manager.task_index
+                for task, _ in _scored_as(member, manager)}
+    if entry.kind == Kind.TAG:
+        return set().union(*(_scored_as(member, manager) for member in sorted(entry.tags) if member in manager.task_index))
+    return {(name, name)}
 
 
 def check_task_overlap(names: list[str], manager) -> None:
-    """lm-eval refuses to score a task twice (mmlu_stem and mmlu_anatomy), but only once the model
-    is loaded: minutes for a 7B model. The same rule, before."""
-    owner: dict[str, str] = {}
+    """lm-eval refuses to score a task twice under two names (mmlu_stem and mmlu_anatomy), but only
+    once the model is loaded: minutes for a 7B model. The same rule, before."""
+    owner: dict[str, tuple[str, str]] = {}  # task -> (the name it is scored under, the name asked for)
     for name in names:
-        for task in sorted(single_tasks(name, manager)):
-            if task in owner and owner[task] != name:
-                raise EvaluationError(f"--tasks overlap: {task!r} is part of both {owner[task]!r} and {name!r}; "
+        for task, scored_as in sorted(_scored_as(name, manager)):
+            first = owner.setdefault(task, (scored_as, name))
+            if first[0] != scored_as:
+                raise EvaluationError(f"--tasks overlap: {task!r} is part of both {first[1]!r} and {name!r}; "
                                       "give only one of them")
-            owner[task] = name
