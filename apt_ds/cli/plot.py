@@ -59,20 +59,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _inside_another_run(out: Path, runs: list[Path]) -> str | None:
-    """A run's directory holds only what apt-ds writes there: PNGs of one of the plotted runs in its
-    own plots/. Anything else inside a run (RUN/plots/sub, RUN/figures, another run's plots/) would
-    make that run's `--overwrite` refuse it, or replace its curves with other runs'."""
+    """Inside a run, its own folders hold only what apt-ds writes there: the PNGs of a plotted run go
+    in its plots/, nowhere deeper (RUN/plots/sub would make its --overwrite refuse it), and another
+    run's plots/ keeps its own curves. A folder of the user's own (RUN/figures) is theirs: the run's
+    --overwrite refuses to replace it, naming it."""
     resolved = out.resolve()
     plotted = {run.resolve() for run in runs}
     for run in (parent for parent in resolved.parents if is_run_dir(parent)):
-        if resolved == run / "plots" and run in plotted:
-            return None
-        if resolved == run / "plots":
+        if resolved == run / "plots" and run not in plotted:
             return (f"--out {out} is the plots folder of the run {run}, which is not among the runs plotted (its own "
-                    f"curves would be replaced); choose a directory outside it")
-        own = f"use {run / 'plots'} for that run's own plots, or " if run in plotted else ""
-        return (f"--out {out} is inside the run {run}, which holds only what apt-ds writes (its --overwrite would "
-                f"refuse it); {own}choose a directory outside it")
+                    f"curves would be replaced); choose another directory")
+        if (run / "plots") in resolved.parents:
+            own = f"use {run / 'plots'} itself, or " if run in plotted else ""
+            return (f"--out {out} is inside {run / 'plots'}, which holds only that run's plots (its --overwrite would "
+                    f"refuse it); {own}choose another directory")
     return None
 
 

@@ -15,7 +15,7 @@ import re
 import shutil
 from pathlib import Path
 
-from apt_ds.io.run_dir import check_writable, is_run_dir, listing, replaced_folder
+from apt_ds.io.run_dir import check_writable, listing, replaced_folder
 
 REPORT_FILE = "apt_export.json"
 
@@ -35,10 +35,6 @@ def check_export_out(out: Path, overwrite: bool, protected: list[Path] = (), run
     if folder is not None:
         raise FileExistsError(f"--out {out} is or is inside {folder}, which the run replaces whole (and the export with "
                               f"it); choose a directory outside it")
-    run = next((parent for parent in resolved.parents if is_run_dir(parent)), None)
-    if run is not None:  # RUN/exported: that run's --overwrite would then refuse it as holding more than a run
-        raise FileExistsError(f"--out {out} is inside the run {run}, which holds only what training writes there (its "
-                              f"--overwrite would refuse it); choose a directory outside it")
     if not out.exists() and not out.is_symlink():
         check_writable(out)  # e.g. a parent that is a file: one line naming it, not an OSError from mkdir
         return

@@ -164,22 +164,23 @@ def test_out_that_is_a_file(runs, tmp_path, capsys):
 
 def test_out_inside_what_a_run_replaces_is_refused(apt_copy, runs, capsys):
     """RUN/checkpoint/ is replaced whole at the run's next checkpoint, and the plots with it; PNGs in
-    RUN itself, or anywhere in it but its plots/, would make --overwrite refuse the run as holding
-    more than apt-ds wrote."""
+    RUN itself or deeper in its plots/ would make --overwrite refuse the run as holding more than
+    apt-ds wrote."""
     other = Path(shutil.copytree(runs[1], apt_copy.parent / "other"))
     for out in (apt_copy / "checkpoint" / "p", apt_copy / "tokenizer", other / "checkpoint"):
         assert "which the run replaces whole" in _one_line_error(capsys, [str(apt_copy), "--out", str(out)], out / "curves.png")
     assert "is a run directory; its plots go to" in _one_line_error(capsys, [str(apt_copy), "--out", str(apt_copy)],
                                                                     apt_copy / "curves.png")
-    # Inside a run, only a plotted run's own plots/: another run's plots/ would get this run's curves,
-    # and any other folder would make that run's --overwrite refuse it (nothing written either way).
+    # A run's plots/ is a plotted run's own: another run's would get this run's curves, and a folder
+    # inside it would make that run's --overwrite refuse it (nothing written either way).
     assert "which is not among the runs plotted" in _one_line_error(capsys, [str(apt_copy), "--out", str(other / "plots")],
                                                                      other / "plots" / "curves.png")
-    for out in (apt_copy / "plots" / "sub", other / "figures"):
+    for out in (apt_copy / "plots" / "sub", other / "plots" / "sub"):
         err = _one_line_error(capsys, [str(apt_copy), "--out", str(out)], out / "curves.png")
-        assert "holds only what apt-ds writes" in err
-        assert ("for that run's own plots" in err) == (out.parent.parent == apt_copy)  # offered only for a plotted run
+        assert "which holds only that run's plots" in err
+        assert ("itself, or" in err) == (out.parent.parent == apt_copy)  # offered only for a plotted run
     assert main([str(apt_copy), str(other), "--out", str(other / "plots")]) == 0  # both plotted: other's own folder
+    assert main([str(apt_copy), "--out", str(other / "figures")]) == 0  # a folder of the user's own in a run
 
 
 def test_run_without_checkpoint_gets_curves_and_a_note(apt_copy, capsys):

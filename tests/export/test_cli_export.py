@@ -68,17 +68,6 @@ def test_export_refuses_existing_out_and_missing_checkpoint(trained_runs, tmp_pa
     assert not (tmp_path / "x").exists()
 
 
-def test_export_into_a_run_directory_is_refused(trained_runs, tmp_path, capsys):
-    """RUN/exported would make that run's --overwrite refuse it (a run holds only what training writes)."""
-    run = Path(shutil.copytree(trained_runs / "uniform", tmp_path / "run"))
-    for out in (run / "exported", trained_runs / "nonuniform" / "e" / "f"):
-        assert export_main([str(run), "--out", str(out)]) == 2
-        err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1 and "is inside the run" in err and "choose a directory outside it" in err
-        assert not out.exists()
-    assert train_main([*FAST, "--uniform", "--target-density", "0.6", "--out", str(run), "--overwrite"]) == 0
-
-
 def test_export_of_a_missing_run_or_a_file_names_the_problem(tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
     assert export_main([str(tmp_path / "nothing"), "--out", str(tmp_path / "x")]) == 2
