@@ -67,7 +67,7 @@ def _is_auto(value) -> bool:
     return isinstance(value, str) and value.lower() == "auto"
 
 
-_WARNED: set[tuple[int, str, str]] = set()  # (id of the user's dict, source, section) already warned about
+_WARNED: dict[int, tuple[dict, set[str]]] = {}  # id of a user's config dict -> (that dict, sections warned about)
 
 
 def resolve_config(user: dict, *, grad_accum_steps: int, world_size: int, micro_batch_size: int | None = None,
@@ -83,10 +83,12 @@ def resolve_config(user: dict, *, grad_accum_steps: int, world_size: int, micro_
         raise DeepSpeedConfigError(f"DeepSpeed config {source}: {msg}")
 
     for section in ("optimizer", "scheduler"):
-        if section in cfg and (id(user), source, section) in _WARNED:
+        if section in cfg and section in _WARNED.get(id(user), (None, ()))[1]:
             cfg.pop(section)
         elif section in cfg:
-            _WARNED.add((id(user), source, section))  # a backend resolves its dict at validation and at each engine build
+            # a backend resolves its dict at validation and at each engine build: warned once per dict,
+            # which is kept so that its id is not reused by another run's config
+            _WARNED.setdefault(id(user), (user, set()))[1].add(section)
             logger.warning("DeepSpeed config %s: ignoring its %r section %s; apt_ds uses torch AdamW + LambdaLR with "
                            "lr / weight decay / schedule from the APT config", source, section,
                            json.dumps(cfg.pop(section)))

@@ -84,8 +84,11 @@ _FOLDER_FILES = {
 }
 
 
-def _monitor_file(name: str) -> bool:  # DeepSpeed's csvMonitor and TensorBoard writers, our CSV rewrite's temporary
-    return name.endswith(".csv") or name.startswith("events.out.tfevents.") or (name.startswith(".") and name.endswith(".tmp"))
+def _monitor_file(name: str) -> bool:
+    """What the monitors write: csvMonitor's apt/<name> and engine Train/Samples/<name> files, TensorBoard's
+    event files, and the resume's CSV rewrite's temporary."""
+    csv = name.endswith(".csv") and name.lstrip(".").startswith(("apt_", "Train_Samples_"))
+    return csv or name.startswith("events.out.tfevents.") or (name.startswith(".") and name.endswith(".csv.tmp"))
 
 
 def _foreign_inside(out: Path) -> list[str]:

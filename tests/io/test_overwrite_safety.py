@@ -63,7 +63,7 @@ def test_a_run_with_foreign_files_is_refused(previous_run, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("added", ["plots/my_figure.svg", "tokenizer/README_mine.txt", "ranks/notes.md", "plots/mine/a.png",
-                                   "monitor/NOTES.md", "monitor/apt/notes.txt"])
+                                   "monitor/NOTES.md", "monitor/apt/notes.txt", "monitor/apt/analysis.csv"])
 def test_user_files_inside_a_runs_own_folders_are_refused(previous_run, tmp_path, capsys, added):
     """--overwrite checks the folders a user opens (plots/, tokenizer/, ranks/), not only the top level."""
     run = tmp_path / "run"

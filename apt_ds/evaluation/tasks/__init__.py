@@ -43,12 +43,6 @@ def check_task_names(names: list[str], manager) -> None:
             f"mmlu_other, mmlu_<subject> such as mmlu_anatomy)")
 
 
-def single_tasks(name: str, manager) -> set[str]:
-    """The single tasks `name` scores: itself, or every task of a group or tag, recursively
-    (mmlu -> mmlu_stem -> the tag mmlu_stem_tasks -> mmlu_abstract_algebra, ...)."""
-    return {task for task, _ in _scored_as(name, manager)}
-
-
 def _scored_as(name: str, manager) -> set[tuple[str, str]]:
     """(single task, the name lm-eval scores it under) for each task `name` brings: a group's tasks
     are scored as part of the group; a tag is only a list, each of its tasks scored as itself (so
