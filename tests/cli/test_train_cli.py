@@ -184,3 +184,23 @@ def test_lora_is_not_refused_for_settings_only_pruning_and_growth_read(tmp_path)
             "--adapter-rank", "128", "--out", str(tmp_path / "r")]
     assert train_main(argv) == 0
     assert read_metrics(tmp_path / "r" / "metrics.jsonl")[-1]["total_rank"] == 128 * 2 * 4  # q and v of its 4 layers
+
+
+def test_a_directory_holding_one_gguf_trains_from_that_file(trained_runs, tmp_path):
+    """--model DIR of an apt-ds GGUF export (one .gguf, no config.json) is that file, as for evaluate."""
+    from apt_ds.export.merge import export_pruned
+    from apt_ds.io.modeling import build_tiny_llama
+    from apt_ds.io.tokenizer import load_tokenizer
+
+    meta = json.loads((trained_runs / "uniform" / "checkpoint" / "apt_state.json").read_text())
+    tokenizer_dir = trained_runs / "uniform" / "tokenizer"
+    model = build_tiny_llama(vocab_size=len(load_tokenizer(tokenizer_dir)), seed=meta["train_config"]["seed"])
+    config = model.config
+    everything = {"groups": [list(range(config.num_key_value_heads))] * config.num_hidden_layers,
+                  "neurons": [list(range(config.intermediate_size))] * config.num_hidden_layers,
+                  "hidden": list(range(config.hidden_size))}
+    export_pruned(model, everything, tmp_path / "base", tokenizer_dir=tokenizer_dir, format="gguf")
+    out = tmp_path / "run"
+    assert train_main([*FAST, "--model", str(tmp_path / "base"), "--method", "lora", "--out", str(out)]) == 0
+    recorded = json.loads((out / "run.json").read_text())["model"]
+    assert recorded == str((tmp_path / "base" / "base.gguf").resolve())

@@ -203,7 +203,7 @@ def test_a_gguf_base_with_kept_units_exports_its_tokenizer(trained_runs, tmp_pat
     base = next((tmp_path / "base").glob("*.gguf"))
     kept = str(trained_runs / "nonuniform" / "checkpoint" / "apt_state.json")
     text = "the quick brown fox"
-    assert export_main(["--model", str(base), "--kept", kept, "--out", str(tmp_path / "hf")]) == 0
+    assert export_main(["--model", str(base.parent), "--kept", kept, "--out", str(tmp_path / "hf")]) == 0  # its folder
     assert load_tokenizer(tmp_path / "hf")(text)["input_ids"] == tokenizer(text)["input_ids"]
     assert export_main(["--model", str(base), "--kept", kept, "--out", str(tmp_path / "g"), "--format", "gguf"]) == 0
     assert _gguf_tokens(next((tmp_path / "g").glob("*.gguf"))) == _gguf_tokens(base)  # a deci GGUF: read by gguf-py
