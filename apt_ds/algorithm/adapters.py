@@ -21,6 +21,11 @@ from apt_ds.algorithm.edits import Grow, Keep, ShapeChange
 
 
 class APTAdapter(nn.Linear):
+    """A frozen nn.Linear plus a low-rank update: y = W x + b + scaling * B (A x), with A and B in
+    fp32 and a frozen snapshot of them (`teacher_A/B`) that the self-distillation teacher reads.
+    Made from an existing Linear by `APTAdapter.wrap(linear, rank, alpha)` (in place), never by
+    the constructor; `grow_rank`, `merged_weight` and `merge_and_unwrap` change or fold it."""
+
     lora_A: nn.Parameter
     lora_B: nn.Parameter
     scaling: float
@@ -34,8 +39,13 @@ class APTAdapter(nn.Linear):
         A and B are fp32 whatever the base dtype (the trainable masters; DeepSpeed keeps its own
         fp32 masters and casts the model copy to its precision). `device`: where A and B live
         (default: the weight's; give it when the weight is a ZeRO-3 partition)."""
+        if isinstance(linear, APTAdapter):
+            raise TypeError("this Linear is already an APTAdapter: the model has APT adapters on it (one APTrainer per "
+                            "model; a trained model is exported or merged first, apt_ds.export)")
         if type(linear) is not nn.Linear:
             raise TypeError(f"can only wrap a plain nn.Linear, got {type(linear).__name__}")
+        if type(rank) is not int or rank < 1 or not alpha > 0:
+            raise ValueError(f"an adapter needs an integer rank >= 1 and alpha > 0, got rank {rank!r}, alpha {alpha!r}")
         linear.__class__ = cls
         adapter: APTAdapter = linear  # type: ignore[assignment]
         adapter.weight.requires_grad_(False)

@@ -110,6 +110,11 @@ def scores_on_host(group_scores, neuron_scores, hidden_scores):
 
 
 class AdaptivePruner:
+    """Decides which units to keep at a pruning event: all units ranked by salience per parameter they
+    cost and kept while the event's parameter budget allows; in uniform mode the one (KV groups,
+    neurons, hidden) shape for every layer that fits and keeps the most salience, then each layer's
+    units by salience. `decide` returns a KeepDecision (docs/APT_SPEC.md, section 5)."""
+
     def __init__(self, config: APTConfig):
         self.config = config
 

@@ -12,6 +12,10 @@ SALIENCE_WARMUP_STEPS = 10  # EMA(beta=0.85) needs ~10 steps to forget its start
 
 
 class SparsityScheduler:
+    """When things happen in a run: the pruning events between pruning_start_step and
+    pruning_end_step, the density each targets (cubic, down to target_density), the mask-decay
+    windows before them, the distillation weight and the tuning budget over the phase."""
+
     def __init__(self, config: APTConfig):
         self.config = config
         self.start, self.end = config.pruning_start_step, config.pruning_end_step

@@ -22,6 +22,10 @@ ReadTensor = Callable[[str, torch.nn.Parameter], "torch.Tensor | None"]
 
 
 class AdaptiveTuner:
+    """Adaptive rank growth: accumulates each adapter's salience while pruning runs and, at an event,
+    grows the most important adapters' ranks to fill the trainable-parameter budget of the
+    schedule (docs/APT_SPEC.md, section 7)."""
+
     def __init__(self, config: APTConfig):
         self.config = config
         # Tensors on the adapters' device while training (no host sync per step); plain floats

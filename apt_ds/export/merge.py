@@ -23,15 +23,13 @@ from apt_ds.export.kept import read_kept_record
 from apt_ds.export.out_dir import check_export_out
 from apt_ds.export.writer import DEFAULT_SHARD_SIZE, DTYPES, check_options, summary, write_export, write_export_dir
 from apt_ds.io.checkpoint import CheckpointError, read_meta
+from apt_ds.io.fingerprint import file_fingerprint, model_fingerprint, same_model
 from apt_ds.io.modeling import (
     TINY_MODELS,
     ModelLoadError,
     build_tiny_llama,
     check_model_path,
-    file_fingerprint,
     load_model,
-    model_fingerprint,
-    same_model,
 )
 from apt_ds.io.pinned import pinned_directory, replaced
 from apt_ds.io.weights import WeightsError

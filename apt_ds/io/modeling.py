@@ -8,10 +8,8 @@ the head count from its weights (reshape with -1), so nothing else changes.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import math
 from pathlib import Path
 
 import torch
@@ -162,80 +160,6 @@ def _from_pretrained(auto_class, path: Path, dtype: torch.dtype, mmap: bool):
         return auto_class.from_pretrained(str(path), dtype=dtype)
 
 
-def model_fingerprint(model) -> dict:
-    """Identifies the base model of a run: its config, and a checksum over every weight tensor
-    (|w| summed over a strided sample of ~4k entries per tensor, so any retrained layer changes
-    it) and the embedding's |w| sum. Memory stays at one 16 MB chunk, but every byte is read once
-    (the embedding sum needs them all; from files a 70B model is 140 GB of reads, mostly from the
-    page cache that the ranks of a node share)."""
-    with torch.no_grad():
-        readers = ((name, _tensor_reader(param.detach())) for name, param in sorted(model.named_parameters()))
-        return _fingerprint(model.config, readers, _tensor_reader(model.get_input_embeddings().weight.detach()))
-
-
-def file_fingerprint(directory: str | Path) -> dict:
-    """`model_fingerprint(load_model(directory))`, read from the safetensors files one tensor at
-    a time (a partitioned ZeRO-3 model has no full tensors to read, and the fingerprint must
-    not depend on the dtype the weights are trained in)."""
-    from transformers import AutoConfig
-
-    from apt_ds.io.weights import SafetensorsWeights
-
-    config = AutoConfig.from_pretrained(str(directory))
-    weights = SafetensorsWeights(directory)
-    names = [n for n in weights.names() if not (config.tie_word_embeddings and n == "lm_head.weight")]
-
-    def reader(name):
-        return math.prod(weights.shape(name)), lambda start, length: weights.flat_range(name, start, length)
-
-    return _fingerprint(config, ((name, reader(name)) for name in sorted(names)), reader("model.embed_tokens.weight"))
-
-
-# Elements read at a time (16 MiB of fp32): the fingerprint never holds a whole tensor, let alone
-# float64 copies of one (the 3B model's 128k x 3072 embedding would take 2 x 3 GB that way).
-FINGERPRINT_CHUNK = 1 << 22
-
-
-def _tensor_reader(tensor: torch.Tensor):
-    flat = tensor.reshape(-1)
-    return flat.numel(), lambda start, length: flat[start : start + length]
-
-
-def _chunks(reader):
-    numel, read = reader
-    for start in range(0, numel, FINGERPRINT_CHUNK):
-        yield start, read(start, FINGERPRINT_CHUNK)
-
-
-def _fingerprint(config, named_readers, embedding_reader) -> dict:
-    """Config digest, |w| summed over a strided sample of ~4k entries of every tensor (the same
-    entries, summed in the same order, as flat[::step] of the whole tensor), and the embedding's
-    |w| sum; every tensor read in chunks."""
-    values = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version", "dtype", "torch_dtype")}
-    digest = hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    sums = []
-    for name, reader in named_readers:
-        step = max(1, reader[0] // 4096)
-        sample = torch.cat([chunk[(-start) % step :: step] for start, chunk in _chunks(reader)])
-        sums.append(f"{name}:{float(sample.double().abs().sum()):.6e}")
-    weights = hashlib.sha256("|".join(sums).encode()).hexdigest()[:16]
-    embedding_sum = sum(float(chunk.double().abs().sum()) for _, chunk in _chunks(embedding_reader))
-    return {"config_sha": digest, "embedding_sum": round(embedding_sum, 3), "weights_sha": weights}
-
-
-def same_model(recorded: dict, fingerprint: dict) -> bool:
-    """Compare on the fields the recorded fingerprint has (runs from before `weights_sha`). The
-    embedding sum to 1e-9 relative: a float64 sum's last digits depend on summation order."""
-    for key, value in recorded.items():
-        current = fingerprint.get(key)
-        if key == "embedding_sum" and isinstance(value, (int, float)) and isinstance(current, (int, float)):
-            if abs(current - value) > 1e-9 * max(1.0, abs(value)) + 1e-3:
-                return False
-        elif current != value:
-            return False
-    return True
-
-
 def resize_layers(model, layer_shapes: list[LayerShape]) -> None:
     """Give every decoder layer its own (empty) module sizes before weights are loaded."""
     hidden = model.config.hidden_size
@@ -254,17 +178,20 @@ def resize_layers(model, layer_shapes: list[LayerShape]) -> None:
         mlp.intermediate_size = shape.ffn
 
 
-def load_pretrained(directory: str | Path, dtype: torch.dtype | None = None):
-    """Load an apt_ds export (uniform or not) as a regular LlamaForCausalLM."""
+def load_pretrained(directory: str | Path, dtype: torch.dtype | str | None = None):
+    """Load an apt_ds export (uniform or not) as a regular LlamaForCausalLM; `dtype`: a torch.dtype
+    or its name (fp32, bf16, fp16, float32, ...)."""
     from safetensors.torch import load_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    directory = Path(directory)
+    directory, dtype = Path(directory), _torch_dtype(dtype)
+    raw = dict(check_model_path(directory, flag="load_pretrained:"))  # a run, a file, no weights: said in one line
     try:
-        raw = json.loads((directory / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ModelLoadError(f"{directory}: cannot read config.json ({err})") from None
-    shapes = [LayerShape(**s) for s in raw.pop("apt_layer_shapes", None) or []]
+        shapes = [LayerShape(**s) for s in raw.pop("apt_layer_shapes", None) or []]
+    except TypeError as err:
+        raise ModelLoadError(f"{directory}: config.json's apt_layer_shapes is malformed ({err})") from None
+    if directory.is_file():
+        raise ModelLoadError(f"load_pretrained: {directory} is a GGUF file; read it with apt_ds.io.modeling.load_model")
     try:
         config = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("architectures", "transformers_version")})
     except Exception as err:  # transformers validates head counts etc. with several exception types
@@ -303,3 +230,15 @@ def load_pretrained(directory: str | Path, dtype: torch.dtype | None = None):
     if dtype is not None:
         model = model.to(dtype)
     return model.eval()
+
+
+def _torch_dtype(dtype):
+    names = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    found = names.get(dtype) if isinstance(dtype, str) else None
+    found = found or (getattr(torch, dtype, None) if isinstance(dtype, str) else None)
+    if not isinstance(found, torch.dtype) or not found.is_floating_point:
+        raise ModelLoadError(f"dtype {dtype!r} is not a floating-point torch.dtype nor one of {', '.join(names)}, float32, "
+                             f"bfloat16, float16")
+    return found

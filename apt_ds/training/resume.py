@@ -15,7 +15,7 @@ from pathlib import Path
 from apt_ds.config import STEP_SCALED_FIELDS, APTConfig, ConfigError, TrainConfig, default_warmup_steps
 from apt_ds.io.atomic import write_text_atomic
 from apt_ds.io.checkpoint import CheckpointError, check_known_apt_fields, check_same_apt_config
-from apt_ds.io.modeling import same_model
+from apt_ds.io.fingerprint import same_model
 
 RESUME_MUST_MATCH = ("steps", "lr", "warmup_steps", "weight_decay", "max_grad_norm", "max_seq_len", "template", "seed")
 

@@ -9,10 +9,9 @@ and snapshot the teacher. Everything the loop needs from the executor goes throu
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable
 
 import torch
 from tqdm.auto import tqdm
@@ -40,10 +39,18 @@ from apt_ds.training.forward import (
 from apt_ds.training.heap import release_free_heap
 from apt_ds.training.laps import Laps
 from apt_ds.training.lr_schedule import warmup_cosine
+from apt_ds.training.out_files import check_unused_out_dir, next_micro_batches, write_rank_record
 from apt_ds.training.shape_trials import measure_uniform_shape
 
 
 class APTrainer:
+    """One APT run on a model: wraps its adapters and masks, trains on micro-batches through a
+    backend (LocalBackend, or DeepSpeedBackend under ZeRO), prunes at the schedule's events,
+    grows ranks, distils, and checkpoints into `out_dir`. `train(batches)` runs to
+    `train.steps`; `resume(out_dir / "checkpoint")` first continues a run. Seeds torch's global
+    RNG with `train.seed` (the adapters' initialisation). launch/train.py (apt_ds.training.run)
+    is the reference caller: it builds the model, data and backend around this class."""
+
     EVENT_PARTS = ("decide", "shape_change", "teacher_snapshot", "heap_release")  # an event's timed parts
 
     def __init__(self, model, apt: APTConfig, train: TrainConfig, backend: TrainingBackend | None = None,
@@ -90,10 +97,13 @@ class APTrainer:
         load_checkpoint(self, Path(checkpoint_dir))
         repair_export_copy(self, Path(checkpoint_dir))
 
-    def train(self, batches: Iterator[dict], skip_consumed: bool = True) -> dict:
-        """Train to `steps`. A resumed trainer skips the micro-batches it already consumed,
-        unless the iterator already starts after them (`skip_consumed=False`)."""
-        cfg, started = self.train_config, time.perf_counter()
+    def train(self, batches: Iterable[dict], skip_consumed: bool = True) -> dict:
+        """Train to `steps` on micro-batches (dicts of input_ids, attention_mask and labels, -100 where
+        no loss is taken; an iterator, a list or a DataLoader). A resumed trainer skips the micro-batches
+        it already consumed, unless the iterator already starts after them (`skip_consumed=False`)."""
+        cfg, started, batches = self.train_config, time.perf_counter(), iter(batches)
+        if self.out_dir and self.step == 0:
+            check_unused_out_dir(self.out_dir)
         for _ in range(self.consumed_micro_batches if skip_consumed else 0):
             next(batches)
         # `with`: an error closes the bar first, so its message starts a line of its own
@@ -120,16 +130,8 @@ class APTrainer:
         self.history.append(final)
         if self.out_dir:
             self.save()
-            self._write_rank_record()
+            write_rank_record(self)
         return final
-
-    def _write_rank_record(self) -> None:
-        """Each rank's final kept units and ranks, so identical decisions can be verified."""
-        directory = self.out_dir / "ranks"
-        directory.mkdir(parents=True, exist_ok=True)
-        record = {"rank": self.backend.rank, "world_size": self.backend.world_size, "kept": self.state.kept_record(),
-                  "ranks": self.state.ranks(), "shape": self.state.shape.to_dict()}
-        (directory / f"rank{self.backend.rank}.json").write_text(json.dumps(record))
 
     def save(self) -> None:
         save_checkpoint(self, self.out_dir / "checkpoint")
@@ -164,7 +166,7 @@ class APTrainer:
         self.state.salience.enabled = collect
         mu = self.schedule.distill_weight(step) if self.teacher_ready else 0.0
         gas, world = self.train_config.grad_accum_steps, self.backend.world_size
-        micro_batches = [next(batches) for _ in range(gas)]
+        micro_batches = next_micro_batches(batches, gas, step, self.train_config.steps)
         self.trial_batches = micro_batches  # uniform shape trials measure on them (shape_trials)
         self.consumed_micro_batches += gas
         # Normalise by the GLOBAL token counts of this step, so that the gradient (and hence

@@ -222,3 +222,19 @@ def test_apply_edits_keep_then_grow():
         apply_edits(t, [Grow(0, 2)])
     merged = merge_changes({"a": [Keep(0, torch.tensor([1]))]}, {"a": [Grow(0, 3)], "b": [Grow(1, 2)]})
     assert [type(e) for e in merged["a"]] == [Keep, Grow] and list(merged) == ["a", "b"]
+
+
+def test_wrap_refuses_an_adapter_and_bad_ranks():
+    """A second APTrainer on a trained model meets its adapters: said as such; ranks are checked."""
+    import pytest
+    from torch import nn
+
+    from apt_ds.algorithm.adapters import APTAdapter
+
+    adapter = APTAdapter.wrap(nn.Linear(4, 4), rank=2, alpha=4.0)
+    with pytest.raises(TypeError, match="already an APTAdapter: the model has APT adapters on it"):
+        APTAdapter.wrap(adapter, rank=2, alpha=4.0)
+    for rank, alpha in ((0, 4.0), (-1, 4.0), (2.5, 4.0), (2, 0.0)):
+        with pytest.raises(ValueError, match="an adapter needs an integer rank >= 1 and alpha > 0"):
+            APTAdapter.wrap(nn.Linear(4, 4), rank=rank, alpha=alpha)
+    assert APTAdapter.__doc__ and "APTAdapter.wrap" in APTAdapter.__doc__

@@ -331,3 +331,20 @@ def test_plain_model_with_saved_binary_masks(run, tmp_path, capsys):
     assert export_main(["--model", str(tmp_path / "compact"), "--kept", str(tmp_path / "scalar.safetensors"),
                         "--out", str(tmp_path / "s")]) == 2
     assert "every mask must be a 1-D tensor" in capsys.readouterr().err and not (tmp_path / "s").exists()
+
+
+def test_load_pretrained_takes_dtype_names_and_names_what_is_wrong(run, tmp_path):
+    from apt_ds.io.modeling import ModelLoadError, load_pretrained
+
+    assert export_main([str(run), "--out", str(tmp_path / "e")]) == 0
+    assert next(load_pretrained(tmp_path / "e", dtype="bf16").parameters()).dtype == torch.bfloat16
+    assert next(load_pretrained(tmp_path / "e", dtype="float16").parameters()).dtype == torch.float16
+    for dtype in ("int8", "bf17", 3):
+        with pytest.raises(ModelLoadError, match="is not a floating-point torch.dtype"):
+            load_pretrained(tmp_path / "e", dtype=dtype)
+    with pytest.raises(ModelLoadError, match="is an apt-ds run, not a model: export it first"):
+        load_pretrained(run)
+    (tmp_path / "e" / "config.json").write_text(json.dumps({**json.loads((tmp_path / "e" / "config.json").read_text()),
+                                                            "apt_layer_shapes": [{"wrong": 1}]}))
+    with pytest.raises(ModelLoadError, match="apt_layer_shapes is malformed"):
+        load_pretrained(tmp_path / "e")

@@ -20,7 +20,8 @@ from apt_ds.cli.train import main as train_main
 from apt_ds.export import streaming as streaming_export
 from apt_ds.export.merge import export_run
 from apt_ds.io.checkpoint import CheckpointError
-from apt_ds.io.modeling import file_fingerprint, load_model, model_fingerprint
+from apt_ds.io.fingerprint import file_fingerprint, model_fingerprint
+from apt_ds.io.modeling import load_model
 
 FAST = ["--steps", "12", "--max-seq-len", "32", "--target-density", "0.5", "--micro-batch-size", "2"]
 
@@ -116,7 +117,7 @@ def test_fingerprint_reads_chunks_and_keeps_its_values(runs, monkeypatch):
     whole-tensor sums gave, so runs recorded before still resume."""
     import hashlib
 
-    from apt_ds.io import modeling
+    from apt_ds.io import fingerprint as fingerprints
     from apt_ds.io.weights import SafetensorsWeights
 
     base = runs["gqa"].parent / "base_gqa"
@@ -127,13 +128,13 @@ def test_fingerprint_reads_chunks_and_keeps_its_values(runs, monkeypatch):
         sums.append(f"{name}:{float(flat[:: max(1, flat.numel() // 4096)].double().abs().sum()):.6e}")
     whole_tensor_sums = {"weights_sha": hashlib.sha256("|".join(sums).encode()).hexdigest()[:16],
                          "embedding_sum": round(float(model.get_input_embeddings().weight.detach().double().abs().sum()), 3)}
-    monkeypatch.setattr(modeling, "FINGERPRINT_CHUNK", 1000)  # many chunks per tensor, ragged ends
+    monkeypatch.setattr(fingerprints, "FINGERPRINT_CHUNK", 1000)  # many chunks per tensor, ragged ends
     monkeypatch.setattr(SafetensorsWeights, "get", lambda *a: pytest.fail("a whole tensor was read"))
     for fingerprint in (file_fingerprint(base), model_fingerprint(model)):
-        assert modeling.same_model(whole_tensor_sums, fingerprint)
+        assert fingerprints.same_model(whole_tensor_sums, fingerprint)
         assert fingerprint["weights_sha"] == whole_tensor_sums["weights_sha"]
     moved = {**whole_tensor_sums, "embedding_sum": whole_tensor_sums["embedding_sum"] + 0.01}
-    assert not modeling.same_model(moved, file_fingerprint(base))
+    assert not fingerprints.same_model(moved, file_fingerprint(base))
 
 
 def test_a_base_model_missing_a_tensor_is_named(runs, tmp_path, capsys):

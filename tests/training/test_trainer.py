@@ -434,3 +434,26 @@ def test_training_turns_cudnn_attention_off_unless_asked_and_puts_it_back(cudnn_
     assert {kind for kind, _, _ in seen} == {"forward", "backward"}
     assert any(not grad for _, grad, _ in seen)  # the evaluations' forwards
     assert all(enabled is (cudnn_attention and before) for _, _, enabled in seen)
+
+
+def test_a_library_trainer_leaves_another_run_alone_and_takes_any_iterable(full_run, tmp_path):
+    """A new trainer (step 0) pointed at a run's directory is refused before it writes (its checkpoint
+    would be replaced, its metrics.jsonl would mix two runs); a list of batches trains like an
+    iterator; batches that run out are named."""
+    from apt_ds.config import ConfigError
+
+    out = full_run["out"]
+    before = {p.name: p.stat().st_mtime_ns for p in (out / "checkpoint").iterdir()}
+    metrics = (out / "metrics.jsonl").read_text()
+    apt, train = _configs()
+    with pytest.raises(ConfigError, match=r"holds a run .*call trainer\.resume"):
+        APTrainer(tiny_llama("gqa"), apt, train, out_dir=out, progress=False).train(Batches())
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "checkpoint").iterdir()} == before
+    assert (out / "metrics.jsonl").read_text() == metrics
+
+    lora = APTConfig.for_steps(4).as_lora()
+    short = TrainConfig(steps=4, grad_accum_steps=1, warmup_steps=1)
+    listed = [random_batch(batch=4, length=16, seed=i) for i in range(4)]
+    assert APTrainer(tiny_llama("gqa"), lora, short, progress=False).train(listed)["step"] == 4
+    with pytest.raises(ValueError, match=r"the batches ran out at step 4 of 4: give at least steps x grad_accum_steps"):
+        APTrainer(tiny_llama("gqa"), lora, short, progress=False).train(listed[:3])

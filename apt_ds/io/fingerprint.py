@@ -1,0 +1,86 @@
+"""Which base model a run was trained from: a fingerprint of its config and weights, computed
+from a model in memory or from its safetensors files one chunk at a time, and compared across
+apt-ds versions (`same_model`)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import torch
+
+
+def model_fingerprint(model) -> dict:
+    """Identifies the base model of a run: its config, and a checksum over every weight tensor
+    (|w| summed over a strided sample of ~4k entries per tensor, so any retrained layer changes
+    it) and the embedding's |w| sum. Memory stays at one 16 MB chunk, but every byte is read once
+    (the embedding sum needs them all; from files a 70B model is 140 GB of reads, mostly from the
+    page cache that the ranks of a node share)."""
+    with torch.no_grad():
+        readers = ((name, _tensor_reader(param.detach())) for name, param in sorted(model.named_parameters()))
+        return _fingerprint(model.config, readers, _tensor_reader(model.get_input_embeddings().weight.detach()))
+
+
+def file_fingerprint(directory: str | Path) -> dict:
+    """`model_fingerprint(load_model(directory))`, read from the safetensors files one tensor at
+    a time (a partitioned ZeRO-3 model has no full tensors to read, and the fingerprint must
+    not depend on the dtype the weights are trained in)."""
+    from transformers import AutoConfig
+
+    from apt_ds.io.weights import SafetensorsWeights
+
+    config = AutoConfig.from_pretrained(str(directory))
+    weights = SafetensorsWeights(directory)
+    names = [n for n in weights.names() if not (config.tie_word_embeddings and n == "lm_head.weight")]
+
+    def reader(name):
+        return math.prod(weights.shape(name)), lambda start, length: weights.flat_range(name, start, length)
+
+    return _fingerprint(config, ((name, reader(name)) for name in sorted(names)), reader("model.embed_tokens.weight"))
+
+
+# Elements read at a time (16 MiB of fp32): the fingerprint never holds a whole tensor, let alone
+# float64 copies of one (the 3B model's 128k x 3072 embedding would take 2 x 3 GB that way).
+FINGERPRINT_CHUNK = 1 << 22
+
+
+def _tensor_reader(tensor: torch.Tensor):
+    flat = tensor.reshape(-1)
+    return flat.numel(), lambda start, length: flat[start : start + length]
+
+
+def _chunks(reader):
+    numel, read = reader
+    for start in range(0, numel, FINGERPRINT_CHUNK):
+        yield start, read(start, FINGERPRINT_CHUNK)
+
+
+def _fingerprint(config, named_readers, embedding_reader) -> dict:
+    """Config digest, |w| summed over a strided sample of ~4k entries of every tensor (the same
+    entries, summed in the same order, as flat[::step] of the whole tensor), and the embedding's
+    |w| sum; every tensor read in chunks."""
+    values = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version", "dtype", "torch_dtype")}
+    digest = hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    sums = []
+    for name, reader in named_readers:
+        step = max(1, reader[0] // 4096)
+        sample = torch.cat([chunk[(-start) % step :: step] for start, chunk in _chunks(reader)])
+        sums.append(f"{name}:{float(sample.double().abs().sum()):.6e}")
+    weights = hashlib.sha256("|".join(sums).encode()).hexdigest()[:16]
+    embedding_sum = sum(float(chunk.double().abs().sum()) for _, chunk in _chunks(embedding_reader))
+    return {"config_sha": digest, "embedding_sum": round(embedding_sum, 3), "weights_sha": weights}
+
+
+def same_model(recorded: dict, fingerprint: dict) -> bool:
+    """Compare on the fields the recorded fingerprint has (runs from before `weights_sha`). The
+    embedding sum to 1e-9 relative: a float64 sum's last digits depend on summation order."""
+    for key, value in recorded.items():
+        current = fingerprint.get(key)
+        if key == "embedding_sum" and isinstance(value, (int, float)) and isinstance(current, (int, float)):
+            if abs(current - value) > 1e-9 * max(1.0, abs(value)) + 1e-3:
+                return False
+        elif current != value:
+            return False
+    return True

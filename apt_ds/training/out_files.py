@@ -1,0 +1,36 @@
+"""What a trainer reads from and leaves in its `out_dir` besides checkpoints and metrics: each
+rank's final decisions, the check that a new trainer does not write over another run, and the
+micro-batches of a step (an iterator that runs dry is named, not a bare StopIteration)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from apt_ds.config import ConfigError
+
+
+def write_rank_record(trainer) -> None:
+    """Each rank's final kept units and ranks, so identical decisions can be verified."""
+    directory = trainer.out_dir / "ranks"
+    directory.mkdir(parents=True, exist_ok=True)
+    record = {"rank": trainer.backend.rank, "world_size": trainer.backend.world_size, "kept": trainer.state.kept_record(),
+              "ranks": trainer.state.ranks(), "shape": trainer.state.shape.to_dict()}
+    (directory / f"rank{trainer.backend.rank}.json").write_text(json.dumps(record))
+
+
+def check_unused_out_dir(out_dir: Path) -> None:
+    """A trainer that starts from step 0 must not write into another run's directory: its checkpoint
+    would be replaced and its metrics.jsonl would mix two runs (launch/train.py checks --out before
+    this; a library caller gets the same protection here)."""
+    if (out_dir / "checkpoint").exists() or (out_dir / "metrics.jsonl").exists():
+        raise ConfigError(f"out_dir {out_dir} holds a run (checkpoint/ or metrics.jsonl): call "
+                          f"trainer.resume({out_dir / 'checkpoint'}) to continue it, or give an empty out_dir")
+
+
+def next_micro_batches(batches, count: int, step: int, steps: int) -> list[dict]:
+    try:
+        return [next(batches) for _ in range(count)]
+    except StopIteration:
+        raise ValueError(f"the batches ran out at step {step + 1} of {steps}: give at least steps x grad_accum_steps "
+                         f"micro-batches (an iterator that repeats, e.g. apt_ds.io.data.batches)") from None
