@@ -28,6 +28,7 @@ from apt_ds.config import (
     ConfigError,
     TrainConfig,
     check_field_types,
+    check_schedule_fits,
     default_checkpoint_every,
     default_warmup_steps,
     field_error,
@@ -164,9 +165,7 @@ def _resolve(given: dict[str, Any], recipe: dict[str, Any]) -> tuple[RunArgument
     if run.method == "lora":  # its own settings first, so that checks of what LoRA ignores do not refuse it
         apt_values = {**{k: v for k, v in apt_values.items() if k not in SCHEDULE_FIELDS}, **LORA_SETTINGS}
     apt = APTConfig.for_steps(train.steps, **apt_values)
-    if apt.prune and apt.pruning_end_step > train.steps:
-        raise field_error("APTConfig", "pruning_end_step", f"({apt.pruning_end_step}) must be <= steps ({train.steps}): "
-                          "the run would end before reaching its target density")
+    check_schedule_fits(apt, train)
     if run.method == "lora":
         apt = apt.as_lora()
     return run, apt, train

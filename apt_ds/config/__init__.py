@@ -242,3 +242,12 @@ class TrainConfig(_JsonConfig):
 def _is_device_name(name: str) -> bool:
     kind, _, index = name.partition(":")
     return (name in ("auto", "cpu", "cuda")) or (kind == "cuda" and index.isdigit())
+
+
+def check_schedule_fits(apt: APTConfig, train: TrainConfig) -> None:
+    """A pruning phase that ends after the run would never reach the target density, silently
+    (APTConfig's defaults are a 1000-step phase: use APTConfig.for_steps(train.steps))."""
+    if apt.prune and apt.pruning_end_step > train.steps:
+        raise field_error("APTConfig", "pruning_end_step", f"({apt.pruning_end_step}) must be <= steps ({train.steps}): "
+                          "the run would end before reaching its target density (APTConfig.for_steps(steps) scales "
+                          "the schedule to the run)")

@@ -22,7 +22,7 @@ from apt_ds.algorithm.pruner import AdaptivePruner, GradualMasker
 from apt_ds.algorithm.schedule import SparsityScheduler
 from apt_ds.algorithm.state import APTModel
 from apt_ds.algorithm.tuner import AdaptiveTuner
-from apt_ds.config import APTConfig, TrainConfig
+from apt_ds.config import APTConfig, TrainConfig, check_schedule_fits
 from apt_ds.distributed.backend import LocalBackend, TrainingBackend
 from apt_ds.distributed.placement import move_batch
 from apt_ds.io.checkpoint import load_checkpoint, repair_export_copy, save_checkpoint
@@ -44,18 +44,18 @@ from apt_ds.training.shape_trials import measure_uniform_shape
 
 
 class APTrainer:
-    """One APT run on a model: wraps its adapters and masks, trains on micro-batches through a
-    backend (LocalBackend, or DeepSpeedBackend under ZeRO), prunes at the schedule's events,
-    grows ranks, distils, and checkpoints into `out_dir`. `train(batches)` runs to
-    `train.steps`; `resume(out_dir / "checkpoint")` first continues a run. Seeds torch's global
-    RNG with `train.seed` (the adapters' initialisation). launch/train.py (apt_ds.training.run)
-    is the reference caller: it builds the model, data and backend around this class."""
+    """One APT run on a model: adds adapters and masks, trains on micro-batches through a backend
+    (LocalBackend, or DeepSpeedBackend under ZeRO), prunes at the schedule's events, grows ranks,
+    distils, checkpoints into `out_dir`. `train(batches)` runs to `train.steps`; `resume(checkpoint)`
+    first continues a run. Seeds torch's global RNG with `train.seed`. apt_ds.training.run (what
+    launch/train.py runs) is the reference caller, building model, data and backend around it."""
 
     EVENT_PARTS = ("decide", "shape_change", "teacher_snapshot", "heap_release")  # an event's timed parts
 
     def __init__(self, model, apt: APTConfig, train: TrainConfig, backend: TrainingBackend | None = None,
                  out_dir: str | Path | None = None, eval_batches: list[dict] | None = None, progress: bool = True,
                  run_info: dict | None = None):
+        check_schedule_fits(apt, train)
         self.apt_config, self.train_config = apt, train
         self.backend = backend or LocalBackend()
         self.out_dir = Path(out_dir) if out_dir else None

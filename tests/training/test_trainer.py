@@ -457,3 +457,12 @@ def test_a_library_trainer_leaves_another_run_alone_and_takes_any_iterable(full_
     assert APTrainer(tiny_llama("gqa"), lora, short, progress=False).train(listed)["step"] == 4
     with pytest.raises(ValueError, match=r"the batches ran out at step 4 of 4: give at least steps x grad_accum_steps"):
         APTrainer(tiny_llama("gqa"), lora, short, progress=False).train(listed[:3])
+
+
+def test_a_schedule_that_ends_after_the_run_is_refused():
+    """APTConfig's defaults are a 1000-step pruning phase: with 20 steps nothing would be pruned, silently."""
+    from apt_ds.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"APTConfig\.pruning_end_step \(1000\) must be <= steps \(20\)"):
+        APTrainer(tiny_llama("gqa"), APTConfig(target_density=0.5), TrainConfig(steps=20), progress=False)
+    APTrainer(tiny_llama("gqa"), APTConfig.for_steps(20, target_density=0.5), TrainConfig(steps=20), progress=False)
