@@ -27,6 +27,7 @@ records in the seed's order, LR 2e-3) before it is scored: prune-then-tune with 
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
 import time
@@ -175,7 +176,9 @@ def tune(model, spec: dict, tokenizer, examples: list | None = None):
     train = TrainConfig(steps=steps, micro_batch_size=spec["micro_batch_size"], lr=spec["lr"], warmup_steps=max(1, steps // 10),
                         max_seq_len=seq, seed=spec["seed"], log_every=1)
     examples = instruction_examples(spec, tokenizer) if examples is None else examples
-    trainer = APTrainer(model, lora, train, out_dir=Path(spec["run_dir"]) / "train", progress=False)
+    out_dir = Path(spec["run_dir"]) / "train"
+    shutil.rmtree(out_dir, ignore_errors=True)  # an earlier invocation's run: this one starts afresh
+    trainer = APTrainer(model, lora, train, out_dir=out_dir, progress=False)
     trainer.train(batches(examples, train.micro_batch_size, train.seed, pad_id=tokenizer.pad_token_id or 0))
     return compact_model(model, trainer.state), trainer.state.shape
 

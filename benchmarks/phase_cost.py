@@ -51,7 +51,7 @@ def main(argv=None) -> None:
     import torch
     from tqdm.auto import tqdm
 
-    from apt_ds.config import APTConfig, ConfigError, TrainConfig
+    from apt_ds.config import APTConfig, ConfigError, TrainConfig, check_schedule_fits
     from apt_ds.io.data import batches, load_records, tokenize_dataset
     from apt_ds.io.modeling import load_model
     from apt_ds.io.tokenizer import load_tokenizer
@@ -60,6 +60,7 @@ def main(argv=None) -> None:
     schedule = {} if args.pruning_end_step is None else {"pruning_end_step": args.pruning_end_step}
     try:  # before the model and data are loaded: an end step outside the run, or before the start
         apt = APTConfig.for_steps(args.steps, target_density=args.density, adapter_rank=8, adapter_alpha=16.0, **schedule)
+        check_schedule_fits(apt, TrainConfig(steps=args.steps))
     except ConfigError as err:
         parser.error(str(err))
     torch.set_num_threads(1)

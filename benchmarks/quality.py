@@ -49,7 +49,7 @@ from _common import add_model_arguments, command_line, ensure_hf_model, git_comm
 from _quality_report import markdown, phase_split, plots, targets  # noqa: E402
 from _quality_worker import run_worker  # noqa: E402
 
-from apt_ds.config import ADAPTER_TARGETS, APTConfig, ConfigError  # noqa: E402
+from apt_ds.config import ADAPTER_TARGETS, APTConfig, ConfigError, TrainConfig, check_schedule_fits  # noqa: E402
 
 # Per task: sequence length (BoolQ prompts are cut from the left: the question survives),
 # optimizer steps and test rows scored (each task's whole test split). BoolQ gets 6x SST-2's
@@ -325,7 +325,7 @@ def apt_overrides(pairs: list[str], run_steps: list[int]) -> dict:
             found[name] = text
     for steps in run_steps:
         try:
-            APTConfig.for_steps(steps, **found)
+            check_schedule_fits(APTConfig.for_steps(steps, **found), TrainConfig(steps=steps))
         except (ConfigError, TypeError) as err:  # the config's own one-line validation message
             raise ValueError(f"--apt (a {steps}-step run): {err}") from None
     return found

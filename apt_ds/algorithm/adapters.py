@@ -12,6 +12,7 @@ the teacher shares the base weights instead of copying the model.
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +45,11 @@ class APTAdapter(nn.Linear):
                             "model; a trained model is exported or merged first, apt_ds.export)")
         if type(linear) is not nn.Linear:
             raise TypeError(f"can only wrap a plain nn.Linear, got {type(linear).__name__}")
-        if type(rank) is not int or rank < 1 or not alpha > 0:
+        try:
+            rank = operator.index(rank)  # an int, or a numpy integer
+        except TypeError:
+            rank = 0
+        if rank < 1 or not alpha > 0:
             raise ValueError(f"an adapter needs an integer rank >= 1 and alpha > 0, got rank {rank!r}, alpha {alpha!r}")
         linear.__class__ = cls
         adapter: APTAdapter = linear  # type: ignore[assignment]

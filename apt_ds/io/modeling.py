@@ -233,12 +233,11 @@ def load_pretrained(directory: str | Path, dtype: torch.dtype | str | None = Non
 
 
 def _torch_dtype(dtype):
-    names = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    names = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "float32": torch.float32,
+             "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
-    found = names.get(dtype) if isinstance(dtype, str) else None
-    found = found or (getattr(torch, dtype, None) if isinstance(dtype, str) else None)
-    if not isinstance(found, torch.dtype) or not found.is_floating_point:
-        raise ModelLoadError(f"dtype {dtype!r} is not a floating-point torch.dtype nor one of {', '.join(names)}, float32, "
-                             f"bfloat16, float16")
+    found = names.get(dtype.lower()) if isinstance(dtype, str) else None
+    if found is None:
+        raise ModelLoadError(f"dtype {dtype!r} is not a floating-point torch.dtype nor one of {', '.join(names)}")
     return found

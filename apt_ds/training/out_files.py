@@ -24,8 +24,9 @@ def check_unused_out_dir(out_dir: Path) -> None:
     would be replaced and its metrics.jsonl would mix two runs (launch/train.py checks --out before
     this; a library caller gets the same protection here)."""
     if (out_dir / "checkpoint").exists() or (out_dir / "metrics.jsonl").exists():
-        raise ConfigError(f"out_dir {out_dir} holds a run (checkpoint/ or metrics.jsonl): call "
-                          f"trainer.resume({out_dir / 'checkpoint'}) to continue it, or give an empty out_dir")
+        raise ConfigError(f"out_dir {out_dir} holds a run (checkpoint/ or metrics.jsonl): continue it with "
+                          f"trainer.resume({out_dir / 'checkpoint'}) before train(), or train a fresh model and "
+                          f"APTrainer into an empty out_dir")
 
 
 def next_micro_batches(batches, count: int, step: int, steps: int) -> list[dict]:

@@ -104,8 +104,7 @@ class APTrainer:
         cfg, started, batches = self.train_config, time.perf_counter(), iter(batches)
         if self.out_dir and self.step == 0:
             check_unused_out_dir(self.out_dir)
-        for _ in range(self.consumed_micro_batches if skip_consumed else 0):
-            next(batches)
+        next_micro_batches(batches, self.consumed_micro_batches if skip_consumed else 0, self.step, cfg.steps)
         # `with`: an error closes the bar first, so its message starts a line of its own
         with (training_attention_kernels(cfg.cudnn_attention),
               tqdm(total=cfg.steps, initial=self.step, disable=not (self.progress and self.backend.is_main()), desc="apt") as bar):

@@ -238,3 +238,6 @@ def test_wrap_refuses_an_adapter_and_bad_ranks():
         with pytest.raises(ValueError, match="an adapter needs an integer rank >= 1 and alpha > 0"):
             APTAdapter.wrap(nn.Linear(4, 4), rank=rank, alpha=alpha)
     assert APTAdapter.__doc__ and "APTAdapter.wrap" in APTAdapter.__doc__
+    import numpy as np
+
+    assert APTAdapter.wrap(nn.Linear(4, 4), rank=np.int64(2), alpha=4.0).rank == 2  # any integer type

@@ -339,7 +339,8 @@ def test_load_pretrained_takes_dtype_names_and_names_what_is_wrong(run, tmp_path
     assert export_main([str(run), "--out", str(tmp_path / "e")]) == 0
     assert next(load_pretrained(tmp_path / "e", dtype="bf16").parameters()).dtype == torch.bfloat16
     assert next(load_pretrained(tmp_path / "e", dtype="float16").parameters()).dtype == torch.float16
-    for dtype in ("int8", "bf17", 3):
+    assert next(load_pretrained(tmp_path / "e", dtype="FP16").parameters()).dtype == torch.float16
+    for dtype in ("int8", "bf17", 3, "float8_e4m3fn"):
         with pytest.raises(ModelLoadError, match="is not a floating-point torch.dtype"):
             load_pretrained(tmp_path / "e", dtype=dtype)
     with pytest.raises(ModelLoadError, match="is an apt-ds run, not a model: export it first"):

@@ -446,7 +446,7 @@ def test_a_library_trainer_leaves_another_run_alone_and_takes_any_iterable(full_
     before = {p.name: p.stat().st_mtime_ns for p in (out / "checkpoint").iterdir()}
     metrics = (out / "metrics.jsonl").read_text()
     apt, train = _configs()
-    with pytest.raises(ConfigError, match=r"holds a run .*call trainer\.resume"):
+    with pytest.raises(ConfigError, match=r"holds a run .*continue it with trainer\.resume"):
         APTrainer(tiny_llama("gqa"), apt, train, out_dir=out, progress=False).train(Batches())
     assert {p.name: p.stat().st_mtime_ns for p in (out / "checkpoint").iterdir()} == before
     assert (out / "metrics.jsonl").read_text() == metrics
@@ -457,6 +457,10 @@ def test_a_library_trainer_leaves_another_run_alone_and_takes_any_iterable(full_
     assert APTrainer(tiny_llama("gqa"), lora, short, progress=False).train(listed)["step"] == 4
     with pytest.raises(ValueError, match=r"the batches ran out at step 4 of 4: give at least steps x grad_accum_steps"):
         APTrainer(tiny_llama("gqa"), lora, short, progress=False).train(listed[:3])
+    resumed = APTrainer(tiny_llama("gqa"), apt, train, progress=False)
+    resumed.resume(out / "checkpoint")  # the finished run: its micro-batches are skipped first
+    with pytest.raises(ValueError, match=r"the batches ran out"):
+        resumed.train(listed)
 
 
 def test_a_schedule_that_ends_after_the_run_is_refused():
