@@ -71,9 +71,9 @@ def main(argv: list[str] | None = None) -> int:
 
         check_out_path(args.out, args.overwrite)
         from apt_ds.evaluation.harness import Request, evaluate
-        from apt_ds.io.modeling import single_gguf
+        from apt_ds.io.modeling import model_file
 
-        model = str(single_gguf(args.model) or args.model)  # a GGUF export's directory: its one file
+        model = model_file(args.model)  # a GGUF export's directory: its one file
         tasks = list(dict.fromkeys(name.strip() for name in args.tasks.split(",") if name.strip()))  # each once
         request = Request(model=model, tasks=tasks, limit=args.limit, num_fewshot=args.num_fewshot,
                           device=args.device, dtype=args.dtype, sample_seed=args.sample_seed,

@@ -31,10 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from apt_ds.export.merge import export_pruned, export_run
         from apt_ds.export.writer import check_options
-        from apt_ds.io.modeling import single_gguf
+        from apt_ds.io.modeling import model_file
 
         if args.model:  # a directory holding one .gguf and no config.json: that file, as train and evaluate read it
-            args.model = str(single_gguf(args.model) or args.model)
+            args.model = model_file(args.model)
 
         if args.run_dir:
             if note := set_aside_note(Path(args.run_dir)):  # a killed --overwrite start: where the previous run is

@@ -122,15 +122,6 @@ def terminate_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
-def with_gguf_file(run: RunArguments) -> RunArguments:
-    """--model DIR holding one .gguf and no config.json (an apt-ds GGUF export, a downloaded file in
-    its folder) trains from that file, as evaluate reads it."""
-    from apt_ds.io.modeling import TINY_MODELS, single_gguf
-
-    gguf = None if run.model in TINY_MODELS else single_gguf(run.model)
-    return run if gguf is None else dataclasses.replace(run, model=str(gguf))
-
-
 PATH_FLAGS = ("model", "data", "eval_data", "config", "deepspeed")  # an empty one is a mistake, never "the default"
 
 
@@ -148,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_no_empty_paths(given)
         run, apt, train = resolve(given)
-        run = with_gguf_file(run)
+        from apt_ds.io.modeling import model_file
+
+        run = dataclasses.replace(run, model=model_file(run.model))  # a GGUF export's directory: its one file
         check_batch_flags(run, given)
         note_what_lora_ignores(run, given)
         out = run.out

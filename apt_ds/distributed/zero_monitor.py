@@ -109,11 +109,11 @@ def resume_csv_files(backend, step: int, run_dir: Path) -> None:
     if folder is None or not Path(folder).resolve().is_relative_to(Path(run_dir).resolve()):
         return
     started = []
+    # apt/<name> rows are at the optimizer step; DeepSpeed's own Train/Samples/<name> at the samples seen
     samples = (getattr(backend, "ds_config", None) or {}).get("train_batch_size")
+    last_by_prefix = {FILE_PREFIX: step, ENGINE_FILE_PREFIX: step * samples if samples else None}
     for path in sorted(Path(folder).glob("*.csv")):
-        # apt/<name> rows are at the optimizer step; DeepSpeed's own Train/Samples/<name> at the samples seen
-        last = step if path.name.startswith(FILE_PREFIX) else step * samples if (
-            samples and path.name.startswith(ENGINE_FILE_PREFIX)) else None
+        last = next((value for prefix, value in last_by_prefix.items() if path.name.startswith(prefix)), None)
         with path.open(newline="") as handle:
             rows = list(csv.reader(handle))
         if last is None or not rows or rows[0][:1] != ["step"]:

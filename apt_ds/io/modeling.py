@@ -91,6 +91,12 @@ def single_gguf(path: str | Path) -> Path | None:
     return found[0] if len(found) == 1 else None
 
 
+def model_file(model: str) -> str:
+    """What a --model value names: a directory holding one .gguf and no config.json (an apt-ds GGUF
+    export's) is that file; anything else (a directory, a file, a built-in tiny model) itself."""
+    return model if model in TINY_MODELS else str(single_gguf(model) or model)
+
+
 def gguf_architecture(path: Path) -> str | None:
     """general.architecture of a GGUF file, read from its header (llama.cpp's writers put it
     first); None when the header does not start with it. Not gguf-py's GGUFReader: it maps and
