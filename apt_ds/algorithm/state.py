@@ -7,6 +7,9 @@ architecture be rebuilt from the original checkpoint: which ORIGINAL unit indice
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import torch
 
 from apt_ds.algorithm.adapters import add_adapters, find_adapters
@@ -105,6 +108,17 @@ class APTModel:
         edits = replace_module_params(access, adapter, lambda: adapter.grow_rank(rank, generator),
                                       read=[adapter.lora_A, adapter.lora_B])  # not the frozen weight
         return {f"{name}.{param}": param_edits for param, param_edits in edits.items()}
+
+    def shape_fingerprint(self) -> str:
+        """A digest of the kept units and adapter ranks, equal on two ranks iff those are: what the
+        ranks compare after each event (the record itself is ~2.3M indices at 70B, which
+        all_gather_object would copy from every rank to every rank)."""
+        digest = hashlib.sha256()
+        for kept in [*self.kept_groups, *self.kept_neurons, self.kept_hidden]:
+            digest.update(kept.to("cpu", torch.int64).numpy().tobytes())
+            digest.update(b"|")
+        digest.update(json.dumps(self.ranks()).encode())
+        return digest.hexdigest()
 
     def kept_record(self) -> dict:
         return {

@@ -112,6 +112,29 @@ def launcher_env(environ: Mapping[str, str], free_port: Callable[[], int] = _fre
             "MASTER_PORT": environ.get("MASTER_PORT") or str(free_port())}
 
 
+def local_device_index(environ: Mapping[str, str], device_count: int, device_name: str = "cuda") -> int | None:
+    """The accelerator device index of this rank: LOCAL_RANK, or None while it is not known (pure).
+
+    Every launcher apt-ds supports gives a rank all of its node's devices and LOCAL_RANK as the
+    index to use; a task that sees fewer devices than its LOCAL_RANK (Slurm's --gpus-per-task=1,
+    which hides the others) is refused with what to change."""
+    raw = environ.get("LOCAL_RANK")
+    if raw is None:
+        return None
+    try:
+        index = int(raw)
+    except ValueError:
+        raise DeepSpeedConfigError(f"LOCAL_RANK={raw!r} is not an integer") from None
+    if not 0 <= index < device_count:
+        visible = environ.get("CUDA_VISIBLE_DEVICES")
+        shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+        raise DeepSpeedConfigError(
+            f"LOCAL_RANK={index}, but this process sees {device_count} {device_name} device(s){shown}: each rank uses "
+            f"device LOCAL_RANK, so every rank needs all of its node's devices visible (with Slurm, ask for them per "
+            f"node, e.g. --gpus-per-node, not --gpus-per-task=1)")
+    return index
+
+
 def _pmi_size(environ: Mapping[str, str]) -> int:
     value = environ.get("PMI_SIZE", "")
     return int(value) if value.isdigit() else 0

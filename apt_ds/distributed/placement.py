@@ -8,7 +8,9 @@ Decisions:
   1536x576, one thread, 1.21 s vs 0.14 s). fp16 is refused on CPU. Adapters keep fp32 masters.
 - On CPU, a rank whose OMP_NUM_THREADS is unset uses cores / local ranks threads: the
   DeepSpeed launcher does not set it, and oversubscribed OpenMP threads made steps ~100x
-  slower on this project's 2-core machine.
+  slower on this project's 2-core machine. GPU ranks that share a node get the same share
+  (`configure_host_threads`): their host work (a pruning decision sorts every unit, at the same
+  moment on every rank) would otherwise run on all cores in each of them.
 """
 
 from __future__ import annotations
@@ -81,6 +83,14 @@ def configure_cpu_threads(environ: Mapping[str, str] = os.environ) -> int | None
     if threads is not None:
         torch.set_num_threads(threads)
     return threads
+
+
+def configure_host_threads(device: torch.device, environ: Mapping[str, str] = os.environ) -> int | None:
+    """`configure_cpu_threads` for a rank on `device`: always on CPU; on an accelerator only when
+    several ranks share the node (one process on a GPU keeps torch's own default)."""
+    if device.type != "cpu" and local_ranks(environ) == 1:
+        return None
+    return configure_cpu_threads(environ)
 
 
 def available_bytes(device: torch.device, environ: Mapping[str, str] = os.environ) -> int:

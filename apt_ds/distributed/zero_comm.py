@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from apt_ds.distributed.launcher_env import launcher_env
+from apt_ds.distributed.launcher_env import launcher_env, local_device_index
 
 
 def import_deepspeed() -> None:
@@ -26,14 +26,31 @@ def init_process_group() -> None:
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
-    if dist.is_initialized():
+    if not dist.is_initialized():
+        os.environ.update(launcher_env(os.environ))  # OpenMPI / Slurm / plain python -> RANK, WORLD_SIZE
+        # Before the process group: NCCL binds each rank to the device current at its first use.
+        bind_local_device()
+        deepspeed.init_distributed(verbose=False)  # its auto_mpi_discovery maps AzureML / SageMaker / mpi4py
+        if get_accelerator().device_name() == "cpu":
+            _release_shm_buffers()
+    # Again after it: DeepSpeed's discovery (AzureML, SageMaker, mpi4py) sets LOCAL_RANK only inside
+    # init_distributed, and a caller who started the process group may have chosen no device; either
+    # way every rank was left on device 0 while NCCL was bound to cuda:LOCAL_RANK.
+    bind_local_device()
+
+
+def bind_local_device() -> None:
+    """Make cuda:LOCAL_RANK (the accelerator's device LOCAL_RANK) this rank's current device, where
+    LOCAL_RANK is known; on DeepSpeed's CPU accelerator nothing. A LOCAL_RANK this process has no
+    device for is refused in one line (DeepSpeed would fail deep inside NCCL's start)."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu":
         return
-    os.environ.update(launcher_env(os.environ))  # OpenMPI / Slurm / plain python -> RANK, WORLD_SIZE
-    # Before the process group: NCCL binds each rank to the device current at its first use.
-    get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    deepspeed.init_distributed(verbose=False)  # its auto_mpi_discovery maps AzureML / SageMaker / mpi4py
-    if get_accelerator().device_name() == "cpu":
-        _release_shm_buffers()
+    index = local_device_index(os.environ, accelerator.device_count(), accelerator.device_name())
+    if index is not None:
+        accelerator.set_device(index)
 
 
 def _release_shm_buffers() -> None:

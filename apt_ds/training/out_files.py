@@ -19,11 +19,14 @@ def write_rank_record(trainer) -> None:
     (directory / f"rank{trainer.backend.rank}.json").write_text(json.dumps(record))
 
 
-def check_unused_out_dir(out_dir: Path) -> None:
+def check_unused_out_dir(out_dir: Path, backend) -> None:
     """A trainer that starts from step 0 must not write into another run's directory: its checkpoint
     would be replaced and its metrics.jsonl would mix two runs (launch/train.py checks --out before
-    this; a library caller gets the same protection here)."""
-    if (out_dir / "checkpoint").exists() or (out_dir / "metrics.jsonl").exists():
+    this; a library caller gets the same protection here). Rank 0, which writes the run, looks and
+    tells the others: on another node a file system's cache may still show what rank 0 just moved
+    aside (--overwrite), and a refusal on that rank alone would leave the rest waiting."""
+    held = backend.is_main() and ((out_dir / "checkpoint").exists() or (out_dir / "metrics.jsonl").exists())
+    if backend.all_gather_object(held)[0]:
         raise ConfigError(f"out_dir {out_dir} holds a run (checkpoint/ or metrics.jsonl): continue it with "
                           f"trainer.resume({out_dir / 'checkpoint'}) before train(), or train a fresh model and "
                           f"APTrainer into an empty out_dir")

@@ -19,7 +19,7 @@ import torch
 from apt_ds.algorithm.reachable import check_model_target
 from apt_ds.config import APTConfig, ConfigError, TrainConfig
 from apt_ds.distributed.backend import LocalBackend
-from apt_ds.distributed.placement import check_fits, configure_cpu_threads, resolve_base_dtype, resolve_device
+from apt_ds.distributed.placement import check_fits, configure_host_threads, resolve_base_dtype, resolve_device
 from apt_ds.distributed.zero_monitor import monitor_into_run, resume_csv_files
 from apt_ds.io.atomic import write_text_atomic
 from apt_ds.io.checkpoint import read_meta, repair_finished_run
@@ -48,14 +48,13 @@ PROBE_FILE = "eval_probe.safetensors"
 
 
 def make_backend(args, train: TrainConfig):
-    """The backend and the training config it implies; on CPU also the threads per rank."""
+    """The backend and the training config it implies; also the host threads per rank."""
     backend, train = _make_backend(args, train)
     resolve_base_dtype(train.base_dtype, backend.device)  # e.g. fp16 asked on a CPU: refused here
     if getattr(backend, "param_dtype", None) == torch.float16 and backend.device.type == "cpu":
         raise ConfigError(f"DeepSpeed config {args.deepspeed}: fp16 is not supported on CPU (no fp16 kernels); "
                           "set \"fp16\": {\"enabled\": false} or use bf16")
-    if backend.device.type == "cpu":
-        configure_cpu_threads()
+    configure_host_threads(backend.device)
     return backend, train
 
 

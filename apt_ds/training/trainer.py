@@ -103,7 +103,7 @@ class APTrainer:
         it already consumed, unless the iterator already starts after them (`skip_consumed=False`)."""
         cfg, started, batches = self.train_config, time.perf_counter(), iter(batches)
         if self.out_dir and self.step == 0:
-            check_unused_out_dir(self.out_dir)
+            check_unused_out_dir(self.out_dir, self.backend)
         next_micro_batches(batches, self.consumed_micro_batches if skip_consumed else 0, self.step, cfg.steps)
         # `with`: an error closes the bar first, so its message starts a line of its own
         with (training_attention_kernels(cfg.cudnn_attention),
@@ -264,8 +264,7 @@ class APTrainer:
             return merge_changes(change, growth)
 
         self.backend.apply_shape_change(change_fn)
-        ranks = self.backend.all_gather_object((self.state.kept_record(), self.state.ranks()))
-        if any(r != ranks[0] for r in ranks):
+        if len(set(self.backend.all_gather_object(self.state.shape_fingerprint()))) != 1:
             raise RuntimeError(f"shapes or ranks differ across ranks after the pruning event at step {step}")
         part("shape_change")
         if self.apt_config.distill:

@@ -47,6 +47,20 @@ def test_threads_per_rank_follow_local_ranks():
     assert cpu_threads_per_rank({"OMP_NUM_THREADS": "3", "LOCAL_SIZE": "2"}, cores=16) is None  # the user decided
 
 
+def test_host_threads_are_shared_by_the_ranks_of_a_node_on_gpus_too(monkeypatch):
+    """8 GPU ranks on a node ran their pruning decisions' host sorts on every core each."""
+    from apt_ds.distributed import placement
+
+    monkeypatch.setattr(placement.os, "sched_getaffinity", lambda pid: set(range(64)))
+    calls = []
+    monkeypatch.setattr(placement.torch, "set_num_threads", calls.append)
+    assert placement.configure_host_threads(torch.device("cuda", 3), {"LOCAL_SIZE": "8"}) == 8
+    assert placement.configure_host_threads(torch.device("cuda", 0), {}) is None  # one process: torch's default
+    assert placement.configure_host_threads(torch.device("cpu"), {}) == 64
+    assert placement.configure_host_threads(torch.device("cuda", 0), {"LOCAL_SIZE": "8", "OMP_NUM_THREADS": "4"}) is None
+    assert calls == [8, 64]
+
+
 def test_deepspeed_precision_auto_is_fp32_on_cpu_and_bf16_on_gpus():
     auto = {"bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 3}}
     assert resolve_precision(auto, on_cpu=True) == "fp32"

@@ -260,6 +260,65 @@ def test_differing_decisions_across_ranks_are_an_error():
         trainer.train(batches())
 
 
+def test_ranks_compare_shapes_by_digest_not_by_the_kept_record():
+    """After each event the ranks compare what they kept: a digest, not the record itself, which
+    all_gather_object would copy from every rank to every rank (~2.3M indices at 70B)."""
+    import pickle
+
+    class RecordingBackend(LocalBackend):
+        def all_gather_object(self, obj):
+            gathered.append(len(pickle.dumps(obj)))
+            return [obj]
+
+    gathered: list[int] = []
+    model = tiny_llama("gqa", intermediate_size=1024)  # a record of 1k+ indices per layer
+    trainer = APTrainer(model, APTConfig.for_steps(12, target_density=0.6), TrainConfig(steps=12, micro_batch_size=2),
+                        backend=RecordingBackend(), progress=False)
+    trainer.train(random_batch(batch=2, length=8) for _ in iter(int, 1))
+    assert trainer.state.density() < 0.99 and len(gathered) >= 2
+    assert max(gathered) < 200
+
+
+def test_shape_fingerprint_follows_kept_units_and_ranks():
+    from apt_ds.algorithm.pruner import KeepDecision
+    from apt_ds.algorithm.state import APTModel
+
+    states = [APTModel(tiny_llama("gqa"), APTConfig(), seed=0) for _ in range(2)]
+    assert states[0].shape_fingerprint() == states[1].shape_fingerprint()
+    shape = states[0].shape
+    neurons = [torch.ones(layer.ffn, dtype=torch.bool) for layer in shape.layers]
+    neurons[0][3] = False
+    states[0].shrink(KeepDecision([torch.ones(layer.num_kv_groups, dtype=torch.bool) for layer in shape.layers],
+                                  neurons, torch.ones(shape.hidden, dtype=torch.bool), 0))
+    assert states[0].shape_fingerprint() != states[1].shape_fingerprint()
+    name = sorted(states[1].adapters)[0]
+    before = states[1].shape_fingerprint()
+    states[1].grow_rank(name, states[1].adapters[name].rank + 2)
+    assert states[1].shape_fingerprint() != before
+
+
+def test_rank_zero_alone_decides_whether_out_dir_holds_a_run(tmp_path):
+    """A rank on another node whose file system cache still shows the checkpoint/ that rank 0 just
+    moved aside (--overwrite) must not refuse alone, leaving the others waiting."""
+    from apt_ds.config import ConfigError
+    from apt_ds.training.out_files import check_unused_out_dir
+
+    class Rank(LocalBackend):
+        def __init__(self, rank: int, rank0_sees_a_run: bool):
+            super().__init__()
+            self.rank, self.rank0_sees_a_run = rank, rank0_sees_a_run
+
+        def all_gather_object(self, obj):
+            return [obj, False] if self.rank == 0 else [self.rank0_sees_a_run, obj]
+
+    (tmp_path / "checkpoint").mkdir()
+    check_unused_out_dir(tmp_path, Rank(1, rank0_sees_a_run=False))
+    with pytest.raises(ConfigError, match="holds a run"):
+        check_unused_out_dir(tmp_path, Rank(0, rank0_sees_a_run=True))
+    with pytest.raises(ConfigError, match="holds a run"):  # rank 0 saw it: every rank stops
+        check_unused_out_dir(tmp_path / "elsewhere", Rank(1, rank0_sees_a_run=True))
+
+
 def test_progress_bar_shows_task_loss_and_distillation_apart_on_unlogged_steps_too():
     model = tiny_llama("gqa")
     apt = APTConfig.for_steps(8, target_density=0.6, distill_every=1)
