@@ -17,7 +17,9 @@ _PUBLIC = {
     "APTConfig": "apt_ds.config",
     "ConfigError": "apt_ds.config",
     "TrainConfig": "apt_ds.config",
+    "export_run": "apt_ds.export.merge",
     "load_pretrained": "apt_ds.io.modeling",
+    "merge_and_compact": "apt_ds.export.merge",
     "APTrainer": "apt_ds.training.trainer",
 }
 __all__ = sorted(_PUBLIC)

@@ -132,6 +132,18 @@ def compact_model(model, state: APTModel):
     return model.eval()
 
 
+def merge_and_compact(trainer):
+    """The model of a trained `APTrainer`, as `launch/export.py` would write it: adapters merged,
+    pruned units removed, no masks, hooks or distillation parts; a LlamaForCausalLM in eval mode
+    (per-layer widths after a non-uniform run). The trainer cannot train on afterwards. One
+    process or ZeRO-1/2: a ZeRO-3 model is partitioned across ranks, so export its run instead
+    (`export_run(out_dir, ...)`, which also writes files)."""
+    if any(hasattr(p, "ds_id") for p in trainer.model.parameters()):  # ZeRO-3's mark (export knows no DeepSpeed)
+        raise ValueError("a ZeRO-3 model is partitioned across ranks: export the run from its out_dir "
+                         "(apt_ds.export.merge.export_run or launch/export.py)")
+    return compact_model(trainer.model, trainer.state)
+
+
 def export_run(run_dir: Path, out: Path, dtype: str = "fp32", overwrite: bool = False,
                model_path: str | Path | None = None, max_shard_size: str | int = DEFAULT_SHARD_SIZE,
                streaming: bool | None = None, format: str = "hf") -> dict:
