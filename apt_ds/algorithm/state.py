@@ -115,8 +115,8 @@ class APTModel:
         all_gather_object would copy from every rank to every rank)."""
         digest = hashlib.sha256()
         for kept in [*self.kept_groups, *self.kept_neurons, self.kept_hidden]:
+            digest.update(len(kept).to_bytes(8, "little"))
             digest.update(kept.to("cpu", torch.int64).numpy().tobytes())
-            digest.update(b"|")
         digest.update(json.dumps(self.ranks()).encode())
         return digest.hexdigest()
 

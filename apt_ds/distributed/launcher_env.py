@@ -112,26 +112,32 @@ def launcher_env(environ: Mapping[str, str], free_port: Callable[[], int] = _fre
             "MASTER_PORT": environ.get("MASTER_PORT") or str(free_port())}
 
 
-def local_device_index(environ: Mapping[str, str], device_count: int, device_name: str = "cuda") -> int | None:
-    """The accelerator device index of this rank: LOCAL_RANK, or None while it is not known (pure).
+# Where this rank's local index is read, in order: what torch and DeepSpeed use, then the launchers'
+# own (DeepSpeed's engine falls back on OpenMPI's too) for a process group a caller started.
+LOCAL_INDEX_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+
+
+def local_device_index(environ: Mapping[str, str], device_count: int, device_name: str = "cuda",
+                       visible_vars: tuple[str, ...] = ("CUDA_VISIBLE_DEVICES",)) -> int | None:
+    """The accelerator device index of this rank: its local rank, or None while that is not known (pure).
 
     Every launcher apt-ds supports gives a rank all of its node's devices and LOCAL_RANK as the
-    index to use; a task that sees fewer devices than its LOCAL_RANK (Slurm's --gpus-per-task=1,
+    index to use; a task that sees fewer devices than its local rank (Slurm's --gpus-per-task=1,
     which hides the others) is refused with what to change."""
-    raw = environ.get("LOCAL_RANK")
-    if raw is None:
+    key = next((k for k in LOCAL_INDEX_VARS if environ.get(k)), None)
+    if key is None:
         return None
+    raw = environ[key]
     try:
         index = int(raw)
     except ValueError:
-        raise DeepSpeedConfigError(f"LOCAL_RANK={raw!r} is not an integer") from None
+        raise DeepSpeedConfigError(f"{key}={raw!r} is not an integer") from None
     if not 0 <= index < device_count:
-        visible = environ.get("CUDA_VISIBLE_DEVICES")
-        shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+        shown = "".join(f" ({v}={environ[v]})" for v in visible_vars if v in environ)
         raise DeepSpeedConfigError(
-            f"LOCAL_RANK={index}, but this process sees {device_count} {device_name} device(s){shown}: each rank uses "
-            f"device LOCAL_RANK, so every rank needs all of its node's devices visible (with Slurm, ask for them per "
-            f"node, e.g. --gpus-per-node, not --gpus-per-task=1)")
+            f"{key}={index}, but this process sees {device_count} {device_name} device(s){shown}: each rank uses the "
+            f"device of its local rank, so every rank needs all of its node's devices visible (with Slurm, ask for "
+            f"them per node, e.g. --gpus-per-node, not --gpus-per-task=1)")
     return index
 
 

@@ -87,9 +87,12 @@ def configure_cpu_threads(environ: Mapping[str, str] = os.environ) -> int | None
 
 def configure_host_threads(device: torch.device, environ: Mapping[str, str] = os.environ) -> int | None:
     """`configure_cpu_threads` for a rank on `device`: always on CPU; on an accelerator only when
-    several ranks share the node (one process on a GPU keeps torch's own default)."""
-    if device.type != "cpu" and local_ranks(environ) == 1:
-        return None
+    several ranks share the node and each may run on all of its cores. One process on a GPU, or
+    ranks the launcher already gave cores of their own (Slurm's --cpus-per-task, mpirun's
+    binding), keep torch's own default."""
+    if device.type != "cpu":
+        if local_ranks(environ) == 1 or len(os.sched_getaffinity(0)) < (os.cpu_count() or 0):
+            return None
     return configure_cpu_threads(environ)
 
 

@@ -40,15 +40,17 @@ def init_process_group() -> None:
 
 
 def bind_local_device() -> None:
-    """Make cuda:LOCAL_RANK (the accelerator's device LOCAL_RANK) this rank's current device, where
-    LOCAL_RANK is known; on DeepSpeed's CPU accelerator nothing. A LOCAL_RANK this process has no
-    device for is refused in one line (DeepSpeed would fail deep inside NCCL's start)."""
+    """Make cuda:LOCAL_RANK (the accelerator's device of this rank's local rank) the current device,
+    where the local rank is known (`local_device_index`); on DeepSpeed's CPU accelerator nothing. A
+    local rank this process has no device for is refused in one line (DeepSpeed would fail deep
+    inside NCCL's start)."""
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
     if accelerator.device_name() == "cpu":
         return
-    index = local_device_index(os.environ, accelerator.device_count(), accelerator.device_name())
+    index = local_device_index(os.environ, accelerator.device_count(), accelerator.device_name(),
+                               tuple(accelerator.visible_devices_envs()))
     if index is not None:
         accelerator.set_device(index)
 

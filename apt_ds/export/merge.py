@@ -133,14 +133,18 @@ def compact_model(model, state: APTModel):
 
 
 def merge_and_compact(trainer):
-    """The model of a trained `APTrainer`, as `launch/export.py` would write it: adapters merged,
-    pruned units removed, no masks, hooks or distillation parts; a LlamaForCausalLM in eval mode
-    (per-layer widths after a non-uniform run). The trainer cannot train on afterwards. One
-    process or ZeRO-1/2: a ZeRO-3 model is partitioned across ranks, so export its run instead
-    (`export_run(out_dir, ...)`, which also writes files)."""
+    """The model of a trained `APTrainer` with its adapters merged and its pruned units removed: a
+    LlamaForCausalLM in eval mode without masks, hooks or distillation parts (per-layer widths
+    after a non-uniform run), in the dtype it trained in (export_run merges in fp32 and writes
+    `dtype`). The trainer cannot train on afterwards. One process or ZeRO-1/2: a ZeRO-3 model is
+    partitioned across ranks, so export its run instead (`apt_ds.export_run`, which writes files)."""
     if any(hasattr(p, "ds_id") for p in trainer.model.parameters()):  # ZeRO-3's mark (export knows no DeepSpeed)
         raise ValueError("a ZeRO-3 model is partitioned across ranks: export the run from its out_dir "
-                         "(apt_ds.export.merge.export_run or launch/export.py)")
+                         "(apt_ds.export_run or launch/export.py)")
+    hidden = trainer.state.masks.hidden
+    if not bool(((hidden == 0) | (hidden == 1)).all()):
+        raise ValueError("the hidden-channel masks are decaying toward the next pruning event: train past it "
+                         "(to the end of the run) before compacting")
     return compact_model(trainer.model, trainer.state)
 
 

@@ -25,8 +25,14 @@ def check_unused_out_dir(out_dir: Path, backend) -> None:
     this; a library caller gets the same protection here). Rank 0, which writes the run, looks and
     tells the others: on another node a file system's cache may still show what rank 0 just moved
     aside (--overwrite), and a refusal on that rank alone would leave the rest waiting."""
-    held = backend.is_main() and ((out_dir / "checkpoint").exists() or (out_dir / "metrics.jsonl").exists())
-    if backend.all_gather_object(held)[0]:
+    try:
+        held = backend.is_main() and ((out_dir / "checkpoint").exists() or (out_dir / "metrics.jsonl").exists())
+    except OSError as err:  # said on every rank, not only on rank 0 while the others wait
+        held = f"out_dir {out_dir} cannot be read: {err}"
+    held = backend.all_gather_object(held)[0]
+    if isinstance(held, str):
+        raise ConfigError(held)
+    if held:
         raise ConfigError(f"out_dir {out_dir} holds a run (checkpoint/ or metrics.jsonl): continue it with "
                           f"trainer.resume({out_dir / 'checkpoint'}) before train(), or train a fresh model and "
                           f"APTrainer into an empty out_dir")

@@ -25,6 +25,9 @@ class FakeCudaAccelerator:
     def device_count(self):
         return self.count
 
+    def visible_devices_envs(self):
+        return ["CUDA_VISIBLE_DEVICES"]
+
     def set_device(self, index):
         self.set_calls.append(index)
         self.current = index
@@ -52,7 +55,8 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(deepspeed, "init_distributed", init_distributed)
     monkeypatch.setattr(dist, "is_initialized", lambda: started["initialized"])
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK",
-                "SLURM_PROCID", "PMI_SIZE", "AZUREML_EXPERIMENT_ID", "SM_TRAINING_ENV", "CUDA_VISIBLE_DEVICES"):
+                "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_PROCID", "SLURM_LOCALID", "PMI_SIZE", "AZUREML_EXPERIMENT_ID",
+                "SM_TRAINING_ENV", "CUDA_VISIBLE_DEVICES"):
         monkeypatch.delenv(key, raising=False)
     return accelerator, started
 
@@ -66,6 +70,10 @@ def test_local_device_index_is_local_rank_and_refuses_a_missing_device():
     assert "\n" not in str(err.value)
     with pytest.raises(DeepSpeedConfigError, match="LOCAL_RANK='one' is not an integer"):
         local_device_index({"LOCAL_RANK": "one"}, device_count=1)
+    # without LOCAL_RANK, the launcher's own local rank (as DeepSpeed's engine reads OpenMPI's)
+    assert local_device_index({"OMPI_COMM_WORLD_LOCAL_RANK": "2", "SLURM_LOCALID": "5"}, device_count=8) == 2
+    assert local_device_index({"SLURM_LOCALID": "5"}, device_count=8) == 5
+    assert local_device_index({"LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "2"}, device_count=8) == 1
 
 
 def test_launcher_started_rank_binds_its_device_before_the_process_group(fake_cuda, monkeypatch):
@@ -95,6 +103,16 @@ def test_a_callers_own_process_group_still_gets_its_device(fake_cuda, monkeypatc
     monkeypatch.setenv("LOCAL_RANK", "3")
     zero_comm.init_process_group()
     assert accelerator.current == 3
+
+
+def test_a_callers_own_process_group_under_mpirun_gets_the_mpi_local_rank(fake_cuda, monkeypatch):
+    """A script that started the process group itself under mpirun, without exporting LOCAL_RANK:
+    DeepSpeed's engine and zero.Init then take OpenMPI's local rank, so the backend must too."""
+    accelerator, started = fake_cuda
+    started["initialized"] = True
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "2")
+    zero_comm.init_process_group()
+    assert accelerator.current == 2
 
 
 def test_a_rank_without_its_device_is_refused_before_the_process_group(fake_cuda, monkeypatch):

@@ -48,17 +48,34 @@ def test_threads_per_rank_follow_local_ranks():
 
 
 def test_host_threads_are_shared_by_the_ranks_of_a_node_on_gpus_too(monkeypatch):
-    """8 GPU ranks on a node ran their pruning decisions' host sorts on every core each."""
+    """8 GPU ranks on a node ran their pruning decisions' host sorts on every core each; ranks the
+    launcher gave cores of their own (Slurm's --cpus-per-task) are left as they are."""
     from apt_ds.distributed import placement
 
-    monkeypatch.setattr(placement.os, "sched_getaffinity", lambda pid: set(range(64)))
+    affinity = set(range(64))
+    monkeypatch.setattr(placement.os, "sched_getaffinity", lambda pid: affinity)
+    monkeypatch.setattr(placement.os, "cpu_count", lambda: 64)
     calls = []
     monkeypatch.setattr(placement.torch, "set_num_threads", calls.append)
     assert placement.configure_host_threads(torch.device("cuda", 3), {"LOCAL_SIZE": "8"}) == 8
     assert placement.configure_host_threads(torch.device("cuda", 0), {}) is None  # one process: torch's default
     assert placement.configure_host_threads(torch.device("cpu"), {}) == 64
     assert placement.configure_host_threads(torch.device("cuda", 0), {"LOCAL_SIZE": "8", "OMP_NUM_THREADS": "4"}) is None
+    affinity = set(range(12))  # srun --ntasks-per-node 8 --cpus-per-task 12
+    assert placement.configure_host_threads(torch.device("cuda", 1), {"SLURM_NTASKS_PER_NODE": "8"}) is None
     assert calls == [8, 64]
+
+
+def test_training_sets_the_host_threads_for_its_device(monkeypatch):
+    from types import SimpleNamespace
+
+    from apt_ds.training import run
+
+    seen = []
+    monkeypatch.setattr(run, "configure_host_threads", seen.append)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    backend, _ = run.make_backend(SimpleNamespace(deepspeed=None, global_batch_size=None), TrainConfig(device="cpu"))
+    assert seen == [backend.device] == [torch.device("cpu")]
 
 
 def test_deepspeed_precision_auto_is_fp32_on_cpu_and_bf16_on_gpus():

@@ -59,3 +59,10 @@ def test_a_partitioned_model_is_sent_to_the_export(monkeypatch):
     next(trainer.model.parameters()).ds_id = 0  # what ZeRO-3 marks its partitions with
     with pytest.raises(ValueError, match="ZeRO-3 model is partitioned across ranks: export the run"):
         merge_and_compact(trainer)
+
+
+def test_a_trainer_stopped_while_masks_decay_is_told_to_train_on():
+    trainer = _trained(None)
+    trainer.state.masks.hidden[0] = 0.5  # as inside a decay window before an event that drops a channel
+    with pytest.raises(ValueError, match="decaying toward the next pruning event: train past it"):
+        merge_and_compact(trainer)

@@ -317,6 +317,29 @@ def test_rank_zero_alone_decides_whether_out_dir_holds_a_run(tmp_path):
         check_unused_out_dir(tmp_path, Rank(0, rank0_sees_a_run=True))
     with pytest.raises(ConfigError, match="holds a run"):  # rank 0 saw it: every rank stops
         check_unused_out_dir(tmp_path / "elsewhere", Rank(1, rank0_sees_a_run=True))
+    unreadable = "out_dir x cannot be read: [Errno 116] Stale file handle"
+    with pytest.raises(ConfigError, match="cannot be read: .*Stale file handle"):  # rank 0's error, on rank 1 too
+        check_unused_out_dir(tmp_path / "elsewhere", Rank(1, rank0_sees_a_run=unreadable))
+
+
+def test_an_unreadable_out_dir_is_said_on_every_rank(tmp_path, monkeypatch):
+    from apt_ds.config import ConfigError
+    from apt_ds.training.out_files import check_unused_out_dir
+
+    gathered = []
+
+    class Rank0(LocalBackend):
+        def all_gather_object(self, obj):
+            gathered.append(obj)
+            return [obj]
+
+    def stale(self):
+        raise OSError(116, "Stale file handle")
+
+    monkeypatch.setattr(type(tmp_path), "exists", stale)
+    with pytest.raises(ConfigError, match="cannot be read"):
+        check_unused_out_dir(tmp_path, Rank0())
+    assert gathered and "Stale file handle" in gathered[0]  # reached the other ranks before rank 0 raised
 
 
 def test_progress_bar_shows_task_loss_and_distillation_apart_on_unlogged_steps_too():
