@@ -21,7 +21,7 @@ def import_deepspeed() -> None:
 
 
 def init_process_group() -> None:
-    """Start torch.distributed through DeepSpeed unless it runs already."""
+    """Start torch.distributed through DeepSpeed unless it runs already; bind the rank to its device."""
     import deepspeed
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
@@ -49,8 +49,8 @@ def bind_local_device() -> None:
     accelerator = get_accelerator()
     if accelerator.device_name() == "cpu":
         return
-    index = local_device_index(os.environ, accelerator.device_count(), accelerator.device_name(),
-                               tuple(accelerator.visible_devices_envs()))
+    visible = getattr(accelerator, "visible_devices_envs", lambda: ["CUDA_VISIBLE_DEVICES"])()  # not in every release
+    index = local_device_index(os.environ, accelerator.device_count(), accelerator.device_name(), tuple(visible))
     if index is not None:
         accelerator.set_device(index)
 
