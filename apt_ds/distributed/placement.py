@@ -8,9 +8,9 @@ Decisions:
   1536x576, one thread, 1.21 s vs 0.14 s). fp16 is refused on CPU. Adapters keep fp32 masters.
 - On CPU, a rank whose OMP_NUM_THREADS is unset uses cores / local ranks threads: the
   DeepSpeed launcher does not set it, and oversubscribed OpenMP threads made steps ~100x
-  slower on this project's 2-core machine. GPU ranks that share a node get the same share
-  (`configure_host_threads`): their host work (a pruning decision sorts every unit, at the same
-  moment on every rank) would otherwise run on all cores in each of them.
+  slower on this project's 2-core machine. GPU ranks that share a node and may each run on all
+  of its cores get the same share (`configure_host_threads`): their host work (a pruning decision
+  sorts every unit, at the same moment on every rank) would otherwise use every core in each.
 """
 
 from __future__ import annotations
