@@ -25,6 +25,11 @@ import torch
 from apt_ds.algorithm.units import ModelShape
 
 
+def is_binary(mask: torch.Tensor) -> bool:
+    """Every entry 0 or 1: a mask that keeps or drops units outright (not mid-decay)."""
+    return bool(((mask == 0) | (mask == 1)).all())
+
+
 class UnitMasks:
     def __init__(self, shape: ModelShape, device: torch.device | str = "cpu"):
         self.device = torch.device(device)  # the model's: hooks multiply activations by masks
@@ -68,7 +73,7 @@ class UnitMasks:
         self.refresh()
 
     def is_binary(self) -> bool:
-        return all(((t == 0) | (t == 1)).all() for t in self.tensors())
+        return all(is_binary(t) for t in self.tensors())
 
     def tensors(self) -> list[torch.Tensor]:
         """Every mask, in the order hidden, KV groups by layer, FFN neurons by layer."""

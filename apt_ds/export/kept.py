@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from safetensors.torch import load_file
 
+from apt_ds.algorithm.masks import is_binary
 from apt_ds.config import ConfigError
 from apt_ds.io.checkpoint import CheckpointError
 
@@ -25,7 +26,7 @@ def kept_from_masks(path: str) -> tuple[dict, dict]:
         raise CheckpointError(f"--kept {path}: expected masks hidden, kv_group.<i>, ffn_neuron.<i> for every layer")
     if any(m.dim() != 1 for m in masks.values()):
         raise CheckpointError(f"--kept {path}: every mask must be a 1-D tensor (one entry per unit)")
-    if any(not bool(((m == 0) | (m == 1)).all()) for m in masks.values()):
+    if not all(is_binary(m) for m in masks.values()):
         raise CheckpointError(f"--kept {path}: masks must be binary (0/1) to be exported; finish the decay first")
 
     def kept(name: str) -> list[int]:

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from apt_ds.algorithm.adapters import merge_adapters
 from apt_ds.algorithm.distill import TRANSFORM_ATTR
+from apt_ds.algorithm.masks import is_binary
 from apt_ds.algorithm.pruner import KeepDecision
 from apt_ds.algorithm.state import APTModel
 from apt_ds.algorithm.units import ModelShape, UnsupportedModelError
@@ -107,7 +108,7 @@ def fold_masks(model, state: APTModel) -> None:
     The hidden mask is only exact when binary (RMSNorm averages over kept channels)."""
     masks = state.masks
     hidden = masks.hidden
-    if not bool(((hidden == 0) | (hidden == 1)).all()):
+    if not is_binary(hidden):
         raise CheckpointError("the checkpoint was taken while hidden-channel masks were decaying; export a later checkpoint")
     with torch.no_grad():
         for layer, group_mask, neuron_mask, shape in zip(model.model.layers, masks.kv_group, masks.ffn_neuron, state.shape.layers):
@@ -141,8 +142,7 @@ def merge_and_compact(trainer):
     if any(hasattr(p, "ds_id") for p in trainer.model.parameters()):  # ZeRO-3's mark (export knows no DeepSpeed)
         raise ValueError("a ZeRO-3 model is partitioned across ranks: export the run from its out_dir "
                          "(apt_ds.export_run or launch/export.py)")
-    hidden = trainer.state.masks.hidden
-    if not bool(((hidden == 0) | (hidden == 1)).all()):
+    if not is_binary(trainer.state.masks.hidden):  # checked before compact_model merges anything
         raise ValueError("the hidden-channel masks are decaying toward the next pruning event: train past it "
                          "(to the end of the run) before compacting")
     return compact_model(trainer.model, trainer.state)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from apt_ds.algorithm.masks import is_binary
 from apt_ds.algorithm.shrink import _kept_shape, group_channels, write_shape_to_config
 from apt_ds.algorithm.units import ModelShape
 from apt_ds.io.checkpoint import CheckpointError
@@ -39,7 +40,7 @@ class RunTensors:
         self.current = ModelShape.from_dict(meta["shape"])
         kept = meta["kept"]
         hidden_mask = masks["hidden"]
-        if not bool(((hidden_mask == 0) | (hidden_mask == 1)).all()):
+        if not is_binary(hidden_mask):
             raise CheckpointError("the checkpoint was taken while hidden-channel masks were decaying; export a later checkpoint")
         self.group_masks = [masks[f"kv_group.{l}"] for l in range(len(self.current.layers))]
         self.neuron_masks = [masks[f"ffn_neuron.{l}"] for l in range(len(self.current.layers))]
