@@ -114,7 +114,7 @@ def launcher_env(environ: Mapping[str, str], free_port: Callable[[], int] = _fre
 
 # Where this rank's local index is read, in order: what torch and DeepSpeed use, then the launchers'
 # own (DeepSpeed's engine falls back on OpenMPI's too) for a process group a caller started.
-LOCAL_INDEX_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+LOCAL_INDEX_VARS = ("LOCAL_RANK", *(local_key for *_, local_key in LAUNCHER_VARS))
 
 
 def local_device_index(environ: Mapping[str, str], device_count: int, device_name: str = "cuda",

@@ -90,9 +90,9 @@ def configure_host_threads(device: torch.device, environ: Mapping[str, str] = os
     several ranks share the node and each may run on all of its cores. One process on a GPU, or
     ranks the launcher already gave cores of their own (Slurm's --cpus-per-task, mpirun's
     binding), keep torch's own default."""
-    if device.type != "cpu":
-        if local_ranks(environ) == 1 or len(os.sched_getaffinity(0)) < (os.cpu_count() or 0):
-            return None
+    launcher_split_cores = len(os.sched_getaffinity(0)) < (os.cpu_count() or 0)
+    if device.type != "cpu" and (local_ranks(environ) == 1 or launcher_split_cores):
+        return None
     return configure_cpu_threads(environ)
 
 

@@ -29,10 +29,10 @@ def check_unused_out_dir(out_dir: Path, backend) -> None:
         held = backend.is_main() and ((out_dir / "checkpoint").exists() or (out_dir / "metrics.jsonl").exists())
     except OSError as err:  # said on every rank, not only on rank 0 while the others wait
         held = f"out_dir {out_dir} cannot be read: {err}"
-    held = backend.all_gather_object(held)[0]
-    if isinstance(held, str):
-        raise ConfigError(held)
-    if held:
+    rank0_saw = backend.all_gather_object(held)[0]  # True, False, or why out_dir cannot be read
+    if isinstance(rank0_saw, str):
+        raise ConfigError(rank0_saw)
+    if rank0_saw:
         raise ConfigError(f"out_dir {out_dir} holds a run (checkpoint/ or metrics.jsonl): continue it with "
                           f"trainer.resume({out_dir / 'checkpoint'}) before train(), or train a fresh model and "
                           f"APTrainer into an empty out_dir")
