@@ -9,6 +9,7 @@ pruner     which units to keep at an event (exact-budget search, uniform mode, g
 tuner      adapter importance and rank growth within a parameter budget
 distill    self-distillation from the last event's snapshot
 shrink     physically slicing masked modules (weights, adapters, norms, per-layer config)
+finite     the NaN/inf checks every decision, checkpoint and export makes first
 edits      records of shape changes, so a training backend can carry optimizer state along
 state      APTModel: the model under APT (adapters, masks, salience, shapes), its shrink and rank
            growth, and its resumable state as JSON-ready records

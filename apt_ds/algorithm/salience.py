@@ -34,6 +34,7 @@ from typing import Callable
 
 import torch
 
+from apt_ds.algorithm.finite import require_finite
 from apt_ds.algorithm.kurtosis import column_power_sums, unit_kurtosis
 from apt_ds.algorithm.salience_site import SiteSums
 from apt_ds.algorithm.shrink import group_channels
@@ -178,6 +179,21 @@ class SalienceCollector:
             # A frozen weight's power sums hold until a shrink (which makes new sites):
             # recomputing them every step cost ~10% of a SmolLM2 step.
             site.stale_weights = site.weights_change
+
+    def discard_step(self) -> None:
+        """Leave this step out of the scores: its update was skipped (a NaN or inf loss or gradient),
+        and its activation gradients would make every EMA NaN for good."""
+        self._buffer.zero_()
+
+    def require_finite_scores(self, what: str) -> None:
+        """Raise NonFiniteError when a score is NaN or inf: an order over NaN is arbitrary, and a
+        decision taken on it would remove units at random, for good."""
+        if self.group_scores is None:
+            return
+        named = [*((f"KV-group scores of layer {l}", s) for l, s in enumerate(self.group_scores)),
+                 *((f"FFN-neuron scores of layer {l}", s) for l, s in enumerate(self.neuron_scores)),
+                 ("hidden-channel scores", self.hidden_scores)]
+        require_finite(named, f"{what} refused", "the run is diverging (a lower learning rate, --lr, usually fixes it)")
 
     def _channel_scores(self, act_abs: torch.Tensor, grad_abs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         mean_abs = act_abs / tokens.clamp_min(1)  # tokens: this step's, summed over ranks

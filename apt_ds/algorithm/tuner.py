@@ -16,6 +16,7 @@ import torch
 
 from apt_ds.algorithm.adapters import APTAdapter
 from apt_ds.algorithm.edits import ShapeChange
+from apt_ds.algorithm.finite import NonFiniteError
 from apt_ds.config import APTConfig
 
 ReadTensor = Callable[[str, torch.nn.Parameter], "torch.Tensor | None"]
@@ -92,6 +93,10 @@ class AdaptiveTuner:
         if deficit <= 0 or not candidates:
             return {}
         importance = self.importance_values()
+        bad = sorted(n for n, v in importance.items() if not math.isfinite(v))
+        if bad:  # an order over NaN is arbitrary: growth would pick adapters at random
+            raise NonFiniteError(f"rank growth refused: the importance of {len(bad)} adapter(s), {bad[0]} first, is NaN "
+                                 f"or inf; the run is diverging (a lower learning rate, --lr, usually fixes it)")
         candidates.sort(key=lambda n: importance.get(n, 0.0), reverse=True)
         chosen = candidates[: math.ceil(len(candidates) / 2)]
 
@@ -109,6 +114,14 @@ class AdaptiveTuner:
             else:
                 high = mid
         return {n: r for n, r in ranks_for(low).items() if r > adapters[n].rank}
+
+    def held(self) -> tuple:
+        """What `accumulate` changes, for `restore` when the step whose gradients it read is skipped."""
+        return dict(self.importance), self._last, self.initial_params
+
+    def restore(self, held: tuple) -> None:
+        importance, self._last, self.initial_params = held
+        self.importance = dict(importance)
 
     def grow(self, adapters: dict[str, APTAdapter], new_ranks: dict[str, int], generator: torch.Generator) -> ShapeChange:
         change: ShapeChange = {}

@@ -11,6 +11,7 @@ from apt_ds.config import ConfigError
 
 def user_errors() -> tuple[type[BaseException], ...]:
     # Imported here: each module's error class comes with its module, and `--help` should not pay for torch.
+    from apt_ds.algorithm.finite import NonFiniteError
     from apt_ds.algorithm.pruner import PruningError
     from apt_ds.algorithm.units import UnsupportedModelError
     from apt_ds.distributed.errors import DeepSpeedConfigError
@@ -20,7 +21,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from apt_ds.io.weights import WeightsError
 
     return (ConfigError, FileExistsError, CheckpointError, DataError, ModelLoadError, PruningError,
-            UnsupportedModelError, DeepSpeedConfigError, WeightsError)
+            UnsupportedModelError, DeepSpeedConfigError, WeightsError, NonFiniteError)
 
 
 def launcher_rank(deepspeed: bool = False) -> str:

@@ -197,6 +197,9 @@ class TrainConfig(_JsonConfig):
     warmup_steps: int = help_field("linear LR warm-up steps (default: 5% of steps, at least 1)", default=5)
     weight_decay: float = help_field("AdamW weight decay", default=0.0)
     max_grad_norm: float = help_field("clip the global gradient norm to this before each step (0: no clipping)", default=1.0)
+    max_skipped_steps: int = help_field("stop the run after this many optimizer steps in a row whose loss or gradient norm "
+                                        "is NaN or inf; each such step's update is skipped, as DeepSpeed's loss scaler "
+                                        "skips an overflowed step", default=3)
     max_seq_len: int = help_field("tokens per sequence: a longer instruction row loses prompt tokens from the left, one "
                                   "whose response alone does not fit is dropped, an unpacked text row is cut at the end "
                                   "(counts are printed and recorded in run.json)", default=256)
@@ -231,6 +234,7 @@ class TrainConfig(_JsonConfig):
         _require(self.weight_decay >= 0, c, "weight_decay", ">= 0", self.weight_decay)
         _require(self.max_grad_norm >= 0 and math.isfinite(self.max_grad_norm), c, "max_grad_norm",
                  "a finite number >= 0 (0: no clipping)", self.max_grad_norm)
+        _require(self.max_skipped_steps >= 1, c, "max_skipped_steps", ">= 1", self.max_skipped_steps)
         _require(self.max_seq_len >= 2, c, "max_seq_len", ">= 2", self.max_seq_len)
         _require(self.log_every >= 1, c, "log_every", ">= 1", self.log_every)
         _require(self.checkpoint_every >= 0, c, "checkpoint_every", ">= 0", self.checkpoint_every)

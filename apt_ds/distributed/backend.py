@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -19,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from apt_ds.algorithm.edits import Grow, ShapeChange, apply_edits
+from apt_ds.algorithm.finite import all_finite
 from apt_ds.algorithm.shrink import LOCAL_ACCESS, ParamAccess
 
 LrLambda = Callable[[int], float]
@@ -86,8 +88,24 @@ class TrainingBackend:
         raise NotImplementedError
 
     @property
+    def step_skipped(self) -> bool:
+        """Whether the last step() left weights and Adam state alone, its global gradient norm NaN or
+        inf (as DeepSpeed skips an overflowed step). It still counts: the LR and pruning schedules move on."""
+        raise NotImplementedError
+
+    @property
     def lr(self) -> float:
         raise NotImplementedError
+
+    @property
+    def adam_optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer holding this rank's Adam moments (under ZeRO: of its partitions)."""
+        raise NotImplementedError
+
+    def optimizer_state_finite(self) -> bool:
+        """Whether every Adam moment on every rank is finite (collective: one flag summed over ranks)."""
+        moments = (v for state in self.adam_optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.dim())
+        return not float(self.all_reduce_sum(torch.tensor([float(not all_finite(moments))])))
 
     @property
     def optimizer_steps(self) -> int:
@@ -142,10 +160,14 @@ class TrainingBackend:
 
 
 class LocalBackend(TrainingBackend):
-    """One process, torch.optim.AdamW + LambdaLR; the reference the DeepSpeed seam must match."""
+    """One process, torch.optim.AdamW + LambdaLR; the reference the DeepSpeed seam must match. A step
+    whose gradient norm is not finite is skipped; on a GPU without a host read: AdamW is fused there
+    (`fused=None`) and gets the verdict as `found_inf`, as from torch's GradScaler, and its kernel
+    leaves weights, moments and step count alone (on a CPU, reading the norm stalls no device)."""
 
-    def __init__(self, device: torch.device | str = "cpu"):
+    def __init__(self, device: torch.device | str = "cpu", fused: bool | None = None):
         self.device = torch.device(device)
+        self.fused = self.device.type == "cuda" if fused is None else fused
 
     def attach(self, model, lr, lr_lambda, weight_decay, grad_accum_steps, *, max_grad_norm):
         check_max_grad_norm(max_grad_norm)
@@ -154,6 +176,7 @@ class LocalBackend(TrainingBackend):
         self.grad_accum_steps = grad_accum_steps
         self.max_grad_norm = max_grad_norm
         self._grad_norm = None
+        self._skipped: torch.Tensor | bool = False
         self._build_optimizer(step=0)
 
     def _trainable(self) -> dict[str, torch.nn.Parameter]:
@@ -161,7 +184,7 @@ class LocalBackend(TrainingBackend):
 
     def _build_optimizer(self, step: int) -> None:
         params = list(self._trainable().values())
-        self.optimizer = torch.optim.AdamW(params, lr=self._lr, weight_decay=self._weight_decay)
+        self.optimizer = torch.optim.AdamW(params, lr=self._lr, weight_decay=self._weight_decay, fused=self.fused or None)
         for group in self.optimizer.param_groups:
             group["initial_lr"] = self._lr
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda, last_epoch=step - 1)
@@ -180,9 +203,17 @@ class LocalBackend(TrainingBackend):
             self._grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm).detach()
         else:  # measure only: a clip coefficient of inf/inf would turn the gradients into NaN
             grads = [p.grad for p in params if p.grad is not None]
-            self._grad_norm = torch.nn.utils.get_total_norm(grads).detach() if grads else torch.zeros(())
-        self.optimizer.step()
-        self.scheduler.step()
+            self._grad_norm = torch.nn.utils.get_total_norm(grads).detach() if grads else torch.zeros((), device=self.device)
+        nonfinite = ~torch.isfinite(self._grad_norm)
+        if self.fused:  # the kernel skips the update where found_inf is 1 (see the class docstring)
+            self.optimizer.found_inf = nonfinite.float()  # a 0-d tensor, as GradScaler's
+            self.optimizer.step()
+            del self.optimizer.found_inf
+        elif not (skipped := bool(nonfinite)):
+            self.optimizer.step()
+        self._skipped = nonfinite if self.fused else skipped
+        with warnings.catch_warnings(action="ignore", category=UserWarning):  # a skipped 1st step: "...before optimizer.step()"
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._steps += 1
 
@@ -193,6 +224,12 @@ class LocalBackend(TrainingBackend):
     @property
     def grad_norm(self) -> float | None:
         return None if self._grad_norm is None else float(self._grad_norm)
+
+    @property
+    def step_skipped(self) -> bool:
+        return bool(self._skipped)
+
+    adam_optimizer = property(lambda self: self.optimizer)
 
     @property
     def optimizer_steps(self):
@@ -265,8 +302,8 @@ class LocalBackend(TrainingBackend):
         self._build_optimizer(step=int(meta["optimizer_steps"]))
         for name, param in self._trainable().items():
             if f"exp_avg/{name}" in tensors:
-                self.optimizer.state[param] = {
-                    "step": torch.tensor(meta["adam_steps"].get(name, 0.0)),
+                self.optimizer.state[param] = {  # fused AdamW keeps its step count on the parameter's device
+                    "step": torch.tensor(meta["adam_steps"].get(name, 0.0), device=param.device if self.fused else "cpu"),
                     "exp_avg": tensors[f"exp_avg/{name}"].to(param.device, copy=True),
                     "exp_avg_sq": tensors[f"exp_avg_sq/{name}"].to(param.device, copy=True),
                 }

@@ -14,7 +14,7 @@ one fails loudly, naming the function here to update.
 Treated as public (used elsewhere, not listed here): `deepspeed.initialize`,
 `deepspeed.init_distributed`, `deepspeed.zero.Init` / `GatheredParameters`, `deepspeed.utils.
 safe_*`, `engine.destroy / backward / step / is_gradient_accumulation_boundary /
-get_global_grad_norm / skipped_steps`, `deepspeed.monitor`'s `MonitorMaster` and
+get_global_grad_norm / was_step_applied`, `deepspeed.monitor`'s `MonitorMaster` and
 `get_monitor_config`, and the read-only ZeRO-3 parameter attributes `ds_id` (is it
 partitioned?), `ds_shape` and `ds_numel` (its full shape and size), which DeepSpeed's ZeRO-3
 documentation and the Hugging Face integration read the same way (and which apt_ds.algorithm

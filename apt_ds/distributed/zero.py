@@ -154,15 +154,15 @@ class DeepSpeedBackend(TrainingBackend):
         self._reset_schedule(step)
 
     @property
-    def _basic_optimizer(self) -> torch.optim.Optimizer:
+    def adam_optimizer(self) -> torch.optim.Optimizer:
         return private.basic_optimizer(self.engine)
 
     def _reset_schedule(self, step: int) -> None:
         """A LambdaLR at position `step` (lr = base * lambda(step)), and DeepSpeed's counters."""
-        basic = self._basic_optimizer
+        basic = self.adam_optimizer
         for group in basic.param_groups:
             group["initial_lr"] = self._lr
-        scheduler = torch.optim.lr_scheduler.LambdaLR(basic, self._lr_lambda, last_epoch=step - 1)
+        scheduler = self._scheduler = torch.optim.lr_scheduler.LambdaLR(basic, self._lr_lambda, last_epoch=step - 1)
         private.set_engine_position(self.engine, scheduler, global_steps=step, micro_steps=step * self.grad_accum_steps,
                                     global_samples=step * self.ds_config["train_batch_size"])
         self._steps, self._micro = step, 0
@@ -191,13 +191,15 @@ class DeepSpeedBackend(TrainingBackend):
     def step(self) -> None:
         if self._micro != self.grad_accum_steps or not self.engine.is_gradient_accumulation_boundary():
             raise RuntimeError(f"step() after {self._micro} backward() calls; expected {self.grad_accum_steps}")
-        self.engine.step()
+        self.engine.step()  # ZeRO skips the update when the global norm is NaN or inf, and holds the LR schedule
+        if self.step_skipped:  # back: the trainer's stays tied to the step count
+            self._scheduler.step()
         self._micro = 0
         self._steps += 1
 
     @property
     def lr(self) -> float:
-        return float(self._basic_optimizer.param_groups[0]["lr"])
+        return float(self.adam_optimizer.param_groups[0]["lr"])
 
     @property
     def optimizer_steps(self) -> int:
@@ -207,15 +209,12 @@ class DeepSpeedBackend(TrainingBackend):
     def grad_norm(self) -> float | None:
         """DeepSpeed's global norm of the last step (ZeRO reduces it over ranks; before clipping).
         None before the first step and until the first step after an engine rebuild."""
-        if self._steps == 0 or self.engine is None:
-            return None
-        norm = self.engine.get_global_grad_norm()
+        norm = None if self._steps == 0 or self.engine is None else self.engine.get_global_grad_norm()
         return None if norm is None else float(norm)
 
     @property
-    def skipped_steps(self) -> int:
-        """Steps DeepSpeed skipped for inf/nan gradients (bf16/fp16 overflow check)."""
-        return int(getattr(self.engine, "skipped_steps", 0))
+    def step_skipped(self) -> bool:
+        return self.engine is not None and not self.engine.was_step_applied()
 
     def full_grad(self, name: str, param: torch.nn.Parameter) -> torch.Tensor | None:
         """Rank-averaged gradient of `param` (collective: every rank must call it for the same params)."""

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from apt_ds.algorithm.finite import require_finite
 from apt_ds.evaluation.errors import EvaluationError
 from apt_ds.evaluation.tasks import check_task_names, check_task_overlap, task_manager
 from apt_ds.evaluation.tasks.shipped import data_root, data_version
@@ -217,13 +218,21 @@ def build_lm(request: Request):
                       dtype=HARNESS_DTYPES[request.dtype])
         except Exception as err:  # transformers raises many types for a broken checkpoint
             raise ModelLoadError(f"cannot load model from {path}: {str(err).splitlines()[0]}") from None
+        _require_finite_weights(lm.model, path)
         return lm, ROUTE_PATH
     dtype = DTYPES[request.dtype]
     if path.is_dir():
         model = load_pretrained(path, dtype=dtype)
     else:
         model = load_model(path, dtype=dtype or torch.float32)
+    _require_finite_weights(model, path)
     return HFLM(pretrained=model.to(device).eval(), tokenizer=tokenizer, batch_size=request.batch_size), ROUTE_IN_MEMORY
+
+
+def _require_finite_weights(model, path: Path) -> None:
+    """A model with a NaN or inf weight would be scored all the same (a near-chance table, no error)."""
+    require_finite(model.named_parameters(), f"evaluate refused: {path}",
+                   "a model with NaN or inf weights (a diverged run's) cannot be scored; export a run that trained well")
 
 
 class _DropExpected(logging.Filter):

@@ -32,6 +32,7 @@ import torch
 
 from apt_ds.algorithm.units import ModelShape
 from apt_ds.config import ConfigError
+from apt_ds.export.checks import check_export_tensor
 
 GGUF_DTYPES = ("fp32", "fp16", "bf16", "q8_0")
 BLOCK = {"q8_0": 32}  # row block of the quantized dtypes: hidden and FFN widths are padded to it
@@ -93,7 +94,9 @@ def write_gguf(path: Path, shape: ModelShape, tensors, config, tokenizer_dir: Pa
             if tuple(data.shape) != tuple(out_shape):
                 raise ConfigError(f"tensor {gguf_name} has shape {tuple(data.shape)}, expected {tuple(out_shape)}")
             count += data.numel()
-            writer.write_tensor_data(gguf.quantize(data.numpy(), qtype))
+            quantized = gguf.quantize(data.numpy(), qtype)
+            check_export_tensor(gguf_name, data, quantized, dtype)
+            writer.write_tensor_data(quantized)
         return count
     finally:
         writer.close()

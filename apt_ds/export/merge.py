@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from apt_ds.algorithm.adapters import merge_adapters
 from apt_ds.algorithm.distill import TRANSFORM_ATTR
+from apt_ds.algorithm.finite import NonFiniteError
 from apt_ds.algorithm.masks import is_binary
 from apt_ds.algorithm.pruner import KeepDecision
 from apt_ds.algorithm.state import APTModel
@@ -237,7 +238,7 @@ def _export_streaming(run_dir: Path, out: Path, base: Path, dtype: str, max_shar
                                 config, generation_config(base, config), DTYPES[dtype],
                                 tokenizer_dir=run_dir / meta["run_info"].get("tokenizer", "tokenizer"), extra_report=extra)
     except (KeyError, IndexError, ValueError, TypeError, RuntimeError) as err:
-        if isinstance(err, (CheckpointError, ConfigError)):
+        if isinstance(err, (CheckpointError, ConfigError, NonFiniteError)):
             raise
         detail = f"missing field {err}" if isinstance(err, KeyError) else str(err).splitlines()[0]
         raise CheckpointError(f"{run_dir}: checkpoint is inconsistent ({type(err).__name__}: {detail})") from None

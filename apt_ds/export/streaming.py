@@ -20,6 +20,7 @@ import torch
 from apt_ds.algorithm.masks import is_binary
 from apt_ds.algorithm.shrink import _kept_shape, group_channels, write_shape_to_config
 from apt_ds.algorithm.units import ModelShape
+from apt_ds.export.checks import check_export_tensor, dtype_name
 from apt_ds.io.checkpoint import CheckpointError
 
 
@@ -154,7 +155,9 @@ def stream_weights(tensors: RunTensors, directory: Path, dtype: torch.dtype, max
     writer = ShardWriter(directory, max_shard_size)
     count = 0
     for name in tensors.names():
-        tensor = tensors.tensor(name).to(dtype).contiguous()
+        full = tensors.tensor(name)
+        tensor = full.to(dtype).contiguous()
+        check_export_tensor(name, full, tensor, dtype_name(dtype))
         count += tensor.numel()
         writer.add(name, tensor)
     writer.close()

@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 
 from apt_ds.algorithm.units import ModelShape
 from apt_ds.config import ConfigError
+from apt_ds.export.checks import check_export_tensor, dtype_name
 from apt_ds.export.out_dir import REPORT_FILE, recover_interrupted_overwrite, remove_stale_temporaries
 from apt_ds.io.permissions import make_readable
 from apt_ds.io.tokenizer import is_tokenizer_file
@@ -58,9 +59,12 @@ def write_export(model, shape: ModelShape, out: Path, dtype: torch.dtype, tokeni
     heads: LlamaConfig's validation). Both paths shard with huggingface_hub's splitter, which is
     what save_pretrained uses, and name the files as it does."""
     def save_weights(directory: Path) -> int:
-        state_dict = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items() if "rotary" not in k}
+        full = {k: v.detach() for k, v in model.state_dict().items() if "rotary" not in k}
         if shape.tied_embeddings:
-            state_dict.pop("lm_head.weight", None)
+            full.pop("lm_head.weight", None)
+        state_dict = {k: v.to(dtype).contiguous() for k, v in full.items()}
+        for name, tensor in state_dict.items():
+            check_export_tensor(name, full[name].float(), tensor, dtype_name(dtype))
         _save_shards(state_dict, directory, max_shard_size)
         return sum(v.numel() for v in state_dict.values())
 

@@ -15,8 +15,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from apt_ds.distributed.placement import move_batch
 from apt_ds.io.data import IGNORE_INDEX, collate, encode_prompt_response, prompt_and_answer
 from apt_ds.io.templates import check_template
+from apt_ds.training.attention_kernels import training_attention_kernels
+from apt_ds.training.forward import supervised_forward, supervised_positions
 
 
 @torch.no_grad()
@@ -95,3 +98,23 @@ def parameter_bytes(model) -> int:
 
 def directory_bytes(path: str | Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+@torch.no_grad()
+def mean_token_loss(trainer, batches: list[dict]) -> float:
+    """A trainer's mean token loss over `batches`, summed over ranks before dividing; with the
+    training steps' attention kernels (the final evaluation runs after the loop) and salience off."""
+    totals = torch.zeros(2, dtype=torch.float64)
+    salience = trainer.state.salience
+    was_enabled, salience.enabled = salience.enabled, False
+    with training_attention_kernels(trainer.train_config.cudnn_attention):
+        for batch in batches:
+            positions = supervised_positions(batch["labels"])
+            _, loss, supervised = supervised_forward(trainer.backend.forward_no_grad, move_batch(batch, trainer.device),
+                                                     positions, use_cache=False)
+            tokens = int(supervised.sum())
+            if tokens:
+                totals += torch.tensor([float(loss) * tokens, float(tokens)], dtype=torch.float64)
+    salience.enabled = was_enabled
+    totals = trainer.backend.all_reduce_sum(totals)
+    return float(totals[0] / totals[1].clamp_min(1))

@@ -22,7 +22,8 @@ from apt_ds.distributed.backend import LocalBackend
 from apt_ds.distributed.placement import check_fits, configure_host_threads, resolve_base_dtype, resolve_device
 from apt_ds.distributed.zero_monitor import monitor_into_run, resume_csv_files
 from apt_ds.io.atomic import write_text_atomic
-from apt_ds.io.checkpoint import read_meta, repair_finished_run
+from apt_ds.io.checkpoint import read_meta
+from apt_ds.io.checkpoint_save import repair_finished_run
 from apt_ds.io.data import TruncationStats, batches, collate, demo_data_path, load_records, tokenize_dataset
 from apt_ds.io.fingerprint import file_fingerprint, model_fingerprint
 from apt_ds.io.modeling import TINY_MODELS, build_tiny_llama, load_model

@@ -25,9 +25,12 @@ from apt_ds.algorithm.tuner import AdaptiveTuner
 from apt_ds.config import APTConfig, TrainConfig, check_schedule_fits
 from apt_ds.distributed.backend import LocalBackend, TrainingBackend
 from apt_ds.distributed.placement import move_batch
-from apt_ds.io.checkpoint import load_checkpoint, repair_export_copy, save_checkpoint
+from apt_ds.io.checkpoint import load_checkpoint
+from apt_ds.io.checkpoint_save import repair_export_copy, save_checkpoint
 from apt_ds.io.metrics import MetricsWriter, memory_mb
 from apt_ds.training.attention_kernels import training_attention_kernels
+from apt_ds.training.divergence import DivergenceGuard, is_bad_step, kept_checkpoint_note
+from apt_ds.training.evaluate import mean_token_loss
 from apt_ds.training.forward import (
     distilled_forward,
     enable_activation_checkpointing,
@@ -40,6 +43,7 @@ from apt_ds.training.heap import release_free_heap
 from apt_ds.training.laps import Laps
 from apt_ds.training.lr_schedule import warmup_cosine
 from apt_ds.training.out_files import check_unused_out_dir, next_micro_batches, write_rank_record
+from apt_ds.training.progress import progress_fields
 from apt_ds.training.shape_trials import measure_uniform_shape
 
 
@@ -86,6 +90,7 @@ class APTrainer:
         self.history: list[dict] = []
         self.backend.attach(model, train.lr, warmup_cosine(train.warmup_steps, train.steps), train.weight_decay,
                             train.grad_accum_steps, max_grad_norm=train.max_grad_norm)
+        self.divergence = DivergenceGuard(train, lambda: kept_checkpoint_note(self.out_dir), self.backend.is_main())
         self.metrics = MetricsWriter(self.out_dir / "metrics.jsonl" if self.out_dir and self.backend.is_main() else None)
 
     # ---- public ----------------------------------------------------------------------------
@@ -110,15 +115,20 @@ class APTrainer:
               tqdm(total=cfg.steps, initial=self.step, disable=not (self.progress and self.backend.is_main()), desc="apt") as bar):
             while self.step < cfg.steps:
                 record = self._train_step(batches)
-                record.update(self._after_step())
-                if self.step % cfg.log_every == 0 or record.get("event") or "shape_trials" in record or self.step == cfg.steps:
+                stop = self.divergence.observe(record)  # the error that ends a run of bad steps, else None
+                if stop is None:
+                    record.update(self._after_step())
+                if (stop or record.get("skipped") or self.step % cfg.log_every == 0 or record.get("event")
+                        or "shape_trials" in record or self.step == cfg.steps):
                     self._log(record)
+                if stop:
+                    raise stop
                 bar.update(1)
-                bar.set_postfix(self._progress_fields(record))
+                bar.set_postfix(progress_fields(record, self.state.density()))
                 if self.out_dir and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < cfg.steps:
                     self.save()
         final = {"step": self.step, "final": True, "density": self.state.density(), "world_size": self.backend.world_size,
-                 **self._sizes(), **memory_mb()}
+                 "skipped_steps": self.divergence.total, **self._sizes(), **memory_mb()}
         if self.run_info.get("truncation"):  # what --max-seq-len cut from the training data
             final["truncation"] = self.run_info["truncation"]
         if self.eval_batches:
@@ -138,24 +148,9 @@ class APTrainer:
         for hook in hooks if self.backend.is_main() else []:
             hook()
 
-    @torch.no_grad()
     def evaluate(self, batches: list[dict] | None = None) -> float:
-        """Mean token loss over `batches` (default: the eval batches), summed over ranks before dividing;
-        with the training steps' attention kernels (the final evaluation runs after the loop)."""
-        totals = torch.zeros(2, dtype=torch.float64)
-        was_enabled = self.state.salience.enabled
-        self.state.salience.enabled = False
-        with training_attention_kernels(self.train_config.cudnn_attention):
-            for batch in self.eval_batches if batches is None else batches:
-                positions = supervised_positions(batch["labels"])
-                _, loss, supervised = supervised_forward(self.backend.forward_no_grad, move_batch(batch, self.device),
-                                                         positions, use_cache=False)
-                tokens = int(supervised.sum())
-                if tokens:
-                    totals += torch.tensor([float(loss) * tokens, float(tokens)], dtype=torch.float64)
-        self.state.salience.enabled = was_enabled
-        totals = self.backend.all_reduce_sum(totals)
-        return float(totals[0] / totals[1].clamp_min(1))
+        """Mean token loss over `batches` (default: the eval batches), summed over ranks before dividing."""
+        return mean_token_loss(self, self.eval_batches if batches is None else batches)
 
     # ---- one optimizer step --------------------------------------------------------------
     def _train_step(self, batches) -> dict:
@@ -183,27 +178,35 @@ class APTrainer:
                 task_loss, kl_sum, mse_sum = self._losses(move_batch(batch, self.device), batch_positions, mu)
             finally:  # unknown again: any other forward's padding is left out
                 self.state.salience.batch_has_padding = True
-            task_loss = torch.nan_to_num(task_loss)  # a micro-batch without supervised tokens
+            if not n_task:  # no supervised tokens: its mean is 0/0 (a NaN it would be wrong to report)
+                task_loss = torch.nan_to_num(task_loss)
             scaled = task_loss * float(n_task * world * gas / totals[0])
             if mu > 0:
                 distill = kl_sum * float(world * gas / totals[0]) + mse_sum * float(world * gas / totals[1])
                 scaled = (1 - mu) * scaled + mu * distill
             self.backend.backward(scaled)
             sums += torch.stack([task_loss.detach().float() * float(n_task), kl_sum.detach().float(), mse_sum.detach().float()])
-        if collect:
-            self.state.salience.end_step()
-            if self.apt_config.grow_ranks:
-                self.tuner.accumulate(self.state.adapters, self.backend.full_param, self.backend.full_grad)
+        importance = None
+        if collect and self.apt_config.grow_ranks:  # needs the gradients, which step() clears
+            importance = self.tuner.held()
+            self.tuner.accumulate(self.state.adapters, self.backend.full_param, self.backend.full_grad)
         lr = self.backend.lr
-        self.backend.step()
+        self.backend.step()  # skips the update when the gradient norm is not finite
         task_sum, kl_total, mse_total = self.backend.all_reduce_sum(sums).double().tolist()  # the metrics: one read
         task_mean = task_sum / float(totals[0])
         distill_mean = kl_total / float(totals[0]) + mse_total / float(totals[1])
-        return {
+        record = {
             "step": self.step, "loss": (1 - mu) * task_mean + mu * distill_mean, "task_loss": task_mean,
             "distill_loss": distill_mean, "mu": mu, "lr": lr, "grad_norm": self.backend.grad_norm,
-            "step_time_s": time.perf_counter() - started,
         }
+        # A bad step's activation gradients are NaN too: its salience and importance are left out, so
+        # the scores stay those of the good steps (the same verdict on every rank: it is read from sums).
+        bad = is_bad_step(record, self.backend.step_skipped)
+        if collect:
+            self.state.salience.discard_step() if bad else self.state.salience.end_step()
+        if bad and importance is not None:
+            self.tuner.restore(importance)
+        return {**record, **({"skipped": True} if bad else {}), "step_time_s": time.perf_counter() - started}
 
     def _losses(self, batch: dict, positions: torch.Tensor, mu: float):
         """(mean task loss, distill KL token sum, distill MSE token sum) of one micro-batch on the device."""
@@ -234,6 +237,7 @@ class APTrainer:
         its candidate shapes once per event, at the first decision for it (the trials go into
         `record`), and keeps that shape for the event; units within it follow the scores."""
         cfg, s = self.apt_config, self.state.salience
+        s.require_finite_scores(f"the pruning decision for step {event_step}")
         target = self.schedule.density(event_step) * self.state.original_shape.budget_params(cfg.count_embeddings)
         args = (self.state.shape, s.group_scores, s.neuron_scores, s.hidden_scores, target, self.state.original_shape)
         if cfg.uniform and cfg.uniform_shape_trials > 1 and event_step not in self.uniform_shapes:
@@ -283,15 +287,6 @@ class APTrainer:
         self.teacher_ready = True
 
     # ---- metrics -------------------------------------------------------------------------
-    def _progress_fields(self, record: dict) -> dict:
-        """The task loss (comparable across steps) and, on distillation steps, the distillation
-        loss beside it: their weighted mix swings with mu and says little about progress."""
-        fields = {"task_loss": f"{record['task_loss']:.3f}"}
-        if record.get("mu", 0) > 0:
-            fields["distill"] = f"{record['distill_loss']:.3f}"
-        fields["density"] = f"{self.state.density():.2f}"  # also on steps --log-every does not log
-        return fields
-
     def _sizes(self) -> dict:
         state = self.state
         return {"block_params": state.block_params(), "total_params": state.shape.total_params(),

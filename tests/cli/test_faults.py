@@ -37,7 +37,7 @@ elif point == "mid-step":  # inside the backward pass of step 6 (after the step-
     backward = backend.LocalBackend.backward
     backend.LocalBackend.backward = lambda self, loss: (kill_on(6), backward(self, loss))[1]
 elif point == "mid-checkpoint":  # the step-8 checkpoint half written (engine state, no masks yet)
-    from apt_ds.io import checkpoint
+    from apt_ds.io import checkpoint_save as checkpoint
     save = checkpoint.save_file
     def save_file(tensors, path, *a, **k):
         if path.endswith("masks.safetensors"):

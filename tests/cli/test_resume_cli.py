@@ -12,7 +12,7 @@ from conftest import RUN_FLAGS as BASE
 from conftest import TRAIN_FAST as FAST
 
 from apt_ds.cli.train import main as train_main
-from apt_ds.io import checkpoint as checkpoint_module
+from apt_ds.io import checkpoint_save as checkpoint_module
 from apt_ds.io.metrics import read_metrics
 from apt_ds.io.run_dir import check_replaceable
 

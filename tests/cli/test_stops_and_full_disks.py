@@ -19,7 +19,7 @@ from safetensors import SafetensorError
 
 from apt_ds.cli.export import main as export_main
 from apt_ds.cli.train import main as train_main
-from apt_ds.io import checkpoint as checkpoint_module
+from apt_ds.io import checkpoint_save as checkpoint_module
 
 
 def test_disk_full_during_a_checkpoint_keeps_the_previous_one(in_tmp, tmp_path, capsys, monkeypatch):

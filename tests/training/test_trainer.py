@@ -347,9 +347,12 @@ def test_progress_bar_shows_task_loss_and_distillation_apart_on_unlogged_steps_t
     apt = APTConfig.for_steps(8, target_density=0.6, distill_every=1)
     trainer = APTrainer(model, apt, TrainConfig(steps=8, log_every=3), progress=False)
     fields = []
-    progress = trainer._progress_fields
-    trainer._progress_fields = lambda record: fields.append(progress(record)) or fields[-1]
-    trainer.train(iter(random_batch(seed=i) for i in range(100)))
+    from apt_ds.training import trainer as trainer_module
+
+    progress = trainer_module.progress_fields
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(trainer_module, "progress_fields", lambda record, density: fields.append(progress(record, density)) or fields[-1])
+        trainer.train(iter(random_batch(seed=i) for i in range(100)))
     assert len(fields) == 8 and all(set(f) >= {"task_loss", "density"} for f in fields)
     distilled = [f for f in fields if "distill" in f]
     assert distilled and len(distilled) < 8  # only on distillation steps

@@ -108,7 +108,7 @@ def make_backend(kind: str, ds_config: dict, model, gas: int, micro: int | None,
 
 def _torch_optimizer(backend) -> torch.optim.Optimizer:
     """The torch AdamW that steps (DeepSpeed's inner one over flat fp32 partitions); it changes at a rebuild."""
-    return backend.optimizer if isinstance(backend, LocalBackend) else backend._basic_optimizer
+    return backend.adam_optimizer
 
 
 def close(backend) -> None:
@@ -173,7 +173,7 @@ def adam_probe(backend, name: str) -> dict:
 
         avg = safe_get_full_optimizer_state(param, "exp_avg")
         sq = safe_get_full_optimizer_state(param, "exp_avg_sq")
-        basic = backend._basic_optimizer
+        basic = backend.adam_optimizer
         step = float(next(iter(basic.state.values()))["step"])
     return {"exp_avg": avg.flatten()[:6].tolist(), "exp_avg_sq": sq.flatten()[:6].tolist(), "step": step,
             "shape": list(avg.shape), "exp_avg_tail": avg[:, -1].abs().sum().item() if avg.dim() == 2 else None}
