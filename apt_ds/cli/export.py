@@ -36,18 +36,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.model:  # a directory holding one .gguf and no config.json: that file, as train and evaluate read it
             args.model = model_file(args.model)
 
-        if args.run_dir:
-            if note := set_aside_note(Path(args.run_dir)):  # a killed --overwrite start: where the previous run is
-                print(note, file=sys.stderr)
-            report_ = export_run(Path(args.run_dir), Path(args.out), dtype=args.dtype, overwrite=args.overwrite,
-                                 model_path=args.model, max_shard_size=args.max_shard_size, format=args.format)
-        else:
-            check_options(args.dtype, args.max_shard_size, args.format)  # before the (slow) model load
-            model, kept = _plain_model_and_kept(args.model, args.kept)
-            with _tokenizer_dir(args.model) as tokenizer_dir:
-                report_ = export_pruned(model, kept, Path(args.out), dtype=args.dtype,
-                                        tokenizer_dir=tokenizer_dir, overwrite=args.overwrite,
-                                        max_shard_size=args.max_shard_size, format=args.format)
+        with run_lock.held(Path(args.out), "export"):  # before --out is checked: a second export into it is refused
+            if args.run_dir:
+                if note := set_aside_note(Path(args.run_dir)):  # a killed --overwrite start: where the previous run is
+                    print(note, file=sys.stderr)
+                report_ = export_run(Path(args.run_dir), Path(args.out), dtype=args.dtype, overwrite=args.overwrite,
+                                     model_path=args.model, max_shard_size=args.max_shard_size, format=args.format)
+            else:
+                check_options(args.dtype, args.max_shard_size, args.format)  # before the (slow) model load
+                model, kept = _plain_model_and_kept(args.model, args.kept)
+                with _tokenizer_dir(args.model) as tokenizer_dir:
+                    report_ = export_pruned(model, kept, Path(args.out), dtype=args.dtype,
+                                            tokenizer_dir=tokenizer_dir, overwrite=args.overwrite,
+                                            max_shard_size=args.max_shard_size, format=args.format)
     except KeyboardInterrupt:  # first: user_errors() imports torch, which the interrupt may have left half-imported
         print(f"interrupted: the export to {args.out} did not finish (it is written to a temporary directory first; the "
               f"next export to {args.out} clears what is left and puts back a previous export set aside)", file=sys.stderr)

@@ -279,7 +279,7 @@ def write_gguf_export(out: Path, shape: ModelShape, tensors, config, dtype: str,
     import json
 
     from apt_ds.export.out_dir import REPORT_FILE
-    from apt_ds.export.writer import summary, write_atomically
+    from apt_ds.export.writer import export_bytes, summary, write_atomically
 
     name = out.name or "model"
     filename = name if name.endswith(".gguf") else f"{name}.gguf"  # --out m.gguf: m.gguf/m.gguf, not m.gguf.gguf
@@ -293,4 +293,4 @@ def write_gguf_export(out: Path, shape: ModelShape, tensors, config, dtype: str,
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1))
         return report
 
-    return write_atomically(out, fill)
+    return write_atomically(out, fill, export_bytes(shape, dtype))

@@ -10,12 +10,15 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from apt_ds.algorithm.units import ModelShape
 from apt_ds.config import ConfigError
 from apt_ds.export.checks import check_export_tensor, dtype_name
 from apt_ds.export.out_dir import REPORT_FILE, recover_interrupted_overwrite, remove_stale_temporaries
+from apt_ds.io import run_lock
+from apt_ds.io.checkpoint import is_disk_full, megabytes
 from apt_ds.io.permissions import make_readable
 from apt_ds.io.tokenizer import is_tokenizer_file
 
@@ -91,16 +94,23 @@ def write_export_dir(out: Path, shape: ModelShape, save_weights, config, generat
         (tmp / "config.json").write_text(json.dumps(exported, indent=1))
         return report
 
-    return write_atomically(out, fill)
+    dtype_key = {value: key for key, value in DTYPES.items()}[dtype]
+    return write_atomically(out, fill, export_bytes(shape, dtype_key))
 
 
-def write_atomically(out: Path, fill) -> dict:
+def write_atomically(out: Path, fill, needed_bytes: int | None = None) -> dict:
     """`fill(directory)` writes an export's files and returns its report; they appear as `out`
     all at once. Everything goes into a hidden temporary sibling, then one rename: a killed
-    export leaves at most a `.NAME.tmp-*` directory, which the next export removes."""
+    export leaves at most a `.NAME.tmp-*` directory, which the next export removes; a full disk
+    leaves nothing and says how much space it needed (`needed_bytes`, about)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    recover_interrupted_overwrite(out)
-    remove_stale_temporaries(out)
+    with run_lock.held(out, "export"):  # held from the start by launch/export.py; taken here where the parent was new
+        recover_interrupted_overwrite(out)
+        remove_stale_temporaries(out)  # another export's would go too: hence the lock
+        return _fill_and_rename(out, fill, needed_bytes)
+
+
+def _fill_and_rename(out: Path, fill, needed_bytes: int | None) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         report = fill(tmp)
@@ -115,10 +125,29 @@ def write_atomically(out: Path, fill) -> dict:
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as err:
+        shutil.rmtree(tmp, ignore_errors=True)  # a partial export would keep the disk full
+        if isinstance(err, (OSError, SafetensorError, RuntimeError)) and is_disk_full(err):
+            raise ExportDiskFullError(disk_full_message(out, needed_bytes)) from None
         raise
     return report
+
+
+class ExportDiskFullError(ConfigError):
+    """The disk filled up while an export was written; nothing of it was left behind."""
+
+
+def disk_full_message(out: Path, needed_bytes: int | None) -> str:
+    free = shutil.disk_usage(out.parent).free
+    needs = f"it needs about {megabytes(needed_bytes)}, " if needed_bytes else ""
+    kept = "the previous export in --out is unchanged" if (out / REPORT_FILE).is_file() else "nothing was written"
+    return f"disk full while writing the export to {out}: {needs}{megabytes(free)} are free; {kept}. Free space and run again"
+
+
+def export_bytes(shape: ModelShape, dtype: str) -> int:
+    """About what an export of `shape` in `dtype` takes on disk (weights only; q8_0 stores 34 bytes per 32 weights)."""
+    per_weight = {"fp32": 4, "bf16": 2, "fp16": 2, "q8_0": 34 / 32}[dtype]
+    return int(shape.total_params() * per_weight)
 
 
 def check_options(dtype: str, max_shard_size, format: str = "hf") -> None:

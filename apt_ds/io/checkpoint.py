@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -37,8 +38,15 @@ def is_disk_full(err: BaseException) -> bool:
     if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
     text = str(err)
+    if isinstance(err, OSError) and re.fullmatch(r"\d+ requested and \d+ written", text):  # numpy's tofile (gguf's writer)
+        return True
     return any(marker in text for marker in (f"os error {errno.ENOSPC}", f"os error {errno.EDQUOT}",
                                               "No space left on device", "Disk quota exceeded"))
+
+
+def megabytes(size: int) -> str:
+    """A size for a disk-full message (MiB, as df -m)."""
+    return f"{size / 2**20:,.1f} MB"
 
 
 def read_meta(directory: Path) -> dict:

@@ -17,7 +17,15 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from apt_ds.algorithm.finite import NonFiniteError, first_nonfinite
-from apt_ds.io.checkpoint import EXPORT_COPY, FORMAT_VERSION, CheckpointError, is_disk_full, load_checkpoint, read_meta
+from apt_ds.io.checkpoint import (
+    EXPORT_COPY,
+    FORMAT_VERSION,
+    CheckpointError,
+    is_disk_full,
+    load_checkpoint,
+    megabytes,
+    read_meta,
+)
 from apt_ds.io.permissions import make_readable
 
 
@@ -39,7 +47,7 @@ def save_checkpoint(trainer, directory: Path) -> None:
         else:
             kept = "no checkpoint was written yet. Free space, then start the run again"
         raise CheckpointError(f"disk full while writing the step-{trainer.step} checkpoint in {directory.parent}: it needs "
-                              f"about {_mb(checkpoint_bytes(trainer))}, {_mb(free)} are free; {kept}") from None
+                              f"about {megabytes(checkpoint_bytes(trainer))}, {megabytes(free)} are free; {kept}") from None
 
 
 def _refuse_nonfinite_state(trainer, trainable: dict[str, torch.Tensor], directory: Path) -> None:
@@ -69,10 +77,6 @@ def checkpoint_bytes(trainer) -> int:
     buffers = [*state.masks.state_dict().values(), *state.salience.state_dict().values()]
     buffers += [t for adapter in state.adapters.values() for t in (adapter.teacher_A, adapter.teacher_B)]
     return 16 * trainable + sum(t.numel() * t.element_size() for t in buffers)
-
-
-def _mb(size: int) -> str:
-    return f"{size / 2**20:,.1f} MB"
 
 
 def _save_and_rename(trainer, directory: Path, tmp: Path, trainable: dict[str, torch.Tensor]) -> None:

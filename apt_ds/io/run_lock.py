@@ -6,7 +6,9 @@ run aside and delete it. The process that trains a run holds an exclusive lock o
 it (`.NAME.train.lock`, next to --out rather than in it, so that it stays put while --overwrite
 renames the run aside; beside the real directory, so a symbolic link or `..` in --out names the
 same lock); a second start finds it held and stops in one line, before touching anything.
-Export asks the same lock whether a run is still training.
+Export asks the same lock whether a run is still training, and holds one of its own
+(`.NAME.export.lock`, kind "export") while it writes an --out: a second export into the same new
+--out would otherwise pass the existence check too and remove the first's temporary directory.
 
 flock: released by the kernel when the process dies however it dies (SIGKILL included), so a
 crash never leaves a run locked; it works on local file systems and on NFSv4. Where no file can
@@ -16,6 +18,7 @@ itself is locked; where the file system has no locks, the run goes on unlocked a
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import re
@@ -34,16 +37,20 @@ class RunLockedError(FileExistsError):
     """Another process is training the run in --out."""
 
 
-def lock_path(out: Path) -> Path | None:
-    """`.NAME.train.lock` beside the real --out (None for `/`, which no run can use)."""
+KINDS = ("train", "export")  # who holds an --out: a training run, or an export writing it
+
+
+def lock_path(out: Path, kind: str = "train") -> Path | None:
+    """`.NAME.<kind>.lock` beside the real --out (None for `/`, which no run can use)."""
+    assert kind in KINDS, kind
     out = Path(out).resolve()
-    return out.with_name(f".{out.name}.train.lock") if out.name else None
+    return out.with_name(f".{out.name}.{kind}.lock") if out.name else None
 
 
-def acquire(out: Path) -> None:
-    """Hold the run's lock until release() or the end of the process; RunLockedError when another
-    process holds it. Holding it already (this process) is fine."""
-    path, run = lock_path(out), Path(out).resolve()
+def acquire(out: Path, kind: str = "train") -> None:
+    """Hold the --out's lock of this kind until release() or the end of the process; RunLockedError
+    when another process holds it. Holding it already (this process) is fine."""
+    path, run = lock_path(out, kind), Path(out).resolve()
     if path is None or path in _HELD or run in _HELD:
         return
     blocked = 0
@@ -59,7 +66,7 @@ def acquire(out: Path) -> None:
             if blocked < _PROBE_RETRIES:
                 time.sleep(0.05)
                 continue
-            raise _locked(out, _owner(path) if target == path else _DIRECTORY_OWNER) from None
+            raise _locked(out, _owner(path) if target == path else _DIRECTORY_OWNER, kind) from None
         except OSError as err:  # ENOLCK, EOPNOTSUPP: a file system without locks
             os.close(handle)
             if writable:
@@ -73,14 +80,17 @@ def acquire(out: Path) -> None:
         os.close(handle)  # the holder released and unlinked it between our open and our lock: try the new one
     if target == path and held_elsewhere(run, os.O_RDONLY | os.O_DIRECTORY):  # a start that could not make the file
         os.close(handle)
-        raise _locked(out, _DIRECTORY_OWNER)
+        raise _locked(out, _DIRECTORY_OWNER, kind)
     if writable:
         os.ftruncate(handle, 0)
         os.write(handle, f"PID {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
     _HELD[target] = handle
 
 
-def _locked(out: Path, owner: str) -> RunLockedError:
+def _locked(out: Path, owner: str, kind: str) -> RunLockedError:
+    if kind == "export":
+        return RunLockedError(f"--out {out} is being written by another export ({owner}); wait for it to finish, or "
+                              f"export to another --out: two exports into one directory would remove each other's files")
     return RunLockedError(f"--out {out} is being trained by another process ({owner}); wait for it to finish or stop it, "
                           f"then run again: two runs in one directory would mix their checkpoints")
 
@@ -136,8 +146,8 @@ def _still_at(path: Path, handle: int) -> bool:
         return False
 
 
-def release(out: Path) -> None:
-    path = lock_path(out)
+def release(out: Path, kind: str = "train") -> None:
+    path = lock_path(out, kind)
     for target in (path, Path(out).resolve()) if path is not None else ():
         handle = _HELD.pop(target, None)
         if handle is None or handle == _UNLOCKED:
@@ -145,6 +155,25 @@ def release(out: Path) -> None:
         if target == path:
             _unlink(path)  # before the unlock: no other process can hold this name's lock yet
         os.close(handle)
+
+
+def holds(out: Path, kind: str = "train") -> bool:
+    """Whether this process holds the --out's lock of this kind (or runs unlocked, as it said)."""
+    return lock_path(out, kind) in _HELD
+
+
+@contextlib.contextmanager
+def held(out: Path, kind: str) -> None:
+    """The lock for the block (not taken where --out's parent does not exist yet: whoever creates
+    it takes it then); released after it unless it was held before."""
+    before = holds(out, kind)
+    if Path(out).absolute().parent.is_dir():
+        acquire(out, kind)
+    try:
+        yield
+    finally:
+        if not before:
+            release(out, kind)
 
 
 def training_now(out: Path) -> str | None:

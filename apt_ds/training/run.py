@@ -24,7 +24,8 @@ from apt_ds.distributed.zero_monitor import monitor_into_run, resume_csv_files
 from apt_ds.io.atomic import write_text_atomic
 from apt_ds.io.checkpoint import read_meta
 from apt_ds.io.checkpoint_save import repair_finished_run
-from apt_ds.io.data import TruncationStats, batches, collate, demo_data_path, load_records, tokenize_dataset
+from apt_ds.io.context_length import check_max_seq_len
+from apt_ds.io.data import TruncationStats, batches, demo_data_path, load_records, tokenize_dataset
 from apt_ds.io.fingerprint import file_fingerprint, model_fingerprint
 from apt_ds.io.modeling import TINY_MODELS, build_tiny_llama, load_model
 from apt_ds.io.run_dir import (
@@ -38,6 +39,7 @@ from apt_ds.io.run_dir import (
 from apt_ds.io.templates import check_template
 from apt_ds.io.tokenizer import load_tokenizer, train_sentencepiece_tokenizer
 from apt_ds.training import resume
+from apt_ds.training.eval_data import held_out_batches
 from apt_ds.training.heap import freeze_prepared_data
 from apt_ds.training.probe import live_probe, save_probe
 from apt_ds.training.trainer import APTrainer
@@ -223,7 +225,7 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
         if warning and backend.is_main():
             print(warning, file=sys.stderr)
         pad_id = tokenizer.pad_token_id or 0
-        eval_batches = _eval_batches(args, tokenizer, train, backend, pad_id)
+        eval_batches = held_out_batches(args, tokenizer, train, backend, pad_id, records, data_path)
         freeze_prepared_data()  # the examples, before the model exists (apt_ds.training.heap)
 
         def check_model(fingerprint):  # the model the run was trained from; known before its weights are read
@@ -232,6 +234,10 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
 
         model, fingerprint = _model(args, tokenizer, train, apt.prune, backend, check_model)
         check_model_target(model, apt)  # before --out is written: else it fails at the first pruning event
+        if Path(args.model).is_file():  # a GGUF's context length is known once it is read (the others': cli.train)
+            note = check_max_seq_len(model.config.to_dict(), train.max_seq_len, args.model)
+            if note and backend.is_main():
+                print(note, file=sys.stderr)
         backend.validate(model, train.grad_accum_steps, train.max_grad_norm)  # e.g. DeepSpeed JSON vs TrainConfig
         # Absolute: the run is exported/resumed from other working directories.
         model_ref = args.model if args.model in TINY_MODELS else str(Path(args.model).resolve())
@@ -287,23 +293,3 @@ def _train(backend, args, apt, train, out, meta, model, examples, eval_batches, 
     if backend.is_main():
         print(json.dumps(final))
     return final
-
-
-def _eval_batches(args, tokenizer, train: TrainConfig, backend, pad_id: int) -> list[dict]:
-    if not args.eval_data:
-        return []
-    records = load_records(args.eval_data)
-    truncation = TruncationStats()
-    examples = tokenize_dataset(records, tokenizer, train.max_seq_len, pack=False, source=args.eval_data, stats=truncation,
-                                template=train.template)
-    warning = truncation.message(args.eval_data, train.max_seq_len)
-    if warning and backend.is_main():
-        print(warning, file=sys.stderr)
-    examples = examples[: args.eval_examples]
-    # Every rank must run the same number of forwards (ZeRO-3 gathers are collective).
-    examples = examples[: len(examples) - len(examples) % backend.world_size]
-    if not examples:
-        raise ConfigError(f"--eval-data {args.eval_data}: fewer usable examples than ranks ({backend.world_size})")
-    mine = examples[backend.rank :: backend.world_size]
-    size = train.micro_batch_size
-    return [collate(mine[i : i + size], pad_id=pad_id) for i in range(0, len(mine), size)]

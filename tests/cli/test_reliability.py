@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,8 @@ from conftest import tree_digest
 
 from apt_ds.cli.export import main as export_main
 from apt_ds.cli.train import main as train_main
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _write_json(path: Path, value) -> None:
@@ -114,7 +118,14 @@ def home(tmp_path_factory):
     _write_json(root / "other_tool" / "run.json", {"tool": "other"})
     shutil.copytree(root / "run", root / "tokenizer_gone")
     (root / "tokenizer_gone" / "tokenizer" / "tokenizer.json").unlink()  # the tiny model is rebuilt from the run's tokenizer
-    return root
+    # An export into busy_export under way in another process (it holds the export lock beside it).
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; from apt_ds.io import run_lock; "
+                               f"run_lock.acquire(Path({str(root / 'busy_export')!r}), 'export'); print('held', flush=True); "
+                               "time.sleep(600)"], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert holder.stdout.readline().strip() == "held"
+    yield root
+    holder.kill()
+    holder.wait()
 
 
 def train(*argv: str) -> list[str]:
@@ -247,6 +258,8 @@ CASES = [
     ("pruning-ends-after-run", train("--pruning-end-step", "20", "--out", "new"), "--pruning-end-step (20) must be <= steps"),
     ("rank-cap-below-rank", train("--rank-cap", "2", "--out", "new"), "--rank-cap must be >= adapter_rank"),
     ("adapter-target-unknown", train("--adapter-targets", "qq_proj", "--out", "new"), "invalid choice: 'qq_proj'"),
+    ("max-seq-len-past-positions", train("--max-seq-len", "100000", "--out", "new"),
+     "--max-seq-len 100000 is longer than --model tiny knows (max_position_embeddings is 512)"),
     # export
     ("export-no-arguments", export("--out", "new"), "give either RUN_DIR"),
     ("export-run-missing", export("nope", "--out", "new"), "nope"),
@@ -278,6 +291,7 @@ CASES = [
     ("export-kept-pickle", export("--model", "export", "--kept", "bad/masks.pt", "--out", "new"),
      "cannot read --kept bad/masks.pt: it is not JSON text"),
     ("export-kept-bad-record", export("--model", "export", "--kept", "bad/kept.json", "--out", "new"), "kept"),
+    ("export-out-being-written", export("run", "--out", "busy_export"), "--out busy_export is being written by another export (PID"),
 ]
 
 

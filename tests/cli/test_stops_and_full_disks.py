@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,8 @@ from safetensors import SafetensorError
 from apt_ds.cli.export import main as export_main
 from apt_ds.cli.train import main as train_main
 from apt_ds.io import checkpoint_save as checkpoint_module
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_disk_full_during_a_checkpoint_keeps_the_previous_one(in_tmp, tmp_path, capsys, monkeypatch):
@@ -226,3 +229,83 @@ def test_a_user_error_after_overwrite_set_the_run_aside_is_still_one_line(in_tmp
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "simulated user error" in err[0] and "the previous run is back in run" in err[0], err
     assert tree_digest(in_tmp / "run") == before
+
+
+@pytest.mark.parametrize("streaming", [True, False], ids=["streamed", "in-memory"])
+def test_disk_full_during_an_export_is_one_line_and_leaves_nothing(in_tmp, tmp_path, capsys, monkeypatch, tokenizer,
+                                                                    streaming):
+    """ENOSPC while the weights are written: one line with the space needed and free, no
+    `.NAME.tmp-*` left, a previous export untouched; the same command succeeds once there is room."""
+    import safetensors.torch
+    from conftest import tiny_llama
+
+    from apt_ds.export import merge, writer
+
+    tiny_llama("gqa", vocab=len(tokenizer)).save_pretrained(tmp_path / "base")  # a safetensors base: streamed
+    tokenizer.save_pretrained(str(tmp_path / "base"))
+    assert train_main([*BASE, "--model", "base", "--out", "run"]) == 0
+    if not streaming:
+        real_export_run = merge.export_run
+        monkeypatch.setattr(merge, "export_run", lambda *a, **k: real_export_run(*a, **{**k, "streaming": False}))
+    assert export_main(["run", "--out", "export"]) == 0
+    before = tree_digest(tmp_path)
+
+    def full_disk(*args, **kwargs):
+        raise SafetensorError(f"Error while serializing: I/O error: No space left on device (os error {errno.ENOSPC})")
+
+    save = safetensors.torch.save_file
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)  # the streamed export's
+    monkeypatch.setattr(writer, "save_file", full_disk)  # the in-memory export's
+    for out, flags, kept in (("new", [], "nothing was written"), ("export", ["--overwrite"], "the previous export in --out is unchanged")):
+        capsys.readouterr()
+        assert export_main(["run", "--out", out, *flags]) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and not line.startswith("Loading weights")]
+        assert len(err) == 1 and err[0].startswith(f"error: disk full while writing the export to {out}: it needs about"), err
+        assert "MB are free" in err[0] and kept in err[0], err
+        assert tree_digest(tmp_path) == before
+    monkeypatch.setattr(safetensors.torch, "save_file", save)
+    monkeypatch.setattr(writer, "save_file", save)
+    assert export_main(["run", "--out", "new"]) == 0
+
+
+@pytest.mark.parametrize("format", ["hf", "gguf"])
+def test_a_really_full_disk_during_an_export(in_tmp, tmp_path, capsys, format):
+    """On a tmpfs too small for the export (half its size): one line, nothing left on it; both
+    formats (the GGUF writer's short write is numpy's, without an errno). Needs mount rights (root)."""
+    assert train_main([*BASE, "--out", "run"]) == 0
+    assert export_main(["run", "--out", "sized", "--format", format]) == 0
+    room = max(_du(tmp_path / "sized") // 2, 4096)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={room // 4096 * 4096}", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip()}); the faked ENOSPC test above still runs")
+    try:
+        capsys.readouterr()
+        assert export_main(["run", "--out", "disk/export", "--format", format]) == 2
+        err = capsys.readouterr().err
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "disk full while writing the export to disk/export: it needs about" in errors[0], err
+        assert "Traceback" not in err and not any(disk.iterdir())
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=False)
+
+
+def test_two_exports_into_one_new_out_one_is_refused(in_tmp, tmp_path):
+    """Started at the same moment into the same new --out: one writes it, the other stops in one
+    line (the export lock while the first writes, or --overwrite's refusal once it is done); the
+    export left there loads."""
+    assert train_main([*BASE, "--out", "run"]) == 0
+    command = [sys.executable, str(REPO / "launch" / "export.py"), "run", "--out", "together"]
+    exports = [subprocess.Popen(command, cwd=tmp_path, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+               for _ in range(2)]
+    results = [(export.wait(timeout=300), export.stderr.read()) for export in exports]
+    assert sorted(code for code, _ in results) == [0, 2], results
+    refused = next(err for code, err in results if code == 2).strip().splitlines()
+    assert len(refused) == 1 and ("is being written by another export" in refused[0]
+                                  or "holds a previous export; pass --overwrite" in refused[0]), refused
+    from apt_ds.io.modeling import load_pretrained
+
+    load_pretrained(tmp_path / "together")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".together")) == []

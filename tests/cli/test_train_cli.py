@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from conftest import RUN_FLAGS
 from conftest import TRAIN_FAST as FAST
 
 from apt_ds.cli.train import main as train_main
@@ -204,3 +205,10 @@ def test_a_directory_holding_one_gguf_trains_from_that_file(trained_runs, tmp_pa
     assert train_main([*FAST, "--model", str(tmp_path / "base"), "--method", "lora", "--out", str(out)]) == 0
     recorded = json.loads((out / "run.json").read_text())["model"]
     assert recorded == str((tmp_path / "base" / "base.gguf").resolve())
+
+
+def test_eval_data_that_is_the_training_data_gets_a_warning(in_tmp, capsys):
+    assert train_main([*RUN_FLAGS, "--eval-data", "./data.jsonl", "--out", "run"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: --eval-data")]
+    assert warnings == ["warning: --eval-data ./data.jsonl is the training data (--data): eval_loss will measure how well "
+                        "the run fits what it trains on, not how it does on unseen rows"]
