@@ -318,7 +318,7 @@ def test_without_a_file_beside_out_the_run_directory_is_locked(tmp_path, monkeyp
     """A writable run directory in a read-only parent (a container volume): the directory itself is locked."""
     run = tmp_path / "run"
     run.mkdir()
-    monkeypatch.setattr(run_lock, "lock_path", lambda out: tmp_path / "read-only" / ".run.train.lock")  # cannot be made
+    monkeypatch.setattr(run_lock, "lock_path", lambda out, kind="train": tmp_path / "read-only" / f".run.{kind}.lock")  # cannot be made
     run_lock.acquire(run)
     try:
         other = os.open(run, os.O_RDONLY | os.O_DIRECTORY)

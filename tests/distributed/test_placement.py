@@ -114,7 +114,7 @@ def test_a_model_bigger_than_memory_is_refused_before_loading(tmp_path, capsys, 
     loaded = []
     monkeypatch.setattr("apt_ds.training.run.load_model", lambda *a, **k: loaded.append(1))
     capsys.readouterr()
-    assert train_main(["--model", str(model_dir), "--device", "cpu", "--out", str(tmp_path / "run")]) == 2
+    assert train_main(["--model", str(model_dir), "--device", "cpu", "--max-seq-len", "128", "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "(0.1M parameters in float32) needs 497.2 KiB per rank for its weights alone, " \
         "but only 1000 B is available on cpu" in err[0], err
