@@ -13,13 +13,14 @@ PACKAGE = Path(__file__).resolve().parents[1] / "apt_ds"
 # Each layer and what it may import besides itself (apt_ds/__init__.py re-exports public names).
 ALLOWED = {
     "config": set(),
-    "algorithm": {"config"},
-    "io": {"config", "algorithm"},
-    "distributed": {"config", "algorithm", "io"},
-    "export": {"config", "algorithm", "io"},
-    "training": {"config", "algorithm", "io", "distributed"},
-    "evaluation": {"config", "algorithm", "io"},
-    "cli": {"config", "algorithm", "io", "distributed", "export", "training", "evaluation"},
+    "models": set(),  # architecture descriptions: data every layer reads
+    "algorithm": {"config", "models"},
+    "io": {"config", "models", "algorithm"},
+    "distributed": {"config", "models", "algorithm", "io"},
+    "export": {"config", "models", "algorithm", "io"},
+    "training": {"config", "models", "algorithm", "io", "distributed"},
+    "evaluation": {"config", "models", "algorithm", "io"},
+    "cli": {"config", "models", "algorithm", "io", "distributed", "export", "training", "evaluation"},
 }
 
 

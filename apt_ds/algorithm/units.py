@@ -15,9 +15,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-
-class UnsupportedModelError(ValueError):
-    """The model is not a LLaMA-shaped causal LM that apt_ds can prune."""
+from apt_ds.models import UnsupportedModelError as UnsupportedModelError  # where callers have always imported it
+from apt_ds.models import family_for
 
 
 @dataclass(frozen=True)
@@ -142,9 +141,7 @@ def _full_shape(param: torch.Tensor) -> tuple[int, ...]:
 
 def check_llama_config(config) -> None:
     """Raise UnsupportedModelError with one line naming what is not LLaMA-shaped."""
-    model_type = getattr(config, "model_type", None)
-    if model_type != "llama":
-        raise UnsupportedModelError(f"model_type {model_type!r} is not supported: apt_ds prunes LLaMA models only")
+    family_for(getattr(config, "model_type", None))
     for name in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
         if not isinstance(getattr(config, name, None), int):
             raise UnsupportedModelError(f"config has no integer {name}: not a LLaMA-shaped model")

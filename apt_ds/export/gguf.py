@@ -32,7 +32,9 @@ import torch
 
 from apt_ds.algorithm.units import ModelShape
 from apt_ds.config import ConfigError
+from apt_ds.export.accounting import check_every_base_tensor_written, check_gguf_reads_every_tensor
 from apt_ds.export.checks import check_export_tensor
+from apt_ds.models import family_for
 
 GGUF_DTYPES = ("fp32", "fp16", "bf16", "q8_0")
 BLOCK = {"q8_0": 32}  # row block of the quantized dtypes: hidden and FFN widths are padded to it
@@ -57,10 +59,17 @@ def gguf_package():
 
 
 class ModelTensors:
-    """An in-memory compact model's tensors, as `streaming.RunTensors` gives a run's."""
+    """An in-memory compact model's tensors, as `streaming.RunTensors` gives a run's; every one of
+    `base_names` (the base checkpoint's; default: the model's own) exported or left out on purpose."""
 
-    def __init__(self, model):
-        self.params = {name: p for name, p in model.state_dict().items() if "rotary" not in name}
+    def __init__(self, model, base_names: list[str] | None = None, base: str = "the model"):
+        state, family = model.state_dict(), family_for(model.config.model_type)
+        tied = bool(model.config.tie_word_embeddings)
+        self.params = {name: p for name, p in state.items() if not family.left_out_on_purpose(name, tied)}
+        check_every_base_tensor_written(state if base_names is None else base_names, self.params, family, tied, base)
+
+    def names(self) -> list[str]:
+        return list(self.params)
 
     def tensor(self, name: str) -> torch.Tensor:
         return self.params[name].detach().float()
@@ -78,9 +87,10 @@ def write_gguf(path: Path, shape: ModelShape, tensors, config, tokenizer_dir: Pa
     writer = gguf.GGUFWriter(path, arch)
     try:
         sizes = PaddedSizes.of(shape, dtype)
+        plan, reads, left_out = _plan(shape, sizes, config, dtype)
+        check_gguf_reads_every_tensor(tensors.names(), reads, left_out, family_for(config.model_type), arch)
         _add_hparams(writer, arch, shape, sizes, config, path.stem, dtype)
         add_vocab(writer, tokenizer_dir, shape.vocab)
-        plan = _plan(shape, sizes, config, dtype)
         for gguf_name, _, out_shape, qtype in plan:
             block, type_size = gguf.GGML_QUANT_SIZES[qtype]
             writer.add_tensor_info(gguf_name, out_shape, np.float32, math.prod(out_shape) // block * type_size,
@@ -185,19 +195,22 @@ def _ffn_rows(ffn: int) -> int:
     return max(ffn, 1)  # a zero neuron rather than deci's FFN-free layer, which drops the attention output
 
 
-def _plan(shape: ModelShape, sizes: PaddedSizes, config, dtype: str) -> list:
-    """(GGUF name, maker(tensors) -> fp32 tensor, shape, GGML type) for every tensor, in file order."""
+def _plan(shape: ModelShape, sizes: PaddedSizes, config, dtype: str) -> tuple[list, set[str], set[str]]:
+    """(GGUF name, maker(tensors) -> fp32 tensor, shape, GGML type) for every tensor, in file order;
+    the HF tensors it reads; those it leaves out on purpose (a `deci` layer without heads)."""
     import gguf
 
-    D, plan = sizes.hidden, []
+    D, plan, reads, left_out = sizes.hidden, [], set(), set()
 
-    def add(gguf_name: str, make, out_shape: tuple):
+    def add(gguf_name: str, make, out_shape: tuple, hf_name: str | None):
         plan.append((gguf_name, lambda t: _pad(make(t), out_shape), out_shape, _ggml_type(out_shape, dtype)))
+        if hf_name is not None:
+            reads.add(hf_name)
 
     def norm(hf_name: str):
         return lambda t: t.tensor(hf_name) * sizes.norm_scale
 
-    add("token_embd.weight", lambda t: t.tensor("model.embed_tokens.weight"), (shape.vocab, D))
+    add("token_embd.weight", lambda t: t.tensor("model.embed_tokens.weight"), (shape.vocab, D), "model.embed_tokens.weight")
     rope_freqs = _rope_freqs(config, shape.layers[0].head_dim)
     if rope_freqs is not None:
         plan.append(("rope_freqs.weight", lambda t: rope_freqs, tuple(rope_freqs.shape), gguf.GGMLQuantizationType.F32))
@@ -207,15 +220,16 @@ def _plan(shape: ModelShape, sizes: PaddedSizes, config, dtype: str) -> list:
                   "self_attn.v_proj": (kv, D), "self_attn.o_proj": (D, q), "post_attention_layernorm": (D,),
                   "mlp.gate_proj": (F, D), "mlp.up_proj": (F, D), "mlp.down_proj": (D, F)}
         for hf, gguf_name in LAYER_NAMES.items():
-            if layer.num_kv_groups == 0 and hf in ATTENTION:
-                continue  # deci: a layer with 0 heads has no attention (nor its norm)
             hf_name = f"model.layers.{l}.{hf}.weight"
+            if layer.num_kv_groups == 0 and hf in ATTENTION:
+                left_out.add(hf_name)  # deci: a layer with 0 heads has no attention (nor its norm)
+                continue
             add(f"blk.{l}.{gguf_name}.weight", norm(hf_name) if hf.endswith("layernorm") else _maker(hf_name, layer),
-                shapes[hf])
-    add("output_norm.weight", norm("model.norm.weight"), (D,))
+                shapes[hf], hf_name)
+    add("output_norm.weight", norm("model.norm.weight"), (D,), "model.norm.weight")
     if not shape.tied_embeddings:  # llama.cpp reuses token_embd when there is no output tensor
-        add("output.weight", lambda t: t.tensor("lm_head.weight"), (shape.vocab, D))
-    return plan
+        add("output.weight", lambda t: t.tensor("lm_head.weight"), (shape.vocab, D), "lm_head.weight")
+    return plan, reads, left_out
 
 
 def _maker(hf_name: str, layer):

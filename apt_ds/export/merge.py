@@ -21,6 +21,7 @@ from apt_ds.algorithm.pruner import KeepDecision
 from apt_ds.algorithm.state import APTModel
 from apt_ds.algorithm.units import ModelShape, UnsupportedModelError
 from apt_ds.config import APTConfig, ConfigError
+from apt_ds.export.accounting import check_every_base_tensor_written
 from apt_ds.export.kept import read_kept_record
 from apt_ds.export.out_dir import check_export_out
 from apt_ds.export.writer import DEFAULT_SHARD_SIZE, DTYPES, check_options, summary, write_export, write_export_dir
@@ -34,7 +35,8 @@ from apt_ds.io.modeling import (
     load_model,
 )
 from apt_ds.io.pinned import pinned_directory, replaced
-from apt_ds.io.weights import WeightsError
+from apt_ds.io.weights import SafetensorsWeights, WeightsError
+from apt_ds.models import family_for
 
 
 def rebuild_trained_model(run_dir: Path, model_path: str | Path | None = None, checkpoint: Path | None = None):
@@ -184,15 +186,17 @@ CHECKPOINT_READS = 3  # a checkpoint every few seconds could outpace one read; m
 def _export_in_memory(run_dir: Path, out: Path, model_path, dtype: str, max_shard_size, format: str,
                       checkpoint: Path) -> dict:
     model, state, meta = rebuild_trained_model(run_dir, model_path, checkpoint)
+    base = str(model_path) if model_path is not None else meta["run_info"]["model"]
+    on_disk = base not in TINY_MODELS and Path(base).is_dir()  # the files count: a tensor transformers did not load too
+    base_names = SafetensorsWeights(base).names() if on_disk else None
     model = compact_model(model, state)
-    extra = _run_report(run_dir, meta)
+    extra, tokenizer_dir = _run_report(run_dir, meta), run_dir / meta["run_info"].get("tokenizer", "tokenizer")
     if format == "gguf":
         from apt_ds.export.gguf import ModelTensors, write_gguf_export
 
-        return write_gguf_export(out, state.shape, ModelTensors(model), model.config, dtype,
-                                 run_dir / meta["run_info"].get("tokenizer", "tokenizer"), extra)
-    return write_export(model, state.shape, out, DTYPES[dtype], tokenizer_dir=run_dir / meta["run_info"].get("tokenizer", "tokenizer"),
-                        extra_report=extra, max_shard_size=max_shard_size)
+        return write_gguf_export(out, state.shape, ModelTensors(model, base_names, base), model.config, dtype, tokenizer_dir, extra)
+    return write_export(model, state.shape, out, DTYPES[dtype], tokenizer_dir=tokenizer_dir, extra_report=extra,
+                        max_shard_size=max_shard_size, base_names=base_names, base=base)
 
 
 def _run_report(run_dir: Path, meta: dict) -> dict:
@@ -222,11 +226,9 @@ def _export_streaming(run_dir: Path, out: Path, base: Path, dtype: str, max_shar
     try:
         _check_trained_tensors(run_dir, meta, masks, set(handle.keys()))
         tensors = RunTensors(weights, meta, handle, masks)
-        missing = [name for name in tensors.names() if name not in weights]
-        if missing:
-            raise CheckpointError(f"{run_dir}: the base model {base} has no tensor {missing[0]} "
-                                  f"({len(missing)} missing); is it the model this run was trained from?")
         config = exported_config(base, tensors.final_shape)
+        check_every_base_tensor_written(weights.names(), tensors.names(), family_for(config.model_type),
+                                        tensors.current.tied_embeddings, str(base))
         size = max_shard_size if isinstance(max_shard_size, int) else parse_size_to_int(max_shard_size)
         extra = _run_report(run_dir, meta)
         if format == "gguf":  # streamed too: the GGUF writer asks for one tensor at a time

@@ -15,12 +15,14 @@ from safetensors.torch import save_file
 
 from apt_ds.algorithm.units import ModelShape
 from apt_ds.config import ConfigError
+from apt_ds.export.accounting import check_every_base_tensor_written
 from apt_ds.export.checks import check_export_tensor, dtype_name
 from apt_ds.export.out_dir import REPORT_FILE, recover_interrupted_overwrite, remove_stale_temporaries
 from apt_ds.io import run_lock
 from apt_ds.io.checkpoint import is_disk_full, megabytes
 from apt_ds.io.permissions import make_readable
 from apt_ds.io.tokenizer import is_tokenizer_file
+from apt_ds.models import family_for
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_SHARD_SIZE = "5GB"  # as transformers' save_pretrained
@@ -52,7 +54,8 @@ def stock_loadable(shape: ModelShape) -> bool:
 
 
 def write_export(model, shape: ModelShape, out: Path, dtype: torch.dtype, tokenizer_dir: Path | None = None,
-                 extra_report: dict | None = None, max_shard_size: str | int = DEFAULT_SHARD_SIZE) -> dict:
+                 extra_report: dict | None = None, max_shard_size: str | int = DEFAULT_SHARD_SIZE,
+                 base_names: list[str] | None = None, base: str = "the model") -> dict:
     """Atomically write an in-memory model's weights (safetensors shards + index when sharded),
     config, generation config, tokenizer and report into `out`.
 
@@ -60,11 +63,12 @@ def write_export(model, shape: ModelShape, out: Path, dtype: torch.dtype, tokeni
     the same files as this in-memory path, and save_pretrained cannot stream; it would also refuse
     the config of a pruned hidden size that is not a multiple of the head count (e.g. 121 with 4
     heads: LlamaConfig's validation). Both paths shard with huggingface_hub's splitter, which is
-    what save_pretrained uses, and name the files as it does."""
+    what save_pretrained uses, and name the files as it does. `base_names`: the base checkpoint's
+    tensors, every one of which must be written or left out on purpose (default: the model's own)."""
     def save_weights(directory: Path) -> int:
-        full = {k: v.detach() for k, v in model.state_dict().items() if "rotary" not in k}
-        if shape.tied_embeddings:
-            full.pop("lm_head.weight", None)
+        state, family = model.state_dict(), family_for(model.config.model_type)
+        full = {k: v.detach() for k, v in state.items() if not family.left_out_on_purpose(k, shape.tied_embeddings)}
+        check_every_base_tensor_written(state if base_names is None else base_names, full, family, shape.tied_embeddings, base)
         state_dict = {k: v.to(dtype).contiguous() for k, v in full.items()}
         for name, tensor in state_dict.items():
             check_export_tensor(name, full[name].float(), tensor, dtype_name(dtype))

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from apt_ds.algorithm.units import LayerShape, UnsupportedModelError
+from apt_ds.models import family_for
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +74,8 @@ def check_model_path(path: str | Path, flag: str = "model path") -> dict:
         raise ModelLoadError(f"{flag} {path}: unreadable config.json ({err})") from None
     if not isinstance(config, dict):
         raise ModelLoadError(f"{flag} {path}: config.json is not a JSON object")
-    if not config.get("apt_layer_shapes") and config.get("model_type") != "llama":
-        raise UnsupportedModelError(f"{path}: model_type {config.get('model_type')!r} is not supported (LLaMA only)")
+    if not config.get("apt_layer_shapes"):
+        family_for(config.get("model_type"), where=str(path))
     if not any(path.glob("*.safetensors")):
         pickled = " (only pickled *.bin weights, which are not loaded: convert them to safetensors)" if any(path.glob("*.bin")) else ""
         raise ModelLoadError(f"{flag} {path} holds no *.safetensors weights{pickled}")
