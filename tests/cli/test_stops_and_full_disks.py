@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -141,18 +142,27 @@ def _du(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def test_a_really_full_disk_keeps_the_previous_checkpoint(in_tmp, tmp_path, capsys, monkeypatch):
-    """The same on a real file system that fills up: a tmpfs with room for one checkpoint, not
-    two (the new one is written before the old one goes). Needs mount rights (root)."""
-    assert train_main([*BASE, "--out", "sized"]) == 0
-    room = _du(tmp_path / "sized") + _du(tmp_path / "sized" / "checkpoint") // 2
-    disk = tmp_path / "disk"
+@contextmanager
+def _small_tmpfs(disk: Path, room: int):
+    """A tmpfs of about `room` bytes at `disk`, unmounted afterwards; the test is skipped where
+    this machine gives no mount rights (the faked ENOSPC tests still run)."""
     disk.mkdir()
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={room // 4096 * 4096}", "tmpfs", str(disk)],
                              capture_output=True, text=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip()}); the faked ENOSPC test above still runs")
     try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=False)  # lazy: a failed run may hold a file open
+
+
+def test_a_really_full_disk_keeps_the_previous_checkpoint(in_tmp, tmp_path, capsys, monkeypatch):
+    """The same on a real file system that fills up: a tmpfs with room for one checkpoint, not
+    two (the new one is written before the old one goes). Needs mount rights (root)."""
+    assert train_main([*BASE, "--out", "sized"]) == 0
+    room = _du(tmp_path / "sized") + _du(tmp_path / "sized" / "checkpoint") // 2
+    with _small_tmpfs(tmp_path / "disk", room) as disk:
         capsys.readouterr()
         assert train_main([*BASE, "--out", "disk/run"]) == 2
         err = capsys.readouterr().err
@@ -164,8 +174,6 @@ def test_a_really_full_disk_keeps_the_previous_checkpoint(in_tmp, tmp_path, caps
         subprocess.run(["mount", "-o", f"remount,size={4 * room // 4096 * 4096}", str(disk)], check=True)
         assert train_main([*BASE, "--out", "disk/run", "--resume"]) == 0  # space freed: it finishes
         assert json.loads((disk / "run" / "checkpoint" / "apt_state.json").read_text())["step"] == 8
-    finally:
-        subprocess.run(["umount", "--lazy", str(disk)], check=False)  # lazy: a failed run may hold a file open
 
 
 def test_recovery_never_deletes_what_took_the_runs_place(in_tmp, tmp_path, capsys, monkeypatch):
@@ -275,21 +283,13 @@ def test_a_really_full_disk_during_an_export(in_tmp, tmp_path, capsys, format):
     assert train_main([*BASE, "--out", "run"]) == 0
     assert export_main(["run", "--out", "sized", "--format", format]) == 0
     room = max(_du(tmp_path / "sized") // 2, 4096)
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={room // 4096 * 4096}", "tmpfs", str(disk)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip()}); the faked ENOSPC test above still runs")
-    try:
+    with _small_tmpfs(tmp_path / "disk", room) as disk:
         capsys.readouterr()
         assert export_main(["run", "--out", "disk/export", "--format", format]) == 2
         err = capsys.readouterr().err
         errors = [line for line in err.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and "disk full while writing the export to disk/export: it needs about" in errors[0], err
         assert "Traceback" not in err and not any(disk.iterdir())
-    finally:
-        subprocess.run(["umount", "--lazy", str(disk)], check=False)
 
 
 def test_two_exports_into_one_new_out_one_is_refused(in_tmp, tmp_path):
