@@ -34,6 +34,30 @@ def tiny_llama(kind: str = "gqa", seed: int = 0, vocab: int = 97, **overrides) -
     return model.eval()
 
 
+# Per family, what its tiny model adds to TINY_CONFIGS["gqa"]: Qwen3's head_dim spelled out (its
+# default is 128), Mistral's window shorter than the test sequences so that it matters.
+FAMILY_OVERRIDES = {"llama": {}, "mistral": {"sliding_window": 8}, "qwen2": {}, "qwen3": {"head_dim": 16}}
+
+
+def tiny_family(model_type: str, seed: int = 0, vocab: int = 97, tied: bool = False, **overrides):
+    """A tiny random model of a family (GQA), its biases and every norm weight (per-head ones too)
+    set to non-trivial random values: zero biases or unit norms would hide a dropped tensor."""
+    from apt_ds.models import family_for
+
+    config_class, model_class = family_for(model_type).classes()
+    torch.manual_seed(seed)
+    values = dict(vocab_size=vocab, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=tied)
+    values.update(TINY_CONFIGS["gqa"], **FAMILY_OVERRIDES[model_type], **overrides)
+    model = model_class(config_class(**values))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.5)
+            elif "norm" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    return model.eval()
+
+
 @pytest.fixture(params=list(TINY_CONFIGS))
 def any_tiny(request):
     return request.param
@@ -55,6 +79,28 @@ def tokenizer(tmp_path_factory):
     texts = [format_prompt(r["instruction"], r["input"]) + r["output"] for r in rows]
     texts += ["the quick brown fox jumps over the lazy dog", "Question: is it? Answer: yes"]
     return train_sentencepiece_tokenizer(texts, tmp_path_factory.mktemp("tok"), vocab_size=512)
+
+
+def random_kept(shape, seed: int, prune_hidden: bool = True):
+    """Kept (sorted) indices: every layer loses something, and at least one group/neuron survives."""
+    gen = torch.Generator().manual_seed(seed)
+    groups, neurons = [], []
+    for l, layer in enumerate(shape.layers):
+        n_groups = max(1, layer.num_kv_groups - 1 - (l % 2))
+        groups.append(torch.randperm(layer.num_kv_groups, generator=gen)[:n_groups].sort().values)
+        n_neurons = layer.ffn // 2 + 5 * l
+        neurons.append(torch.randperm(layer.ffn, generator=gen)[:n_neurons].sort().values)
+    n_hidden = shape.hidden - 7 if prune_hidden else shape.hidden  # 7: not a multiple of any head count
+    hidden = torch.randperm(shape.hidden, generator=gen)[:n_hidden].sort().values
+    return groups, neurons, hidden
+
+
+def set_binary_masks(masks, shape, groups, neurons, hidden) -> None:
+    for l, layer in enumerate(shape.layers):
+        masks.kv_group[l] = torch.zeros(layer.num_kv_groups).index_fill_(0, groups[l], 1.0)
+        masks.ffn_neuron[l] = torch.zeros(layer.ffn).index_fill_(0, neurons[l], 1.0)
+    masks.hidden = torch.zeros(shape.hidden).index_fill_(0, hidden, 1.0)
+    masks.refresh()
 
 
 # launch/train.py's flags for a run of a few seconds on the built-in tiny model

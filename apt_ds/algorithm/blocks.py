@@ -89,21 +89,22 @@ class Vector:
     kind: int  # 0 group, 1 neuron, 2 hidden channel
     scores: torch.Tensor
     unit_cost: int  # parameters one unit costs at the current shapes
-    coefficient: int  # a group's parameters per hidden channel (0 for the other kinds)
+    coefficient: int  # a group's or neuron's parameters per hidden channel (0 for hidden channels)
     prunable: bool
     block: int  # units per block
+    constant: int = 0  # a unit's parameters that do not scale with the hidden size (a bias)
 
 
 class Blocks:
     """Every vector cut into blocks of its units in score order (block 0: its best `block`
     units), all blocks in one list. The exact parameter count of any set of blocks comes from
-    three totals: kept hidden channels D, group coefficients C and neurons N give
-    D * (C + 3N + fixed_per_channel)."""
+    three totals: kept hidden channels D, the per-channel coefficients C of the kept groups and
+    neurons, and their constants K give D * (C + fixed_per_channel) + K + fixed_constant."""
 
-    def __init__(self, vectors: list[Vector], fixed_per_channel: int):
-        self.fixed_per_channel = fixed_per_channel
+    def __init__(self, vectors: list[Vector], fixed_per_channel: int, fixed_constant: int = 0):
+        self.fixed_per_channel, self.fixed_constant = fixed_per_channel, fixed_constant
         self.block_of: list[torch.Tensor] = []  # per vector: the global block of each unit
-        kinds, density, coefficients, neurons, channels, forced = [], [], [], [], [], []
+        kinds, density, coefficients, constants, channels, forced = [], [], [], [], [], []
         offset = 0
         scores_of = [v.scores.double() for v in vectors]
         for v, scores, order in zip(vectors, scores_of, descending_orders(scores_of, [v.kind for v in vectors])):
@@ -120,14 +121,14 @@ class Blocks:
             # equal scores (a short last block) could otherwise rank a later block first.
             density.append(torch.cummin(block_scores / (units * v.unit_cost), 0).values if count else block_scores)
             coefficients.append(units * v.coefficient)
-            neurons.append(units if v.kind == 1 else torch.zeros(count, dtype=torch.float64))
+            constants.append(units * v.constant)
             channels.append(units if v.kind == 2 else torch.zeros(count, dtype=torch.float64))
             is_forced = torch.full((count,), not v.prunable, dtype=torch.bool)
             is_forced[:1] = True  # guard rail: the best block of every vector survives
             forced.append(is_forced)
             offset += count
         self.kinds, self.density, self.forced = torch.cat(kinds), torch.cat(density), torch.cat(forced)
-        self.coefficients, self.neurons, self.channels = torch.cat(coefficients), torch.cat(neurons), torch.cat(channels)
+        self.coefficients, self.constants, self.channels = torch.cat(coefficients), torch.cat(constants), torch.cat(channels)
 
     def fit(self, target: float, forced: torch.Tensor, excluded: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
         """Kept blocks: the forced ones, then by score per parameter, the longest prefix whose exact
@@ -136,8 +137,8 @@ class Blocks:
         key = torch.where(forced, torch.full_like(self.density, float("inf")), self.density)[candidates]
         order = candidates[torch.argsort(key, descending=True, stable=True)]
         channels = torch.cumsum(self.channels[order], 0)
-        counts = channels * (torch.cumsum(self.coefficients[order], 0) + 3 * torch.cumsum(self.neurons[order], 0)
-                             + self.fixed_per_channel)
+        counts = (channels * (torch.cumsum(self.coefficients[order], 0) + self.fixed_per_channel)
+                  + torch.cumsum(self.constants[order], 0) + self.fixed_constant)
         n_forced = int(forced[order].sum())
         n_keep = int(torch.searchsorted(counts, torch.tensor([float(target)], dtype=torch.float64), right=True))
         if n_keep < n_forced:

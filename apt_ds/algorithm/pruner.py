@@ -3,9 +3,10 @@
 Non-uniform (APT's default): every block (a KV group, or `block_size` neurons of a layer or
 hidden channels taken in score order) gets density = score / cost at the current shapes; one
 sorted list; the longest prefix whose EXACT parameter count fits the budget is kept (then once
-more with the hidden size fixed, see `_decide_ranked`). Because block_params = D * (sum of kept
-group coefficients + 3 * kept neurons + 2L + 1 [+ embedding columns]) depends only on running
-totals, the count of every prefix comes from three cumulative sums: a sort per pass decides.
+more with the hidden size fixed, see `_decide_ranked`). Because block_params = D * (sum of the
+kept groups' and neurons' per-channel coefficients + the layers' norms + 1 [+ embedding columns])
++ the kept units' constants (biases) depends only on running totals (units.py gives the terms),
+the count of every prefix comes from three cumulative sums: a sort per pass decides.
 Uniform: all layers keep the same (groups, neurons); search the shapes (G, N, D) that fit
 (D a multiple of the kept query heads so that a stock LlamaConfig accepts it), rank them by
 kept salience (`candidates`; the trainer measures the loss of the best few and may pin one,
@@ -46,11 +47,8 @@ class KeepDecision:
         return [as_index(g) for g in self.groups], [as_index(n) for n in self.neurons], as_index(self.hidden)
 
     def kept_shape(self, shape: ModelShape) -> ModelShape:
-        layers = tuple(
-            type(l)(num_kv_groups=int(g.sum()), group_size=l.group_size, head_dim=l.head_dim, ffn=int(n.sum()))
-            for l, g, n in zip(shape.layers, self.groups, self.neurons)
-        )
-        return ModelShape(int(self.hidden.sum()), layers, shape.vocab, shape.tied_embeddings)
+        layers = [l.kept(int(g.sum()), int(n.sum())) for l, g, n in zip(shape.layers, self.groups, self.neurons)]
+        return shape.kept(int(self.hidden.sum()), layers)
 
     def removes_anything(self) -> bool:
         return not (all(g.all() for g in self.groups) and all(n.all() for n in self.neurons) and self.hidden.all())
@@ -84,15 +82,14 @@ def normalize_by_kind(shape: ModelShape, group_scores, neuron_scores, hidden_sco
     0.7 cut the residual stream 576 -> 456 and scored 0.57 (LoRA 0.84); uniform cut it to 423
     and kept 94% of every FFN (docs/BENCHMARKS.md, "Salience scales"). Scaling a kind leaves
     the order inside it unchanged; a kind whose scores are all zero is left as it is."""
-    D = shape.hidden
 
     def scaled(scores: list[torch.Tensor], costs: list[int]) -> list[torch.Tensor]:
         total = float(sum(s.sum() for s in scores))
         params = float(sum(c * s.numel() for s, c in zip(scores, costs)))
         return [s * (params / total) for s in scores] if total > 0 else scores
 
-    groups = scaled(group_scores, [l.group_cost(D) for l in shape.layers])
-    neurons = scaled(neuron_scores, [3 * D] * len(shape.layers))
+    groups = scaled(group_scores, [shape.group_cost(l) for l in shape.layers])
+    neurons = scaled(neuron_scores, [shape.neuron_cost(l) for l in shape.layers])
     (hidden,) = scaled([hidden_scores], [shape.hidden_cost() + emb])
     return groups, neurons, hidden
 
@@ -156,15 +153,19 @@ class AdaptivePruner:
         ranked again at that size: a hidden block costs ~1/18 of SmolLM2's parameters, and the
         first prefix stops at the first block that does not fit, leaving up to that much of the
         budget unused."""
-        cfg, L = self.config, len(shape.layers)
+        cfg = self.config
         emb = embedding_columns(shape, cfg.count_embeddings)
         vectors = []  # in slot order: groups and neurons of each layer, then hidden channels
+        per_channel, constant = 1 + emb, 0  # the final norm (and the embedding columns when they count)
         for layer, groups, neurons, neuron_block in zip(shape.layers, group_scores, neuron_scores, sizes.ffn):
-            c = (2 * layer.group_size + 2) * layer.head_dim
-            vectors.append(Vector(0, groups, c * shape.hidden, c, cfg.prune_heads, 1))  # a group is aligned already
-            vectors.append(Vector(1, neurons, 3 * shape.hidden, 0, cfg.prune_neurons, neuron_block))
+            c = shape.costs(layer)
+            vectors.append(Vector(0, groups, shape.group_cost(layer), c.group_per_channel, cfg.prune_heads, 1,
+                                  c.group_constant))  # a group is aligned already
+            vectors.append(Vector(1, neurons, shape.neuron_cost(layer), c.neuron_per_channel, cfg.prune_neurons,
+                                  neuron_block, c.neuron_constant))
+            per_channel, constant = per_channel + c.per_channel, constant + c.constant
         vectors.append(Vector(2, hidden_scores, shape.hidden_cost() + emb, 0, cfg.prune_hidden, sizes.hidden))
-        blocks = Blocks(vectors, fixed_per_channel=2 * L + 1 + emb)
+        blocks = Blocks(vectors, fixed_per_channel=per_channel, fixed_constant=constant)
         hidden = blocks.kinds == 2
         kept_hidden = hidden & blocks.fit(target, blocks.forced)[0]
         # Second pass: the hidden blocks the first pass kept come first, the other ones are out.
@@ -179,9 +180,10 @@ class AdaptivePruner:
         first = shape.layers[0]
         if not shape.uniform:
             raise PruningError("uniform mode needs a model whose layers all have the same shape")
-        g, dh, G0, N0, D0 = first.group_size, first.head_dim, first.num_kv_groups, first.ffn, shape.hidden
+        g, G0, N0, D0 = first.group_size, first.num_kv_groups, first.ffn, shape.hidden
         emb = embedding_columns(shape, cfg.count_embeddings)
-        c = (2 * g + 2) * dh
+        c = shape.costs(first)
+        per_neuron = lambda D: L * (c.neuron_per_channel * D + c.neuron_constant)  # noqa: E731 (every layer's)
 
         def prefix(scores_per_layer):  # best total salience of keeping k units in every layer
             stacked = torch.stack([s.double().sort(descending=True).values for s in scores_per_layer])
@@ -198,14 +200,15 @@ class AdaptivePruner:
             for D in d_options:
                 if D % heads or (only is not None and (G, D) != tuple(only)):
                     continue
-                fixed = D * (c * G * L + 2 * L + 1 + emb)
+                fixed = (D * (c.group_per_channel * G * L + c.per_channel * L + 1 + emb)
+                         + L * (c.group_constant * G + c.constant))
                 if cfg.prune_neurons:
-                    N = min(N0, int((target - fixed) // (3 * L * D))) if target >= fixed else 0
+                    N = min(N0, int((target - fixed) // per_neuron(D))) if target >= fixed else 0
                     N = N if N == N0 else N - N % neuron_block
                 else:
-                    N = N0 if fixed + 3 * L * D * N0 <= target else 0
+                    N = N0 if fixed + per_neuron(D) * N0 <= target else 0
                 if N >= 1:
-                    shapes.append((float(group_prefix[G] + neuron_prefix[N] + hidden_prefix[D]), fixed + 3 * L * D * N, G, N, D))
+                    shapes.append((float(group_prefix[G] + neuron_prefix[N] + hidden_prefix[D]), fixed + per_neuron(D) * N, G, N, D))
         if not shapes:
             wanted = f"the shape of {only[0]} KV groups and hidden {only[1]}" if only is not None else "no uniform shape"
             raise PruningError(
@@ -225,7 +228,7 @@ class AdaptivePruner:
         # in every layer): an FFN already at its current width cannot take up what a dropped KV
         # group frees (a trial kept 2 groups and 608 neurons, density 0.464 for a target of 0.5).
         slack = target - shapes[0][1]
-        shapes = shapes[:1] + [e for e in shapes[1:] if target - e[1] <= slack + 3 * L * e[4] * neuron_block]
+        shapes = shapes[:1] + [e for e in shapes[1:] if target - e[1] <= slack + per_neuron(e[4]) * neuron_block]
         return [
             KeepDecision([top(s, G) for s in group_scores], [top(s, N) for s in neuron_scores], top(hidden_scores, D), int(params))
             for _, params, G, N, D in shapes[:count]

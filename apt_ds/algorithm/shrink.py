@@ -138,11 +138,8 @@ def _shrink_embeddings(model, hid: torch.Tensor, access: ParamAccess, tied: bool
 
 
 def _kept_shape(shape: ModelShape, group_index, neuron_index, hidden_index) -> ModelShape:
-    layers = tuple(
-        type(l)(num_kv_groups=len(g), group_size=l.group_size, head_dim=l.head_dim, ffn=len(n))
-        for l, g, n in zip(shape.layers, group_index, neuron_index)
-    )
-    return ModelShape(len(hidden_index), layers, shape.vocab, shape.tied_embeddings)
+    layers = [l.kept(len(g), len(n)) for l, g, n in zip(shape.layers, group_index, neuron_index)]
+    return shape.kept(len(hidden_index), layers)
 
 
 def write_shape_to_config(config, shape: ModelShape) -> None:

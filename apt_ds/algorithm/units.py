@@ -1,22 +1,25 @@
-"""The prunable units of a LLaMA model and their exact parameter counts.
+"""The prunable units of a decoder model and their exact parameter counts.
 
 A layer is described by how many KV groups it keeps (each group = 1 KV head + `group_size`
 query heads), its FFN width and the shared hidden size. Block parameters (attention, MLP,
-norms, final norm) are linear in the hidden size once the kept groups and neurons are known:
+norms, final norm) are linear in the hidden size D and in the kept groups G_l and neurons N_l:
 
-    block_params = D * (sum_l [(2g + 2) * d_h * G_l + 3 * N_l + 2] + 1)
+    block_params = D * (sum_l [c_g * G_l + c_n * N_l + c_l] + 1) + sum_l [b_g * G_l + b_l]
 
-which is what lets the pruner count any candidate set exactly in O(1) from running totals.
+with the terms from the family's tensor table (apt_ds.models: LLaMA's c_g = (2g + 2) * d_h,
+c_n = 3, c_l = 2 and no constants; Qwen2's q/k/v biases give b_g = (g + 2) * d_h, Qwen3's
+per-head norms b_l = 2 * d_h), which is what lets the pruner count any candidate set exactly
+in O(1) from running totals.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from apt_ds.models import UnitCosts, family_for
 from apt_ds.models import UnsupportedModelError as UnsupportedModelError  # where callers have always imported it
-from apt_ds.models import family_for
 
 
 @dataclass(frozen=True)
@@ -30,12 +33,8 @@ class LayerShape:
     def num_q_heads(self) -> int:
         return self.num_kv_groups * self.group_size
 
-    def params(self, hidden: int) -> int:
-        attn = (2 * self.group_size + 2) * self.head_dim * self.num_kv_groups * hidden
-        return attn + 3 * self.ffn * hidden + 2 * hidden
-
-    def group_cost(self, hidden: int) -> int:
-        return (2 * self.group_size + 2) * self.head_dim * hidden
+    def kept(self, groups: int, ffn: int) -> "LayerShape":
+        return replace(self, num_kv_groups=groups, ffn=ffn)
 
 
 @dataclass(frozen=True)
@@ -44,11 +43,31 @@ class ModelShape:
     layers: tuple[LayerShape, ...]
     vocab: int
     tied_embeddings: bool
+    family: str = "llama"  # the model_type whose tensor table counts the parameters
 
     # ---- counts -------------------------------------------------------------------------
+    def costs(self, layer: LayerShape) -> UnitCosts:
+        return family_for(self.family).unit_costs(layer.group_size, layer.head_dim)
+
+    def layer_params(self, layer: LayerShape, hidden: int | None = None) -> int:
+        hidden = self.hidden if hidden is None else hidden
+        return self.costs(layer).layer_params(layer.num_kv_groups, layer.ffn, hidden)
+
+    def group_cost(self, layer: LayerShape) -> int:
+        """Parameters one KV group of `layer` costs at the current hidden size."""
+        costs = self.costs(layer)
+        return costs.group_per_channel * self.hidden + costs.group_constant
+
+    def neuron_cost(self, layer: LayerShape) -> int:
+        costs = self.costs(layer)
+        return costs.neuron_per_channel * self.hidden + costs.neuron_constant
+
+    def kept(self, hidden: int, layers: tuple[LayerShape, ...]) -> "ModelShape":
+        return replace(self, hidden=hidden, layers=tuple(layers))
+
     def block_params(self) -> int:
-        """Attention + MLP + all RMSNorms (incl. the final one): the density denominator."""
-        return sum(layer.params(self.hidden) for layer in self.layers) + self.hidden
+        """Attention + MLP + all norms (incl. the final one): the density denominator."""
+        return sum(self.layer_params(layer) for layer in self.layers) + self.hidden
 
     def embedding_params(self) -> int:
         return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
@@ -61,7 +80,7 @@ class ModelShape:
 
     def hidden_cost(self) -> int:
         """Parameters one hidden channel costs at the current shapes."""
-        per_channel = sum(layer.params(1) for layer in self.layers) + 1
+        per_channel = sum(self.layer_params(layer, 1) - self.layer_params(layer, 0) for layer in self.layers) + 1
         return per_channel
 
     @property
@@ -74,6 +93,7 @@ class ModelShape:
             "hidden": self.hidden,
             "vocab": self.vocab,
             "tied_embeddings": self.tied_embeddings,
+            "family": self.family,
             "layers": [asdict(layer) for layer in self.layers],
         }
 
@@ -84,6 +104,7 @@ class ModelShape:
             layers=tuple(LayerShape(**layer) for layer in data["layers"]),
             vocab=int(data["vocab"]),
             tied_embeddings=bool(data["tied_embeddings"]),
+            family=str(data.get("family", "llama")),  # runs before families were recorded were LLaMA's
         )
 
     @classmethod
@@ -105,6 +126,7 @@ class ModelShape:
             layers=layers,
             vocab=config.vocab_size,
             tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            family=config.model_type,
         )
 
     @classmethod
@@ -131,6 +153,7 @@ class ModelShape:
             layers=tuple(layers),
             vocab=_full_shape(model.model.embed_tokens.weight)[0],
             tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            family=config.model_type,
         )
 
 
@@ -139,35 +162,40 @@ def _full_shape(param: torch.Tensor) -> tuple[int, ...]:
     return tuple(ds_shape) if ds_shape is not None else tuple(param.shape)
 
 
+ADAPTER_PARAMETERS = ("lora_A", "lora_B")  # APTAdapter's own (algorithm/adapters.py), not the base model's
+
+
 def check_llama_config(config) -> None:
-    """Raise UnsupportedModelError with one line naming what is not LLaMA-shaped."""
-    family_for(getattr(config, "model_type", None))
+    """Raise UnsupportedModelError with one line naming what this family's description does not cover."""
+    family = family_for(getattr(config, "model_type", None))
     for name in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
         if not isinstance(getattr(config, name, None), int):
-            raise UnsupportedModelError(f"config has no integer {name}: not a LLaMA-shaped model")
+            raise UnsupportedModelError(f"config has no integer {name}: not a decoder model apt-ds can prune")
     kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     if config.num_attention_heads % kv:
         raise UnsupportedModelError(
             f"num_attention_heads ({config.num_attention_heads}) is not a multiple of num_key_value_heads ({kv})"
         )
-    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
-        raise UnsupportedModelError("models with attention_bias/mlp_bias are not supported (LLaMA has no biases)")
+    family.check_config(config)
 
 
 def check_llama_model(model) -> None:
+    """The model's layers hold exactly the tensors its family's description lists (an extra one
+    would be left unpruned and unexported, a missing one means another architecture)."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None or not hasattr(inner, "embed_tokens") or not hasattr(model, "lm_head"):
         raise UnsupportedModelError(
-            f"{type(model).__name__} is not a LLaMA-shaped causal LM (need model.model.layers, embed_tokens, lm_head)"
+            f"{type(model).__name__} is not a decoder-only causal LM apt-ds knows (need model.model.layers, "
+            f"embed_tokens, lm_head)"
         )
     check_llama_config(model.config)
+    family = family_for(model.config.model_type)
+    expected = {tensor.name for tensor in family.layer_tensors}
     for i, layer in enumerate(layers):
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        needed = [(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        needed += [(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
-        missing = [n for owner, n in needed if owner is None or not hasattr(owner, n)]
-        if missing or not hasattr(layer, "input_layernorm") or not hasattr(layer, "post_attention_layernorm"):
-            raise UnsupportedModelError(f"layer {i} is not a LLaMA decoder layer (missing {missing or 'norms'})")
-        if getattr(attn, "q_norm", None) is not None or getattr(attn, "k_norm", None) is not None:
-            raise UnsupportedModelError(f"layer {i} has q/k norms (Qwen3-style); not LLaMA-shaped")
+        held = {name for name, _ in layer.named_parameters() if name.rsplit(".", 1)[-1] not in ADAPTER_PARAMETERS}
+        if held != expected:
+            extra, missing = sorted(held - expected), sorted(expected - held)
+            what = f"has {extra[0]}" if extra else f"lacks {missing[0]}"
+            raise UnsupportedModelError(f"layer {i} {what}, which the {family.model_type} description "
+                                        f"(apt_ds/models/{family.model_type}.py) does not list")

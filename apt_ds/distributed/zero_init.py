@@ -20,13 +20,14 @@ import torch
 
 from apt_ds.distributed import deepspeed_private as private
 from apt_ds.io.modeling import ModelLoadError
+from apt_ds.models import family_for
 
 
-def build_partitioned_llama(config, source, ds_config: dict, dtype: torch.dtype, device: torch.device):
-    """A LlamaForCausalLM of `config` whose parameters are ZeRO-3 partitions filled from
-    `source` (apt_ds.io.weights.SafetensorsWeights, or a name -> tensor dict), in `dtype`."""
+def build_partitioned_model(config, source, ds_config: dict, dtype: torch.dtype, device: torch.device):
+    """The family's causal LM (LlamaForCausalLM, Qwen2ForCausalLM, ...) of `config` whose
+    parameters are ZeRO-3 partitions filled from `source` (apt_ds.io.weights.SafetensorsWeights,
+    or a name -> tensor dict), in `dtype`."""
     import deepspeed
-    from transformers import LlamaForCausalLM
     from transformers.initialization import no_init_weights
 
     from apt_ds.distributed.ds_config import engine_dtype
@@ -39,7 +40,7 @@ def build_partitioned_llama(config, source, ds_config: dict, dtype: torch.dtype,
     # fp16 else bfloat16 ...` binds as `(dtype or float16) if ...`): on a CPU without AVX512-FP16
     # (an AMD EPYC here) an fp32 model came out in bf16.
     with no_init_weights(), deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=None):
-        model = LlamaForCausalLM(config)
+        model = family_for(config.model_type).classes()[1](config)
     made = {private.model_partition_tensor(p).dtype for p in model.parameters() if hasattr(p, "ds_id")}
     if made != {dtype}:
         raise RuntimeError(f"deepspeed.zero.Init partitioned the model in {made}, not {dtype}")

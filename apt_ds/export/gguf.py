@@ -47,7 +47,7 @@ ATTENTION = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_at
 
 def gguf_architecture(shape: ModelShape) -> str:
     """`llama` reads layer 0's head counts and FFN width for every layer."""
-    return "llama" if shape.uniform and shape.layers[0].num_kv_groups > 0 else "deci"
+    return family_for(shape.family).gguf_architecture(shape.uniform and shape.layers[0].num_kv_groups > 0)
 
 
 def gguf_package():

@@ -27,13 +27,7 @@ from apt_ds.export.out_dir import check_export_out
 from apt_ds.export.writer import DEFAULT_SHARD_SIZE, DTYPES, check_options, summary, write_export, write_export_dir
 from apt_ds.io.checkpoint import CheckpointError, read_meta
 from apt_ds.io.fingerprint import file_fingerprint, model_fingerprint, same_model
-from apt_ds.io.modeling import (
-    TINY_MODELS,
-    ModelLoadError,
-    build_tiny_llama,
-    check_model_path,
-    load_model,
-)
+from apt_ds.io.modeling import TINY_MODELS, ModelLoadError, build_tiny_llama, check_model_path, load_model
 from apt_ds.io.pinned import pinned_directory, replaced
 from apt_ds.io.weights import SafetensorsWeights, WeightsError
 from apt_ds.models import family_for
@@ -162,7 +156,10 @@ def export_run(run_dir: Path, out: Path, dtype: str = "fp32", overwrite: bool = 
     check_options(dtype, max_shard_size, format)
     if model_path is not None and str(model_path) not in TINY_MODELS:  # e.g. a run directory given as the base
         check_model_path(model_path, flag="--model")
-    recorded_base = read_meta(run_dir / "checkpoint").get("run_info", {}).get("model")
+    recorded = read_meta(run_dir / "checkpoint")
+    recorded_base = recorded.get("run_info", {}).get("model")
+    if format == "gguf":  # before any work: a family without a GGUF writer is refused in one line
+        family_for(recorded.get("original_shape", {}).get("family", "llama")).gguf_architecture(uniform=True)
     bases = [Path(p) for p in (model_path, recorded_base) if p is not None and str(p) not in TINY_MODELS]
     check_export_out(out, overwrite, protected=[run_dir, *bases], run_dir=run_dir)
     base = str(model_path) if model_path is not None else recorded_base

@@ -22,6 +22,7 @@ from apt_ds.algorithm.shrink import _kept_shape, group_channels, write_shape_to_
 from apt_ds.algorithm.units import ModelShape
 from apt_ds.export.checks import check_export_tensor, dtype_name
 from apt_ds.io.checkpoint import CheckpointError
+from apt_ds.models import family_for
 
 
 def _kept_index(record: list[int]) -> torch.Tensor:
@@ -39,6 +40,8 @@ class RunTensors:
         apt = meta["apt_config"]
         self.scaling = apt["adapter_alpha"] / apt["adapter_rank"]  # fixed at wrap time, kept when ranks grow
         self.current = ModelShape.from_dict(meta["shape"])
+        self.family = family_for(self.current.family)
+        self.layer_dims = {tensor.name: tensor.dims for tensor in self.family.layer_tensors}
         kept = meta["kept"]
         hidden_mask = masks["hidden"]
         if not is_binary(hidden_mask):
@@ -57,16 +60,22 @@ class RunTensors:
         self.final_hidden = self.kept_hidden[hidden_now]
 
     def names(self) -> list[str]:
-        """Output tensor names in `LlamaForCausalLM.state_dict()` order (lm_head last, not when tied)."""
+        """Output tensor names in the family's `state_dict()` order (lm_head last, not when tied)."""
         names = ["model.embed_tokens.weight"]
         for l in range(len(self.current.layers)):
-            names += [f"model.layers.{l}.self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
-            names += [f"model.layers.{l}.mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
-            names += [f"model.layers.{l}.input_layernorm.weight", f"model.layers.{l}.post_attention_layernorm.weight"]
+            names += [f"model.layers.{l}.{tensor.name}" for tensor in self.family.layer_tensors]
         names.append("model.norm.weight")
         if not self.current.tied_embeddings:
             names.append("lm_head.weight")
         return names
+
+    def _axes(self, layer: int) -> dict[str, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Per unit axis: (original indices at current shapes, final indices at current shapes)."""
+        shape = self.current.layers[layer]
+        q_orig, kv_orig = group_channels(self.kept_groups[layer], shape.group_size, shape.head_dim)
+        q_final, kv_final = group_channels(self.groups_now[layer], shape.group_size, shape.head_dim)
+        return {"q": (q_orig, q_final), "kv": (kv_orig, kv_final), "hidden": (self.kept_hidden, self.hidden_now),
+                "ffn": (self.kept_neurons[layer], self.neurons_now[layer]), "head": None}
 
     def tensor(self, name: str) -> torch.Tensor:
         """The exported fp32 tensor `name`."""
@@ -75,31 +84,26 @@ class RunTensors:
         base = self.weights.get(name).float()
         if not name.startswith("model.layers."):
             return base.index_select(base.dim() - 1, self.final_hidden)  # embed / lm_head columns, final norm
-        layer = int(name.split(".")[2])
-        shape = self.current.layers[layer]
-        if name.endswith("layernorm.weight"):
-            return base.index_select(0, self.final_hidden)
-        q_orig, kv_orig = group_channels(self.kept_groups[layer], shape.group_size, shape.head_dim)
-        q_final, kv_final = group_channels(self.groups_now[layer], shape.group_size, shape.head_dim)
-        rows, cols = {  # (original indices at current shapes, final indices at current shapes) per dim
-            "q_proj": ((q_orig, q_final), (self.kept_hidden, self.hidden_now)),
-            "k_proj": ((kv_orig, kv_final), (self.kept_hidden, self.hidden_now)),
-            "v_proj": ((kv_orig, kv_final), (self.kept_hidden, self.hidden_now)),
-            "o_proj": ((self.kept_hidden, self.hidden_now), (q_orig, q_final)),
-            "gate_proj": ((self.kept_neurons[layer], self.neurons_now[layer]), (self.kept_hidden, self.hidden_now)),
-            "up_proj": ((self.kept_neurons[layer], self.neurons_now[layer]), (self.kept_hidden, self.hidden_now)),
-            "down_proj": ((self.kept_hidden, self.hidden_now), (self.kept_neurons[layer], self.neurons_now[layer])),
-        }[name.split(".")[-2]]
-        weight = base.index_select(0, rows[0]).index_select(1, cols[0])  # the run's current shapes
-        module = name[: -len(".weight")]
-        if f"{module}.lora_A" in self.trainable_names:
+        _, _, index, local = name.split(".", 3)
+        layer, dims = int(index), self.layer_dims[local]
+        axes = self._axes(layer)
+        tensor = base
+        for dim, axis in enumerate(dims):  # the run's current shapes
+            if axes[axis] is not None:
+                tensor = tensor.index_select(dim, axes[axis][0])
+        module = name.rsplit(".", 1)[0]
+        if name.endswith(".weight") and f"{module}.lora_A" in self.trainable_names:
             lora_a, lora_b = self.trainable.get_tensor(f"{module}.lora_A"), self.trainable.get_tensor(f"{module}.lora_B")
-            weight = weight + (lora_b.float() @ lora_a.float()) * self.scaling
-        if name.endswith("o_proj.weight"):
-            weight = weight * self.group_masks[layer].repeat_interleave(shape.group_size * shape.head_dim).float()
-        elif name.endswith("down_proj.weight"):
-            weight = weight * self.neuron_masks[layer].float()
-        return weight.index_select(0, rows[1]).index_select(1, cols[1])
+            tensor = tensor + (lora_b.float() @ lora_a.float()) * self.scaling
+        if len(dims) == 2 and dims[1] == "q":  # o_proj: fractional group masks fold into its input columns
+            shape = self.current.layers[layer]
+            tensor = tensor * self.group_masks[layer].repeat_interleave(shape.group_size * shape.head_dim).float()
+        elif len(dims) == 2 and dims[1] == "ffn":  # down_proj: the neuron masks
+            tensor = tensor * self.neuron_masks[layer].float()
+        for dim, axis in enumerate(dims):  # units whose mask is 0 removed
+            if axes[axis] is not None:
+                tensor = tensor.index_select(dim, axes[axis][1])
+        return tensor
 
 
 class ShardWriter:

@@ -34,7 +34,7 @@ def exported_config(model_config, shape: ModelShape) -> dict:
     config = model_config.to_dict()
     for key in ("apt_layer_shapes", "_name_or_path", "transformers_version", "quantization_config"):
         config.pop(key, None)
-    config["architectures"] = ["LlamaForCausalLM"]
+    config["architectures"] = [family_for(config.get("model_type")).causal_lm_class]
     config["hidden_size"] = shape.hidden
     first = shape.layers[0]
     config.update(head_dim=first.head_dim, num_attention_heads=first.num_q_heads,
@@ -42,13 +42,13 @@ def exported_config(model_config, shape: ModelShape) -> dict:
     if not stock_loadable(shape):
         config["apt_layer_shapes"] = [dict(layer.__dict__) for layer in shape.layers]
         if shape.hidden % first.num_q_heads:
-            # LlamaConfig refuses hidden % heads != 0; per-layer shapes are authoritative anyway.
+            # The configs refuse hidden % heads != 0; per-layer shapes are authoritative anyway.
             config.update(num_attention_heads=1, num_key_value_heads=1)
     return config
 
 
 def stock_loadable(shape: ModelShape) -> bool:
-    """A plain LlamaConfig describes the model: every layer alike and a hidden size that
+    """The family's stock config describes the model: every layer alike and a hidden size that
     transformers accepts for that head count (it requires hidden % num_attention_heads == 0)."""
     return shape.uniform and shape.hidden % shape.layers[0].num_q_heads == 0
 

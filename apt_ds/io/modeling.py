@@ -1,9 +1,10 @@
-"""Getting LLaMA models in and out: local HF dirs, GGUF files, the built-in tiny model, and
-apt_ds exports whose layers have their own shapes.
+"""Getting models in and out: local HF dirs, GGUF files, the built-in tiny model, and apt_ds
+exports whose layers have their own shapes.
 
-A non-uniform export is still a stock `LlamaForCausalLM`: only its Linear/RMSNorm modules
-are sized per layer (recorded in config.json as `apt_layer_shapes`). LLaMA attention reads
-the head count from its weights (reshape with -1), so nothing else changes.
+A non-uniform export is still its family's stock causal LM (`LlamaForCausalLM`,
+`Qwen2ForCausalLM`, ...): only its Linear modules are sized per layer (recorded in config.json
+as `apt_layer_shapes`). These families' attention reads the head count from its weights
+(reshape with -1), so nothing else changes.
 """
 
 from __future__ import annotations
@@ -167,29 +168,38 @@ def _from_pretrained(auto_class, path: Path, dtype: torch.dtype, mmap: bool):
         return auto_class.from_pretrained(str(path), dtype=dtype)
 
 
+def axis_sizes(shape: LayerShape, hidden: int) -> dict[str, int]:
+    """The length of each unit axis of a layer (apt_ds.models.family) at `shape`."""
+    return {"q": shape.num_q_heads * shape.head_dim, "kv": shape.num_kv_groups * shape.head_dim, "ffn": shape.ffn,
+            "hidden": hidden, "head": shape.head_dim}
+
+
 def resize_layers(model, layer_shapes: list[LayerShape]) -> None:
-    """Give every decoder layer its own (empty) module sizes before weights are loaded."""
+    """Give every decoder layer its own (empty) Linear sizes before weights are loaded: each
+    projection of the family's description, with a bias where the description lists one."""
+    family = family_for(model.config.model_type)
     hidden = model.config.hidden_size
     for layer, shape in zip(model.model.layers, layer_shapes):
-        attn, mlp = layer.self_attn, layer.mlp
-        q_out, kv_out = shape.num_q_heads * shape.head_dim, shape.num_kv_groups * shape.head_dim
-        for owner, name, n_in, n_out in (
-            (attn, "q_proj", hidden, q_out), (attn, "k_proj", hidden, kv_out), (attn, "v_proj", hidden, kv_out),
-            (attn, "o_proj", q_out, hidden), (mlp, "gate_proj", hidden, shape.ffn), (mlp, "up_proj", hidden, shape.ffn),
-            (mlp, "down_proj", shape.ffn, hidden),
-        ):
+        sizes = axis_sizes(shape, hidden)
+        for tensor in family.layer_tensors:
+            if len(tensor.dims) != 2:  # norms and biases come with their module
+                continue
+            owner_path, name = tensor.module.rsplit(".", 1)
+            owner = layer.get_submodule(owner_path)
             old = getattr(owner, name)
-            setattr(owner, name, nn.Linear(n_in, n_out, bias=False, dtype=old.weight.dtype, device=old.weight.device))
-        attn.num_key_value_groups = shape.group_size
-        attn.head_dim = shape.head_dim
-        mlp.intermediate_size = shape.ffn
+            n_out, n_in = (sizes[axis] for axis in tensor.dims)
+            setattr(owner, name, nn.Linear(n_in, n_out, bias=family.has_tensor(f"{tensor.module}.bias"),
+                                           dtype=old.weight.dtype, device=old.weight.device))
+        layer.self_attn.num_key_value_groups = shape.group_size
+        layer.self_attn.head_dim = shape.head_dim
+        layer.mlp.intermediate_size = shape.ffn
 
 
 def load_pretrained(directory: str | Path, dtype: torch.dtype | str | None = None):
-    """Load an apt_ds export (uniform or not) as a regular LlamaForCausalLM; `dtype`: a torch.dtype
-    or its name (fp32, bf16, fp16, float32, ...)."""
+    """Load an apt_ds export (uniform or not) as its family's own causal LM (LlamaForCausalLM,
+    Qwen2ForCausalLM, ...) with per-layer shapes; `dtype`: a torch.dtype or its name (fp32,
+    bf16, fp16, float32, ...)."""
     from safetensors.torch import load_file
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     directory, dtype = Path(directory), _torch_dtype(dtype)
     raw = dict(check_model_path(directory, flag="load_pretrained:"))  # a run, a file, no weights: said in one line
@@ -199,12 +209,15 @@ def load_pretrained(directory: str | Path, dtype: torch.dtype | str | None = Non
         raise ModelLoadError(f"{directory}: config.json's apt_layer_shapes is malformed ({err})") from None
     if directory.is_file():
         raise ModelLoadError(f"load_pretrained: {directory} is a GGUF file; read it with apt_ds.io.modeling.load_model")
+    family = family_for(raw.get("model_type"), where=str(directory))
+    config_class, model_class = family.classes()
     try:
-        config = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("architectures", "transformers_version")})
+        config = config_class(**{k: v for k, v in raw.items() if k not in ("architectures", "transformers_version")})
     except Exception as err:  # transformers validates head counts etc. with several exception types
-        raise ModelLoadError(f"{directory}: config.json is not a valid LLaMA config ({str(err).splitlines()[0]})") from None
+        raise ModelLoadError(f"{directory}: config.json is not a valid {family.model_type} config "
+                             f"({str(err).splitlines()[0]})") from None
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = model_class(config)
     if shapes:
         if len(shapes) != config.num_hidden_layers:
             raise ModelLoadError(f"{directory}: apt_layer_shapes has {len(shapes)} layers, config says {config.num_hidden_layers}")

@@ -1,56 +1,28 @@
 """Architecture descriptions: what apt-ds knows of each model family, as data in one place.
 
-A family's description names the checkpoint tensors an export leaves out on purpose (and why);
-everything else a base checkpoint holds must reach the export, written or sliced, or the export
-fails (apt_ds.export.accounting). Issue 44 grows these descriptions into the whole architecture
-(prunable units, biases, per-head norms, transformers classes, llama.cpp's tensor map) for
-Qwen2, Qwen3 and Mistral; until their exports are right, only `llama` is accepted.
+A family's description (`family.Family`, one file a family) lists the tensors of a decoder
+layer with the unit axis of each dimension; from that table come a layer's exact parameter
+count, the pruner's budget terms, the export's slicing and the tensors it must write. It also
+names the config values the family refuses, its transformers classes, and the base tensors an
+export leaves out on purpose (any other base tensor must reach the export, or the export fails:
+apt_ds.export.accounting). Adding a family is one file here, a tiny random model in the tests
+and its published sizes.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
+from apt_ds.models.family import Family, LayerTensor, LeftOut, UnitCosts, UnsupportedModelError
 
-
-class UnsupportedModelError(ValueError):
-    """The model is not one apt-ds can prune; the message says why in one line."""
-
-
-@dataclass(frozen=True)
-class LeftOut:
-    """Base checkpoint tensors an export does not write: `pattern` (a full-match regex over the
-    HF name) and why dropping them changes nothing."""
-
-    pattern: str
-    why: str
-
-    def __post_init__(self):
-        re.compile(self.pattern)  # a typo in a description fails at import, not at export
-
-    def matches(self, name: str) -> bool:
-        return re.fullmatch(self.pattern, name) is not None
-
-
-@dataclass(frozen=True)
-class Family:
-    """One model family (a transformers `model_type`)."""
-
-    model_type: str
-    names: str  # the models it covers, for messages and docs
-    left_out: tuple[LeftOut, ...] = ()
-    output_embedding: str = "lm_head.weight"  # not written when the config ties it to the input embedding
-
-    def left_out_on_purpose(self, name: str, tied_embeddings: bool) -> bool:
-        if tied_embeddings and name == self.output_embedding:
-            return True
-        return any(rule.matches(name) for rule in self.left_out)
+__all__ = ["FAMILIES", "Family", "LayerTensor", "LeftOut", "UnitCosts", "UnsupportedModelError", "family_for"]
 
 
 def _registry() -> dict[str, Family]:
     from apt_ds.models.llama import LLAMA
+    from apt_ds.models.mistral import MISTRAL
+    from apt_ds.models.qwen2 import QWEN2
+    from apt_ds.models.qwen3 import QWEN3
 
-    return {family.model_type: family for family in (LLAMA,)}
+    return {family.model_type: family for family in (LLAMA, MISTRAL, QWEN2, QWEN3)}
 
 
 FAMILIES = _registry()

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from apt_ds.models import Family, LeftOut
+from apt_ds.models.family import ATTENTION_WEIGHTS, MLP_AND_NORMS, ROTARY_TABLE, Family
 
 LLAMA = Family(
     model_type="llama",
     names="LLaMA 1/2/3.x",
-    left_out=(
-        # Checkpoints saved by transformers before 4.31 hold each layer's rotary table; it is a
-        # function of the config (rope_theta, head_dim), rebuilt at load, never a trained weight.
-        LeftOut(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq", "the rotary table is rebuilt from the config"),
-    ),
+    config_class="LlamaConfig",
+    causal_lm_class="LlamaForCausalLM",
+    layer_tensors=ATTENTION_WEIGHTS + MLP_AND_NORMS,
+    refused_config=(("attention_bias", "LLaMA checkpoints have no attention biases"),
+                    ("mlp_bias", "LLaMA checkpoints have no MLP biases")),
+    left_out=(ROTARY_TABLE,),
+    gguf_architectures=("llama", "deci"),  # deci: llama.cpp's Nemotron-NAS graph reads per-layer shapes
 )

@@ -168,10 +168,10 @@ def _partitions_weights(backend) -> bool:
 
 
 def _partitioned(backend, config, source, dtype, train: TrainConfig):
-    from apt_ds.distributed.zero_init import build_partitioned_llama
+    from apt_ds.distributed.zero_init import build_partitioned_model
 
     ds_config = backend.resolved_config(config, train.grad_accum_steps, train.max_grad_norm)
-    return build_partitioned_llama(config, source, ds_config, dtype, backend.device)
+    return build_partitioned_model(config, source, ds_config, dtype, backend.device)
 
 
 def _texts_for_tokenizer(records) -> list[str]:

@@ -48,7 +48,7 @@ def _scores(shape: ModelShape, rng: random.Random):
 
 
 def _max_block_cost(shape: ModelShape, count_embeddings: bool, multiple: int) -> int:
-    group = max(l.group_cost(shape.hidden) for l in shape.layers)
+    group = max(shape.group_cost(l) for l in shape.layers)
     neurons = max(3 * shape.hidden * block_size(l.ffn, multiple) for l in shape.layers)
     channels = block_size(shape.hidden, multiple) * (shape.hidden_cost() + embedding_columns(shape, count_embeddings))
     return max(group, neurons, channels)
@@ -162,7 +162,7 @@ def test_smollm2_sized_schedules_keep_aligned_widths(uniform):
             # first kept, so a hidden block (1/18 of the model) that did not fit leaves no larger gap.
             # (Unless that pass keeps every group and neuron: then the hidden block is the gap.)
             everything = all(bool(f.all()) for f in [*decision.groups, *decision.neurons])
-            largest = max(max(l.group_cost(shape.hidden) for l in shape.layers), 32 * 3 * shape.hidden)
+            largest = max(max(shape.group_cost(l) for l in shape.layers), 32 * 3 * shape.hidden)
             assert target - decision.params < (32 * shape.hidden_cost() if everything else largest)
         shape = decision.kept_shape(shape)
         assert all(l.ffn % 32 == 0 for l in shape.layers), [l.ffn for l in shape.layers]
@@ -318,7 +318,7 @@ def test_normalize_by_kind_gives_each_kind_its_parameters():
     neurons = [torch.rand(l.ffn, generator=gen, dtype=torch.float64) for l in shape.layers]
     hidden = torch.zeros(shape.hidden, dtype=torch.float64)
     g, n, h = normalize_by_kind(shape, groups, neurons, hidden)
-    assert float(sum(x.sum() for x in g)) == pytest.approx(sum(l.group_cost(shape.hidden) * l.num_kv_groups for l in shape.layers))
+    assert float(sum(x.sum() for x in g)) == pytest.approx(sum(shape.group_cost(l) * l.num_kv_groups for l in shape.layers))
     assert float(sum(x.sum() for x in n)) == pytest.approx(3 * shape.hidden * sum(l.ffn for l in shape.layers))
     assert torch.equal(h, hidden)  # all zero: left as it is
     for before, after in zip(groups, g):  # order inside a kind unchanged

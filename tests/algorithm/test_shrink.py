@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_CONFIGS, random_batch, tiny_llama
+from conftest import TINY_CONFIGS, random_batch, random_kept, set_binary_masks, tiny_llama
 
 from apt_ds.algorithm.adapters import add_adapters
 from apt_ds.algorithm.edits import apply_edits
@@ -31,28 +31,6 @@ def _counted_params(model) -> int:
     return sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
 
 
-def _random_kept(shape: ModelShape, seed: int, prune_hidden: bool = True):
-    """Kept (sorted) indices: every layer loses something, and at least one group/neuron survives."""
-    gen = torch.Generator().manual_seed(seed)
-    groups, neurons = [], []
-    for l, layer in enumerate(shape.layers):
-        n_groups = max(1, layer.num_kv_groups - 1 - (l % 2))
-        groups.append(torch.randperm(layer.num_kv_groups, generator=gen)[:n_groups].sort().values)
-        n_neurons = layer.ffn // 2 + 5 * l
-        neurons.append(torch.randperm(layer.ffn, generator=gen)[:n_neurons].sort().values)
-    n_hidden = shape.hidden - 7 if prune_hidden else shape.hidden  # 7: not a multiple of any head count
-    hidden = torch.randperm(shape.hidden, generator=gen)[:n_hidden].sort().values
-    return groups, neurons, hidden
-
-
-def _set_binary_masks(masks: UnitMasks, shape: ModelShape, groups, neurons, hidden) -> None:
-    for l, layer in enumerate(shape.layers):
-        masks.kv_group[l] = torch.zeros(layer.num_kv_groups).index_fill_(0, groups[l], 1.0)
-        masks.ffn_neuron[l] = torch.zeros(layer.ffn).index_fill_(0, neurons[l], 1.0)
-    masks.hidden = torch.zeros(shape.hidden).index_fill_(0, hidden, 1.0)
-    masks.refresh()
-
-
 # ---- masks ---------------------------------------------------------------------------------------
 
 def test_all_ones_masks_change_nothing_and_disabled_masks_are_skipped():
@@ -65,7 +43,7 @@ def test_all_ones_masks_change_nothing_and_disabled_masks_are_skipped():
     masks.install(model)
     with torch.no_grad():
         torch.testing.assert_close(model(**batch).logits, reference, rtol=0, atol=0)
-        _set_binary_masks(masks, shape, *_random_kept(shape, seed=0))
+        set_binary_masks(masks, shape, *random_kept(shape, seed=0))
         masked = model(**batch).logits
         masks.enabled = False
         torch.testing.assert_close(model(**batch).logits, reference, rtol=0, atol=0)
@@ -118,7 +96,7 @@ def test_fractional_masks_scale_units():
 def test_mask_state_dict_round_trip():
     shape = ModelShape.from_model(tiny_llama("gqa_tied"))
     masks = UnitMasks(shape)
-    _set_binary_masks(masks, shape, *_random_kept(shape, seed=4))
+    set_binary_masks(masks, shape, *random_kept(shape, seed=4))
     assert masks.is_binary()
     other = UnitMasks(shape)
     other.load_state_dict(masks.state_dict())
@@ -131,7 +109,7 @@ def test_mask_state_dict_round_trip():
 def test_gradual_masker_moves_then_snaps():
     shape = ModelShape.from_model(tiny_llama("gqa"))
     masks = UnitMasks(shape)
-    groups, neurons, hidden = _random_kept(shape, seed=2)
+    groups, neurons, hidden = random_kept(shape, seed=2)
     decision = KeepDecision(
         [torch.zeros(l.num_kv_groups, dtype=torch.bool).index_fill_(0, g, True) for l, g in zip(shape.layers, groups)],
         [torch.zeros(l.ffn, dtype=torch.bool).index_fill_(0, n, True) for l, n in zip(shape.layers, neurons)],
@@ -164,12 +142,12 @@ def test_shrink_matches_masked_model(kind, prune_hidden):
     model, adapters = _adapted_model(kind)
     batch = random_batch()
     shape = ModelShape.from_model(model)
-    groups, neurons, hidden = _random_kept(shape, seed=7, prune_hidden=prune_hidden)
+    groups, neurons, hidden = random_kept(shape, seed=7, prune_hidden=prune_hidden)
     masks = UnitMasks(shape)
     masks.install(model)
     with torch.no_grad():
         unmasked = model(**batch).logits
-        _set_binary_masks(masks, shape, groups, neurons, hidden)
+        set_binary_masks(masks, shape, groups, neurons, hidden)
         masked = model(**batch).logits
         masked_gen = model.generate(batch["input_ids"][:2, :6], attention_mask=batch["attention_mask"][:2, :6],
                                     max_new_tokens=5, do_sample=False)
@@ -219,7 +197,7 @@ def test_shrink_matches_masked_model(kind, prune_hidden):
 def test_shrunk_model_still_trains():
     model, adapters = _adapted_model("gqa")
     shape = ModelShape.from_model(model)
-    shrink_model(model, shape, *_random_kept(shape, seed=3))
+    shrink_model(model, shape, *random_kept(shape, seed=3))
     loss = model(**random_batch()).loss
     loss.backward()
     assert torch.isfinite(loss)
@@ -232,9 +210,9 @@ def test_shrink_twice_composes():
     model_b, _ = _adapted_model("gqa_tied", seed=1)
     batch = random_batch()
     shape = ModelShape.from_model(model_a)
-    first = _random_kept(shape, seed=11)
+    first = random_kept(shape, seed=11)
     mid_shape, _ = shrink_model(model_a, shape, *first)
-    second = _random_kept(mid_shape, seed=12)
+    second = random_kept(mid_shape, seed=12)
     final_a, _ = shrink_model(model_a, mid_shape, *second)
     composed = ([f[s] for f, s in zip(first[0], second[0])], [f[s] for f, s in zip(first[1], second[1])],
                 first[2][second[2]])

@@ -77,8 +77,8 @@ def test_unit_costs_are_exact_parameter_differences():
     layer = shape.layers[1]
     minus_group = dataclasses.replace(shape, layers=tuple(
         dataclasses.replace(l, num_kv_groups=l.num_kv_groups - 1) if i == 1 else l for i, l in enumerate(shape.layers)))
-    assert shape.block_params() - minus_group.block_params() == layer.group_cost(D)
-    assert layer.group_cost(D) == (2 * layer.group_size + 2) * layer.head_dim * D
+    assert shape.block_params() - minus_group.block_params() == shape.group_cost(layer)
+    assert shape.group_cost(layer) == (2 * layer.group_size + 2) * layer.head_dim * D
     minus_neuron = dataclasses.replace(shape, layers=tuple(
         dataclasses.replace(l, ffn=l.ffn - 1) if i == 1 else l for i, l in enumerate(shape.layers)))
     assert shape.block_params() - minus_neuron.block_params() == 3 * D
@@ -173,7 +173,7 @@ def _check_70b(decision, target):
 def test_70b_decision_is_valid_and_memory_is_linear_in_units(decision_70b):
     decision, target, _, extra = decision_70b
     _check_70b(decision, target)
-    max_cost = max(SHAPE_70B.layers[0].group_cost(8192), 3 * 8192, SHAPE_70B.hidden_cost())
+    max_cost = max(SHAPE_70B.group_cost(SHAPE_70B.layers[0]), 3 * 8192, SHAPE_70B.hidden_cost())
     assert target - decision.params < max_cost
     if extra is None:
         pytest.skip("cannot reset peak RSS on this system")

@@ -118,7 +118,7 @@ import json, sys, torch
 from deepspeed.accelerator import get_accelerator
 from transformers import LlamaConfig, LlamaForCausalLM
 from apt_ds.distributed.zero import DeepSpeedBackend
-from apt_ds.distributed.zero_init import build_partitioned_llama
+from apt_ds.distributed.zero_init import build_partitioned_model
 
 # Like a CPU without AVX512-FP16 (an AMD EPYC): deepspeed 0.19's zero.Init then ignores an
 # explicit dtype and partitions in bf16.
@@ -128,7 +128,7 @@ config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hi
 backend = DeepSpeedBackend({"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}, base_dtype="fp32")
 ds_config = backend.resolved_config(config, 1, 1.0)
 state = LlamaForCausalLM(config).state_dict()
-model = build_partitioned_llama(config, state, ds_config, torch.float32, backend.device)
+model = build_partitioned_model(config, state, ds_config, torch.float32, backend.device)
 print(json.dumps(sorted({str(p.ds_tensor.dtype) for p in model.parameters()})))
 backend.shutdown()
 """

@@ -46,7 +46,7 @@ def test_one_shot_prune_hits_target_and_leaves_plain_llama(kind, uniform, monkey
     budget = target * original.block_params()
     assert kept <= budget
     # never below the target by more than the largest single unit's cost
-    largest_unit = max(original.hidden_cost(), max(l.group_cost(original.hidden) for l in original.layers))
+    largest_unit = max(original.hidden_cost(), max(original.group_cost(l) for l in original.layers))
     assert kept >= budget - largest_unit
     assert result.density == pytest.approx(kept / original.block_params())
     assert result.decision.removes_anything()

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from apt_ds.config import APTConfig, TrainConfig  # noqa: E402
 from apt_ds.distributed.zero import DeepSpeedBackend  # noqa: E402
-from apt_ds.distributed.zero_init import build_partitioned_llama, partition_bytes  # noqa: E402
+from apt_ds.distributed.zero_init import build_partitioned_model, partition_bytes  # noqa: E402
 from apt_ds.training.trainer import APTrainer  # noqa: E402
 
 STEPS, SEQ, BATCH = 6, 16, 2
@@ -77,7 +77,7 @@ def main() -> None:
 
         model = load_model(args.model, mmap=False)
     else:
-        model = build_partitioned_llama(config, weights, resolved, backend.param_dtype, backend.device)
+        model = build_partitioned_model(config, weights, resolved, backend.param_dtype, backend.device)
     result = {"world_size": backend.world_size, "rank": backend.rank, "full_bytes": full_bytes,
               "loaded_bytes": partition_bytes(model), "loaded_unpartitioned": unpartitioned_elements(model)}
 

@@ -1,0 +1,161 @@
+"""What a model family description says: the tensors of a decoder layer and the unit axis of
+each of their dimensions, the config values it refuses, the transformers classes, and the base
+tensors an export leaves out on purpose.
+
+Unit axes (the dimensions pruning slices):
+    q       the query-head channels of the kept KV groups (group_size * head_dim per group)
+    kv      the key/value-head channels of the kept KV groups (head_dim per group)
+    ffn     the kept FFN neurons
+    hidden  the kept hidden (residual stream) channels
+    head    one head's channels, never sliced (a per-head norm's weight)
+
+A layer's exact parameter count, the pruner's budget terms, the export's slicing and the list
+of tensors it writes all come from that one table, so a family with a bias or a per-head norm
+is counted, sliced and exported the same way everywhere.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+AXES = ("q", "kv", "ffn", "hidden", "head")
+
+
+class UnsupportedModelError(ValueError):
+    """The model is not one apt-ds can prune; the message says why in one line."""
+
+
+@dataclass(frozen=True)
+class LeftOut:
+    """Base checkpoint tensors an export does not write: `pattern` (a full-match regex over the
+    HF name) and why dropping them changes nothing."""
+
+    pattern: str
+    why: str
+
+    def __post_init__(self):
+        re.compile(self.pattern)  # a typo in a description fails at import, not at export
+
+    def matches(self, name: str) -> bool:
+        return re.fullmatch(self.pattern, name) is not None
+
+
+@dataclass(frozen=True)
+class LayerTensor:
+    """One tensor of a decoder layer: its name below `model.layers.{i}.` and the unit axis of each
+    dimension (rows first)."""
+
+    name: str
+    dims: tuple[str, ...]
+
+    def __post_init__(self):
+        if not self.dims or not set(self.dims) <= set(AXES):
+            raise ValueError(f"{self.name}: dims {self.dims} must be some of {AXES}")
+        if {"q", "kv"} & set(self.dims) and "ffn" in self.dims:
+            raise ValueError(f"{self.name}: a tensor belongs to KV groups or to FFN neurons, not both")
+
+    @property
+    def module(self) -> str:
+        """The module path below the layer (`self_attn.q_proj` of `self_attn.q_proj.bias`)."""
+        return self.name.rsplit(".", 1)[0]
+
+
+@dataclass(frozen=True)
+class UnitCosts:
+    """A layer's parameters as the pruner counts them, at one (group_size, head_dim):
+    D * (G * group_per_channel + N * neuron_per_channel + per_channel)
+      + G * group_constant + N * neuron_constant + constant."""
+
+    group_per_channel: int
+    group_constant: int
+    neuron_per_channel: int
+    neuron_constant: int
+    per_channel: int
+    constant: int
+
+    def layer_params(self, groups: int, neurons: int, hidden: int) -> int:
+        return (hidden * (groups * self.group_per_channel + neurons * self.neuron_per_channel + self.per_channel)
+                + groups * self.group_constant + neurons * self.neuron_constant + self.constant)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family (a transformers `model_type`)."""
+
+    model_type: str
+    names: str  # the models it covers, for messages and docs
+    config_class: str  # transformers' names
+    causal_lm_class: str
+    layer_tensors: tuple[LayerTensor, ...]  # in the order of the layer's state_dict
+    refused_config: tuple[tuple[str, str], ...] = ()  # (config attribute, why) refused when truthy
+    left_out: tuple[LeftOut, ...] = ()
+    output_embedding: str = "lm_head.weight"  # not written when the config ties it to the input embedding
+    # llama.cpp architectures of the GGUF export (every layer alike, per-layer shapes); None: not written yet
+    gguf_architectures: tuple[str, str] | None = None
+
+    def gguf_architecture(self, uniform: bool) -> str:
+        if self.gguf_architectures is None:
+            raise UnsupportedModelError(f"the GGUF export of {self.model_type} models is not written yet; export "
+                                        f"--format hf (it loads in transformers and vLLM)")
+        return self.gguf_architectures[0 if uniform else 1]
+
+    def __post_init__(self):
+        names = [t.name for t in self.layer_tensors]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{self.model_type}: a layer tensor is listed twice")
+
+    def left_out_on_purpose(self, name: str, tied_embeddings: bool) -> bool:
+        if tied_embeddings and name == self.output_embedding:
+            return True
+        return any(rule.matches(name) for rule in self.left_out)
+
+    def has_tensor(self, name: str) -> bool:
+        return any(t.name == name for t in self.layer_tensors)
+
+    def unit_costs(self, group_size: int, head_dim: int) -> UnitCosts:
+        """The pruner's terms, summed over the layer's tensors: a unit axis contributes its
+        channels per unit (q: group_size * head_dim, kv: head_dim, ffn: 1), `hidden` makes the
+        term per hidden channel, `head` multiplies by head_dim."""
+        terms = {key: 0 for key in ("group_per_channel", "group_constant", "neuron_per_channel", "neuron_constant",
+                                    "per_channel", "constant")}
+        per_unit = {"q": group_size * head_dim, "kv": head_dim, "ffn": 1, "head": head_dim, "hidden": 1}
+        for tensor in self.layer_tensors:
+            size = 1
+            for axis in tensor.dims:
+                size *= per_unit[axis]
+            unit = "group" if {"q", "kv"} & set(tensor.dims) else "neuron" if "ffn" in tensor.dims else None
+            key = (f"{unit}_" if unit else "") + ("per_channel" if "hidden" in tensor.dims else "constant")
+            terms[key] += size
+        return UnitCosts(**terms)
+
+    def check_config(self, config) -> None:
+        for attribute, why in self.refused_config:
+            if getattr(config, attribute, False):
+                raise UnsupportedModelError(f"{self.model_type} with {attribute}={getattr(config, attribute)!r} is not "
+                                            f"supported ({why})")
+
+    def classes(self):
+        """(config class, causal LM class) from transformers."""
+        import transformers
+
+        return getattr(transformers, self.config_class), getattr(transformers, self.causal_lm_class)
+
+
+# The tensors every family here shares: LLaMA's decoder layer.
+ATTENTION_WEIGHTS = (
+    LayerTensor("self_attn.q_proj.weight", ("q", "hidden")),
+    LayerTensor("self_attn.k_proj.weight", ("kv", "hidden")),
+    LayerTensor("self_attn.v_proj.weight", ("kv", "hidden")),
+    LayerTensor("self_attn.o_proj.weight", ("hidden", "q")),
+)
+MLP_AND_NORMS = (
+    LayerTensor("mlp.gate_proj.weight", ("ffn", "hidden")),
+    LayerTensor("mlp.up_proj.weight", ("ffn", "hidden")),
+    LayerTensor("mlp.down_proj.weight", ("hidden", "ffn")),
+    LayerTensor("input_layernorm.weight", ("hidden",)),
+    LayerTensor("post_attention_layernorm.weight", ("hidden",)),
+)
+# Checkpoints saved by transformers before 4.31 hold each layer's rotary table; it is a function
+# of the config (rope_theta, head_dim), rebuilt at load, never a trained weight.
+ROTARY_TABLE = LeftOut(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq", "the rotary table is rebuilt from the config")

@@ -1,0 +1,22 @@
+"""Qwen2 and Qwen2.5 (transformers' Qwen2ForCausalLM): LLaMA's layer with biases on the q, k and
+v projections (not on o_proj), sliced with their heads' rows."""
+
+from __future__ import annotations
+
+from apt_ds.models.family import MLP_AND_NORMS, Family, LayerTensor
+
+QWEN2 = Family(
+    model_type="qwen2",
+    names="Qwen2/Qwen2.5",
+    config_class="Qwen2Config",
+    causal_lm_class="Qwen2ForCausalLM",
+    layer_tensors=(
+        LayerTensor("self_attn.q_proj.weight", ("q", "hidden")),
+        LayerTensor("self_attn.q_proj.bias", ("q",)),
+        LayerTensor("self_attn.k_proj.weight", ("kv", "hidden")),
+        LayerTensor("self_attn.k_proj.bias", ("kv",)),
+        LayerTensor("self_attn.v_proj.weight", ("kv", "hidden")),
+        LayerTensor("self_attn.v_proj.bias", ("kv",)),
+        LayerTensor("self_attn.o_proj.weight", ("hidden", "q")),
+    ) + MLP_AND_NORMS,
+)

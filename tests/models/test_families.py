@@ -1,0 +1,162 @@
+"""Every family (LLaMA, Mistral, Qwen2, Qwen3) through one description: exact parameter counts,
+masked == shrunk logits, and a trained run's export == the live model (streamed and in memory,
+uniform through stock transformers as the family's own class, non-uniform through
+load_pretrained). Tiny random models with GQA, random biases and norm weights (Qwen2's q/k/v
+biases, Qwen3's per-head norms) and a Mistral window shorter than the sequences."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import FAMILY_OVERRIDES, check_against_probe, random_batch, random_kept, set_binary_masks, tiny_family
+
+from apt_ds.algorithm.adapters import add_adapters
+from apt_ds.algorithm.masks import UnitMasks
+from apt_ds.algorithm.shrink import shrink_model
+from apt_ds.algorithm.units import ModelShape
+from apt_ds.cli.export import main as export_main
+from apt_ds.cli.train import main as train_main
+from apt_ds.export import merge
+from apt_ds.models import FAMILIES, UnsupportedModelError, family_for
+
+FAMILY_NAMES = list(FAMILY_OVERRIDES)
+TRAIN = ["--steps", "8", "--max-seq-len", "32", "--micro-batch-size", "2", "--target-density", "0.6"]
+DEMO = str(Path(__file__).resolve().parents[2] / "apt_ds" / "io" / "assets" / "demo.jsonl")
+PROBE = ["--eval-data", DEMO, "--eval-examples", "4", "--save-eval-probe"]  # the live model's logits, 32 tokens
+
+
+def _params(model) -> int:
+    return sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)  # tied weights once
+
+
+def test_every_family_has_a_tiny_model_here():
+    assert set(FAMILY_NAMES) == set(FAMILIES)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("model_type", FAMILY_NAMES)
+def test_parameter_count_is_exact(model_type, tied):
+    model = tiny_family(model_type, tied=tied)
+    shape = ModelShape.from_model(model)
+    assert shape.family == model_type and ModelShape.from_config(model.config) == shape
+    assert shape.total_params() == _params(model)
+    embeddings = model.model.embed_tokens.weight.numel() * (1 if tied else 2)
+    assert shape.block_params() == _params(model) - embeddings
+
+
+def test_bias_and_head_norm_terms_are_in_the_counts():
+    """A KV group of Qwen2 costs its q/k/v bias entries beside its weights; Qwen3's per-head norms
+    are a constant of the layer: the pruner's terms come from the same table."""
+    llama, qwen2, qwen3 = (ModelShape.from_model(tiny_family(t)) for t in ("llama", "qwen2", "qwen3"))
+    layer = llama.layers[0]  # group_size 2, head_dim 16
+    assert qwen2.group_cost(layer) - llama.group_cost(layer) == (layer.group_size + 2) * layer.head_dim
+    assert qwen3.block_params() - llama.block_params() == len(llama.layers) * 2 * layer.head_dim
+    assert qwen2.hidden_cost() == llama.hidden_cost() == qwen3.hidden_cost()
+
+
+@pytest.mark.parametrize("model_type", FAMILY_NAMES)
+def test_shrink_matches_masked_model(model_type):
+    model = tiny_family(model_type)
+    adapters = add_adapters(model, ("q_proj", "k_proj", "v_proj", "o_proj", "down_proj"), rank=4, alpha=8.0, seed=0)
+    with torch.no_grad():
+        for adapter in adapters.values():
+            adapter.lora_B.normal_(0, 0.05)
+    batch = random_batch(length=20)  # past Mistral's window of 8
+    shape = ModelShape.from_model(model)
+    kept = random_kept(shape, seed=7)
+    masks = UnitMasks(shape)
+    masks.install(model)
+    with torch.no_grad():
+        unmasked = model(**batch).logits
+        set_binary_masks(masks, shape, *kept)
+        masked = model(**batch).logits
+    assert (masked - unmasked).abs().max() > 1e-3
+    new_shape, _ = shrink_model(model, shape, *kept)
+    masks.reset(new_shape)
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batch).logits, masked, rtol=0, atol=1e-5)
+    assert ModelShape.from_model(model) == new_shape and _params(model) == new_shape.total_params()
+    if model_type == "qwen2":
+        attention = model.model.layers[0].self_attn
+        assert attention.q_proj.bias.shape == (attention.q_proj.out_features,)
+
+
+def test_a_layer_the_description_does_not_list_is_refused():
+    """A LLaMA with biases is another architecture: refused in one line, at the config or the model."""
+    with pytest.raises(UnsupportedModelError, match=r"llama with attention_bias=True is not supported"):
+        ModelShape.from_model(tiny_family("llama", attention_bias=True))
+    model = tiny_family("llama")
+    model.model.layers[1].self_attn.q_norm = torch.nn.LayerNorm(16)
+    with pytest.raises(UnsupportedModelError, match=r"layer 1 has self_attn.q_norm.bias, which the llama description"):
+        ModelShape.from_model(model)
+
+
+def _base_dir(tmp_path, tokenizer, model_type: str, tied: bool = False):
+    directory = tmp_path / model_type
+    tiny_family(model_type, vocab=len(tokenizer), tied=tied).save_pretrained(directory)
+    tokenizer.save_pretrained(str(directory))
+    return directory
+
+
+@pytest.mark.parametrize("uniform", [False, True], ids=["non-uniform", "uniform"])
+@pytest.mark.parametrize("model_type", FAMILY_NAMES)
+def test_export_matches_the_live_run(in_tmp, tmp_path, tokenizer, model_type, uniform):
+    """Trained, pruned to 0.6 and exported (streamed from the base files): the export gives the
+    live run's logits and greedy tokens, loaded as the family's own class; a uniform one in stock
+    transformers too. The config keeps what the family needs (Mistral's window)."""
+    from transformers import AutoModelForCausalLM
+
+    _base_dir(tmp_path, tokenizer, model_type, tied=model_type == "qwen3")
+    assert train_main([*TRAIN, *PROBE, "--model", model_type, "--out", "run", *(["--uniform"] if uniform else [])]) == 0
+    assert export_main(["run", "--out", "hf"]) == 0
+    check_against_probe(tmp_path / "run", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    family = family_for(model_type)
+    assert config["model_type"] == model_type and config["architectures"] == [family.causal_lm_class]
+    assert ("apt_layer_shapes" in config) == (not uniform)
+    if model_type == "mistral":
+        assert config["sliding_window"] == 8
+    from apt_ds.io.modeling import load_pretrained
+
+    loaded = load_pretrained(tmp_path / "hf")
+    assert type(loaded).__name__ == family.causal_lm_class
+    if uniform:
+        stock = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+        assert type(stock).__name__ == family.causal_lm_class
+        ids = torch.randint(0, len(tokenizer), (2, 24), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            torch.testing.assert_close(stock(input_ids=ids).logits, loaded(input_ids=ids).logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_in_memory_export_matches_the_streamed_one(in_tmp, tmp_path, tokenizer, monkeypatch, model_type):
+    """Both export paths write the same tensors (biases and per-head norms included)."""
+    from safetensors.torch import load_file
+
+    _base_dir(tmp_path, tokenizer, model_type)
+    assert train_main([*TRAIN, "--model", model_type, "--out", "run"]) == 0
+    assert export_main(["run", "--out", "streamed"]) == 0
+    real_export_run = merge.export_run
+    monkeypatch.setattr(merge, "export_run", lambda *a, **k: real_export_run(*a, **{**k, "streaming": False}))
+    assert export_main(["run", "--out", "in-memory"]) == 0
+    streamed = load_file(str(tmp_path / "streamed" / "model.safetensors"))
+    in_memory = load_file(str(tmp_path / "in-memory" / "model.safetensors"))
+    assert list(streamed) == list(in_memory)
+    assert any(name.endswith("q_proj.bias" if model_type == "qwen2" else "q_norm.weight") for name in streamed)
+    for name in streamed:
+        torch.testing.assert_close(streamed[name], in_memory[name], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2", "qwen3"])
+def test_gguf_is_refused_where_it_is_not_written_yet(in_tmp, tmp_path, tokenizer, capsys, model_type):
+    _base_dir(tmp_path, tokenizer, model_type)
+    assert train_main([*TRAIN, "--model", model_type, "--out", "run"]) == 0
+    capsys.readouterr()
+    assert export_main(["run", "--out", "gguf", "--format", "gguf"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: the GGUF export of {model_type} models is not written yet; export --format hf "
+                      f"(it loads in transformers and vLLM)"]
+    assert not (tmp_path / "gguf").exists()
