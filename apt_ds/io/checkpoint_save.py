@@ -51,12 +51,22 @@ def save_checkpoint(trainer, directory: Path) -> None:
 
 
 def _refuse_nonfinite_state(trainer, trainable: dict[str, torch.Tensor], directory: Path) -> None:
-    """A NaN or inf adapter or Adam moment is never checkpointed: the previous checkpoint stays,
-    and --resume continues from it (the same answer on every rank: the tensors are full copies,
-    the moments' flag is summed over ranks)."""
-    bad = first_nonfinite(trainable.items())
+    """A NaN or inf adapter, Adam moment, salience score, teacher adapter or tuner importance is
+    never checkpointed: the previous checkpoint stays, and --resume continues from it (the same
+    answer on every rank: the tensors are full copies or all-reduced, the moments' flag is summed
+    over ranks)."""
+    state = trainer.state
+    teacher = [(f"{name}.{part}", getattr(adapter, part)) for name, adapter in state.adapters.items()
+               for part in ("teacher_A", "teacher_B")]
+    bad = first_nonfinite([*trainable.items(), *((f"salience {k}", v) for k, v in state.salience.state_dict().items()),
+                           *teacher])
     if bad is None and not trainer.backend.optimizer_state_finite():
         bad = "an Adam moment of the optimizer"
+    if bad is None:
+        try:
+            json.dumps(trainer.tuner.state_dict(), allow_nan=False)
+        except ValueError:
+            bad = "the adapter tuner's importance"
     if bad is None:
         return
     if (directory / "apt_state.json").is_file():

@@ -106,6 +106,7 @@ def one_shot_prune(model, calibration_batches: Iterable[dict], target_density: f
         if batches_seen == 0:
             raise ValueError("one_shot_prune needs at least one calibration batch")
         state.salience.end_step()
+        state.salience.require_finite_scores("the one-shot pruning decision")  # an order over NaN is arbitrary
         s = state.salience
         target = target_density * state.original_shape.budget_params(config.count_embeddings)
         args = (state.shape, s.group_scores, s.neuron_scores, s.hidden_scores, target, state.original_shape)

@@ -167,19 +167,27 @@ def test_rank_growth_on_nan_importance_is_refused():
         trainer.tuner.plan_growth(trainer.state.adapters, 2.0)
 
 
-@pytest.mark.parametrize("poison", ["adapter", "moment"])
+@pytest.mark.parametrize("poison", ["adapter", "moment", "salience", "teacher", "importance"])
 def test_a_nan_checkpoint_is_not_written_and_the_previous_one_stays(tmp_path, poison):
     trainer = APTrainer(tiny_llama("gqa"), APTConfig.for_steps(4, target_density=0.6), TrainConfig(steps=4), out_dir=tmp_path,
                         progress=False)
     trainer.train(_batches(4))  # its final checkpoint, step 4
     digest = tree_digest(tmp_path)
     name, param = next((n, p) for n, p in trainer.model.named_parameters() if p.requires_grad)
+    adapter_name, adapter = next(iter(trainer.state.adapters.items()))
     with torch.no_grad():
         if poison == "adapter":
             param.view(-1)[0] = float("nan")
-        else:
+        elif poison == "moment":
             trainer.backend.optimizer.state[param]["exp_avg_sq"].view(-1)[0] = float("inf")
-    bad = name if poison == "adapter" else "an Adam moment of the optimizer"
+        elif poison == "salience":
+            trainer.state.salience.hidden_scores.view(-1)[0] = float("nan")
+        elif poison == "teacher":
+            adapter.teacher_A.view(-1)[0] = float("nan")
+        else:
+            trainer.tuner.importance = {**trainer.tuner.importance, adapter_name: float("nan")}
+    bad = {"adapter": name, "moment": "an Adam moment of the optimizer", "salience": "salience hidden",
+           "teacher": f"{adapter_name}.teacher_A", "importance": "the adapter tuner's importance"}[poison]
     with pytest.raises(NonFiniteError, match=rf"the step-4 checkpoint was not written: {bad}.* is not finite.*the previous "
                                              r"checkpoint \(step 4\) is kept: --resume continues from it"):
         trainer.save()
