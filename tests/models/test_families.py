@@ -160,3 +160,32 @@ def test_gguf_is_refused_where_it_is_not_written_yet(in_tmp, tmp_path, tokenizer
     assert errors == [f"error: the GGUF export of {model_type} models is not written yet; export --format hf "
                       f"(it loads in transformers and vLLM)"]
     assert not (tmp_path / "gguf").exists()
+
+
+# Published configs (their config.json values that shape the weights) and the parameter counts
+# their model cards and safetensors metadata give.
+PUBLISHED = {
+    "Llama-3.1-8B": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                                   num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False), 8_030_261_248),
+    "Llama-3.2-3B": ("llama", dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                                   num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True), 3_212_749_824),
+    "Mistral-7B-v0.3": ("mistral", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                                        num_key_value_heads=8, vocab_size=32768, tie_word_embeddings=False), 7_248_023_552),
+    "Qwen2.5-7B": ("qwen2", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                                 num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False), 7_615_616_512),
+    "Qwen3-8B": ("qwen3", dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                               num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
+                 8_190_735_360),
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_published_sizes(name):
+    """The unit accounting of a published model equals its published size and its transformers
+    model's (built on the meta device: no weights)."""
+    model_type, values, published = PUBLISHED[name]
+    config_class, model_class = family_for(model_type).classes()
+    with torch.device("meta"):
+        model = model_class(config_class(**values))
+    assert ModelShape.from_model(model).total_params() == _params(model) == published
+    assert ModelShape.from_config(model.config).total_params() == published
