@@ -73,10 +73,10 @@ def _rebuild(run_dir: Path, checkpoint: Path, meta: dict, model_path):
         if not same_model(recorded, model_fingerprint(model)):
             raise CheckpointError(f"{run_dir}: model {base} is not the base model this run was trained from")
     state = APTModel(model, apt, seed=meta["train_config"]["seed"])
-    if state.original_shape.to_dict() != meta["original_shape"]:
+    if state.original_shape != ModelShape.from_dict(meta["original_shape"]):  # a run from before families were recorded too
         raise CheckpointError(f"{run_dir}: model {base} does not match the checkpoint's original shapes")
     state.restore_architecture(meta["kept"], meta["ranks"])
-    if state.shape.to_dict() != meta["shape"]:
+    if state.shape != ModelShape.from_dict(meta["shape"]):
         raise CheckpointError(f"{run_dir}: checkpoint shapes contradict its recorded config")
     try:
         trainable = load_file(str(checkpoint / "trainable.safetensors"))
@@ -255,7 +255,7 @@ def _checked_base(run_dir: Path, base: Path, meta: dict):
     recorded = meta["run_info"].get("model_fingerprint")
     if recorded is not None and not same_model(recorded, file_fingerprint(base)):
         raise CheckpointError(f"{run_dir}: model {base} is not the base model this run was trained from")
-    if ModelShape.from_config(AutoConfig.from_pretrained(str(base))).to_dict() != meta["original_shape"]:
+    if ModelShape.from_config(AutoConfig.from_pretrained(str(base))) != ModelShape.from_dict(meta["original_shape"]):
         raise CheckpointError(f"{run_dir}: model {base} does not match the checkpoint's original shapes")
     return weights
 

@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from apt_ds.algorithm.units import ModelShape
 from apt_ds.config import LORA_SETTINGS, SCHEDULE_FIELDS, APTConfig
 
 FORMAT_VERSION = 1
@@ -144,7 +145,7 @@ def _flag_value(value) -> str:
 def load_checkpoint(trainer, directory: Path) -> None:
     meta = read_meta(directory)
     state = trainer.state
-    if meta["original_shape"] != state.original_shape.to_dict():
+    if ModelShape.from_dict(meta["original_shape"]) != state.original_shape:  # also a run from before families were recorded
         raise CheckpointError(f"checkpoint {directory} was made from a different model (original shapes differ)")
     check_same_apt_config(meta, trainer.apt_config.to_dict(), directory)
     access = trainer.backend.param_access()
@@ -154,7 +155,7 @@ def load_checkpoint(trainer, directory: Path) -> None:
         return {}
 
     trainer.backend.apply_shape_change(rebuild, carry_state=False)
-    if state.shape.to_dict() != meta["shape"]:
+    if state.shape != ModelShape.from_dict(meta["shape"]):
         raise CheckpointError(f"checkpoint {directory}: rebuilt shapes do not match the recorded ones")
     try:
         trainer.backend.load(directory / "engine")

@@ -189,3 +189,14 @@ def test_published_sizes(name):
         model = model_class(config_class(**values))
     assert ModelShape.from_model(model).total_params() == _params(model) == published
     assert ModelShape.from_config(model.config).total_params() == published
+
+
+def test_a_run_from_before_families_were_recorded_still_exports(in_tmp, tmp_path):
+    """Checkpoints written before shapes named their family hold LLaMA's shapes without the key."""
+    assert train_main([*TRAIN, "--checkpoint-every", "4", "--out", "run"]) == 0
+    state_file = tmp_path / "run" / "checkpoint" / "apt_state.json"
+    meta = json.loads(state_file.read_text())
+    for key in ("original_shape", "shape"):
+        assert meta[key].pop("family") == "llama"
+    state_file.write_text(json.dumps(meta, indent=1))
+    assert export_main(["run", "--out", "hf"]) == 0
