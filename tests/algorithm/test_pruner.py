@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -25,6 +26,10 @@ SHAPES = {kind: ModelShape.from_model(tiny_llama(kind)) for kind in TINY_CONFIGS
 SHAPES["ragged"] = ModelShape(
     40, (LayerShape(3, 2, 8, 50), LayerShape(1, 2, 8, 7), LayerShape(4, 1, 8, 90), LayerShape(2, 3, 4, 33)), 61, False,
 )
+# the same counted with Qwen2's q/k/v biases (a constant per KV group) and Qwen3's per-head norms
+# (a constant per layer): the budget stays exact with terms that do not scale with the hidden size
+SHAPES.update({f"{name}-{family}": dataclasses.replace(SHAPES[name], family=family)
+               for name in ("gqa", "ragged") for family in ("qwen2", "qwen3")})
 
 
 def _scores(shape: ModelShape, rng: random.Random):
