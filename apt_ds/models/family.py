@@ -41,24 +41,61 @@ class LeftOut:
         return re.fullmatch(self.pattern, name) is not None
 
 
+# What a layer tensor does, in llama.cpp's names for a block's tensors (its GGUF name is
+# `blk.{i}.{role}.{weight|bias}`): the code that hooks, slices or writes a tensor asks a family's
+# description for a role, never for a module name.
+ROLES = {
+    "attn_norm": "the RMSNorm before attention",
+    "attn_q": "the query projection (rows: the heads of the kept KV groups, rotated by RoPE)",
+    "attn_k": "the key projection (rows: one head per kept KV group, rotated by RoPE)",
+    "attn_v": "the value projection (rows: one head per kept KV group)",
+    "attn_q_norm": "the RMSNorm over each query head",
+    "attn_k_norm": "the RMSNorm over each key head",
+    "attn_output": "attention's output projection (columns: the query heads; the KV-group mask's site)",
+    "ffn_norm": "the RMSNorm before the FFN",
+    "ffn_gate": "the FFN's gate projection",
+    "ffn_up": "the FFN's up projection",
+    "ffn_down": "the FFN's down projection (columns: the neurons; the neuron mask's site)",
+}
+
+
 @dataclass(frozen=True)
 class LayerTensor:
-    """One tensor of a decoder layer: its name below `model.layers.{i}.` and the unit axis of each
-    dimension (rows first)."""
+    """One tensor of a decoder layer: its name below the layer (`model.layers.{i}.`), the unit axis
+    of each dimension (rows first) and its role (ROLES)."""
 
     name: str
     dims: tuple[str, ...]
+    role: str
 
     def __post_init__(self):
         if not self.dims or not set(self.dims) <= set(AXES):
             raise ValueError(f"{self.name}: dims {self.dims} must be some of {AXES}")
         if {"q", "kv"} & set(self.dims) and "ffn" in self.dims:
             raise ValueError(f"{self.name}: a tensor belongs to KV groups or to FFN neurons, not both")
+        if self.role not in ROLES:
+            raise ValueError(f"{self.name}: role {self.role!r} must be one of {sorted(ROLES)}")
+        if self.kind not in ("weight", "bias"):
+            raise ValueError(f"{self.name}: a layer tensor is a module's weight or bias")
 
     @property
     def module(self) -> str:
         """The module path below the layer (`self_attn.q_proj` of `self_attn.q_proj.bias`)."""
         return self.name.rsplit(".", 1)[0]
+
+    @property
+    def kind(self) -> str:
+        """`weight` or `bias`."""
+        return self.name.rsplit(".", 1)[1]
+
+    @property
+    def attention(self) -> bool:
+        """Part of the attention block (its norm included): a layer without KV groups has none of these."""
+        return self.role.startswith("attn_")
+
+    @property
+    def gguf_name(self) -> str:
+        return f"{self.role}.{self.kind}"
 
 
 @dataclass(frozen=True)
@@ -90,7 +127,11 @@ class Family:
     layer_tensors: tuple[LayerTensor, ...]  # in the order of the layer's state_dict
     refused_config: tuple[tuple[str, str], ...] = ()  # (config attribute, why) refused when truthy
     left_out: tuple[LeftOut, ...] = ()
+    # The tensors outside the decoder layers (HF names) and where the layers are
+    embedding: str = "model.embed_tokens.weight"
+    final_norm: str = "model.norm.weight"
     output_embedding: str = "lm_head.weight"  # not written when the config ties it to the input embedding
+    layers: str = "model.layers"
     # llama.cpp architectures of the GGUF export (every layer alike, per-layer shapes); None: not written yet
     gguf_architectures: tuple[str, str] | None = None
 
@@ -104,6 +145,9 @@ class Family:
         names = [t.name for t in self.layer_tensors]
         if len(set(names)) != len(names):
             raise ValueError(f"{self.model_type}: a layer tensor is listed twice")
+        roles = [(t.role, t.kind) for t in self.layer_tensors]
+        if len(set(roles)) != len(roles):
+            raise ValueError(f"{self.model_type}: two layer tensors have the same role")
 
     def left_out_on_purpose(self, name: str, tied_embeddings: bool) -> bool:
         if tied_embeddings and name == self.output_embedding:
@@ -112,6 +156,21 @@ class Family:
 
     def has_tensor(self, name: str) -> bool:
         return any(t.name == name for t in self.layer_tensors)
+
+    def layer_tensor(self, role: str, kind: str = "weight") -> LayerTensor | None:
+        """The layer's tensor with `role` (None: this family has none, e.g. LLaMA's attn_q_norm)."""
+        return next((t for t in self.layer_tensors if t.role == role and t.kind == kind), None)
+
+    def module_path(self, role: str) -> str:
+        """The path below a layer of the module with `role` (`self_attn.o_proj` for attn_output)."""
+        tensor = self.layer_tensor(role)
+        if tensor is None:
+            raise KeyError(f"{self.model_type} layers have no {role} ({ROLES.get(role, 'unknown role')})")
+        return tensor.module
+
+    def layer_module(self, layer, role: str):
+        """The module with `role` in a decoder layer module."""
+        return layer.get_submodule(self.module_path(role))
 
     def unit_costs(self, group_size: int, head_dim: int) -> UnitCosts:
         """The pruner's terms, summed over the layer's tensors: a unit axis contributes its
@@ -144,17 +203,17 @@ class Family:
 
 # The tensors every family here shares: LLaMA's decoder layer.
 ATTENTION_WEIGHTS = (
-    LayerTensor("self_attn.q_proj.weight", ("q", "hidden")),
-    LayerTensor("self_attn.k_proj.weight", ("kv", "hidden")),
-    LayerTensor("self_attn.v_proj.weight", ("kv", "hidden")),
-    LayerTensor("self_attn.o_proj.weight", ("hidden", "q")),
+    LayerTensor("self_attn.q_proj.weight", ("q", "hidden"), "attn_q"),
+    LayerTensor("self_attn.k_proj.weight", ("kv", "hidden"), "attn_k"),
+    LayerTensor("self_attn.v_proj.weight", ("kv", "hidden"), "attn_v"),
+    LayerTensor("self_attn.o_proj.weight", ("hidden", "q"), "attn_output"),
 )
 MLP_AND_NORMS = (
-    LayerTensor("mlp.gate_proj.weight", ("ffn", "hidden")),
-    LayerTensor("mlp.up_proj.weight", ("ffn", "hidden")),
-    LayerTensor("mlp.down_proj.weight", ("hidden", "ffn")),
-    LayerTensor("input_layernorm.weight", ("hidden",)),
-    LayerTensor("post_attention_layernorm.weight", ("hidden",)),
+    LayerTensor("mlp.gate_proj.weight", ("ffn", "hidden"), "ffn_gate"),
+    LayerTensor("mlp.up_proj.weight", ("ffn", "hidden"), "ffn_up"),
+    LayerTensor("mlp.down_proj.weight", ("hidden", "ffn"), "ffn_down"),
+    LayerTensor("input_layernorm.weight", ("hidden",), "attn_norm"),
+    LayerTensor("post_attention_layernorm.weight", ("hidden",), "ffn_norm"),
 )
 # Checkpoints saved by transformers before 4.31 hold each layer's rotary table; it is a function
 # of the config (rope_theta, head_dim), rebuilt at load, never a trained weight.

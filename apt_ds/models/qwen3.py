@@ -11,8 +11,8 @@ QWEN3 = Family(
     config_class="Qwen3Config",
     causal_lm_class="Qwen3ForCausalLM",
     layer_tensors=ATTENTION_WEIGHTS + (
-        LayerTensor("self_attn.q_norm.weight", ("head",)),
-        LayerTensor("self_attn.k_norm.weight", ("head",)),
+        LayerTensor("self_attn.q_norm.weight", ("head",), "attn_q_norm"),
+        LayerTensor("self_attn.k_norm.weight", ("head",), "attn_k_norm"),
     ) + MLP_AND_NORMS,
     refused_config=(("attention_bias", "the published Qwen3 models have no attention biases"),),
 )
