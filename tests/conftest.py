@@ -47,7 +47,9 @@ def tiny_family(model_type: str, seed: int = 0, vocab: int = 97, tied: bool = Fa
     config_class, model_class = family_for(model_type).classes()
     torch.manual_seed(seed)
     values = dict(vocab_size=vocab, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=tied)
-    values.update(TINY_CONFIGS["gqa"], **FAMILY_OVERRIDES[model_type], **overrides)
+    values.update(TINY_CONFIGS["gqa"])
+    values.update(FAMILY_OVERRIDES[model_type])
+    values.update(overrides)  # the caller's word last (a Mistral without a window)
     model = model_class(config_class(**values))
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -70,6 +70,7 @@ def done_message(report_: dict, out: str, training: str | None = None) -> str:
         size += f" (density {final['block_params'] / original['block_params']:.3f} of the prunable blocks)"
     target = Path(out) / report_["file"] if report_.get("format") == "gguf" else Path(out)
     message = f"exported {size} to {target}"
+    message += "".join(f"\nnote: {note}" for note in report_.get("notes", ()))
     if report_.get("finished") is False:
         steps = f" of {report_['steps']}" if report_.get("steps") else ""
         message = (f"warning: the run is still training ({training}); its last checkpoint, step {report_.get('step')}{steps}, "

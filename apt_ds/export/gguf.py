@@ -1,15 +1,20 @@
 """A pruned model as one GGUF file that stock llama.cpp runs, written tensor by tensor.
 
-Architecture: every layer alike -> `llama`; per-layer KV groups or FFN widths -> `deci`
-(llama.cpp's Nemotron-NAS graph, src/models/deci.cpp), the only one that reads per-layer
-`attention.head_count`, `head_count_kv` and `feed_forward_length` arrays. Both get
+Architecture: the family description's (apt_ds/models): every layer alike -> its own (`llama`,
+`qwen2`, `qwen3`); per-layer KV groups or FFN widths -> `deci` (llama.cpp's Nemotron-NAS graph,
+src/models/deci.cpp), the only one that reads per-layer `attention.head_count`, `head_count_kv`
+and `feed_forward_length` arrays, and that adds q/k/v biases when the file holds them (Qwen2's).
+Tensors are named by their role (`blk.N.{role}.weight`), so every family's tensors, biases and
+per-head norms included, are written by one plan. All get
 `key_length == value_length == rope.dimension_count == head_dim`, so hidden may differ from
 heads x head_dim. deci skips the attention of a layer with 0 heads (it then has no attention
 tensors) and, with FFN width 0, skips the FFN *and drops that layer's attention output*: a
 layer without neurons is written with one zero neuron instead (its FFN adds exactly 0).
 
-Q and K rows are permuted per layer with that layer's head counts, as llama.cpp's converter
-(LlamaModel.permute) does: HF rotates the two halves of a head, llama.cpp adjacent pairs.
+For `llama` and `deci`, which rotate adjacent pairs, Q and K rows (and their biases) are permuted
+per layer with that layer's head counts, as llama.cpp's converter (LlamaModel.permute) does; HF
+rotates the two halves of a head, as llama.cpp's `qwen2` and `qwen3` (NEOX RoPE) do, so theirs
+are written as they are.
 Norms stay F32 (as the converter writes them). q8_0 quantizes rows in 32-wide blocks; APT keeps
 widths at multiples of 32 by default (APTConfig.shape_multiple), but single-unit pruning, small
 dimensions and other tools leave hidden sizes and FFN widths that are not; rather than fall back to F16 for
@@ -34,20 +39,41 @@ from apt_ds.algorithm.units import ModelShape
 from apt_ds.config import ConfigError
 from apt_ds.export.accounting import check_every_base_tensor_written, check_gguf_reads_every_tensor
 from apt_ds.export.checks import check_export_tensor
-from apt_ds.models import family_for
+from apt_ds.models import Family, family_for
 
 GGUF_DTYPES = ("fp32", "fp16", "bf16", "q8_0")
 BLOCK = {"q8_0": 32}  # row block of the quantized dtypes: hidden and FFN widths are padded to it
-# HF tensor name (per layer after "model.layers.N.") -> GGUF name (after "blk.N.")
-LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-ATTENTION = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+# llama.cpp architectures whose RoPE rotates adjacent pairs (llama_model_rope_type's NORM): HF's
+# rotate-half Q/K rows are permuted for them; the others (NEOX) rotate halves, as HF does.
+INTERLEAVED_ROPE = {"llama", "deci"}
+ROPED = ("attn_q", "attn_k")  # the roles whose rows RoPE rotates
+
+
+# llama.cpp loaders that size Q and attention's output by the hidden size rather than by heads x
+# head_dim (llama-model.cpp's qwen2): once hidden is pruned apart from the heads, only the per-layer
+# graph loads the shape.
+Q_WIDTH_IS_HIDDEN = {"qwen2"}
 
 
 def gguf_architecture(shape: ModelShape) -> str:
-    """`llama` reads layer 0's head counts and FFN width for every layer."""
-    return family_for(shape.family).gguf_architecture(shape.uniform and shape.layers[0].num_kv_groups > 0)
+    """The family's own architecture when every layer is alike (it reads layer 0's head counts and
+    FFN width for all) and its loader takes the shape; its per-layer one (`deci`) otherwise."""
+    family, first = family_for(shape.family), shape.layers[0]
+    alike = shape.uniform and first.num_kv_groups > 0
+    if alike and family.gguf_uniform in Q_WIDTH_IS_HIDDEN and first.num_q_heads * first.head_dim != shape.hidden:
+        alike = family.gguf_non_uniform is None  # no per-layer graph: the family's own refuses in its words
+    return family.gguf_architecture(alike)
+
+
+def llama_cpp_differences(config, arch: str) -> list[str]:
+    """Where llama.cpp runs the file otherwise than transformers runs the HF export: none of the
+    architectures written here applies a sliding attention window (Mistral v0.1's 4096), so past
+    that many tokens of context the outputs differ."""
+    window = Family.sliding_window(config)
+    if window is None or window >= int(config.max_position_embeddings):
+        return []
+    return [f"llama.cpp's {arch} attends to the whole context, not to this model's {window}-token sliding window: "
+            f"with more than {window} tokens of context its outputs differ from transformers'"]
 
 
 def gguf_package():
@@ -87,7 +113,7 @@ def write_gguf(path: Path, shape: ModelShape, tensors, config, tokenizer_dir: Pa
     writer = gguf.GGUFWriter(path, arch)
     try:
         sizes = PaddedSizes.of(shape, dtype)
-        plan, reads, left_out = _plan(shape, sizes, config, dtype)
+        plan, reads, left_out = _plan(shape, sizes, config, dtype, arch)
         check_gguf_reads_every_tensor(tensors.names(), reads, left_out, family_for(config.model_type), arch)
         _add_hparams(writer, arch, shape, sizes, config, path.stem, dtype)
         add_vocab(writer, tokenizer_dir, shape.vocab)
@@ -195,11 +221,12 @@ def _ffn_rows(ffn: int) -> int:
     return max(ffn, 1)  # a zero neuron rather than deci's FFN-free layer, which drops the attention output
 
 
-def _plan(shape: ModelShape, sizes: PaddedSizes, config, dtype: str) -> tuple[list, set[str], set[str]]:
+def _plan(shape: ModelShape, sizes: PaddedSizes, config, dtype: str, arch: str) -> tuple[list, set[str], set[str]]:
     """(GGUF name, maker(tensors) -> fp32 tensor, shape, GGML type) for every tensor, in file order;
     the HF tensors it reads; those it leaves out on purpose (a `deci` layer without heads)."""
     import gguf
 
+    family = family_for(shape.family)
     D, plan, reads, left_out = sizes.hidden, [], set(), set()
 
     def add(gguf_name: str, make, out_shape: tuple, hf_name: str | None):
@@ -210,45 +237,43 @@ def _plan(shape: ModelShape, sizes: PaddedSizes, config, dtype: str) -> tuple[li
     def norm(hf_name: str):
         return lambda t: t.tensor(hf_name) * sizes.norm_scale
 
-    add("token_embd.weight", lambda t: t.tensor("model.embed_tokens.weight"), (shape.vocab, D), "model.embed_tokens.weight")
+    add("token_embd.weight", lambda t: t.tensor(family.embedding), (shape.vocab, D), family.embedding)
     rope_freqs = _rope_freqs(config, shape.layers[0].head_dim)
     if rope_freqs is not None:
         plan.append(("rope_freqs.weight", lambda t: rope_freqs, tuple(rope_freqs.shape), gguf.GGMLQuantizationType.F32))
     for l, layer in enumerate(shape.layers):
-        q, kv, F = layer.num_q_heads * layer.head_dim, layer.num_kv_groups * layer.head_dim, sizes.ffn[l]
-        shapes = {"input_layernorm": (D,), "self_attn.q_proj": (q, D), "self_attn.k_proj": (kv, D),
-                  "self_attn.v_proj": (kv, D), "self_attn.o_proj": (D, q), "post_attention_layernorm": (D,),
-                  "mlp.gate_proj": (F, D), "mlp.up_proj": (F, D), "mlp.down_proj": (D, F)}
-        for hf, gguf_name in LAYER_NAMES.items():
-            hf_name = f"model.layers.{l}.{hf}.weight"
-            if layer.num_kv_groups == 0 and hf in ATTENTION:
+        width = {"q": layer.num_q_heads * layer.head_dim, "kv": layer.num_kv_groups * layer.head_dim,
+                 "ffn": sizes.ffn[l], "hidden": D, "head": layer.head_dim}
+        for tensor in family.layer_tensors:
+            hf_name = f"{family.layers}.{l}.{tensor.name}"
+            if layer.num_kv_groups == 0 and tensor.attention:
                 left_out.add(hf_name)  # deci: a layer with 0 heads has no attention (nor its norm)
                 continue
-            add(f"blk.{l}.{gguf_name}.weight", norm(hf_name) if hf.endswith("layernorm") else _maker(hf_name, layer),
-                shapes[hf], hf_name)
-    add("output_norm.weight", norm("model.norm.weight"), (D,), "model.norm.weight")
+            make = (norm(hf_name) if tensor.dims == ("hidden",)  # a norm over the (padded) residual stream
+                    else _maker(hf_name, tensor, layer, arch in INTERLEAVED_ROPE))
+            add(f"blk.{l}.{tensor.gguf_name}", make, tuple(width[axis] for axis in tensor.dims), hf_name)
+    add("output_norm.weight", norm(family.final_norm), (D,), family.final_norm)
     if not shape.tied_embeddings:  # llama.cpp reuses token_embd when there is no output tensor
-        add("output.weight", lambda t: t.tensor("lm_head.weight"), (shape.vocab, D), "lm_head.weight")
+        add("output.weight", lambda t: t.tensor(family.output_embedding), (shape.vocab, D), family.output_embedding)
     return plan, reads, left_out
 
 
-def _maker(hf_name: str, layer):
+def _maker(hf_name: str, tensor, layer, interleaved_rope: bool):
     def make(tensors) -> torch.Tensor:
-        if layer.ffn == 0 and ".mlp." in hf_name:  # the zero neuron of _ffn_rows (padded by the plan)
-            return torch.zeros(1, 1, dtype=torch.float32)
-        weight = tensors.tensor(hf_name)
-        if hf_name.endswith("q_proj.weight"):
-            return _permute(weight, layer.num_q_heads)
-        if hf_name.endswith("k_proj.weight"):
-            return _permute(weight, layer.num_kv_groups)
-        return weight
+        if layer.ffn == 0 and "ffn" in tensor.dims:  # the zero neuron of _ffn_rows (padded by the plan)
+            return torch.zeros((1,) * len(tensor.dims), dtype=torch.float32)
+        value = tensors.tensor(hf_name)
+        if interleaved_rope and tensor.role in ROPED:
+            return _permute(value, layer.num_q_heads if tensor.role == "attn_q" else layer.num_kv_groups)
+        return value
     return make
 
 
-def _permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
-    """HF's rotate-half head layout -> llama.cpp's interleaved pairs (convert_hf_to_gguf's permute)."""
-    rows, cols = weight.shape
-    return weight.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+def _permute(value: torch.Tensor, heads: int) -> torch.Tensor:
+    """HF's rotate-half head layout -> llama.cpp's interleaved pairs (convert_hf_to_gguf's permute),
+    for a projection's rows and for its bias alike."""
+    rows = value.shape[0]
+    return value.reshape(heads, 2, rows // heads // 2, -1).swapaxes(1, 2).reshape(value.shape)
 
 
 def _ggml_type(out_shape: tuple, dtype: str):
@@ -303,7 +328,7 @@ def write_gguf_export(out: Path, shape: ModelShape, tensors, config, dtype: str,
         report = {"final": summary(shape), "uniform": shape.uniform, "format": "gguf", "file": filename,
                   "gguf_architecture": gguf_architecture(shape), "dtype": dtype, "exported_params": exported_params,
                   "zero_padding": PaddedSizes.of(shape, dtype).zero_padding(shape),
-                  **(extra_report or {})}
+                  "notes": llama_cpp_differences(config, gguf_architecture(shape)), **(extra_report or {})}
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1))
         return report
 

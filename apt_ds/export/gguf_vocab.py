@@ -3,7 +3,7 @@
 Written as llama.cpp's converter (convert_hf_to_gguf.py) writes them, with gguf-py's readers:
 * a sentencepiece `tokenizer.model` (LLaMA-1/2, the built-in tiny model) -> tokenizer model
   "llama", pieces, scores and types from `gguf.SentencePieceVocab`;
-* a `tokenizers` byte-level BPE tokenizer.json (SmolLM2, LLaMA-3) -> model "gpt2" with its
+* a `tokenizers` byte-level BPE tokenizer.json (SmolLM2, LLaMA-3, Qwen2/2.5/3) -> model "gpt2" with its
   merges; llama.cpp picks its pre-tokenizer (the regexes that split text before BPE) by name,
   so the tokenizer.json's pre-tokenizer must be one whose llama.cpp name we know (`_bpe_pre`);
 * a tokenizer.json of a sentencepiece-style BPE (byte fallback; what save_pretrained writes for a
@@ -22,6 +22,8 @@ from apt_ds.config import ConfigError
 # The pre-tokenizer of LLaMA-3 style tokenizers (a Split on this regex, then ByteLevel without its own regex).
 LLAMA3_SPLIT = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*"
                 "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
+# Qwen2's, Qwen2.5's and Qwen3's (transformers' Qwen2Tokenizer): LLaMA-3's with single digits.
+QWEN2_SPLIT = LLAMA3_SPLIT.replace("\\p{N}{1,3}", "\\p{N}")
 
 
 def add_vocab(writer, tokenizer_dir: Path | None, vocab_size: int) -> str:
@@ -137,10 +139,13 @@ def _bpe_pre(spec: dict, tokenizer_dir: Path) -> str:
         return "gpt-2"
     if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and steps[1].get("use_regex", True):
         return "smollm"  # each digit alone, then GPT-2's regex (SmolLM2, StarCoder)
-    if kinds == ["Split", "ByteLevel"] and steps[0].get("pattern", {}).get("Regex") == LLAMA3_SPLIT:
+    split = steps[0].get("pattern", {}).get("Regex") if kinds == ["Split", "ByteLevel"] else None
+    if split == LLAMA3_SPLIT:
         return "llama-bpe"
+    if split == QWEN2_SPLIT:
+        return "qwen2"
     raise ConfigError(f"tokenizer in {tokenizer_dir}: its pre-tokenizer ({' + '.join(map(str, kinds))}) has no "
-                      "llama.cpp equivalent known here (GPT-2, SmolLM2 or LLaMA-3 style)")
+                      "llama.cpp equivalent known here (GPT-2, SmolLM2, LLaMA-3 or Qwen2 style)")
 
 
 def _pad(tokens: list, scores: list | None, types: list, vocab_size: int, tokenizer_dir: Path) -> None:

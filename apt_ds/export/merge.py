@@ -158,8 +158,10 @@ def export_run(run_dir: Path, out: Path, dtype: str = "fp32", overwrite: bool = 
         check_model_path(model_path, flag="--model")
     recorded = read_meta(run_dir / "checkpoint")
     recorded_base = recorded.get("run_info", {}).get("model")
-    if format == "gguf":  # before any work: a family without a GGUF writer is refused in one line
-        family_for(recorded.get("original_shape", {}).get("family", "llama")).gguf_architecture(uniform=True)
+    if format == "gguf" and "shape" in recorded:  # before any work: a shape llama.cpp cannot run is refused in one line
+        from apt_ds.export.gguf import gguf_architecture
+
+        gguf_architecture(ModelShape.from_dict(recorded["shape"]))
     bases = [Path(p) for p in (model_path, recorded_base) if p is not None and str(p) not in TINY_MODELS]
     check_export_out(out, overwrite, protected=[run_dir, *bases], run_dir=run_dir)
     base = str(model_path) if model_path is not None else recorded_base

@@ -132,14 +132,22 @@ class Family:
     final_norm: str = "model.norm.weight"
     output_embedding: str = "lm_head.weight"  # not written when the config ties it to the input embedding
     layers: str = "model.layers"
-    # llama.cpp architectures of the GGUF export (every layer alike, per-layer shapes); None: not written yet
-    gguf_architectures: tuple[str, str] | None = None
+    # llama.cpp's architecture for a GGUF export with every layer alike, and for per-layer shapes
+    # (None: llama.cpp has no graph that runs them; `gguf_non_uniform_why` says why)
+    gguf_uniform: str | None = None
+    gguf_non_uniform: str | None = None
+    gguf_non_uniform_why: str = ""
 
     def gguf_architecture(self, uniform: bool) -> str:
-        if self.gguf_architectures is None:
+        arch = self.gguf_uniform if uniform else self.gguf_non_uniform
+        if arch is None and self.gguf_uniform is not None:
+            raise UnsupportedModelError(f"a {self.model_type} model pruned per layer has no llama.cpp architecture "
+                                        f"({self.gguf_non_uniform_why}): train with --uniform for a GGUF "
+                                        f"({self.gguf_uniform}), or export --format hf")
+        if arch is None:
             raise UnsupportedModelError(f"the GGUF export of {self.model_type} models is not written yet; export "
                                         f"--format hf (it loads in transformers and vLLM)")
-        return self.gguf_architectures[0 if uniform else 1]
+        return arch
 
     def __post_init__(self):
         names = [t.name for t in self.layer_tensors]
@@ -187,6 +195,19 @@ class Family:
             key = (f"{unit}_" if unit else "") + ("per_channel" if "hidden" in tensor.dims else "constant")
             terms[key] += size
         return UnitCosts(**terms)
+
+    @staticmethod
+    def sliding_window(config) -> int | None:
+        """The attention window a config applies in transformers (None: full attention everywhere).
+        transformers 5 names each layer's kind in `layer_types` (Qwen2's window is off unless
+        use_sliding_window); Mistral's configs apply `sliding_window` whenever it is set."""
+        window = getattr(config, "sliding_window", None)
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types is not None and "sliding_attention" not in layer_types:
+            return None
+        if layer_types is None and not getattr(config, "use_sliding_window", True):
+            return None
+        return int(window) if window else None
 
     def check_config(self, config) -> None:
         for attribute, why in self.refused_config:

@@ -13,5 +13,6 @@ LLAMA = Family(
     refused_config=(("attention_bias", "LLaMA checkpoints have no attention biases"),
                     ("mlp_bias", "LLaMA checkpoints have no MLP biases")),
     left_out=(ROTARY_TABLE,),
-    gguf_architectures=("llama", "deci"),  # deci: llama.cpp's Nemotron-NAS graph reads per-layer shapes
+    gguf_uniform="llama",
+    gguf_non_uniform="deci",  # llama.cpp's Nemotron-NAS graph: per-layer head counts and FFN widths
 )

@@ -1,5 +1,7 @@
 """Mistral (transformers' MistralForCausalLM): LLaMA's layer with a sliding attention window,
-which lives in the config (`sliding_window`) and so reaches every export with it."""
+which lives in the config (`sliding_window`) and so reaches every HF export with it. llama.cpp
+runs Mistral as `llama` (its converter writes Mistral's HF checkpoints so) and `deci`, neither of
+which applies the window: the GGUF export says past which context length it differs."""
 
 from __future__ import annotations
 
@@ -12,4 +14,6 @@ MISTRAL = Family(
     causal_lm_class="MistralForCausalLM",
     layer_tensors=ATTENTION_WEIGHTS + MLP_AND_NORMS,
     left_out=(ROTARY_TABLE,),
+    gguf_uniform="llama",
+    gguf_non_uniform="deci",
 )

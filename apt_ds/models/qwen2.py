@@ -1,5 +1,6 @@
 """Qwen2 and Qwen2.5 (transformers' Qwen2ForCausalLM): LLaMA's layer with biases on the q, k and
-v projections (not on o_proj), sliced with their heads' rows."""
+v projections (not on o_proj), sliced with their heads' rows. llama.cpp: `qwen2`; per-layer shapes
+run as `deci`, whose graph adds q/k/v biases when the file holds them."""
 
 from __future__ import annotations
 
@@ -19,4 +20,6 @@ QWEN2 = Family(
         LayerTensor("self_attn.v_proj.bias", ("kv",), "attn_v"),
         LayerTensor("self_attn.o_proj.weight", ("hidden", "q"), "attn_output"),
     ) + MLP_AND_NORMS,
+    gguf_uniform="qwen2",
+    gguf_non_uniform="deci",
 )

@@ -15,4 +15,6 @@ QWEN3 = Family(
         LayerTensor("self_attn.k_norm.weight", ("head",), "attn_k_norm"),
     ) + MLP_AND_NORMS,
     refused_config=(("attention_bias", "the published Qwen3 models have no attention biases"),),
+    gguf_uniform="qwen3",
+    gguf_non_uniform_why="llama.cpp's per-layer graph, deci, has no q/k norms",
 )

@@ -74,7 +74,7 @@ def forgetful_qwen2(monkeypatch):
     """Qwen2 described as the code before its description took it: LLaMA's tensors (no q/k/v
     biases) and LLaMA's GGUF architectures. Set after training, for the export alone."""
     return lambda: monkeypatch.setitem(FAMILIES, "qwen2", dataclasses.replace(
-        QWEN2, layer_tensors=LLAMA.layer_tensors, gguf_architectures=LLAMA.gguf_architectures))
+        QWEN2, layer_tensors=LLAMA.layer_tensors, gguf_uniform=LLAMA.gguf_uniform, gguf_non_uniform=LLAMA.gguf_non_uniform))
 
 
 @pytest.mark.parametrize("streaming", [True, False], ids=["streamed", "in-memory"])
