@@ -39,12 +39,26 @@ def exported_config(model_config, shape: ModelShape) -> dict:
     first = shape.layers[0]
     config.update(head_dim=first.head_dim, num_attention_heads=first.num_q_heads,
                   num_key_value_heads=first.num_kv_groups, intermediate_size=first.ffn)
+    for key, value in transformers4_rope(config).items():
+        config.setdefault(key, value)
     if not stock_loadable(shape):
         config["apt_layer_shapes"] = [dict(layer.__dict__) for layer in shape.layers]
         if shape.hidden % first.num_q_heads:
             # The configs refuse hidden % heads != 0; per-layer shapes are authoritative anyway.
             config.update(num_attention_heads=1, num_key_value_heads=1)
     return config
+
+
+def transformers4_rope(config: dict) -> dict:
+    """transformers 5 writes RoPE as `rope_parameters`; 4.x, and tools that read config.json as 4.x
+    wrote it (older vLLM and TGI, llama.cpp's converter), read `rope_theta` and `rope_scaling`
+    (None when unscaled). Both are written, with the same values; transformers 5 reads either."""
+    rope = config.get("rope_parameters")
+    if not isinstance(rope, dict) or "rope_theta" not in rope:
+        return {}
+    scaled = rope.get("rope_type", rope.get("type", "default")) != "default"
+    return {"rope_theta": rope["rope_theta"],
+            "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"} if scaled else None}
 
 
 def stock_loadable(shape: ModelShape) -> bool:
