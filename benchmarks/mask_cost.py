@@ -33,7 +33,7 @@ from step_overhead import MODEL  # noqa: E402  (the step-cost benchmark's small 
 
 from apt_ds.algorithm.state import APTModel  # noqa: E402
 from apt_ds.config import APTConfig  # noqa: E402
-from apt_ds.io.modeling import build_tiny_llama  # noqa: E402
+from apt_ds.io.modeling import build_tiny_model  # noqa: E402
 from apt_ds.training.forward import enable_activation_checkpointing  # noqa: E402
 
 WIDTHS = {"small": (MODEL, 2048),  # (layer shape, vocabulary)
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
 def measure(args, device: torch.device) -> dict:
     torch.manual_seed(0)
     layer_shape, vocab = WIDTHS[args.width]
-    model = build_tiny_llama(vocab, **layer_shape).to(device=device, dtype=getattr(torch, args.dtype))
+    model = build_tiny_model(vocab, **layer_shape).to(device=device, dtype=getattr(torch, args.dtype))
     model.train()
     if not args.no_gradient_checkpointing:
         enable_activation_checkpointing(model)

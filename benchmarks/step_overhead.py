@@ -35,7 +35,7 @@ from apt_ds.algorithm.state import APTModel  # noqa: E402
 from apt_ds.algorithm.tuner import AdaptiveTuner  # noqa: E402
 from apt_ds.config import APTConfig  # noqa: E402
 from apt_ds.distributed.backend import LocalBackend  # noqa: E402
-from apt_ds.io.modeling import build_tiny_llama  # noqa: E402
+from apt_ds.io.modeling import build_tiny_model  # noqa: E402
 
 MODEL = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)
 
@@ -81,12 +81,12 @@ def main() -> None:
     batch = make_batch(vocab, args.batch, args.seq)
     config = APTConfig(target_density=0.5, pruning_start_step=0, pruning_end_step=10, num_pruning_events=1)
 
-    lora = build_tiny_llama(vocab, **MODEL)
+    lora = build_tiny_model(vocab, **MODEL)
     add_adapters(lora, config.adapter_targets, config.adapter_rank, config.adapter_alpha)
     lora_opt = torch.optim.AdamW([p for p in lora.parameters() if p.requires_grad], lr=1e-4)
 
     def apt_setup():
-        model = build_tiny_llama(vocab, **MODEL)
+        model = build_tiny_model(vocab, **MODEL)
         state = APTModel(model, config)
         state.salience.enabled = True
         backend = LocalBackend()

@@ -18,7 +18,7 @@
 
 Every worker runs with OMP_NUM_THREADS=1 and DS_ACCELERATOR=cpu; 2 ranks use DeepSpeed's
 launcher (`--num_gpus 2`), 1 rank is a plain `python` process (the backend makes a 1-rank
-group). Model: `build_tiny_llama(32000, hidden 512, FFN 1408, 8 layers, 8 q / 4 kv heads)`,
+group). Model: `build_tiny_model(32000, hidden 512, FFN 1408, 8 layers, 8 q / 4 kv heads)`,
 56.4M parameters (215 MiB fp32); adapters on q_proj/v_proj rank 8 (APTConfig defaults);
 shipped ds_configs (bf16 "auto": bf16 on this CPU); micro-batch 2 x 128 tokens per rank.
 """
@@ -77,7 +77,7 @@ def _lora_model(zero_init_config: dict | None = None):
 
     from apt_ds.algorithm.adapters import add_adapters
     from apt_ds.config import APTConfig
-    from apt_ds.io.modeling import build_tiny_llama
+    from apt_ds.io.modeling import build_tiny_model
 
     apt = APTConfig()
     if zero_init_config is None:
@@ -87,7 +87,7 @@ def _lora_model(zero_init_config: dict | None = None):
 
         context = deepspeed.zero.Init(config_dict_or_path=zero_init_config)
     with context:
-        model = build_tiny_llama(VOCAB, **MODEL)
+        model = build_tiny_model(VOCAB, **MODEL)
     add_adapters(model, apt.adapter_targets, apt.adapter_rank, apt.adapter_alpha)
     return model.train()
 
@@ -98,9 +98,9 @@ def _warm_imports() -> None:
     RSS must not depend on the variant."""
     import torch._dynamo  # noqa: F401
 
-    from apt_ds.io.modeling import build_tiny_llama
+    from apt_ds.io.modeling import build_tiny_model
 
-    build_tiny_llama(64, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+    build_tiny_model(64, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
                      num_key_value_heads=1)
 
 
@@ -191,7 +191,7 @@ def worker_apt_vs_lora(spec: dict) -> dict:
     from apt_ds.algorithm.state import APTModel
     from apt_ds.algorithm.tuner import AdaptiveTuner
     from apt_ds.config import APTConfig
-    from apt_ds.io.modeling import build_tiny_llama
+    from apt_ds.io.modeling import build_tiny_model
 
     torch.set_num_threads(1)
     lora_backend = _backend(spec["config"], spec["fp32"])
@@ -200,7 +200,7 @@ def worker_apt_vs_lora(spec: dict) -> dict:
 
     apt_backend = _backend(spec["config"], spec["fp32"])
     config = APTConfig()
-    apt_model = build_tiny_llama(VOCAB, **MODEL).train()
+    apt_model = build_tiny_model(VOCAB, **MODEL).train()
     state = APTModel(apt_model, config, reduce_sum=apt_backend.all_reduce_sum, world_size=apt_backend.world_size)
     state.salience.enabled = True
     tuner = AdaptiveTuner(config)

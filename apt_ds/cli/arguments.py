@@ -85,8 +85,9 @@ class RunArguments:
 
     _argument_group_name = "run"
 
-    model: str = help_field("local Hugging Face LLaMA directory, a .gguf file, or 'tiny' (built-in random small LLaMA "
-                            "with GQA) or 'tiny-mha' (one KV head per query head)", default="tiny")
+    model: str = help_field("local Hugging Face directory (LLaMA, Mistral, Qwen2/2.5, Qwen3), a .gguf file, or a "
+                            "built-in random small model: 'tiny' (LLaMA with GQA), 'tiny-mha' (one KV head per query "
+                            "head), 'tiny-mistral', 'tiny-qwen2', 'tiny-qwen3'", default="tiny")
     data: Optional[str] = help_field("training data: JSONL/JSON with 'text', 'instruction'/'input'/'output' or "
                                      "'prompt'/'completion' fields, or a directory saved by `datasets` "
                                      "(default: the shipped demo data)", default=None)

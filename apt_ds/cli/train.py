@@ -80,10 +80,10 @@ def check_inputs_early(run: RunArguments, train: TrainConfig, given: dict | None
             print(note, file=sys.stderr)
     check_out_dir(Path(run.out), run.resume, run.overwrite)
     from apt_ds.io.context_length import check_max_seq_len
-    from apt_ds.io.modeling import TINY_CONFIG, TINY_MODELS, check_model_path
+    from apt_ds.io.modeling import TINY_MODELS, check_model_path, tiny_config
 
     # a GGUF file's ({} here) is checked once it is read (apt_ds.training.run)
-    config = {**TINY_CONFIG, **TINY_MODELS[run.model]} if run.model in TINY_MODELS else \
+    config = tiny_config(run.model) if run.model in TINY_MODELS else \
         check_model_path(run.model, flag=flag_of("model", given))
     note = check_max_seq_len(config, train.max_seq_len, run.model)
     if note and launcher_rank(bool(run.deepspeed)) == "0":

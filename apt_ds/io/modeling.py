@@ -22,8 +22,15 @@ from apt_ds.models import family_for
 logger = logging.getLogger(__name__)
 
 TINY_MODEL = "tiny"  # --model value for the built-in demo model
-# Built-in random models (no download): --model value -> LlamaConfig overrides of TINY_CONFIG.
-TINY_MODELS = {TINY_MODEL: {}, "tiny-mha": {"num_key_value_heads": 4}}
+# Built-in random models (no download): --model value -> (family, overrides of TINY_CONFIG). One a
+# family, so that every family's whole path (train, prune, export, GGUF) runs on any CPU in seconds.
+TINY_MODELS = {
+    TINY_MODEL: ("llama", {}),
+    "tiny-mha": ("llama", {"num_key_value_heads": 4}),
+    "tiny-mistral": ("mistral", {"sliding_window": 128}),  # shorter than the demo's sequences: it matters
+    "tiny-qwen2": ("qwen2", {}),
+    "tiny-qwen3": ("qwen3", {"head_dim": 32}),  # Qwen3's default head_dim is 128
+}
 TINY_CONFIG = dict(
     hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
     max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
@@ -31,16 +38,21 @@ TINY_CONFIG = dict(
 
 
 class ModelLoadError(ValueError):
-    """The model path does not hold a loadable LLaMA checkpoint."""
+    """The model path does not hold a loadable checkpoint of a supported family."""
 
 
-def build_tiny_llama(vocab_size: int, seed: int = 0, variant: str = TINY_MODEL, **overrides):
-    """The built-in demo model: a small random LLaMA, GQA ('tiny') or MHA ('tiny-mha')."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_config(variant: str) -> dict:
+    """The built-in model's config values (as its config.json would hold them)."""
+    model_type, overrides = TINY_MODELS[variant]
+    return {**TINY_CONFIG, **overrides, "model_type": model_type}
 
+
+def build_tiny_model(vocab_size: int, seed: int = 0, variant: str = TINY_MODEL, **overrides):
+    """A built-in demo model: a small random model of a family (TINY_MODELS), in its own class."""
+    model_type, variant_overrides = TINY_MODELS[variant]
+    config_class, model_class = family_for(model_type).classes()
     torch.manual_seed(seed)
-    values = {**TINY_CONFIG, **TINY_MODELS[variant], **overrides, "vocab_size": vocab_size}
-    return LlamaForCausalLM(LlamaConfig(**values))
+    return model_class(config_class(**{**TINY_CONFIG, **variant_overrides, **overrides, "vocab_size": vocab_size}))
 
 
 def check_model_path(path: str | Path, flag: str = "model path") -> dict:

@@ -27,7 +27,7 @@ from apt_ds.io.checkpoint_save import repair_finished_run
 from apt_ds.io.context_length import check_max_seq_len
 from apt_ds.io.data import TruncationStats, batches, demo_data_path, load_records, tokenize_dataset
 from apt_ds.io.fingerprint import file_fingerprint, model_fingerprint
-from apt_ds.io.modeling import TINY_MODELS, build_tiny_llama, load_model
+from apt_ds.io.modeling import TINY_MODELS, build_tiny_model, load_model
 from apt_ds.io.run_dir import (
     RUN_FILE,
     check_out_dir,
@@ -114,7 +114,7 @@ def _model(args, tokenizer, train: TrainConfig, prunes: bool, backend, check_fin
     would stay resident after pruning (apt_ds.io.modeling.load_model)."""
     dtype = base_dtype_of(backend, train)
     if args.model in TINY_MODELS:
-        model = build_tiny_llama(vocab_size=len(tokenizer), seed=train.seed, variant=args.model)
+        model = build_tiny_model(vocab_size=len(tokenizer), seed=train.seed, variant=args.model)
         fingerprint = model_fingerprint(model)
         check_fingerprint(fingerprint)
         if _partitions_weights(backend):  # tiny: its full state dict is the source of the partitions

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from apt_ds.io.modeling import build_tiny_llama
+from apt_ds.io.modeling import build_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import drop_layers
@@ -19,7 +19,7 @@ import drop_layers
 @pytest.fixture
 def model_and_task(tmp_path, tokenizer):
     model_dir, task_dir = tmp_path / "tiny", tmp_path / "task"
-    build_tiny_llama(vocab_size=len(tokenizer), seed=0).save_pretrained(str(model_dir))
+    build_tiny_model(vocab_size=len(tokenizer), seed=0).save_pretrained(str(model_dir))
     tokenizer.save_pretrained(str(model_dir))
     task_dir.mkdir()
     rows = [{"prompt": f"the fox {i} jumps\nAnswer:\n", "completion": "yes" if i % 2 else "no"} for i in range(6)]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from apt_ds.io.modeling import build_tiny_llama
+from apt_ds.io.modeling import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,7 +28,7 @@ def common(monkeypatch, tokenizer):
     import apt_ds.io.modeling
     import apt_ds.io.tokenizer
 
-    monkeypatch.setattr(apt_ds.io.modeling, "load_model", lambda path: build_tiny_llama(vocab_size=len(tokenizer), seed=0))
+    monkeypatch.setattr(apt_ds.io.modeling, "load_model", lambda path: build_tiny_model(vocab_size=len(tokenizer), seed=0))
     monkeypatch.setattr(apt_ds.io.tokenizer, "load_tokenizer", lambda path: tokenizer)
     return _common
 

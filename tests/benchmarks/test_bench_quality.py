@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from apt_ds.io.modeling import build_tiny_llama
+from apt_ds.io.modeling import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 # single tokens in the tiny tokenizer (yes/no are not): the one-forward scorer, the real
@@ -36,7 +36,7 @@ def _write_task(task_dir: Path, rows: int, seed: int) -> None:
 
 def test_quality_benchmark_runs_every_method_on_the_tiny_model(tmp_path, tokenizer):
     model_dir = tmp_path / "tiny"
-    build_tiny_llama(vocab_size=len(tokenizer), seed=0).save_pretrained(str(model_dir))
+    build_tiny_model(vocab_size=len(tokenizer), seed=0).save_pretrained(str(model_dir))
     tokenizer.save_pretrained(str(model_dir))
     _write_task(tmp_path / "tasks" / "sst2", rows=40, seed=0)
     out = tmp_path / "out"
@@ -245,7 +245,7 @@ def test_instruct_task_is_scored_zero_shot_by_the_harness(tmp_path, tokenizer):
     """The instruct task (prepare_instructions.py's Alpaca mix) has no test split: every run,
     zero-shot included, is scored by lm-eval on the shipped tasks, and its accuracy is their mean."""
     model_dir = tmp_path / "tiny"
-    build_tiny_llama(vocab_size=len(tokenizer), seed=0).save_pretrained(str(model_dir))
+    build_tiny_model(vocab_size=len(tokenizer), seed=0).save_pretrained(str(model_dir))
     tokenizer.save_pretrained(str(model_dir))
     task_dir = tmp_path / "tasks" / "instruct"
     task_dir.mkdir(parents=True)

@@ -27,7 +27,7 @@ from apt_ds.cli.export import main as export_main
 from apt_ds.cli.train import main as train_main
 from apt_ds.config import APTConfig
 from apt_ds.io import run_lock
-from apt_ds.io.modeling import build_tiny_llama
+from apt_ds.io.modeling import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -138,7 +138,7 @@ def test_an_unreachable_target_is_refused_before_anything_is_written(in_tmp, cap
 
 @pytest.mark.parametrize("uniform", [False, True])
 def test_the_named_minimum_is_the_smallest_density_that_fits(uniform):
-    shape = ModelShape.from_model(build_tiny_llama(vocab_size=97, seed=0))
+    shape = ModelShape.from_model(build_tiny_model(vocab_size=97, seed=0))
     config = APTConfig(uniform=uniform)
     pruner, budget = AdaptivePruner(config), shape.budget_params(config.count_embeddings)
     check_target_reachable(pruner, shape, 0.7, budget)  # the default fits
@@ -151,7 +151,7 @@ def test_the_named_minimum_is_the_smallest_density_that_fits(uniform):
 
 
 def test_no_check_without_pruning():
-    shape = ModelShape.from_model(build_tiny_llama(vocab_size=97, seed=0))
+    shape = ModelShape.from_model(build_tiny_model(vocab_size=97, seed=0))
     check_target_reachable(AdaptivePruner(APTConfig(prune=False)), shape, 0.001, shape.budget_params(False))
 
 

@@ -190,12 +190,12 @@ def test_lora_is_not_refused_for_settings_only_pruning_and_growth_read(tmp_path)
 def test_a_directory_holding_one_gguf_trains_from_that_file(trained_runs, tmp_path):
     """--model DIR of an apt-ds GGUF export (one .gguf, no config.json) is that file, as for evaluate."""
     from apt_ds.export.merge import export_pruned
-    from apt_ds.io.modeling import build_tiny_llama
+    from apt_ds.io.modeling import build_tiny_model
     from apt_ds.io.tokenizer import load_tokenizer
 
     meta = json.loads((trained_runs / "uniform" / "checkpoint" / "apt_state.json").read_text())
     tokenizer_dir = trained_runs / "uniform" / "tokenizer"
-    model = build_tiny_llama(vocab_size=len(load_tokenizer(tokenizer_dir)), seed=meta["train_config"]["seed"])
+    model = build_tiny_model(vocab_size=len(load_tokenizer(tokenizer_dir)), seed=meta["train_config"]["seed"])
     config = model.config
     everything = {"groups": [list(range(config.num_key_value_heads))] * config.num_hidden_layers,
                   "neurons": [list(range(config.intermediate_size))] * config.num_hidden_layers,

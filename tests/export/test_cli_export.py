@@ -152,12 +152,12 @@ def test_export_from_plain_model_and_kept_units(trained_runs, tmp_path):
     result computes what the model masked to those units computes."""
     from apt_ds.algorithm.masks import UnitMasks
     from apt_ds.algorithm.units import ModelShape
-    from apt_ds.io.modeling import build_tiny_llama
+    from apt_ds.io.modeling import build_tiny_model
     from apt_ds.io.tokenizer import load_tokenizer
 
     meta = json.loads((trained_runs / "nonuniform" / "checkpoint" / "apt_state.json").read_text())
     tokenizer = load_tokenizer(trained_runs / "nonuniform" / "tokenizer")
-    original = build_tiny_llama(vocab_size=len(tokenizer), seed=meta["train_config"]["seed"])
+    original = build_tiny_model(vocab_size=len(tokenizer), seed=meta["train_config"]["seed"])
     original.save_pretrained(str(tmp_path / "plain"))
     tokenizer.save_pretrained(str(tmp_path / "plain"))
     masks = UnitMasks(ModelShape.from_model(original))
@@ -188,12 +188,12 @@ def test_export_from_plain_model_and_kept_units(trained_runs, tmp_path):
 def test_a_gguf_base_with_kept_units_exports_its_tokenizer(trained_runs, tmp_path, capsys):
     """--model BASE.gguf --kept: the tokenizer is inside the GGUF; both formats carry it."""
     from apt_ds.export.merge import export_pruned
-    from apt_ds.io.modeling import build_tiny_llama
+    from apt_ds.io.modeling import build_tiny_model
     from apt_ds.io.tokenizer import load_tokenizer
 
     meta = json.loads((trained_runs / "nonuniform" / "checkpoint" / "apt_state.json").read_text())
     tokenizer = load_tokenizer(trained_runs / "nonuniform" / "tokenizer")
-    original = build_tiny_llama(vocab_size=len(tokenizer), seed=meta["train_config"]["seed"])
+    original = build_tiny_model(vocab_size=len(tokenizer), seed=meta["train_config"]["seed"])
     config = original.config
     everything = {"groups": [list(range(config.num_key_value_heads))] * config.num_hidden_layers,
                   "neurons": [list(range(config.intermediate_size))] * config.num_hidden_layers,

@@ -257,12 +257,12 @@ def test_moved_run_exports_with_model_override(tmp_path, capsys):
     ("DUPLICATE", "twice"),
 ])
 def test_bad_kept_records_give_one_line(run, tmp_path, capsys, kept, message):
-    from apt_ds.io.modeling import build_tiny_llama
+    from apt_ds.io.modeling import build_tiny_model
     from apt_ds.io.tokenizer import load_tokenizer
 
     meta = json.loads((run / "checkpoint" / "apt_state.json").read_text())
     plain = tmp_path / "plain"
-    build_tiny_llama(vocab_size=len(load_tokenizer(run / "tokenizer")), seed=meta["train_config"]["seed"]).save_pretrained(str(plain))
+    build_tiny_model(vocab_size=len(load_tokenizer(run / "tokenizer")), seed=meta["train_config"]["seed"]).save_pretrained(str(plain))
     if kept == "DUPLICATE":
         kept = meta["kept"]
         kept["neurons"][1] = kept["neurons"][1] + kept["neurons"][1][:3]
@@ -279,12 +279,12 @@ def test_plain_model_with_saved_binary_masks(run, tmp_path, capsys):
     kept-index record; fractional masks are refused."""
     from apt_ds.algorithm.masks import UnitMasks
     from apt_ds.algorithm.units import ModelShape
-    from apt_ds.io.modeling import build_tiny_llama
+    from apt_ds.io.modeling import build_tiny_model
     from apt_ds.io.tokenizer import load_tokenizer
 
     meta = json.loads((run / "checkpoint" / "apt_state.json").read_text())
     plain = tmp_path / "plain"
-    model = build_tiny_llama(vocab_size=len(load_tokenizer(run / "tokenizer")), seed=meta["train_config"]["seed"])
+    model = build_tiny_model(vocab_size=len(load_tokenizer(run / "tokenizer")), seed=meta["train_config"]["seed"])
     model.save_pretrained(str(plain))
     masks = UnitMasks(ModelShape.from_model(model))
     kept = meta["kept"]

@@ -288,10 +288,10 @@ def test_prompt_and_answer_reads_both_labelled_formats_and_refuses_plain_text():
 
 
 def test_label_accuracy_scores_prompt_completion_rows_like_the_alpaca_rows_they_spell(tokenizer):
-    from apt_ds.io.modeling import build_tiny_llama
+    from apt_ds.io.modeling import build_tiny_model
     from apt_ds.training.evaluate import label_accuracy
 
-    model = build_tiny_llama(vocab_size=len(tokenizer), seed=3)
+    model = build_tiny_model(vocab_size=len(tokenizer), seed=3)
     words = "the quick brown fox jumps over the lazy dog".split()
     alpaca = [{"instruction": "Answer yes or no.", "input": " ".join(words[i:i + 4]), "output": ("no", "yes")[i % 2]}
               for i in range(6)]
@@ -421,12 +421,12 @@ def test_chat_template_needs_a_tokenizer_with_one(tokenizer):
 
 
 def test_label_accuracy_scores_labels_after_the_chat_prompt(chat_tokenizer):
-    from apt_ds.io.modeling import build_tiny_llama
+    from apt_ds.io.modeling import build_tiny_model
     from apt_ds.training.evaluate import _label_logprob, label_accuracy
 
     pair = data.prompt_and_answer(ROW, "chat", chat_tokenizer)
     assert pair.response == "abcd" and pair.framed and pair.prompt.endswith("<|assistant|>\n")
-    model = build_tiny_llama(vocab_size=len(chat_tokenizer), seed=3)
+    model = build_tiny_model(vocab_size=len(chat_tokenizer), seed=3)
     rows = [{**ROW, "output": ("no", "yes")[i % 2], "input": f"row {i}"} for i in range(4)]
     acc = label_accuracy(model, chat_tokenizer, rows, ["no", "yes"], max_seq_len=64, template="chat")
     flipped = [{**r, "output": "yes" if r["output"] == "no" else "no"} for r in rows]

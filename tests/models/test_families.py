@@ -205,3 +205,18 @@ def test_a_run_from_before_families_were_recorded_still_exports(in_tmp, tmp_path
         assert meta[key].pop("family") == "llama"
     state_file.write_text(json.dumps(meta, indent=1))
     assert export_main(["run", "--out", "hf"]) == 0
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2", "qwen3"])
+def test_the_tiny_recipe_of_each_family_trains_prunes_and_exports_its_class(tmp_path, model_type):
+    """configs/tiny_<family>.yaml on the built-in tiny-<family> model (no files at all)."""
+    from apt_ds.io.modeling import load_pretrained
+
+    recipe = Path(__file__).resolve().parents[2] / "configs" / f"tiny_{model_type}.yaml"
+    out = tmp_path / "run"
+    assert train_main(["--config", str(recipe), "--steps", "8", "--max-seq-len", "32", "--out", str(out)]) == 0
+    assert export_main([str(out), "--out", str(tmp_path / "hf")]) == 0
+    report = json.loads((tmp_path / "hf" / "apt_export.json").read_text())
+    assert report["final"]["block_params"] < report["original"]["block_params"]  # it pruned
+    model = load_pretrained(tmp_path / "hf")
+    assert type(model).__name__ == family_for(model_type).causal_lm_class and model.config.model_type == model_type

@@ -11,7 +11,7 @@ import psutil
 import pytest
 import torch
 
-from apt_ds.io.modeling import build_tiny_llama, load_model
+from apt_ds.io.modeling import build_tiny_model, load_model
 from apt_ds.training.heap import release_free_heap, startup_objects_frozen
 
 
@@ -34,7 +34,7 @@ def test_release_free_heap_returns_freed_small_tensors_to_the_os():
 
 
 def test_load_without_mmap_gives_the_same_model(tmp_path):
-    model = build_tiny_llama(vocab_size=97, seed=3)
+    model = build_tiny_model(vocab_size=97, seed=3)
     model.save_pretrained(str(tmp_path))
     mapped, read = load_model(tmp_path), load_model(tmp_path, mmap=False)
     for (name, a), (_, b) in zip(mapped.state_dict().items(), read.state_dict().items()):
