@@ -3,6 +3,7 @@ ZeRO-3 (partitioned loading, partition-preserving shrinks), then exported, with 
 resident anonymous memory (RssAnon) sampled every 0.2 s and split into phases.
 
     python benchmarks/llama_scale.py --model-dir /tmp/llama3b --out bench_out/llama_scale
+    python benchmarks/llama_scale.py --shape qwen2.5-3b --model-dir /tmp/qwen25_3b --out bench_out/qwen25_scale
 
 1. writes (once; reused when present) a random fp32 model of LLaMA-3.2-3B's shape: hidden 3072,
    28 layers, 24 heads / 8 KV groups, FFN 8192, vocabulary 128,256, tied embeddings (3.21B
@@ -39,38 +40,55 @@ if str(ROOT) not in sys.path:
 LLAMA_3B = dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
                 num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=True,
                 max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0)
+# Qwen2.5-3B's published config (q/k/v biases): the largest Qwen that fits 2 fp32 ranks in 24 GB here
+QWEN25_3B = dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                 num_key_value_heads=2, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+                 max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0)
+# Qwen3-1.7B's (q/k norms)
+QWEN3_17B = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+                 max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0)
+SHAPES = {"llama-3.2-3b": ("llama", LLAMA_3B), "qwen2.5-3b": ("qwen2", QWEN25_3B), "qwen3-1.7b": ("qwen3", QWEN3_17B)}
 SHARD_BYTES = 2 * 10**9
 
 
 # ---- 1. the model, written tensor by tensor ------------------------------------------------------
-def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    h, f, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
-    q, kv = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
-    shapes = {"model.embed_tokens.weight": (config["vocab_size"], h), "model.norm.weight": (h,)}
-    for l in range(layers):
-        p = f"model.layers.{l}"
-        shapes.update({f"{p}.self_attn.q_proj.weight": (q, h), f"{p}.self_attn.k_proj.weight": (kv, h),
-                       f"{p}.self_attn.v_proj.weight": (kv, h), f"{p}.self_attn.o_proj.weight": (h, q),
-                       f"{p}.mlp.gate_proj.weight": (f, h), f"{p}.mlp.up_proj.weight": (f, h),
-                       f"{p}.mlp.down_proj.weight": (h, f), f"{p}.input_layernorm.weight": (h,),
-                       f"{p}.post_attention_layernorm.weight": (h,)})
+def tensor_shapes(config: dict, model_type: str = "llama") -> dict[str, tuple[int, ...]]:
+    """Every checkpoint tensor's shape, from the family's description (biases, q/k norms included)."""
+    from apt_ds.algorithm.units import LayerShape
+    from apt_ds.io.modeling import axis_sizes
+    from apt_ds.models import family_for
+
+    family, h = family_for(model_type), config["hidden_size"]
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    layer = LayerShape(num_kv_groups=kv, group_size=heads // kv, head_dim=config["head_dim"], ffn=config["intermediate_size"])
+    sizes = axis_sizes(layer, h)
+    shapes = {family.embedding: (config["vocab_size"], h)}
+    for l in range(config["num_hidden_layers"]):
+        shapes.update({f"{family.layer_prefix(l)}.{t.name}": tuple(sizes[axis] for axis in t.dims) for t in family.layer_tensors})
+    shapes[family.final_norm] = (h,)
     if not config["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (config["vocab_size"], h)
+        shapes[family.output_embedding] = (config["vocab_size"], h)
     return shapes
 
 
-def write_model(directory: Path, config: dict, dtype: str = "float32", device: str = "cpu") -> None:
-    """Random weights (N(0, 0.02); norms 1 + N(0, 0.1)) in `dtype` (a torch dtype's name), one
-    shard in memory at a time, drawn on `device` (a GPU draws a 7B model in seconds)."""
+def write_model(directory: Path, config: dict, dtype: str = "float32", device: str = "cpu", model_type: str = "llama") -> None:
+    """Random weights (N(0, 0.02), biases too; norms 1 + N(0, 0.1)) of a `model_type` model in
+    `dtype` (a torch dtype's name), one shard in memory at a time, drawn on `device` (a GPU draws
+    a 7B model in seconds)."""
     import torch
     from safetensors.torch import save_file
-    from transformers import LlamaConfig
 
     from apt_ds.io.data import demo_data_path
     from apt_ds.io.tokenizer import train_sentencepiece_tokenizer
+    from apt_ds.models import family_for
 
     if (directory / "config.json").is_file():
-        saved = json.loads((directory / "config.json").read_text()).get("dtype") or "float32"
+        saved_config = json.loads((directory / "config.json").read_text())
+        if saved_config.get("model_type") != model_type:
+            raise SystemExit(f"error: {directory} holds a {saved_config.get('model_type')} model, not {model_type}: "
+                             f"pass another directory")
+        saved = saved_config.get("dtype") or "float32"
         if saved != dtype:
             raise SystemExit(f"error: {directory} holds a {saved} model, not {dtype}: pass another directory")
         print(f"reusing the model in {directory}")
@@ -78,7 +96,7 @@ def write_model(directory: Path, config: dict, dtype: str = "float32", device: s
     directory.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator(device).manual_seed(0)
     torch_dtype, element_bytes = getattr(torch, dtype), getattr(torch, dtype).itemsize
-    shapes = tensor_shapes(config)
+    shapes = tensor_shapes(config, model_type)
     groups, current, size = [], [], 0
     for name, shape in shapes.items():
         nbytes = math.prod(shape) * element_bytes
@@ -103,7 +121,8 @@ def write_model(directory: Path, config: dict, dtype: str = "float32", device: s
     total = sum(math.prod(s) * element_bytes for s in shapes.values())
     (directory / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    LlamaConfig(**config, architectures=["LlamaForCausalLM"], dtype=dtype).save_pretrained(str(directory))
+    family = family_for(model_type)
+    family.classes()[0](**config, architectures=[family.causal_lm_class], dtype=dtype).save_pretrained(str(directory))
     texts = [json.loads(line)["output"] for line in demo_data_path().read_text().splitlines()]
     train_sentencepiece_tokenizer(texts, directory / "_tokenizer", vocab_size=512).save_pretrained(str(directory))
 
@@ -189,11 +208,14 @@ def main() -> None:
                         help="where the random 3B model (12 GiB of fp32 safetensors) is written once and reused")
     parser.add_argument("--out", type=Path, default=ROOT / "bench_out" / "llama_scale")
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-3b",
+                        help="whose published config the random model has (its family's tensors: Qwen2's biases, ...)")
     args = parser.parse_args()
     if args.steps < 4:  # before the 12 GB model is written: train.py's own minimum
         parser.error(f"--steps must be >= 4 to warm up, prune and recover, got {args.steps}")
     args.out.mkdir(parents=True, exist_ok=True)
-    write_model(args.model_dir, LLAMA_3B)
+    model_type, config = SHAPES[args.shape]
+    write_model(args.model_dir, config, model_type=model_type)
 
     from apt_ds.io.weights import SafetensorsWeights
 
@@ -224,11 +246,12 @@ def main() -> None:
     export_started = time.time()
     export_samples = run_sampled(export, env, args.out / "export.log", rank_processes=False)
     final = metrics[-1]
-    layer_params = (weights.numel() - LLAMA_3B["vocab_size"] * LLAMA_3B["hidden_size"]) / LLAMA_3B["num_hidden_layers"]
+    embedding = config["vocab_size"] * config["hidden_size"] * (1 if config["tie_word_embeddings"] else 2)
+    layer_params = (weights.numel() - embedding) / config["num_hidden_layers"]
     result = {
-        "command": " ".join([sys.executable, *sys.argv]), "host": platform.node(), "cpus": os.cpu_count(),
+        "command": " ".join([sys.executable, *sys.argv]), "shape": args.shape, "model_type": model_type, "host": platform.node(), "cpus": os.cpu_count(),
         "model_bytes": weights.nbytes(), "model_params": weights.numel(),
-        "ideal_per_rank_mb": round((weights.nbytes() / 2 + 4 * (layer_params + LLAMA_3B["vocab_size"] * LLAMA_3B["hidden_size"])) / 2**20),
+        "ideal_per_rank_mb": round((weights.nbytes() / 2 + 4 * (layer_params + config["vocab_size"] * config["hidden_size"])) / 2**20),
         "rss_anon_peak_mb_by_rank": phases(samples, metrics, started),
         "export_peak_mb": round(max(s["mb"] for s in export_samples), 1), "export_s": round(time.time() - export_started, 1),
         "train_s": round(train_s, 1), "final_density": final["density"], "steps": args.steps,

@@ -12,8 +12,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "apt_ds"
 
 # Each layer and what it may import besides itself (apt_ds/__init__.py re-exports public names).
 ALLOWED = {
-    "config": set(),
     "models": set(),  # architecture descriptions: data every layer reads
+    "config": {"models"},  # (the adapter targets a config may name are the families' projections)
     "algorithm": {"config", "models"},
     "io": {"config", "models", "algorithm"},
     "distributed": {"config", "models", "algorithm", "io"},

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from apt_ds.algorithm.edits import Grow, Keep, ShapeChange
+from apt_ds.models import family_of
 
 
 class APTAdapter(nn.Linear):
@@ -159,10 +160,10 @@ def add_adapters(model, targets, rank: int, alpha: float, seed: int = 0,
     for param in model.parameters():
         param.requires_grad_(False)
     generator = torch.Generator().manual_seed(seed)
-    adapters = {}
+    adapters, layers = {}, family_of(model).layers
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
-        if leaf in targets and isinstance(module, nn.Linear) and ".layers." in f".{name}":
+        if leaf in targets and isinstance(module, nn.Linear) and name.startswith(f"{layers}."):
             adapters[name] = APTAdapter.wrap(module, rank, alpha, generator, device=device)
     if not adapters:
         raise ValueError(f"no Linear named {list(targets)} found inside model layers")

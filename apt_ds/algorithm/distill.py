@@ -21,6 +21,7 @@ from torch import nn
 from apt_ds.algorithm.adapters import APTAdapter, find_adapters
 from apt_ds.algorithm.kl import kl_divergence_from_logits
 from apt_ds.config import APTConfig
+from apt_ds.models import family_of
 
 TRANSFORM_ATTR = "apt_distill_transform"  # submodule name; export drops it
 
@@ -29,7 +30,7 @@ def attach_transform(model, hidden: int, rank: int, alpha: float, seed: int,
                      device: torch.device | str = "cpu") -> APTAdapter:
     """Identity Linear (in the base weights' dtype) + trainable adapter, on `device`,
     registered on the model so one engine owns it."""
-    reference = model.model.embed_tokens.weight  # a ZeRO-3 partition keeps the dtype
+    reference = family_of(model).embedding_module(model).weight  # a ZeRO-3 partition keeps the dtype
     linear = nn.Linear(hidden, hidden, bias=False, dtype=reference.dtype, device=device)
     with torch.no_grad():
         linear.weight.copy_(torch.eye(hidden, dtype=linear.weight.dtype, device=device))
@@ -79,10 +80,10 @@ class SelfDistiller:
         does not keep is an error, not a stale tensor; on failure whatever was kept goes too."""
         kept = self._kept[role]
         kept.clear()
-        hooks = []
+        hooks, layers_of = [], family_of(model).decoder_layers(model)
         try:
             for index in sorted(set(layers)):
-                hooks.append(model.model.layers[index].register_forward_hook(self._keep(kept, index)))
+                hooks.append(layers_of[index].register_forward_hook(self._keep(kept, index)))
             yield
         except BaseException:
             kept.clear()

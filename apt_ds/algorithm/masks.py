@@ -1,4 +1,4 @@
-"""Per-unit gates multiplied into a LLaMA forward pass.
+"""Per-unit gates multiplied into a decoder forward pass (LLaMA, Qwen, Mistral: apt_ds.models).
 
 - KV-group mask z_attn[l]: scales the query heads of each group at the input of o_proj;
 - FFN-neuron mask z_ffn[l]: scales act(gate) * up at the input of down_proj;
@@ -23,6 +23,7 @@ import functools
 import torch
 
 from apt_ds.algorithm.units import ModelShape
+from apt_ds.models import family_of
 
 
 def is_binary(mask: torch.Tensor) -> bool:
@@ -81,22 +82,22 @@ class UnitMasks:
 
     # ---- installation --------------------------------------------------------------------
     def install(self, model) -> None:
-        """Register the gating hooks on a LLaMA model (idempotent)."""
+        """Register the gating hooks on a decoder model of a known family (idempotent)."""
         self.remove()
-        inner = model.model
-        hidden_out = self._hidden_output_hook
-        self._handles.append(inner.embed_tokens.register_forward_hook(hidden_out))
-        for index, layer in enumerate(inner.layers):
-            attn, mlp = layer.self_attn, layer.mlp
+        family, hidden_out = family_of(model), self._hidden_output_hook
+        self._handles.append(family.embedding_module(model).register_forward_hook(hidden_out))
+        for index, layer in enumerate(family.decoder_layers(model)):
+            attn = family.attention_block(layer)
+            attn_output, ffn_down = family.layer_module(layer, "attn_output"), family.layer_module(layer, "ffn_down")
             self._handles += [
-                attn.o_proj.register_forward_pre_hook(self._group_input_hook(index, attn.head_dim, attn.num_key_value_groups)),
-                attn.o_proj.register_forward_hook(hidden_out),
-                mlp.down_proj.register_forward_pre_hook(self._neuron_input_hook(index)),
-                mlp.down_proj.register_forward_hook(hidden_out),
+                attn_output.register_forward_pre_hook(self._group_input_hook(index, attn.head_dim, attn.num_key_value_groups)),
+                attn_output.register_forward_hook(hidden_out),
+                ffn_down.register_forward_pre_hook(self._neuron_input_hook(index)),
+                ffn_down.register_forward_hook(hidden_out),
             ]
-            self._mask_norm(layer.input_layernorm)
-            self._mask_norm(layer.post_attention_layernorm)
-        self._mask_norm(inner.norm)
+            for norm in family.hidden_norms(layer):
+                self._mask_norm(norm)
+        self._mask_norm(family.final_norm_module(model))
 
     def remove(self) -> None:
         """Undo `install` (nothing is undone when a norm's forward was replaced after it)."""

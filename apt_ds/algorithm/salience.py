@@ -39,6 +39,7 @@ from apt_ds.algorithm.kurtosis import column_power_sums, unit_kurtosis
 from apt_ds.algorithm.salience_site import SiteSums
 from apt_ds.algorithm.shrink import group_channels
 from apt_ds.algorithm.units import ModelShape
+from apt_ds.models import family_of
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -98,9 +99,10 @@ class SalienceCollector:
         """Register before deepspeed.initialize (see docs/DEEPSPEED_NOTES.md: weights gathered then)."""
         self.remove()
         self._handles.append(model.register_forward_pre_hook(self._mask_hook, with_kwargs=True, prepend=True))
-        for index, layer in enumerate(model.model.layers):
-            o_proj, down = layer.self_attn.o_proj, layer.mlp.down_proj
-            for module, inner, outer in ((o_proj, "attn_sites", 2 * index), (down, "ffn_sites", 2 * index + 1)):
+        family = family_of(model)
+        for index, layer in enumerate(family.decoder_layers(model)):
+            attn_output, ffn_down = family.layer_module(layer, "attn_output"), family.layer_module(layer, "ffn_down")
+            for module, inner, outer in ((attn_output, "attn_sites", 2 * index), (ffn_down, "ffn_sites", 2 * index + 1)):
                 self._handles.append(module.register_forward_pre_hook(self._input_hook(inner, index), prepend=True))
                 self._handles.append(module.register_forward_hook(self._output_hook(inner, index, outer), prepend=True))
 

@@ -1,4 +1,4 @@
-"""Physically removing pruned units from a LLaMA model (weights, adapters, norms, config).
+"""Physically removing pruned units from a decoder model (weights, adapters, norms, config).
 
 Masking saves nothing; slicing does. Given kept indices at the current shapes, every tensor
 that touches a removed unit is replaced by a smaller one, `in/out_features` and the config
@@ -19,6 +19,7 @@ from torch import nn
 from apt_ds.algorithm.adapters import APTAdapter
 from apt_ds.algorithm.edits import ShapeChange
 from apt_ds.algorithm.units import ModelShape
+from apt_ds.models import Family, family_of
 
 
 @dataclass(frozen=True)
@@ -103,38 +104,33 @@ def shrink_model(model, shape: ModelShape, group_index, neuron_index, hidden_ind
     One module at a time: read it, slice it, partition its new parameters (`access`)."""
     hid = _full_or_index(hidden_index, shape.hidden)
     change: ShapeChange = {}
-    inner = model.model
-    for l, (layer, layer_shape) in enumerate(zip(inner.layers, shape.layers)):
-        attn, mlp = layer.self_attn, layer.mlp
+    family = family_of(model)
+    for l, (layer, layer_shape) in enumerate(zip(family.decoder_layers(model), shape.layers)):
         q_ch, kv_ch = group_channels(group_index[l], layer_shape.group_size, layer_shape.head_dim)
-        neurons = neuron_index[l]
-        prefix = f"model.layers.{l}"
-        linears = [(attn, "self_attn", "q_proj", q_ch, hid), (attn, "self_attn", "k_proj", kv_ch, hid),
-                   (attn, "self_attn", "v_proj", kv_ch, hid), (attn, "self_attn", "o_proj", hid, q_ch),
-                   (mlp, "mlp", "gate_proj", neurons, hid), (mlp, "mlp", "up_proj", neurons, hid),
-                   (mlp, "mlp", "down_proj", hid, neurons)]
-        for owner, owner_name, name, out_i, in_i in linears:
-            linear = getattr(owner, name)
-            change.update(replace_module_params(
-                access, linear, lambda: slice_linear(linear, out_i, in_i, f"{prefix}.{owner_name}.{name}")))
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        kept = {"q": q_ch, "kv": kv_ch, "ffn": neuron_index[l], "hidden": hid}
+        for tensor in family.projections.values():  # a bias is sliced with its Linear's rows
+            linear, name = family.layer_module(layer, tensor.role), f"{family.layer_prefix(l)}.{tensor.module}"
+            out_i, in_i = (kept[axis] for axis in tensor.dims)
+            change.update(replace_module_params(access, linear, lambda: slice_linear(linear, out_i, in_i, name)))
+        for norm in family.hidden_norms(layer):
             replace_module_params(access, norm, lambda: _slice_param(norm, "weight", hid))
     if hid is not None:
-        _shrink_embeddings(model, hid, access, tied=model.lm_head.weight is inner.embed_tokens.weight or shape.tied_embeddings)
+        embedding, output = family.embedding_module(model), family.output_module(model)
+        _shrink_embeddings(family, model, hid, access, tied=output.weight is embedding.weight or shape.tied_embeddings)
     new_shape = _kept_shape(shape, group_index, neuron_index, hidden_index)
     write_shape_to_config(model.config, new_shape)
     return new_shape, change
 
 
-def _shrink_embeddings(model, hid: torch.Tensor, access: ParamAccess, tied: bool) -> None:
-    inner = model.model
-    replace_module_params(access, inner.embed_tokens, lambda: _slice_param(inner.embed_tokens, "weight", hid, dim=1))
-    replace_module_params(access, inner.norm, lambda: _slice_param(inner.norm, "weight", hid))
+def _shrink_embeddings(family: Family, model, hid: torch.Tensor, access: ParamAccess, tied: bool) -> None:
+    embedding, output, final_norm = family.embedding_module(model), family.output_module(model), family.final_norm_module(model)
+    replace_module_params(access, embedding, lambda: _slice_param(embedding, "weight", hid, dim=1))
+    replace_module_params(access, final_norm, lambda: _slice_param(final_norm, "weight", hid))
     if tied:
-        model.lm_head.weight = inner.embed_tokens.weight
+        output.weight = embedding.weight
     else:
-        replace_module_params(access, model.lm_head, lambda: _slice_param(model.lm_head, "weight", hid, dim=1))
-    inner.embed_tokens.embedding_dim = model.lm_head.in_features = len(hid)
+        replace_module_params(access, output, lambda: _slice_param(output, "weight", hid, dim=1))
+    embedding.embedding_dim = output.in_features = len(hid)
 
 
 def _kept_shape(shape: ModelShape, group_index, neuron_index, hidden_index) -> ModelShape:

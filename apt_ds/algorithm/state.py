@@ -19,7 +19,7 @@ from apt_ds.algorithm.masks import UnitMasks
 from apt_ds.algorithm.pruner import KeepDecision
 from apt_ds.algorithm.salience import SalienceCollector
 from apt_ds.algorithm.shrink import LOCAL_ACCESS, ParamAccess, replace_module_params, shrink_model, slice_linear
-from apt_ds.algorithm.units import ModelShape, check_llama_model
+from apt_ds.algorithm.units import ModelShape, check_supported_model
 from apt_ds.config import APTConfig
 
 
@@ -28,7 +28,7 @@ class APTModel:
                  device: torch.device | str | None = None):
         """`device`: where adapters, masks and salience live (default: the model's; give it for
         a ZeRO-3 partitioned model)."""
-        check_llama_model(model)
+        check_supported_model(model)
         self.model, self.config = model, config
         self.device = torch.device(device) if device is not None else model.get_input_embeddings().weight.device
         self.original_shape = ModelShape.from_model(model)

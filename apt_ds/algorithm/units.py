@@ -110,7 +110,7 @@ class ModelShape:
     @classmethod
     def from_config(cls, config) -> "ModelShape":
         """Shapes of an unpruned (or apt-exported) LLaMA config, validated."""
-        check_llama_config(config)
+        check_supported_config(config)
         heads, kv = config.num_attention_heads, config.num_key_value_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         per_layer = getattr(config, "apt_layer_shapes", None)
@@ -132,26 +132,26 @@ class ModelShape:
     @classmethod
     def from_model(cls, model) -> "ModelShape":
         """Shapes read off the live modules (works on ZeRO-3 partitioned params via ds_shape)."""
-        check_llama_model(model)
+        check_supported_model(model)
         config = model.config
-        layers = []
-        for layer in model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
+        layers, family = [], family_for(config.model_type)
+        for layer in family.decoder_layers(model):
+            attn = family.attention_block(layer)
             head_dim = attn.head_dim
-            kv_rows = _full_shape(attn.k_proj.weight)[0]
+            kv_rows = _full_shape(family.layer_module(layer, "attn_k").weight)[0]
             layers.append(
                 LayerShape(
                     num_kv_groups=kv_rows // head_dim,
                     group_size=attn.num_key_value_groups,
                     head_dim=head_dim,
-                    ffn=_full_shape(mlp.gate_proj.weight)[0],
+                    ffn=_full_shape(family.layer_module(layer, "ffn_gate").weight)[0],
                 )
             )
-        hidden = _full_shape(model.model.embed_tokens.weight)[1]
+        vocab, hidden = _full_shape(family.embedding_module(model).weight)
         return cls(
             hidden=hidden,
             layers=tuple(layers),
-            vocab=_full_shape(model.model.embed_tokens.weight)[0],
+            vocab=vocab,
             tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             family=config.model_type,
         )
@@ -165,7 +165,7 @@ def _full_shape(param: torch.Tensor) -> tuple[int, ...]:
 ADAPTER_PARAMETERS = ("lora_A", "lora_B")  # APTAdapter's own (algorithm/adapters.py), not the base model's
 
 
-def check_llama_config(config) -> None:
+def check_supported_config(config) -> None:
     """Raise UnsupportedModelError with one line naming what this family's description does not cover."""
     family = family_for(getattr(config, "model_type", None))
     for name in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
@@ -179,18 +179,21 @@ def check_llama_config(config) -> None:
     family.check_config(config)
 
 
-def check_llama_model(model) -> None:
+def check_supported_model(model) -> None:
     """The model's layers hold exactly the tensors its family's description lists (an extra one
     would be left unpruned and unexported, a missing one means another architecture)."""
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if layers is None or not hasattr(inner, "embed_tokens") or not hasattr(model, "lm_head"):
-        raise UnsupportedModelError(
-            f"{type(model).__name__} is not a decoder-only causal LM apt-ds knows (need model.model.layers, "
-            f"embed_tokens, lm_head)"
-        )
-    check_llama_config(model.config)
-    family = family_for(model.config.model_type)
+    config = getattr(model, "config", None)
+    if config is None:
+        raise UnsupportedModelError(f"{type(model).__name__} has no transformers config: not a causal LM apt-ds knows")
+    check_supported_config(config)
+    family = family_for(config.model_type)
+    try:
+        layers = family.decoder_layers(model)
+        for find in (family.embedding_module, family.output_module, family.final_norm_module):
+            find(model)
+    except AttributeError as error:
+        raise UnsupportedModelError(f"{type(model).__name__} is not the {family.model_type} causal LM its config "
+                                    f"names ({error})") from None
     expected = {tensor.name for tensor in family.layer_tensors}
     for i, layer in enumerate(layers):
         held = {name for name, _ in layer.named_parameters() if name.rsplit(".", 1)[-1] not in ADAPTER_PARAMETERS}

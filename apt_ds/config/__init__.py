@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass
 
 from apt_ds.config.base import ConfigError, _JsonConfig, _require, check_field_types, field_error, help_field  # noqa: F401 (re-exported)
+from apt_ds.models import ADAPTER_TARGETS, DEFAULT_ADAPTER_TARGETS
 
-ADAPTER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 BASE_DTYPES = ("auto", "bf16", "fp16", "fp32")
 TEMPLATES = ("alpaca", "chat", "none")
 SCORE_NORMALIZATIONS = ("kind", "none")
@@ -74,9 +74,9 @@ class APTConfig(_JsonConfig):
         "KL(shape || current model) of next-token distributions over the step's tokens, for steps without labels "
         "(one more forward pass per micro-batch for the reference; about 1024 tokens per rank and step at most)",
         choices=SHAPE_METRICS, default="task")
-    count_embeddings: bool = help_field("count embeddings and lm_head in the density budget", default=False)
+    count_embeddings: bool = help_field("count the input and output embeddings in the density budget", default=False)
     adapter_targets: list[str] = help_field("Linear modules that get APT adapters", choices=ADAPTER_TARGETS,
-                                            default_factory=lambda: ["q_proj", "v_proj"])
+                                            default_factory=lambda: list(DEFAULT_ADAPTER_TARGETS))
     adapter_rank: int = help_field("initial adapter rank", default=8)
     adapter_alpha: float = help_field("adapter scale numerator: s = alpha / initial rank", default=16.0)
     grow_ranks: bool = help_field("grow adapter ranks at pruning events", default=True)

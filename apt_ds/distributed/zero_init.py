@@ -33,6 +33,7 @@ def build_partitioned_model(config, source, ds_config: dict, dtype: torch.dtype,
     from apt_ds.distributed.ds_config import engine_dtype
     from apt_ds.distributed.placement import DTYPES
 
+    family = family_for(config.model_type)
     if DTYPES[engine_dtype(ds_config)] != dtype:
         raise ValueError(f"the DeepSpeed config trains in {engine_dtype(ds_config)}, the weights were asked in {dtype}")
     # dtype=None: zero.Init then takes the dtype from the config's bf16/fp16 sections. An explicit
@@ -40,15 +41,15 @@ def build_partitioned_model(config, source, ds_config: dict, dtype: torch.dtype,
     # fp16 else bfloat16 ...` binds as `(dtype or float16) if ...`): on a CPU without AVX512-FP16
     # (an AMD EPYC here) an fp32 model came out in bf16.
     with no_init_weights(), deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=None):
-        model = family_for(config.model_type).classes()[1](config)
+        model = family.classes()[1](config)
     made = {private.model_partition_tensor(p).dtype for p in model.parameters() if hasattr(p, "ds_id")}
     if made != {dtype}:
         raise RuntimeError(f"deepspeed.zero.Init partitioned the model in {made}, not {dtype}")
     if config.tie_word_embeddings:  # post_init's tying runs inside init_weights, skipped above
-        model.lm_head.weight = model.model.embed_tokens.weight
+        family.output_module(model).weight = family.embedding_module(model).weight
     # zero.Init makes every tensor constructor produce `dtype`, RoPE's inverse frequencies too:
     # rebuild them outside it, in fp32 as transformers computes them.
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config).to(device)
+    family.rebuild_rotary(model, device)
     load_partitions(model, source)
     return model
 

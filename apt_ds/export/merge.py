@@ -30,7 +30,7 @@ from apt_ds.io.fingerprint import file_fingerprint, model_fingerprint, same_mode
 from apt_ds.io.modeling import TINY_MODELS, ModelLoadError, build_tiny_model, check_model_path, load_model
 from apt_ds.io.pinned import pinned_directory, replaced
 from apt_ds.io.weights import SafetensorsWeights, WeightsError
-from apt_ds.models import family_for
+from apt_ds.models import family_for, family_of
 
 
 def rebuild_trained_model(run_dir: Path, model_path: str | Path | None = None, checkpoint: Path | None = None):
@@ -103,15 +103,15 @@ def fold_masks(model, state: APTModel) -> None:
     """Remove units whose mask is 0; fold fractional group/neuron masks into o_proj/down_proj.
 
     The hidden mask is only exact when binary (RMSNorm averages over kept channels)."""
-    masks = state.masks
-    hidden = masks.hidden
+    masks, family = state.masks, family_of(model)
+    hidden, layers = masks.hidden, family.decoder_layers(model)
     if not is_binary(hidden):
         raise CheckpointError("the checkpoint was taken while hidden-channel masks were decaying; export a later checkpoint")
     with torch.no_grad():
-        for layer, group_mask, neuron_mask, shape in zip(model.model.layers, masks.kv_group, masks.ffn_neuron, state.shape.layers):
-            o_proj, down = layer.self_attn.o_proj, layer.mlp.down_proj
-            o_proj.weight.mul_(group_mask.repeat_interleave(shape.group_size * shape.head_dim).to(o_proj.weight.dtype))
-            down.weight.mul_(neuron_mask.to(down.weight.dtype))
+        for layer, group_mask, neuron_mask, shape in zip(layers, masks.kv_group, masks.ffn_neuron, state.shape.layers):
+            attn_output, ffn_down = family.layer_module(layer, "attn_output"), family.layer_module(layer, "ffn_down")
+            attn_output.weight.mul_(group_mask.repeat_interleave(shape.group_size * shape.head_dim).to(attn_output.weight.dtype))
+            ffn_down.weight.mul_(neuron_mask.to(ffn_down.weight.dtype))
     decision = KeepDecision([m > 0 for m in masks.kv_group], [m > 0 for m in masks.ffn_neuron], hidden > 0, 0)
     masks.remove()
     state.salience.remove()
@@ -266,8 +266,9 @@ def _check_trained_tensors(run_dir: Path, meta: dict, masks: dict, trained: set[
     """Every adapter of the run has trained A and B, and the masks fit the run's shapes
     (exporting untrained adapters silently would be a wrong model)."""
     shape = ModelShape.from_dict(meta["shape"])
-    targets = meta["apt_config"]["adapter_targets"]
-    expected = [f"model.layers.{l}.{'self_attn' if t in ('q_proj', 'k_proj', 'v_proj', 'o_proj') else 'mlp'}.{t}.lora_{m}"
+    family, targets = family_for(shape.family), meta["apt_config"]["adapter_targets"]
+    modules = {target: tensor.module for target, tensor in family.projections.items()}  # one unknown: "lacks" below
+    expected = [f"{family.layer_prefix(l)}.{modules.get(t, t)}.lora_{m}"
                 for l in range(len(shape.layers)) for t in targets for m in "AB"]
     missing = [name for name in expected if name not in trained]
     if missing:
@@ -288,9 +289,9 @@ def export_pruned(model, kept: dict, out: Path, dtype: str = "fp32", tokenizer_d
     check_options(dtype, max_shard_size, format)
     check_export_out(out, overwrite, protected=[tokenizer_dir] if tokenizer_dir else [])
     from apt_ds.algorithm.shrink import shrink_model
-    from apt_ds.algorithm.units import check_llama_model
+    from apt_ds.algorithm.units import check_supported_model
 
-    check_llama_model(model)
+    check_supported_model(model)
     original = ModelShape.from_model(model)
     groups, neurons, hidden = read_kept_record(kept)
     limits = [(g, l.num_kv_groups) for g, l in zip(groups, original.layers)] + [(n, l.ffn) for n, l in zip(neurons, original.layers)]

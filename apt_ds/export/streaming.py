@@ -60,13 +60,14 @@ class RunTensors:
         self.final_hidden = self.kept_hidden[hidden_now]
 
     def names(self) -> list[str]:
-        """Output tensor names in the family's `state_dict()` order (lm_head last, not when tied)."""
-        names = ["model.embed_tokens.weight"]
+        """Output tensor names in the family's `state_dict()` order (the LM head last, not when tied)."""
+        family = self.family
+        names = [family.embedding]
         for l in range(len(self.current.layers)):
-            names += [f"model.layers.{l}.{tensor.name}" for tensor in self.family.layer_tensors]
-        names.append("model.norm.weight")
+            names += [f"{family.layer_prefix(l)}.{tensor.name}" for tensor in family.layer_tensors]
+        names.append(family.final_norm)
         if not self.current.tied_embeddings:
-            names.append("lm_head.weight")
+            names.append(family.output_embedding)
         return names
 
     def _axes(self, layer: int) -> dict[str, tuple[torch.Tensor, torch.Tensor] | None]:
@@ -82,9 +83,9 @@ class RunTensors:
         if name not in self.weights:
             raise CheckpointError(f"the base model has no tensor {name}; is it the model this run was trained from?")
         base = self.weights.get(name).float()
-        if not name.startswith("model.layers."):
-            return base.index_select(base.dim() - 1, self.final_hidden)  # embed / lm_head columns, final norm
-        _, _, index, local = name.split(".", 3)
+        if not self.family.is_layer_tensor(name):
+            return base.index_select(base.dim() - 1, self.final_hidden)  # embedding / LM head columns, final norm
+        index, local = name[len(self.family.layers) + 1:].split(".", 1)
         layer, dims = int(index), self.layer_dims[local]
         axes = self._axes(layer)
         tensor = base

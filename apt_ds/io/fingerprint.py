@@ -30,15 +30,17 @@ def file_fingerprint(directory: str | Path) -> dict:
     from transformers import AutoConfig
 
     from apt_ds.io.weights import SafetensorsWeights
+    from apt_ds.models import family_for
 
     config = AutoConfig.from_pretrained(str(directory))
     weights = SafetensorsWeights(directory)
-    names = [n for n in weights.names() if not (config.tie_word_embeddings and n == "lm_head.weight")]
+    family = family_for(config.model_type)
+    names = [n for n in weights.names() if not (config.tie_word_embeddings and n == family.output_embedding)]
 
     def reader(name):
         return math.prod(weights.shape(name)), lambda start, length: weights.flat_range(name, start, length)
 
-    return _fingerprint(config, ((name, reader(name)) for name in sorted(names)), reader("model.embed_tokens.weight"))
+    return _fingerprint(config, ((name, reader(name)) for name in sorted(names)), reader(family.embedding))
 
 
 # Elements read at a time (16 MiB of fp32): the fingerprint never holds a whole tensor, let alone

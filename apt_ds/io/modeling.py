@@ -191,7 +191,7 @@ def resize_layers(model, layer_shapes: list[LayerShape]) -> None:
     projection of the family's description, with a bias where the description lists one."""
     family = family_for(model.config.model_type)
     hidden = model.config.hidden_size
-    for layer, shape in zip(model.model.layers, layer_shapes):
+    for layer, shape in zip(family.decoder_layers(model), layer_shapes):
         sizes = axis_sizes(shape, hidden)
         for tensor in family.layer_tensors:
             if len(tensor.dims) != 2:  # norms and biases come with their module
@@ -202,9 +202,9 @@ def resize_layers(model, layer_shapes: list[LayerShape]) -> None:
             n_out, n_in = (sizes[axis] for axis in tensor.dims)
             setattr(owner, name, nn.Linear(n_in, n_out, bias=family.has_tensor(f"{tensor.module}.bias"),
                                            dtype=old.weight.dtype, device=old.weight.device))
-        layer.self_attn.num_key_value_groups = shape.group_size
-        layer.self_attn.head_dim = shape.head_dim
-        layer.mlp.intermediate_size = shape.ffn
+        attention = family.attention_block(layer)
+        attention.num_key_value_groups, attention.head_dim = shape.group_size, shape.head_dim
+        family.ffn_block(layer).intermediate_size = shape.ffn
 
 
 def load_pretrained(directory: str | Path, dtype: torch.dtype | str | None = None):
@@ -246,7 +246,7 @@ def load_pretrained(directory: str | Path, dtype: torch.dtype | str | None = Non
     if not state:
         raise ModelLoadError(f"{directory}: no *.safetensors weights found")
     if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
+        state.pop(family.output_embedding, None)
     try:
         model.load_state_dict(state, strict=not config.tie_word_embeddings, assign=True)
     except RuntimeError as err:  # a tensor of the wrong shape or name: the weights are not this config's
@@ -258,7 +258,7 @@ def load_pretrained(directory: str | Path, dtype: torch.dtype | str | None = Non
     if missing:
         raise ModelLoadError(f"{directory}: weights missing for {missing[:3]}")
     # Buffers (rotary inv_freq) were created on meta: rebuild them on CPU.
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
+    family.rebuild_rotary(model)
     if dtype is not None:
         model = model.to(dtype)
     return model.eval()

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from apt_ds.models.family import Family, LayerTensor, LeftOut, UnitCosts, UnsupportedModelError
 
-__all__ = ["FAMILIES", "Family", "LayerTensor", "LeftOut", "UnitCosts", "UnsupportedModelError", "family_for"]
+__all__ = ["ADAPTER_TARGETS", "DEFAULT_ADAPTER_TARGETS", "FAMILIES", "Family", "LayerTensor", "LeftOut", "UnitCosts",
+           "UnsupportedModelError", "family_for", "family_of"]
 
 
 def _registry() -> dict[str, Family]:
@@ -26,6 +27,10 @@ def _registry() -> dict[str, Family]:
 
 
 FAMILIES = _registry()
+# The projections an adapter can wrap, by module name as PEFT's `target_modules` takes them
+ADAPTER_TARGETS = tuple(dict.fromkeys(name for family in FAMILIES.values() for name in family.projections))
+# The paper's (and LoRA's) default: adapters on the query and value projections
+DEFAULT_ADAPTER_TARGETS = tuple(FAMILIES["llama"].module_path(role).rsplit(".", 1)[-1] for role in ("attn_q", "attn_v"))
 
 
 def family_for(model_type, where: str = "") -> Family:
@@ -36,3 +41,8 @@ def family_for(model_type, where: str = "") -> Family:
         prefix = f"{where}: " if where else ""
         raise UnsupportedModelError(f"{prefix}model_type {model_type!r} is not supported; apt-ds prunes {supported}")
     return family
+
+
+def family_of(model) -> Family:
+    """The description of a transformers model's family (from its config's model_type)."""
+    return family_for(getattr(model.config, "model_type", None))

@@ -132,6 +132,7 @@ class Family:
     final_norm: str = "model.norm.weight"
     output_embedding: str = "lm_head.weight"  # not written when the config ties it to the input embedding
     layers: str = "model.layers"
+    rotary: str = "model.rotary_emb"  # RoPE's module: its tables are buffers made from the config, never saved
     # llama.cpp's architecture for a GGUF export with every layer alike, and for per-layer shapes
     # (None: llama.cpp has no graph that runs them; `gguf_non_uniform_why` says why)
     gguf_uniform: str | None = None
@@ -180,6 +181,52 @@ class Family:
         """The module with `role` in a decoder layer module."""
         return layer.get_submodule(self.module_path(role))
 
+    # ---- where things are in a model (transformers' module tree) -----------------------------
+    def decoder_layers(self, model):
+        """The causal LM's decoder layers (a ModuleList)."""
+        return model.get_submodule(self.layers)
+
+    def embedding_module(self, model):
+        return model.get_submodule(_module_of(self.embedding))
+
+    def final_norm_module(self, model):
+        return model.get_submodule(_module_of(self.final_norm))
+
+    def output_module(self, model):
+        """The LM head (its weight is the embedding's when the config ties them)."""
+        return model.get_submodule(_module_of(self.output_embedding))
+
+    def attention_block(self, layer):
+        """The layer's attention module (the parent of its output projection)."""
+        return layer.get_submodule(_module_of(self.module_path("attn_output")))
+
+    def ffn_block(self, layer):
+        """The layer's FFN module (the parent of its down projection)."""
+        return layer.get_submodule(_module_of(self.module_path("ffn_down")))
+
+    def hidden_norms(self, layer) -> list:
+        """The layer's norms over the hidden channels (sliced and masked with them)."""
+        return [self.layer_module(layer, t.role) for t in self.layer_tensors if t.dims == ("hidden",)]
+
+    def rebuild_rotary(self, model, device=None) -> None:
+        """Make RoPE's module again from the config (in fp32, as transformers does), after a build
+        on the meta device or under a dtype-forcing context left its tables empty or rounded."""
+        owner, name = self.rotary.rsplit(".", 1)
+        rotary = type(model.get_submodule(self.rotary))(config=model.config)
+        setattr(model.get_submodule(owner), name, rotary if device is None else rotary.to(device))
+
+    def layer_prefix(self, index: int) -> str:
+        """The checkpoint name prefix of layer `index` (`model.layers.3`)."""
+        return f"{self.layers}.{index}"
+
+    def is_layer_tensor(self, name: str) -> bool:
+        return name.startswith(self.layers + ".")
+
+    @property
+    def projections(self) -> dict[str, LayerTensor]:
+        """The layer's Linear weights by module name (`q_proj`: PEFT's `target_modules` names)."""
+        return {t.module.rsplit(".", 1)[-1]: t for t in self.layer_tensors if t.kind == "weight" and len(t.dims) == 2}
+
     def unit_costs(self, group_size: int, head_dim: int) -> UnitCosts:
         """The pruner's terms, summed over the layer's tensors: a unit axis contributes its
         channels per unit (q: group_size * head_dim, kv: head_dim, ffn: 1), `hidden` makes the
@@ -220,6 +267,11 @@ class Family:
         import transformers
 
         return getattr(transformers, self.config_class), getattr(transformers, self.causal_lm_class)
+
+
+def _module_of(name: str) -> str:
+    """The module path of a tensor or submodule name (`model.embed_tokens` of `...weight`)."""
+    return name.rsplit(".", 1)[0]
 
 
 # The tensors every family here shares: LLaMA's decoder layer.
