@@ -101,12 +101,16 @@ def ensure_hf_model(model: str | Path, cache_dir: str | Path) -> Path:
     # serializable") although its weights are dequantized fp32: rebuild a plain model.
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from apt_ds.models import family_of
+
     config = gguf_model.config.to_dict()
     for key in ("quantization_config", "_name_or_path", "transformers_version"):
         config.pop(key, None)
     hf = LlamaForCausalLM(LlamaConfig(**config))
+    family = family_of(hf)
     missing, unexpected = hf.load_state_dict(gguf_model.state_dict(), strict=False)
-    if unexpected or [m for m in missing if not m.startswith("lm_head") and "rotary" not in m]:
+    if unexpected or [m for m in missing if not family.left_out_on_purpose(m, tied_embeddings=True)
+                      and not m.startswith(family.rotary)]:
         raise RuntimeError(f"GGUF conversion: missing {missing[:3]}, unexpected {unexpected[:3]}")
     if config.get("tie_word_embeddings"):
         hf.tie_weights()
@@ -233,6 +237,7 @@ def fast_label_scores(model, tokenizer, rows: list[dict], labels: list[str], max
     import torch.nn.functional as F
 
     from apt_ds.io.data import collate, encode_prompt_response, prompt_and_answer
+    from apt_ds.models import family_of
 
     ids = label_token_ids(tokenizer, labels)
     if ids is None:
@@ -251,9 +256,9 @@ def fast_label_scores(model, tokenizer, rows: list[dict], labels: list[str], max
                 examples.append({"input_ids": prefix, "labels": prefix})
                 last.append(len(prefix) - 1)
             batch = collate(examples, pad_id=pad_id)
-            hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+            hidden = model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
             at = hidden[torch.arange(len(chunk)), torch.tensor(last)]
-            out.append(F.log_softmax(model.lm_head(at).float(), -1)[:, ids])
+            out.append(F.log_softmax(family_of(model).output_module(model)(at).float(), -1)[:, ids])
     return torch.cat(out)
 
 

@@ -31,7 +31,9 @@ def block_influence(model, tokenizer, texts: list[str]) -> list[float]:
     after the final norm (transformers 5), whose per-channel weights would turn its direction."""
     import torch
 
-    layers = model.model.layers
+    from apt_ds.models import family_of
+
+    layers = family_of(model).decoder_layers(model)
     influence = [0.0] * len(layers)
     pairs: dict[int, tuple] = {}
 
@@ -57,12 +59,16 @@ def block_influence(model, tokenizer, texts: list[str]) -> list[float]:
 
 def without_layers(model, drop: list[int]):
     """The model with the decoder layers in `drop` removed, the rest renumbered (KV-cache slots)."""
-    import torch
+    from apt_ds.models import family_of
 
+    family = family_of(model)
+    layers = family.decoder_layers(model)
     keep = [i for i in range(model.config.num_hidden_layers) if i not in drop]
-    model.model.layers = torch.nn.ModuleList(model.model.layers[i] for i in keep)
-    for index, layer in enumerate(model.model.layers):
-        layer.self_attn.layer_idx = index
+    kept = [layers[i] for i in keep]
+    del layers[:]  # in place: the ModuleList is where the model's forward finds its layers
+    layers.extend(kept)
+    for index, layer in enumerate(layers):
+        family.attention_block(layer).layer_idx = index
     model.config.num_hidden_layers = len(keep)
     if getattr(model.config, "layer_types", None):
         model.config.layer_types = [model.config.layer_types[i] for i in keep]

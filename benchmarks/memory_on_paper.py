@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from apt_ds.models import family_of
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from scale_on_paper import LLAMA2  # noqa: E402
@@ -39,9 +41,10 @@ def per_rank(values: dict, ranks: int, seq: int, density: float = 0.7) -> dict:
     numels = [p.numel() for p in model.parameters()]
     total = sum(numels)
     partition_bf16 = sum(math.ceil(n / ranks) for n in numels) * 2
-    layer = model.model.layers[0]
+    family = family_of(model)
+    layer = family.decoder_layers(model)[0]
     largest_module = max(max(sum(p.numel() for p in m.parameters(recurse=False)) for m in layer.modules()),
-                         model.model.embed_tokens.weight.numel()) * 2
+                         family.embedding_module(model).weight.numel()) * 2
     h, f, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     q = config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim

@@ -74,8 +74,8 @@ def projection_input_sums(model, batches: list[dict], reduce) -> dict:
             sums[key] = sums.get(key, 0) + reduce(real)
         return hook
 
-    for index, layer in enumerate(model.model.layers):
-        for kind, linear in (("attn", layer.self_attn.o_proj), ("ffn", layer.mlp.down_proj)):
+    for index, outputs in enumerate(output_projections(model)):
+        for kind, linear in outputs.items():
             handles.append(linear.register_forward_pre_hook(keep((kind, index))))
     try:
         with torch.no_grad():
@@ -88,17 +88,26 @@ def projection_input_sums(model, batches: list[dict], reduce) -> dict:
     return sums
 
 
+def output_projections(model) -> list[dict]:
+    """Per decoder layer, the Linear whose input columns are a unit's channels: attention's output
+    projection (query channels, by KV group) and the FFN's down projection (neurons)."""
+    from apt_ds.models import family_of
+
+    family = family_of(model)
+    return [{"attn": family.layer_module(layer, "attn_output"), "ffn": family.layer_module(layer, "ffn_down")}
+            for layer in family.decoder_layers(model)]
+
+
 def wanda_sp_scores(model, batches: list[dict]):
     """(KV group scores, neuron scores) per layer: sum over the unit's input columns j of
     ||X_j||_2 (over the real tokens of all batches) * sum_i |W_ij| (o_proj for a group's query
     channels, down_proj for a neuron)."""
     squares = projection_input_sums(model, batches, lambda real: real.float().pow(2).sum(0))
     groups, neurons = [], []
-    for index, layer in enumerate(model.model.layers):
-        attn = squares[("attn", index)].sqrt() * layer.self_attn.o_proj.weight.detach().float().abs().sum(0)
-        kv_heads = layer.self_attn.k_proj.weight.shape[0] // layer.self_attn.head_dim
-        groups.append(attn.reshape(kv_heads, -1).sum(1))
-        neurons.append(squares[("ffn", index)].sqrt() * layer.mlp.down_proj.weight.detach().float().abs().sum(0))
+    for index, outputs in enumerate(output_projections(model)):
+        attn = squares[("attn", index)].sqrt() * outputs["attn"].weight.detach().float().abs().sum(0)
+        groups.append(attn.reshape(model.config.num_key_value_heads, -1).sum(1))  # the uncut model: config's shape
+        neurons.append(squares[("ffn", index)].sqrt() * outputs["ffn"].weight.detach().float().abs().sum(0))
     return groups, neurons
 
 
@@ -131,8 +140,7 @@ def output_inputs(model, batches: list[dict]) -> dict:
     """The Gram matrix X^T X of the inputs of every layer's o_proj and down_proj over the real tokens
     of `batches`, and those weights as they are: what `reconstruct` needs from the uncut model."""
     weights = {(kind, index): linear.weight.detach().double().clone()
-               for index, layer in enumerate(model.model.layers)
-               for kind, linear in (("attn", layer.self_attn.o_proj), ("ffn", layer.mlp.down_proj))}
+               for index, outputs in enumerate(output_projections(model)) for kind, linear in outputs.items()}
     grams = projection_input_sums(model, batches, lambda real: real.double().T @ real.double())
     return {"grams": grams, "weights": weights}
 
@@ -147,12 +155,13 @@ def reconstruct(model, decision, dense: dict, damping: float = 0.01) -> None:
     import torch
 
     groups, neurons, hidden = decision.indices()
-    for index, layer in enumerate(model.model.layers):
-        attn = layer.self_attn
-        width = attn.head_dim * (attn.config.num_attention_heads // attn.config.num_key_value_heads)
+    config = model.config  # the uncut model's: a group's query channels are that wide
+    width = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    width *= config.num_attention_heads // config.num_key_value_heads
+    for index, outputs in enumerate(output_projections(model)):
         channels = {"attn": torch.cat([torch.arange(g * width, (g + 1) * width) for g in groups[index].tolist()]),
                     "ffn": neurons[index]}
-        for kind, linear in (("attn", attn.o_proj), ("ffn", layer.mlp.down_proj)):
+        for kind, linear in outputs.items():
             kept, gram, weight = channels[kind], dense["grams"][(kind, index)], dense["weights"][(kind, index)][hidden]
             if len(kept) == gram.shape[0]:  # no input lost: the damped solve would only shrink the weight
                 continue
@@ -169,10 +178,11 @@ def tune(model, spec: dict, tokenizer, examples: list | None = None):
     from apt_ds.config import APTConfig, TrainConfig
     from apt_ds.export.merge import compact_model
     from apt_ds.io.data import batches
+    from apt_ds.models import DEFAULT_ADAPTER_TARGETS
     from apt_ds.training.trainer import APTrainer
 
     steps, seq = spec["train_steps"], spec["max_seq_len"]
-    lora = APTConfig.for_steps(steps, adapter_rank=8, adapter_alpha=16.0, adapter_targets=("q_proj", "v_proj")).as_lora()
+    lora = APTConfig.for_steps(steps, adapter_rank=8, adapter_alpha=16.0, adapter_targets=DEFAULT_ADAPTER_TARGETS).as_lora()
     train = TrainConfig(steps=steps, micro_batch_size=spec["micro_batch_size"], lr=spec["lr"], warmup_steps=max(1, steps // 10),
                         max_seq_len=seq, seed=spec["seed"], log_every=1)
     examples = instruction_examples(spec, tokenizer) if examples is None else examples
@@ -279,7 +289,7 @@ def main(argv=None) -> None:
                         help="LoRA-tune each cut for this many steps before scoring (0: score the cut as it is)")
     parser.add_argument("--lr", type=float, default=2e-3, help="with --train-steps (quality.py's)")
     parser.add_argument("--reconstruct", action="store_true",
-                        help="refit o_proj and down_proj to the uncut layer's output after the cut (least squares on the calibration tokens)")
+                        help="refit attention's output and the FFN's down projection to the uncut layer's output after the cut (least squares on the calibration tokens)")
     parser.add_argument("--refit-batches", type=int, default=0,
                         help="with --reconstruct: micro-batches the refit's statistics take (0: --calibration-batches)")
     parser.add_argument("--refit-damping", type=float, default=0.01, help="with --reconstruct: x the mean diagonal of the kept inputs' Gram matrix")

@@ -348,7 +348,7 @@ def main(argv=None) -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--rank", type=int, default=8, help="initial adapter rank (LoRA's rank)")
     parser.add_argument("--adapter-targets", nargs="+", default=list(APTConfig().adapter_targets), choices=ADAPTER_TARGETS,
-                        help="projections that get adapters, in every trained method (default: q_proj v_proj)")
+                        help="projections that get adapters, in every trained method (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run (1: stable timings on a shared machine)")
     parser.add_argument("--jobs", type=int, default=2,

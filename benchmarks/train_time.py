@@ -30,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import add_model_arguments, command_line, ensure_hf_model, git_commit, hardware, write_json  # noqa: E402
 
+from apt_ds.models import DEFAULT_ADAPTER_TARGETS  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -40,7 +42,7 @@ def train_command(method: str, args, hf_dir: Path, out: Path) -> list[str]:
                "--data", str(Path(args.task) / "train.jsonl"), "--out", str(out), "--method", method,
                "--steps", str(args.steps), "--micro_batch_size", str(args.micro_batch_size), "--lr", "2e-3",
                "--warmup_steps", str(max(1, args.steps // 10)), "--max_seq_len", str(args.max_seq_len), "--no_pack",
-               "--adapter_targets", "q_proj", "v_proj", "--adapter_rank", "8", "--adapter_alpha", "16",
+               "--adapter_targets", *DEFAULT_ADAPTER_TARGETS, "--adapter_rank", "8", "--adapter_alpha", "16",
                "--seed", str(args.seed), "--log_every", str(args.steps)]
     return command + (["--target_density", str(args.density)] if method == "apt" else [])
 

@@ -123,7 +123,7 @@ def build_train_parser() -> ArgumentParser:
     return ArgumentParser(
         [RunArguments, APTConfig, TrainConfig],
         prog="launch/train.py",
-        description="Fine-tune a LLaMA model with APT: adapters are trained while attention KV groups, FFN neurons and "
+        description="Fine-tune a LLaMA, Mistral or Qwen model with APT: adapters are trained while attention KV groups, FFN neurons and "
         "hidden channels are pruned and physically removed; ends with a smaller model. Run with plain python (one "
         "process) or under the deepspeed launcher with --deepspeed. Every flag can also come from a recipe "
         "(--config configs/NAME.yaml).",
@@ -140,7 +140,7 @@ class ExportArguments:
     run_dir: Optional[str] = help_field("run directory written by launch/train.py (its checkpoint/ is read); also "
                                         "accepted as the first positional argument", default=None)
     model: Optional[str] = help_field("with a run: the run's base model, when it is no longer at the path the run recorded "
-                                      "(a moved run). Without a run: a plain LLaMA directory (adapters merged or none) to "
+                                      "(a moved run). Without a run: a plain model directory (adapters merged or none) to "
                                       "prune with --kept", default=None)
     kept: Optional[str] = help_field("with --model: the units to keep, as a JSON of ORIGINAL unit indices (a run's "
                                      "checkpoint/apt_state.json, or {groups, neurons, hidden}) or as binary masks over the "
@@ -149,7 +149,8 @@ class ExportArguments:
     format: str = help_field("hf: a transformers directory (safetensors + config + tokenizer); gguf: a directory "
                              "OUT holding apt_export.json and one .gguf file named after OUT (--out m: m/m.gguf; "
                              "--out m.gguf: m.gguf/m.gguf) that llama.cpp (and llama-cpp-python, Ollama) runs: uniform models as "
-                             "'llama', non-uniform ones as 'deci' with per-layer head counts and FFN widths",
+                             "the family's architecture (llama, qwen2, qwen3), non-uniform ones as 'deci' with per-layer "
+                             "head counts and FFN widths (docs/FAMILIES.md)",
                              choices=("hf", "gguf"), default="hf")
     dtype: str = help_field("dtype of the saved weights; q8_0 (8-bit blocks, llama.cpp's Q8_0) needs --format gguf",
                             choices=("fp32", "bf16", "fp16", "q8_0"), default="fp32")

@@ -22,8 +22,8 @@ class EvaluateArguments:
 
     out: str = help_field("results file (JSON), written when the evaluation ends; its directory must exist, and an "
                           "existing file is replaced only with --overwrite")
-    model: Optional[str] = help_field("local Hugging Face LLaMA directory, apt_ds export (uniform or not) or .gguf file; "
-                                      "also accepted as the first positional argument", default=None)
+    model: Optional[str] = help_field("local Hugging Face directory (LLaMA, Mistral, Qwen2/2.5, Qwen3), apt_ds export "
+                                      "(uniform or not) or .gguf file; also accepted as the first positional argument", default=None)
     tasks: str = help_field("comma-separated tasks: arc_easy, arc_challenge, hellaswag, piqa, mmlu (or its parts: "
                             "mmlu_stem, mmlu_humanities, mmlu_social_sciences, mmlu_other, mmlu_<subject>), sst2, boolq",
                             default=",".join(DEFAULT_TASKS))

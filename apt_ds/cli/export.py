@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.out.strip():  # Path("") is "."
         parser.error("--out is empty: give the directory for the exported model")
     try:
-        from apt_ds.export.merge import export_pruned, export_run
+        from apt_ds.export.merge import export_run
+        from apt_ds.export.pruned import export_pruned
         from apt_ds.export.writer import check_options
         from apt_ds.io.modeling import model_file
 
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
                 with _tokenizer_dir(args.model) as tokenizer_dir:
                     report_ = export_pruned(model, kept, Path(args.out), dtype=args.dtype,
                                             tokenizer_dir=tokenizer_dir, overwrite=args.overwrite,
-                                            max_shard_size=args.max_shard_size, format=args.format)
+                                            max_shard_size=args.max_shard_size, format=args.format, base=args.model)
     except KeyboardInterrupt:  # first: user_errors() imports torch, which the interrupt may have left half-imported
         print(f"interrupted: the export to {args.out} did not finish (it is written to a temporary directory first; the "
               f"next export to {args.out} clears what is left and puts back a previous export set aside)", file=sys.stderr)

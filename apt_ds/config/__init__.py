@@ -55,7 +55,7 @@ class APTConfig(_JsonConfig):
     prune_heads: bool = help_field("prune attention KV groups", default=True)
     prune_neurons: bool = help_field("prune FFN neurons", default=True)
     prune_hidden: bool = help_field("prune hidden (residual-stream) channels", default=True)
-    uniform: bool = help_field("keep the same shape in every layer (exports as a stock LlamaConfig)", default=False)
+    uniform: bool = help_field("keep the same shape in every layer (exports as the family's stock transformers config)", default=False)
     score_normalization: str = help_field(
         "how scores of different unit kinds are made comparable before ranking: 'kind' scales each kind (KV groups, "
         "neurons, hidden channels) so its salience per parameter averages 1; 'none' ranks raw scores",

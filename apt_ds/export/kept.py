@@ -71,7 +71,7 @@ def model_widths(model) -> dict:
 
 
 def config_widths(config: dict) -> dict | None:
-    """`model_widths` from a plain LLaMA config.json, before the weights are loaded; None when the
+    """`model_widths` from a plain model's config.json, before the weights are loaded; None when the
     config alone does not say (an apt-ds export's per-layer shapes, a missing field)."""
     if config.get("apt_layer_shapes") or not all(key in config for key in ("num_hidden_layers", "intermediate_size",
                                                                           "hidden_size", "num_attention_heads")):

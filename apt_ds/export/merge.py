@@ -22,7 +22,6 @@ from apt_ds.algorithm.state import APTModel
 from apt_ds.algorithm.units import ModelShape, UnsupportedModelError
 from apt_ds.config import APTConfig, ConfigError
 from apt_ds.export.accounting import check_every_base_tensor_written
-from apt_ds.export.kept import read_kept_record
 from apt_ds.export.out_dir import check_export_out
 from apt_ds.export.writer import DEFAULT_SHARD_SIZE, DTYPES, check_options, summary, write_export, write_export_dir
 from apt_ds.io.checkpoint import CheckpointError, read_meta
@@ -70,7 +69,9 @@ def _rebuild(run_dir: Path, checkpoint: Path, meta: dict, model_path):
         model = load_model(base)
     recorded = info.get("model_fingerprint")
     if recorded is not None:
-        if not same_model(recorded, model_fingerprint(model)):
+        # As training computed it: a directory's files (a tensor transformers does not load counts), else the model.
+        current = file_fingerprint(base) if Path(base).is_dir() else model_fingerprint(model)
+        if not same_model(recorded, current):
             raise CheckpointError(f"{run_dir}: model {base} is not the base model this run was trained from")
     state = APTModel(model, apt, seed=meta["train_config"]["seed"])
     if state.original_shape != ModelShape.from_dict(meta["original_shape"]):  # a run from before families were recorded too
@@ -120,7 +121,7 @@ def fold_masks(model, state: APTModel) -> None:
 
 
 def compact_model(model, state: APTModel):
-    """Merge adapters and drop training-only modules; returns a plain LlamaForCausalLM."""
+    """Merge adapters and drop training-only modules; returns the family's plain causal LM."""
     if hasattr(model, TRANSFORM_ATTR):
         delattr(model, TRANSFORM_ATTR)
     merge_adapters(model)  # first: a mask on o_proj/down_proj inputs scales the adapter path too
@@ -161,7 +162,11 @@ def export_run(run_dir: Path, out: Path, dtype: str = "fp32", overwrite: bool = 
     if format == "gguf" and "shape" in recorded:  # before any work: a shape llama.cpp cannot run is refused in one line
         from apt_ds.export.gguf import gguf_architecture
 
-        gguf_architecture(ModelShape.from_dict(recorded["shape"]))
+        try:
+            shape = ModelShape.from_dict(recorded["shape"])
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise CheckpointError(f"{run_dir}: checkpoint/apt_state.json has a malformed shape ({type(err).__name__}: {err})") from None
+        gguf_architecture(shape)
     bases = [Path(p) for p in (model_path, recorded_base) if p is not None and str(p) not in TINY_MODELS]
     check_export_out(out, overwrite, protected=[run_dir, *bases], run_dir=run_dir)
     base = str(model_path) if model_path is not None else recorded_base
@@ -277,33 +282,3 @@ def _check_trained_tensors(run_dir: Path, meta: dict, masks: dict, trained: set[
              **{f"ffn_neuron.{l}": s.ffn for l, s in enumerate(shape.layers)}}
     if set(masks) != set(sizes) or any(masks[k].shape != (n,) for k, n in sizes.items()):
         raise CheckpointError(f"{run_dir}: checkpoint/masks.safetensors does not match the checkpoint's shapes")
-
-
-def export_pruned(model, kept: dict, out: Path, dtype: str = "fp32", tokenizer_dir: Path | None = None,
-                  overwrite: bool = False, max_shard_size: str | int = DEFAULT_SHARD_SIZE, format: str = "hf") -> dict:
-    """Export a plain LLaMA (adapters already merged, or none) pruned to `kept` ORIGINAL unit
-    indices ({"groups": [[...] per layer], "neurons": [[...] per layer], "hidden": [...]}, as
-    in a run's checkpoint/apt_state.json): the binary masks of the run, stated as the units
-    they keep. Needs neither DeepSpeed nor a run directory. `format="gguf"`: one llama.cpp file."""
-    out = Path(out)
-    check_options(dtype, max_shard_size, format)
-    check_export_out(out, overwrite, protected=[tokenizer_dir] if tokenizer_dir else [])
-    from apt_ds.algorithm.shrink import shrink_model
-    from apt_ds.algorithm.units import check_supported_model
-
-    check_supported_model(model)
-    original = ModelShape.from_model(model)
-    groups, neurons, hidden = read_kept_record(kept)
-    limits = [(g, l.num_kv_groups) for g, l in zip(groups, original.layers)] + [(n, l.ffn) for n, l in zip(neurons, original.layers)]
-    if len(groups) != len(original.layers) or len(neurons) != len(original.layers) or any(
-        ix.dim() != 1 or len(ix) == 0 or int(ix.max()) >= size or int(ix.min()) < 0 for ix, size in limits + [(hidden, original.hidden)]
-    ):
-        raise CheckpointError("kept-units record does not fit this model (layer count or unit indices out of range)")
-    shape, _ = shrink_model(model, original, groups, neurons, hidden)
-    if format == "gguf":
-        from apt_ds.export.gguf import ModelTensors, write_gguf_export
-
-        return write_gguf_export(out, shape, ModelTensors(model), model.config, dtype, tokenizer_dir,
-                                 {"original": summary(original)})
-    return write_export(model.eval(), shape, out, DTYPES[dtype], tokenizer_dir=tokenizer_dir,
-                        extra_report={"original": summary(original)}, max_shard_size=max_shard_size)

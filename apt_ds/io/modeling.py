@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from apt_ds.algorithm.units import LayerShape, UnsupportedModelError
-from apt_ds.models import family_for
+from apt_ds.models import FAMILIES, family_for
 
 logger = logging.getLogger(__name__)
 
@@ -27,9 +27,7 @@ TINY_MODEL = "tiny"  # --model value for the built-in demo model
 TINY_MODELS = {
     TINY_MODEL: ("llama", {}),
     "tiny-mha": ("llama", {"num_key_value_heads": 4}),
-    "tiny-mistral": ("mistral", {"sliding_window": 128}),  # shorter than the demo's sequences: it matters
-    "tiny-qwen2": ("qwen2", {}),
-    "tiny-qwen3": ("qwen3", {"head_dim": 32}),  # Qwen3's default head_dim is 128
+    **{f"tiny-{name}": (name, family.tiny_config) for name, family in FAMILIES.items() if name != "llama"},
 }
 TINY_CONFIG = dict(
     hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -52,7 +50,21 @@ def build_tiny_model(vocab_size: int, seed: int = 0, variant: str = TINY_MODEL, 
     model_type, variant_overrides = TINY_MODELS[variant]
     config_class, model_class = family_for(model_type).classes()
     torch.manual_seed(seed)
-    return model_class(config_class(**{**TINY_CONFIG, **variant_overrides, **overrides, "vocab_size": vocab_size}))
+    model = model_class(config_class(**{**TINY_CONFIG, **variant_overrides, **overrides, "vocab_size": vocab_size}))
+    # transformers initialises biases to 0 and per-head norms to 1, under which an export that
+    # dropped them would still match: random values make a dropped tensor show in the logits.
+    generator = torch.Generator().manual_seed(seed)
+    randomised = [t for t in family_for(model_type).layer_tensors if t.kind == "bias" or t.dims == ("head",)]
+    with torch.no_grad():
+        for layer in family_for(model_type).decoder_layers(model):
+            for tensor in randomised:
+                param = layer.get_parameter(tensor.name)
+                noise = torch.randn(param.shape, generator=generator)
+                if tensor.kind == "bias":
+                    param.copy_(0.5 * noise)
+                else:  # a norm's weight: around 1
+                    param.add_(0.1 * noise)
+    return model
 
 
 def check_model_path(path: str | Path, flag: str = "model path") -> dict:

@@ -18,12 +18,16 @@ __all__ = ["ADAPTER_TARGETS", "DEFAULT_ADAPTER_TARGETS", "FAMILIES", "Family", "
 
 
 def _registry() -> dict[str, Family]:
-    from apt_ds.models.llama import LLAMA
-    from apt_ds.models.mistral import MISTRAL
-    from apt_ds.models.qwen2 import QWEN2
-    from apt_ds.models.qwen3 import QWEN3
+    """Every Family defined in a module of this package (one a family), LLaMA's first."""
+    import importlib
+    import pkgutil
 
-    return {family.model_type: family for family in (LLAMA, MISTRAL, QWEN2, QWEN3)}
+    families = {}
+    for module in sorted(info.name for info in pkgutil.iter_modules(__path__)):
+        for value in vars(importlib.import_module(f"{__name__}.{module}")).values():
+            if isinstance(value, Family):
+                families.setdefault(value.model_type, value)
+    return {"llama": families.pop("llama"), **families}
 
 
 FAMILIES = _registry()

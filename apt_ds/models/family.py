@@ -17,7 +17,7 @@ is counted, sliced and exported the same way everywhere.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 AXES = ("q", "kv", "ffn", "hidden", "head")
 
@@ -138,6 +138,8 @@ class Family:
     gguf_uniform: str | None = None
     gguf_non_uniform: str | None = None
     gguf_non_uniform_why: str = ""
+    # The built-in `tiny-<model_type>` random model: its config values beside io.modeling.TINY_CONFIG
+    tiny_config: dict = field(default_factory=dict, compare=False)
 
     def gguf_architecture(self, uniform: bool) -> str:
         arch = self.gguf_uniform if uniform else self.gguf_non_uniform

@@ -17,4 +17,5 @@ QWEN3 = Family(
     refused_config=(("attention_bias", "the published Qwen3 models have no attention biases"),),
     gguf_uniform="qwen3",
     gguf_non_uniform_why="llama.cpp's per-layer graph, deci, has no q/k norms",
+    tiny_config={"head_dim": 32},  # Qwen3's default head_dim is 128
 )

@@ -76,7 +76,9 @@ def test_flags_override_a_json_config_and_lora_drops_the_schedule(tmp_path):
     assert not apt.prune and not apt.grow_ranks and not apt.distill and apt.target_density == 1.0
 
 
-@pytest.mark.parametrize("name, density", [("llama2_7b_alpaca.yaml", 0.7), ("llama2_13b_alpaca.yaml", 0.5)])
+@pytest.mark.parametrize("name, density", [("llama2_7b_alpaca.yaml", 0.7), ("llama2_13b_alpaca.yaml", 0.5),
+                                           ("llama31_8b_alpaca.yaml", 0.7), ("mistral_7b_alpaca.yaml", 0.7),
+                                           ("qwen25_7b_alpaca.yaml", 0.7), ("qwen3_8b_alpaca.yaml", 0.7)])
 def test_reference_recipes_hold_the_papers_settings(name, density, tmp_path):
     run, apt, train = resolved("--config", str(CONFIGS / name), "--model", "/models/llama", "--data", "a.json")
     assert (run.model, run.data, run.deepspeed) == ("/models/llama", "a.json", "ds_configs/zero3.json")
@@ -85,6 +87,7 @@ def test_reference_recipes_hold_the_papers_settings(name, density, tmp_path):
     assert train.base_dtype == "bf16" and train.gradient_checkpointing
     _, _, train = resolved("--config", str(CONFIGS / name), "--model", "m", "--data", "d", "--lr", "3e-4")
     assert train.lr == 3e-4  # a flag overrides the recipe
+    assert "deepspeed --num_gpus 8 launch/train.py" in (CONFIGS / name).read_text()  # the 8-GPU command it documents
 
 
 def test_every_shipped_recipe_resolves():

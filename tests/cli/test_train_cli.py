@@ -189,7 +189,7 @@ def test_lora_is_not_refused_for_settings_only_pruning_and_growth_read(tmp_path)
 
 def test_a_directory_holding_one_gguf_trains_from_that_file(trained_runs, tmp_path):
     """--model DIR of an apt-ds GGUF export (one .gguf, no config.json) is that file, as for evaluate."""
-    from apt_ds.export.merge import export_pruned
+    from apt_ds.export.pruned import export_pruned
     from apt_ds.io.modeling import build_tiny_model
     from apt_ds.io.tokenizer import load_tokenizer
 

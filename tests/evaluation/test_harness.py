@@ -42,7 +42,7 @@ LIMIT = 4
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, tokenizer):
     """{"hf": plain HF dir, "export": non-uniform apt_ds export of the same model}."""
-    from apt_ds.export.merge import export_pruned
+    from apt_ds.export.pruned import export_pruned
 
     root = tmp_path_factory.mktemp("models")
     model = tiny_llama("gqa", vocab=len(tokenizer))
@@ -338,7 +338,7 @@ def test_lm_evals_own_duplicate_refusal_is_still_one_line(models, tmp_path, caps
 
 
 def test_a_gguf_export_directory_is_evaluated_as_its_file(models, tmp_path, capsys):
-    from apt_ds.export.merge import export_pruned
+    from apt_ds.export.pruned import export_pruned
     from apt_ds.io.modeling import load_model
 
     model = load_model(models["hf"])

@@ -6,8 +6,12 @@ exports did not know: a Qwen2 (q/k/v biases) exported with a description that fo
 from __future__ import annotations
 
 import dataclasses
+import json
+from functools import partial
+from unittest import mock
 
 import pytest
+import torch
 from conftest import tiny_family
 
 from apt_ds.cli.export import main as export_main
@@ -98,3 +102,60 @@ def test_todays_qwen2_export_fails_loudly(in_tmp, tmp_path, tokenizer, capsys, m
             "error: layer 0 has self_attn.k_proj.bias, which the qwen2 description (apt_ds/models/qwen2.py) does not list"]
         assert _one_error(capsys) == expected
         assert not (tmp_path / out).exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(f".{out}")]
+
+
+@pytest.fixture
+def base_with_an_unknown_tensor(tmp_path, tokenizer):
+    """A LLaMA checkpoint whose files hold one tensor its class does not know: transformers drops
+    it without a word when it loads, so only the files tell that an export would not hold it."""
+    from safetensors.torch import load_file, save_file
+
+    base = tmp_path / "base"
+    tiny_family("llama", vocab=len(tokenizer)).save_pretrained(base)
+    tokenizer.save_pretrained(str(base))
+    tensors = load_file(str(base / "model.safetensors"))
+    tensors["model.layers.1.mlp.gate_scale"] = torch.ones(96)
+    save_file(tensors, str(base / "model.safetensors"), metadata={"format": "pt"})
+    return base
+
+
+UNKNOWN = "holds model.layers.1.mlp.gate_scale, which the llama export would not write"
+
+
+@pytest.mark.parametrize("format", ["hf", "gguf"])
+def test_a_kept_export_checks_the_base_files_not_the_loaded_model(tmp_path, capsys, base_with_an_unknown_tensor, format):
+    """`--model BASE --kept KEPT` checked the loaded model against itself, which cannot fail."""
+    kept = {"groups": [[0, 1]] * 2, "neurons": [list(range(0, 96, 2))] * 2, "hidden": list(range(48))}
+    (tmp_path / "kept.json").write_text(json.dumps(kept))
+    code = export_main(["--model", str(base_with_an_unknown_tensor), "--kept", str(tmp_path / "kept.json"),
+                        "--out", str(tmp_path / "out"), "--format", format])
+    assert code == 2
+    errors = _one_error(capsys)
+    assert len(errors) == 1 and UNKNOWN in errors[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_in_memory_run_export_checks_the_base_files(in_tmp, tmp_path, capsys, base_with_an_unknown_tensor):
+    assert train_main([*TRAIN, "--model", str(base_with_an_unknown_tensor), "--out", "run"]) == 0
+    for streaming in (True, False):
+        for out, flags in (("hf", []), ("gguf", ["--format", "gguf"])):
+            capsys.readouterr()
+            with mock.patch.object(merge, "export_run", partial(merge.export_run, streaming=streaming)):
+                assert export_main(["run", "--out", out, *flags]) == 2
+            errors = _one_error(capsys)
+            assert len(errors) == 1 and UNKNOWN in errors[0], (streaming, out, errors)
+            assert not (tmp_path / out).exists()
+
+
+def test_a_gguf_plan_that_misses_an_exported_tensor_writes_nothing(tmp_path):
+    """The GGUF writer's own check: a tensor the exported model holds that its plan does not read
+    (here one the model gained outside the layers) fails before the file is written."""
+    from apt_ds.algorithm.units import ModelShape
+    from apt_ds.export.gguf import ModelTensors, write_gguf
+
+    model = tiny_family("qwen2")
+    tensors = ModelTensors(model)
+    tensors.params["model.extra_norm.weight"] = torch.ones(64)
+    with pytest.raises(UnaccountedTensorError, match=r"GGUF \(qwen2\) would not hold model.extra_norm.weight"):
+        write_gguf(tmp_path / "m.gguf", ModelShape.from_model(model), tensors, model.config, None, "fp32")
+    assert not (tmp_path / "m.gguf").exists()

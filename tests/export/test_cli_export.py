@@ -187,7 +187,7 @@ def test_export_from_plain_model_and_kept_units(trained_runs, tmp_path):
 
 def test_a_gguf_base_with_kept_units_exports_its_tokenizer(trained_runs, tmp_path, capsys):
     """--model BASE.gguf --kept: the tokenizer is inside the GGUF; both formats carry it."""
-    from apt_ds.export.merge import export_pruned
+    from apt_ds.export.pruned import export_pruned
     from apt_ds.io.modeling import build_tiny_model
     from apt_ds.io.tokenizer import load_tokenizer
 

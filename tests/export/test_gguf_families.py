@@ -85,20 +85,25 @@ def test_each_family_in_llama_cpp_continues_as_transformers(tmp_path, tokenizer,
 
 
 def test_a_trained_qwen2_run_exports_a_gguf_that_continues_as_its_hf_export(tmp_path, tokenizer):
-    """The streamed path of a run (not --kept): a non-uniform Qwen2 run to deci, biases included."""
-    base = tmp_path / "base"
-    tiny_family("qwen2", vocab=len(tokenizer)).save_pretrained(base)
-    tokenizer.save_pretrained(str(base))
-    assert train_main([*TRAIN_FAST, "--target-density", "0.5", "--model", str(base), "--out", str(tmp_path / "run")]) == 0
-    assert export_main([str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
-    assert export_main([str(tmp_path / "run"), "--out", str(tmp_path / "gg"), "--format", "gguf", "--dtype", "fp32"]) == 0
-    fields, tensors = _reader(tmp_path / "gg" / "gg.gguf")
-    assert fields["general.architecture"] == "deci" and "blk.0.attn_q.bias" in tensors
-    try:
-        assert_same_continuation(tmp_path / "gg" / "gg.gguf", load_pretrained(tmp_path / "hf"))
-    except AssertionError as err:  # a lone byte token on every prompt says nothing of the file
-        if "partial UTF-8" not in str(err):
-            raise
+    """The streamed path of a run (not --kept): a non-uniform Qwen2 run to deci, biases included.
+    A lone byte token on every prompt says nothing of the file: another seed's run is tried."""
+    for seed in range(3):
+        root = tmp_path / f"seed{seed}"
+        tiny_family("qwen2", seed=seed, vocab=len(tokenizer)).save_pretrained(root / "base")
+        tokenizer.save_pretrained(str(root / "base"))
+        assert train_main([*TRAIN_FAST, "--target-density", "0.5", "--seed", str(seed), "--model", str(root / "base"),
+                           "--out", str(root / "run")]) == 0
+        assert export_main([str(root / "run"), "--out", str(root / "hf")]) == 0
+        assert export_main([str(root / "run"), "--out", str(root / "gg"), "--format", "gguf", "--dtype", "fp32"]) == 0
+        fields, tensors = _reader(root / "gg" / "gg.gguf")
+        assert fields["general.architecture"] == "deci" and "blk.0.attn_q.bias" in tensors
+        try:
+            assert_same_continuation(root / "gg" / "gg.gguf", load_pretrained(root / "hf"))
+            return
+        except AssertionError as err:
+            if "partial UTF-8" not in str(err):
+                raise
+    pytest.fail("every seed's continuation starts with a partial UTF-8 character")
 
 
 def test_per_layer_qwen3_is_refused_in_one_line_before_anything_is_written(tmp_path, tokenizer, capsys):
@@ -137,9 +142,10 @@ def test_mistral_window_is_named_and_llama_cpp_differs_past_it(tmp_path, tokeniz
     assert "8-token sliding window" in err and "more than 8 tokens" in err
     report = json.loads((tmp_path / "w8" / "gg" / "apt_export.json").read_text())
     assert len(report["notes"]) == 1 and "8-token" in report["notes"][0]
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError) as differs:
         assert_same_continuation(tmp_path / "w8" / "gg" / "gg.gguf", load_pretrained(tmp_path / "w8" / "hf"),
                                  prompt=PROMPT + MORE_PROMPTS[0])
+    assert "partial UTF-8" not in str(differs.value)  # the tokens or log-probs differed, not the comparison failing
     _export_both(tmp_path / "none", tokenizer, "mistral", UNIFORM_HIDDEN, tied=False, sliding_window=None)
     assert json.loads((tmp_path / "none" / "gg" / "apt_export.json").read_text())["notes"] == []
 
