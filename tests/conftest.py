@@ -197,3 +197,26 @@ def tree_digest(root: Path) -> str:
         if path.is_file():
             digest.update(path.read_bytes())
     return digest.hexdigest()
+
+
+def assert_resumed_as_uninterrupted(resumed, reference, crash_step: int, steps: int) -> dict:
+    """Two APTrainers, one resumed from a checkpoint at `crash_step`: the same shapes, kept units,
+    ranks and masks, the same losses and learning rate at every step after it, the same trained
+    parameters. Returns the resumed run's records by step."""
+    assert resumed.state.shape == reference.state.shape
+    assert resumed.state.kept_record() == reference.state.kept_record()
+    assert resumed.state.ranks() == reference.state.ranks()
+    for a, b in zip(resumed.state.masks.state_dict().values(), reference.state.masks.state_dict().values()):
+        assert torch.equal(a, b)
+    expected = {r["step"]: r for r in reference.history if "loss" in r}
+    got = {r["step"]: r for r in resumed.history if "loss" in r}
+    assert sorted(got) == list(range(crash_step + 1, steps + 1))
+    for step, record in got.items():
+        for key in ("loss", "task_loss", "distill_loss"):
+            assert record[key] == pytest.approx(expected[step][key], abs=1e-5, rel=1e-5), (step, key)
+        assert record["lr"] == pytest.approx(expected[step]["lr"], rel=1e-12)
+    trained = dict(reference.model.named_parameters())
+    for name, param in resumed.model.named_parameters():
+        if param.requires_grad:
+            torch.testing.assert_close(param, trained[name], rtol=1e-4, atol=1e-5)
+    return got

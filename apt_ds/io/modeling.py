@@ -68,8 +68,8 @@ def build_tiny_model(vocab_size: int, seed: int = 0, variant: str = TINY_MODEL, 
 
 
 def check_model_path(path: str | Path, flag: str = "model path") -> dict:
-    """The cheap checks before anything heavy: the path exists and is a .gguf file or a LLaMA
-    (or apt_ds export) directory. Returns the directory's config.json ({} for a GGUF file)."""
+    """The cheap checks before anything heavy: the path exists and is a .gguf file of a family
+    transformers reads, or a model (or apt_ds export) directory. Returns the directory's config.json ({} for a GGUF file)."""
     path = Path(path)
     if not path.exists():
         raise ModelLoadError(f"{flag} {path} does not exist (give a local HF directory, a .gguf file, "
@@ -146,13 +146,22 @@ def gguf_architecture(path: Path) -> str | None:
 
 
 def check_gguf_architecture(path: Path, flag: str = "model path") -> None:
-    """transformers reads LLaMA GGUF files; apt-ds's non-uniform export is 'deci' (per-layer head
+    """transformers reads the GGUF architectures of the families it maps right (LLaMA's, which
+    Mistral's files use too, and Qwen2's); apt-ds's non-uniform export is 'deci' (per-layer head
     counts and widths), which only llama.cpp runs."""
     architecture = gguf_architecture(path)
-    if architecture is not None and architecture != "llama":
+    readable = {f.gguf_uniform: f for f in FAMILIES.values() if f.gguf_uniform and not f.gguf_input_why}
+    if architecture is None or architecture in readable:
+        return
+    family = next((f for f in FAMILIES.values() if f.gguf_uniform == architecture), None)
+    if architecture == "deci":
         hint = (" (apt-ds's non-uniform GGUF export, which llama.cpp runs): give the HF export of the same model "
-                "(launch/export.py without --format gguf) instead" if architecture == "deci" else " (LLaMA only)")
-        raise UnsupportedModelError(f"{flag} {path} is a GGUF of architecture {architecture!r}{hint}")
+                "(launch/export.py without --format gguf) instead")
+    elif family is not None:
+        hint = f", which transformers does not load right ({family.gguf_input_why}): give the model's HF directory"
+    else:
+        hint = f" (GGUF bases read here: {', '.join(sorted(readable))}; other models: give the HF directory)"
+    raise UnsupportedModelError(f"{flag} {path} is a GGUF of architecture {architecture!r}{hint}")
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, mmap: bool = True):

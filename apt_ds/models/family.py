@@ -138,6 +138,8 @@ class Family:
     gguf_uniform: str | None = None
     gguf_non_uniform: str | None = None
     gguf_non_uniform_why: str = ""
+    # Non-empty: why a GGUF of `gguf_uniform` cannot be a base model here (transformers misreads it)
+    gguf_input_why: str = ""
     # The built-in `tiny-<model_type>` random model: its config values beside io.modeling.TINY_CONFIG
     tiny_config: dict = field(default_factory=dict, compare=False)
 

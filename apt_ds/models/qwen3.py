@@ -17,5 +17,8 @@ QWEN3 = Family(
     refused_config=(("attention_bias", "the published Qwen3 models have no attention biases"),),
     gguf_uniform="qwen3",
     gguf_non_uniform_why="llama.cpp's per-layer graph, deci, has no q/k norms",
+    # transformers' GGUF config map for qwen3 reads no head_dim (attention.key_length): 5.25 builds
+    # hidden/heads-wide heads and fails on Qwen3-0.6B/1.7B/4B/32B, whose head_dim is 128
+    gguf_input_why="transformers takes its head_dim to be hidden_size / heads",
     tiny_config={"head_dim": 32},  # Qwen3's default head_dim is 128
 )

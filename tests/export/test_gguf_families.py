@@ -190,3 +190,28 @@ def test_qwen_byte_level_bpe_tokenizes_in_llama_cpp_as_in_transformers(tmp_path,
     with llama_cpp(tmp_path / "gg" / "gg.gguf") as cpp:
         for text in texts:
             assert cpp.tokenize(text, add_special=False) == tokenizer(text, add_special_tokens=False)["input_ids"], text
+
+
+def test_a_qwen2_gguf_is_a_base_model_and_a_qwen3_gguf_is_refused_in_one_line(tmp_path, tokenizer, capsys):
+    """transformers reads a Qwen2 GGUF exactly (the logits of apt-ds's own qwen2 file equal its HF
+    export's), and a run trains from it as Qwen2; its qwen3 mapping reads no head_dim, so a Qwen3
+    GGUF is refused before anything loads instead of failing deep in transformers."""
+    import torch
+
+    from apt_ds.io.modeling import load_model
+
+    _export_both(tmp_path / "q2", tokenizer, "qwen2", HEADS_AS_HIDDEN, tied=False)
+    from_gguf, from_hf = load_model(tmp_path / "q2" / "gg" / "gg.gguf").eval(), load_pretrained(tmp_path / "q2" / "hf").eval()
+    assert type(from_gguf).__name__ == "Qwen2ForCausalLM"
+    ids = torch.randint(0, len(tokenizer), (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(from_gguf(ids).logits, from_hf(ids).logits)
+    assert train_main([*TRAIN_FAST, "--model", str(tmp_path / "q2" / "gg" / "gg.gguf"), "--out", str(tmp_path / "run")]) == 0
+    assert json.loads((tmp_path / "run" / "checkpoint" / "apt_state.json").read_text())["original_shape"]["family"] == "qwen2"
+
+    _export_both(tmp_path / "q3", tokenizer, "qwen3", UNIFORM_HIDDEN, tied=False)
+    capsys.readouterr()
+    assert train_main([*TRAIN_FAST, "--model", str(tmp_path / "q3" / "gg" / "gg.gguf"), "--out", str(tmp_path / "run3")]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "architecture 'qwen3'" in errors[0] and "HF directory" in errors[0], errors
+    assert not (tmp_path / "run3").exists()

@@ -1,6 +1,6 @@
-"""Each new family under ZeRO-3 on 2 real ranks (CPU accelerator) from the partitioned build,
-and Qwen2 (biases sliced with their heads) under ZeRO-2 too: under ZeRO-3 the family's own class
-is built partitioned (Qwen2's config has no attention_bias, which a
+"""Each new family under ZeRO-3 on 2 real ranks (CPU accelerator) from the partitioned build
+(Qwen3's run uniform), and Qwen2 (biases sliced with their heads) under ZeRO-2 too: under ZeRO-3
+the family's own class is built partitioned (Qwen2's config has no attention_bias, which a
 LlamaForCausalLM build read), both ranks take the same decisions, the run reaches its density,
 and its export gives the live model's logits. Killed after a pruned checkpoint, the run resumes
 (its pruned shapes, biases and per-head norms rebuilt under ZeRO-3) and finishes with the
@@ -37,24 +37,28 @@ from test_distributed import (  # noqa: E402
 from apt_ds.cli.export import main as export_main  # noqa: E402
 from apt_ds.models import FAMILIES  # noqa: E402
 
-# LLaMA's runs: tests/distributed/test_distributed.py
-RUNS = [*((name, 3) for name in FAMILIES if name != "llama"), ("qwen2", 2)]
+# LLaMA's runs: tests/distributed/test_distributed.py. Qwen3 uniform: the family a GGUF needs it for.
+RUNS = [*((name, 3, ["--uniform"] if name == "qwen3" else []) for name in FAMILIES if name != "llama"), ("qwen2", 2, [])]
 
 
-@pytest.mark.parametrize(("model_type", "stage"), RUNS, ids=[f"{name}-zero{stage}" for name, stage in RUNS])
-def test_a_two_rank_zero_run_prunes_exports_and_resumes(tmp_path, tokenizer, model_type, stage):
+@pytest.mark.parametrize(("model_type", "stage", "flags"), RUNS,
+                         ids=[f"{name}-zero{stage}{'-uniform' if flags else ''}" for name, stage, flags in RUNS])
+def test_a_two_rank_zero_run_prunes_exports_and_resumes(tmp_path, tokenizer, model_type, stage, flags):
     base = tmp_path / model_type
     tiny_family(model_type, vocab=len(tokenizer)).save_pretrained(base)
     tokenizer.save_pretrained(str(base))
     out = tmp_path / "run"
     # events at steps 5 and 8: the step-6 checkpoint is a pruned one
     args = ["--deepspeed", ds_config(tmp_path, stage), *COMMON, "--micro-batch-size", "2", "--checkpoint-every", "6",
-            "--model", str(base)]
+            "--model", str(base), *flags]
     result = launch(2, [*args, *EVAL, "--save-eval-probe", "--out", str(out)])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     check_identical_and_pruned(out, 2)
     assert export_main([str(out), "--out", str(tmp_path / "hf")]) == 0
     check_against_probe(out, tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == [FAMILIES[model_type].causal_lm_class]
+    assert not flags or "apt_layer_shapes" not in config  # uniform: a stock config
     _killed_then_resumed_as_uninterrupted(tmp_path / "killed", args, reference=out)
 
 
