@@ -220,3 +220,16 @@ def assert_resumed_as_uninterrupted(resumed, reference, crash_step: int, steps: 
         if param.requires_grad:
             torch.testing.assert_close(param, trained[name], rtol=1e-4, atol=1e-5)
     return got
+
+
+class Crash(Exception):
+    """The simulated crash of `micro_batches`."""
+
+
+def micro_batches(crash_at: int | None = None):
+    """Micro-batch i depends only on i; the stream 'crashes' (Crash) before micro-batch `crash_at`."""
+    served = 0
+    while crash_at is None or served < crash_at:
+        yield random_batch(batch=4, length=16, seed=1000 + served)
+        served += 1
+    raise Crash(f"simulated crash before micro-batch {served}")

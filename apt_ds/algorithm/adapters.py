@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from apt_ds.algorithm.edits import Grow, Keep, ShapeChange
+from apt_ds.algorithm.quant import QuantizedLinear, dense_weight, frozen_linear
 from apt_ds.models import family_of
 
 
@@ -44,7 +45,7 @@ class APTAdapter(nn.Linear):
         if isinstance(linear, APTAdapter):
             raise TypeError("this Linear is already an APTAdapter: the model has APT adapters on it (one APTrainer per "
                             "model; a trained model is exported or merged first, apt_ds.export)")
-        if type(linear) is not nn.Linear:
+        if type(linear) not in (nn.Linear, QuantizedLinear):
             raise TypeError(f"can only wrap a plain nn.Linear, got {type(linear).__name__}")
         try:
             rank = operator.index(rank)  # an int, or a numpy integer
@@ -73,7 +74,7 @@ class APTAdapter(nn.Linear):
         return int(getattr(self.lora_A, "ds_shape", self.lora_A.shape)[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        base = F.linear(x, self.weight, self.bias)
+        base = frozen_linear(x, self.weight, self.bias)  # a quantized base weight too
         lora_a, lora_b = (self.teacher_A, self.teacher_B) if self.use_teacher else (self.lora_A, self.lora_B)
         update = F.linear(F.linear(x.to(lora_a.dtype), lora_a), lora_b)
         return base + (self.scaling * update).to(base.dtype)
@@ -121,9 +122,11 @@ class APTAdapter(nn.Linear):
     # ---- merge -----------------------------------------------------------------------------
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
-        """W + s * B A, computed in fp32 and cast back to W's dtype (PEFT's rule on CPU)."""
+        """W + s * B A, computed in fp32 and cast back to W's dtype (PEFT's rule on CPU); a
+        quantized W is dequantized first (its compute dtype)."""
+        weight = dense_weight(self.weight)
         delta = (self.lora_B.float() @ self.lora_A.float()) * self.scaling
-        return (self.weight.float() + delta).to(self.weight.dtype)
+        return (weight.float() + delta).to(weight.dtype)
 
     def merge_and_unwrap(self) -> nn.Linear:
         """Fold the adapter into the weight and turn this module back into a plain nn.Linear."""

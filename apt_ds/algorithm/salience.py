@@ -36,6 +36,7 @@ import torch
 
 from apt_ds.algorithm.finite import require_finite
 from apt_ds.algorithm.kurtosis import column_power_sums, unit_kurtosis
+from apt_ds.algorithm.quant import dense_weight
 from apt_ds.algorithm.salience_site import SiteSums
 from apt_ds.algorithm.shrink import group_channels
 from apt_ds.algorithm.units import ModelShape
@@ -304,4 +305,4 @@ def _carry_power_sums(old: SiteSums, new: SiteSums, columns: torch.Tensor) -> No
 def _effective_weight(module) -> torch.Tensor:
     """The weight the forward pass applies (base + adapter update when the module has one)."""
     merged = getattr(module, "merged_weight", None)
-    return merged() if callable(merged) else module.weight
+    return merged() if callable(merged) else dense_weight(module.weight)

@@ -18,6 +18,7 @@ from torch import nn
 
 from apt_ds.algorithm.adapters import APTAdapter
 from apt_ds.algorithm.edits import ShapeChange
+from apt_ds.algorithm.quant import is_quantized, keep_quantized, logical_shape
 from apt_ds.algorithm.units import ModelShape
 from apt_ds.models import Family, family_of
 
@@ -61,16 +62,19 @@ def slice_linear(module: nn.Linear, out_index, in_index, prefix: str) -> ShapeCh
     in_index = _full_or_index(in_index, module.in_features)
     if out_index is None and in_index is None:
         return {}
-    weight = module.weight.detach()
-    if out_index is not None:
-        weight = weight.index_select(0, out_index.to(weight.device))
-    if in_index is not None:
-        weight = weight.index_select(1, in_index.to(weight.device))
-    module.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+    if is_quantized(module.weight):  # whole quantization blocks kept as they are where the units allow it
+        module.weight, _ = keep_quantized(module.weight, out_index, in_index)
+    else:
+        weight = module.weight.detach()
+        if out_index is not None:
+            weight = weight.index_select(0, out_index.to(weight.device))
+        if in_index is not None:
+            weight = weight.index_select(1, in_index.to(weight.device))
+        module.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
     if module.bias is not None and out_index is not None:
         bias = module.bias.detach()
         module.bias = nn.Parameter(bias.index_select(0, out_index.to(bias.device)).contiguous(), requires_grad=False)
-    module.out_features, module.in_features = weight.shape
+    module.out_features, module.in_features = logical_shape(module.weight)
     change: ShapeChange = {}
     if isinstance(module, APTAdapter):
         for name, edits in module.keep_adapter_entries(out_index, in_index).items():

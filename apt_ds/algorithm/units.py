@@ -159,7 +159,8 @@ class ModelShape:
 
 def _full_shape(param: torch.Tensor) -> tuple[int, ...]:
     ds_shape = getattr(param, "ds_shape", None)  # ZeRO-3 partitioned parameter
-    return tuple(ds_shape) if ds_shape is not None else tuple(param.shape)
+    quantized = getattr(param, "apt_shape", None)  # a quantized base weight, stored packed (algorithm/quant.py)
+    return tuple(ds_shape if ds_shape is not None else quantized if quantized is not None else param.shape)
 
 
 ADAPTER_PARAMETERS = ("lora_A", "lora_B")  # APTAdapter's own (algorithm/adapters.py), not the base model's

@@ -15,6 +15,7 @@ from apt_ds.config.base import ConfigError, _JsonConfig, _require, check_field_t
 from apt_ds.models import ADAPTER_TARGETS, DEFAULT_ADAPTER_TARGETS
 
 BASE_DTYPES = ("auto", "bf16", "fp16", "fp32")
+BASE_QUANTS = ("none", "nf4", "fp4", "int8")  # bitsandbytes' storage of the frozen projections
 TEMPLATES = ("alpaca", "chat", "none")
 SCORE_NORMALIZATIONS = ("kind", "none")
 SHAPE_METRICS = ("task", "kl")  # how uniform mode's shape trials score a shape (apt_ds.training.shape_trials)
@@ -215,6 +216,13 @@ class TrainConfig(_JsonConfig):
     base_dtype: str = help_field("dtype of the frozen base weights: auto (bf16 on GPUs, fp32 on CPU), bf16, fp16 (GPU "
                                  "only) or fp32; adapters always keep fp32 masters. Under DeepSpeed, bf16/fp16 become the "
                                  "JSON's precision section", choices=BASE_DTYPES, default="auto")
+    base_quant: str = help_field("store the frozen projections (q/k/v/o, gate/up/down) quantized with bitsandbytes, "
+                                 "QLoRA-style: nf4 or fp4 (4-bit blocks of 64) or int8 (LLM.int8 rows); quantized as "
+                                 "they load; embeddings, norms and the LM head stay in --base-dtype, which is also the "
+                                 "compute dtype; the export merges into the original weights", choices=BASE_QUANTS,
+                                 default="none")
+    double_quant: bool = help_field("with a 4-bit --base-quant, quantize the blocks' scales too (QLoRA's double "
+                                    "quantization, transformers' bnb_4bit_use_double_quant)", default=True)
     gradient_checkpointing: bool = help_field("recompute each decoder layer's activations in backward instead of keeping "
                                               "them (less memory, ~30% more compute); salience is unchanged", default=False)
     cudnn_attention: bool = help_field("true: attention on CUDA keeps PyTorch's own choice of kernels (cuDNN's first); "
@@ -240,6 +248,7 @@ class TrainConfig(_JsonConfig):
         _require(self.checkpoint_every >= 0, c, "checkpoint_every", ">= 0", self.checkpoint_every)
         _require(self.template in TEMPLATES, c, "template", f"one of {', '.join(TEMPLATES)}", self.template)
         _require(self.base_dtype in BASE_DTYPES, c, "base_dtype", f"one of {', '.join(BASE_DTYPES)}", self.base_dtype)
+        _require(self.base_quant in BASE_QUANTS, c, "base_quant", f"one of {', '.join(BASE_QUANTS)}", self.base_quant)
         _require(_is_device_name(self.device), c, "device", "auto, cpu, cuda or cuda:N", self.device)
 
 

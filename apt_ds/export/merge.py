@@ -18,6 +18,7 @@ from apt_ds.algorithm.distill import TRANSFORM_ATTR
 from apt_ds.algorithm.finite import NonFiniteError
 from apt_ds.algorithm.masks import is_binary
 from apt_ds.algorithm.pruner import KeepDecision
+from apt_ds.algorithm.quant import dequantize_linears
 from apt_ds.algorithm.state import APTModel
 from apt_ds.algorithm.units import ModelShape, UnsupportedModelError
 from apt_ds.config import APTConfig, ConfigError
@@ -125,6 +126,7 @@ def compact_model(model, state: APTModel):
     if hasattr(model, TRANSFORM_ATTR):
         delattr(model, TRANSFORM_ATTR)
     merge_adapters(model)  # first: a mask on o_proj/down_proj inputs scales the adapter path too
+    dequantize_linears(model)  # a quantized base's projections without an adapter (--base-quant)
     fold_masks(model, state)
     for param in model.parameters():
         param.requires_grad_(False)

@@ -17,7 +17,8 @@ from apt_ds.io.atomic import write_text_atomic
 from apt_ds.io.checkpoint import CheckpointError, check_known_apt_fields, check_same_apt_config
 from apt_ds.io.fingerprint import same_model
 
-RESUME_MUST_MATCH = ("steps", "lr", "warmup_steps", "weight_decay", "max_grad_norm", "max_seq_len", "template", "seed")
+RESUME_MUST_MATCH = ("steps", "lr", "warmup_steps", "weight_decay", "max_grad_norm", "max_seq_len", "template", "seed",
+                     "base_quant", "double_quant")  # the base's codes: a resume quantizes them again
 
 
 def global_batch_size(train: dict | TrainConfig, world_size: int) -> int:
@@ -65,7 +66,8 @@ def check_resumable_settings(meta: dict, train: TrainConfig, data_path: str, wor
             f"(or --global-batch-size {before}) for {world_size} ranks")
     if "max_grad_norm" not in saved_train:
         saved_train = {**saved_train, "max_grad_norm": clipping_before_max_grad_norm(meta["run_info"])}
-    saved_train = {"template": "alpaca", **saved_train}  # runs saved before the field used the Alpaca prompt
+    # runs saved before these fields used the Alpaca prompt and a full-precision base
+    saved_train = {"template": "alpaca", "base_quant": "none", "double_quant": True, **saved_train}
     changed = [k for k in RESUME_MUST_MATCH if saved_train.get(k) != getattr(train, k)]
     # A changed --steps also moves what was left to its defaults (the warm-up, APTConfig.for_steps's
     # schedule): naming those too would send the user after settings that --steps alone puts back.

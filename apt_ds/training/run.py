@@ -28,6 +28,7 @@ from apt_ds.io.context_length import check_max_seq_len
 from apt_ds.io.data import TruncationStats, batches, demo_data_path, load_records, tokenize_dataset
 from apt_ds.io.fingerprint import file_fingerprint, model_fingerprint
 from apt_ds.io.modeling import TINY_MODELS, build_tiny_model, load_model
+from apt_ds.io.quantized import base_quant_of, check_quantizable_base, load_quantized, quantize_model
 from apt_ds.io.run_dir import (
     RUN_FILE,
     check_out_dir,
@@ -113,19 +114,22 @@ def _model(args, tokenizer, train: TrainConfig, prunes: bool, backend, check_fin
     run that prunes reads the weights into memory rather than mapping the file: mapped pages
     would stay resident after pruning (apt_ds.io.modeling.load_model)."""
     dtype = base_dtype_of(backend, train)
+    quant = base_quant_of(train, dtype)
     if args.model in TINY_MODELS:
         model = build_tiny_model(vocab_size=len(tokenizer), seed=train.seed, variant=args.model)
         fingerprint = model_fingerprint(model)
         check_fingerprint(fingerprint)
         if _partitions_weights(backend):  # tiny: its full state dict is the source of the partitions
             return _partitioned(backend, model.config, model.state_dict(), dtype, train), fingerprint
-        return model.to(dtype), fingerprint
+        return (quantize_model(model.to(dtype), quant) if quant.enabled else model.to(dtype)), fingerprint
     path = Path(args.model)
     if path.is_dir():
         from apt_ds.io.weights import SafetensorsWeights
 
         fingerprint = file_fingerprint(path)  # chunk by chunk: the same for every base dtype
         check_fingerprint(fingerprint)
+        if quant.enabled:  # quantized tensor by tensor as it loads (apt_ds.io.quantized)
+            return load_quantized(path, quant, backend.device), fingerprint
         if _partitions_weights(backend):
             from transformers import AutoConfig
 
@@ -186,7 +190,14 @@ def import_training_libraries(with_deepspeed: bool) -> None:
     asked for), so that `startup_objects_frozen`, entered next, hides their objects from the
     garbage collector. Measured on SmolLM2: the collection at a pruning event then walks 43k
     objects instead of 231k (0.03 s instead of 0.16 s on the 2-vCPU EPYC)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM  # noqa: F401 (transformers is lazy: naming the classes imports them)
+    # transformers is lazy: naming the classes imports them. The LR schedule's module imports peft,
+    # and peft bitsandbytes where it is installed (80k objects that an event would walk otherwise).
+    from transformers import (  # noqa: F401
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        LlamaForCausalLM,
+        get_cosine_with_min_lr_schedule_with_warmup,
+    )
 
     if with_deepspeed:
         from apt_ds.distributed.zero_comm import import_deepspeed
@@ -204,6 +215,7 @@ def run_training(args, apt: APTConfig, train: TrainConfig) -> dict:
 def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
     out = Path(args.out)
     check_out_dir(out, args.resume, args.overwrite)  # fail early; nothing is touched yet
+    check_quantizable_base(args.model, base_quant_of(train, base_dtype_of(backend, train)), args.deepspeed, backend.device)
     if getattr(args, "save_eval_probe", False) and not args.eval_data:
         raise ConfigError("--save-eval-probe needs --eval-data (the probe is the first eval batch)")
     meta = read_meta(resume.checkpoint_to_resume(out)) if args.resume else None

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import assert_resumed_as_uninterrupted, random_batch, tiny_family
+from conftest import Crash, assert_resumed_as_uninterrupted, micro_batches, tiny_family
 
 from apt_ds import APTConfig, APTrainer, TrainConfig
 from apt_ds.models import FAMILIES
@@ -22,19 +22,6 @@ def _one_thread(one_thread):
     """Every test here runs with one torch thread (see conftest.one_thread)."""
 
 
-class _Crash(Exception):
-    pass
-
-
-def _batches(crash_at: int | None = None):
-    """Micro-batch i depends only on i; the stream 'crashes' before micro-batch `crash_at`."""
-    served = 0
-    while crash_at is None or served < crash_at:
-        yield random_batch(batch=4, length=16, seed=1000 + served)
-        served += 1
-    raise _Crash(f"simulated crash before micro-batch {served}")
-
-
 def _configs(uniform: bool):
     apt = APTConfig.for_steps(STEPS, target_density=0.6, distill_num_blocks=1, uniform=uniform)
     train = TrainConfig(steps=STEPS, grad_accum_steps=2, checkpoint_every=CRASH_STEP, warmup_steps=3, lr=2e-3)
@@ -46,18 +33,18 @@ def _configs(uniform: bool):
 def test_a_stopped_run_resumes_to_the_uninterrupted_one(tmp_path, model_type, uniform):
     apt, train = _configs(uniform)
     reference = APTrainer(tiny_family(model_type), apt, train, out_dir=tmp_path / "whole", progress=False)
-    reference.train(_batches())
+    reference.train(micro_batches())
 
     crashed = APTrainer(tiny_family(model_type), apt, train, out_dir=tmp_path / "a", progress=False)
-    with pytest.raises(_Crash):
-        crashed.train(_batches(crash_at=CRASH_STEP * train.grad_accum_steps))
+    with pytest.raises(Crash):
+        crashed.train(micro_batches(crash_at=CRASH_STEP * train.grad_accum_steps))
     meta = json.loads((tmp_path / "a" / "checkpoint" / "apt_state.json").read_text())
     assert meta["step"] == CRASH_STEP and meta["shape"] != meta["original_shape"]
 
     resumed = APTrainer(tiny_family(model_type), apt, train, out_dir=tmp_path / "b", progress=False)
     resumed.resume(tmp_path / "a" / "checkpoint")
     assert type(resumed.model).__name__ == FAMILIES[model_type].causal_lm_class
-    resumed.train(_batches())
+    resumed.train(micro_batches())
     assert_resumed_as_uninterrupted(resumed, reference, CRASH_STEP, STEPS)
     assert resumed.state.shape.block_params() < 0.75 * resumed.state.original_shape.block_params()
     assert resumed.state.shape.uniform or not uniform

@@ -1,0 +1,97 @@
+"""A base model whose frozen projections are quantized as they load (`--base-quant`, QLoRA's
+setting): from a safetensors directory tensor by tensor, each projection quantized on its device
+as soon as it is read, so no full-precision copy of the model exists at any time; embeddings,
+norms, biases and the LM head stay in the base dtype (apt_ds.algorithm.quant)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from apt_ds.algorithm.quant import BaseQuant, QuantizationError, bitsandbytes, quantize_linear
+from apt_ds.config import TrainConfig
+from apt_ds.io.modeling import ModelLoadError
+from apt_ds.models import family_for, family_of
+
+
+def base_quant_of(train: TrainConfig, dtype: torch.dtype) -> BaseQuant:
+    """How the frozen projections are stored: --base-quant, computing in the base dtype."""
+    return BaseQuant(train.base_quant, double_quant=train.double_quant, compute_dtype=dtype)
+
+
+def check_quantizable_base(model: str, quant: BaseQuant, deepspeed: str | None, device: torch.device) -> None:
+    """What cannot be quantized here, in one line each, before anything loads."""
+    if not quant.enabled:
+        return
+    bitsandbytes()
+    if deepspeed:
+        raise QuantizationError(f"--base-quant {quant.method} runs in one process in this version (a quantized base "
+                                f"under DeepSpeed ZeRO is not built yet): drop --deepspeed, or --base-quant none")
+    if Path(model).is_file():
+        raise QuantizationError(f"--base-quant {quant.method}: --model {model} is a GGUF file, whose weights were "
+                                f"quantized (or dequantized) already; give the model's safetensors directory")
+    if device.type == "cpu" and quant.compute_dtype == torch.float16:
+        raise QuantizationError("--base-quant with fp16 compute needs a GPU: on a CPU use --base-dtype fp32 or bf16")
+
+
+def projection_modules(model):
+    """(name, Linear) of every frozen projection the family lists (q/k/v/o, gate/up/down)."""
+    family = family_of(model)
+    for index, layer in enumerate(family.decoder_layers(model)):
+        for tensor in family.projections.values():
+            yield f"{family.layer_prefix(index)}.{tensor.module}", family.layer_module(layer, tensor.role)
+
+
+def quantize_model(model, quant: BaseQuant):
+    """Quantize the projections of a model already in memory (the built-in tiny ones), in place.
+    Their full-precision weights stay beside them as the source a shrink re-quantizes from
+    (algorithm/quant.py), which only a small model affords; files are read again instead."""
+    with torch.no_grad():
+        for _, linear in projection_modules(model):
+            original = linear.weight.detach().clone()
+            quantize_linear(linear, quant, source=lambda original=original: original)
+    return model
+
+
+def load_quantized(path: Path, quant: BaseQuant, device: torch.device):
+    """The family's causal LM from `path`'s safetensors, projections quantized on `device` as they
+    are read, every other tensor in the compute dtype there."""
+    from transformers import AutoConfig
+    from transformers.initialization import no_init_weights
+
+    from apt_ds.io.weights import SafetensorsWeights
+
+    config = AutoConfig.from_pretrained(str(path))
+    family = family_for(config.model_type)
+    weights = SafetensorsWeights(path)
+    with torch.device("meta"), no_init_weights():
+        model = family.classes()[1](config)
+    projections = {f"{name}.weight": linear for name, linear in projection_modules(model)}
+    params = dict(model.named_parameters())  # a tied LM head once, under the embedding's name
+    missing = [name for name in params if name not in weights]
+    if missing:
+        raise ModelLoadError(f"the checkpoint {path} has no weights for {missing[:3]} ({len(missing)} tensors)")
+    with torch.no_grad():
+        for name, param in params.items():
+            tensor = weights.get(name)
+            if list(tensor.shape) != list(param.shape):
+                raise ModelLoadError(f"weight {name} has shape {list(tensor.shape)} in {path}, the config says "
+                                     f"{list(param.shape)}")
+            tensor = tensor.to(device=device, dtype=quant.compute_dtype)
+            if name in projections:
+                linear = projections[name]
+                linear.weight = nn.Parameter(tensor, requires_grad=False)
+                quantize_linear(linear, quant, source=lambda name=name: weights.get(name))
+            else:
+                owner, _, leaf = name.rpartition(".")
+                setattr(model.get_submodule(owner), leaf, nn.Parameter(tensor, requires_grad=False))
+            del tensor
+    if config.tie_word_embeddings:
+        family.output_module(model).weight = family.embedding_module(model).weight
+    family.rebuild_rotary(model, device)
+    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ModelLoadError(f"loading {path} quantized left {left[:3]} unset: this family's tensors are not all known")
+    return model.eval()
