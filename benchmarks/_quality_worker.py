@@ -25,12 +25,15 @@ from apt_ds.config import APTConfig
 
 
 def method_spec(name: str) -> dict:
+    """`lora`, `apt_0.7_uniform`, ...; a `_nf4` suffix trains on an nf4 base (`lora_nf4`: QLoRA)."""
+    base_quant = "nf4" if name.endswith("_nf4") else "none"
+    name = name.removesuffix("_nf4")
     if name in ("zero_shot", "lora"):
-        return {"kind": name, "density": 1.0, "uniform": False}
+        return {"kind": name, "density": 1.0, "uniform": False, "base_quant": base_quant}
     kind, density, *rest = name.split("_")
     # prune-then-tune's LoRA phase never distils
     return {"kind": kind, "density": float(density), "uniform": "uniform" in rest,
-            "distill": kind == "apt" and "nodistill" not in rest}
+            "distill": kind == "apt" and "nodistill" not in rest, "base_quant": base_quant}
 
 
 def apt_config(method: dict, spec: dict) -> APTConfig:
@@ -143,7 +146,13 @@ def run_worker(spec_path: Path) -> None:
         write_json(run_dir / "result.json", result)
         return
     started = time.perf_counter()
-    model = load_model(spec["hf_dir"], mmap=False)  # as `apt-ds train` loads for pruning: freed weights leave RSS
+    if method["base_quant"] != "none":  # as `apt-ds train --base-quant` loads: quantized tensor by tensor
+        from apt_ds.algorithm.quant import BaseQuant
+        from apt_ds.io.quantized import load_quantized
+
+        model = load_quantized(Path(spec["hf_dir"]), BaseQuant(method["base_quant"]), torch.device("cpu"))
+    else:
+        model = load_model(spec["hf_dir"], mmap=False)  # as `apt-ds train` loads for pruning: freed weights leave RSS
     result["load_time_s"] = time.perf_counter() - started
     original = ModelShape.from_model(model)
     if method["kind"] == "zero_shot":
@@ -162,7 +171,8 @@ def run_worker(spec_path: Path) -> None:
     if method["kind"] != "lora":  # --apt may change them (dense LoRA trains apt.as_lora() whatever they say)
         result.update(uniform=apt.uniform, distill=apt.distill, target_density=apt.target_density)
     train = TrainConfig(steps=steps, micro_batch_size=spec["micro_batch_size"], lr=spec["lr"],
-                        warmup_steps=max(1, steps // 10), max_seq_len=seq, seed=spec["seed"], log_every=1)
+                        warmup_steps=max(1, steps // 10), max_seq_len=seq, seed=spec["seed"], log_every=1,
+                        base_quant=method["base_quant"])  # recorded: the export merges into what it trained on
     records = load_records(task_dir / "train.jsonl")
     examples = tokenize_dataset(records, tokenizer, seq, pack=False, source=str(task_dir / "train.jsonl"))
     pad_id = tokenizer.pad_token_id or 0

@@ -10,6 +10,8 @@ prepare_tasks.py: compact "<input>\n<cue>\n" prompts by default):
   ptt_<d>           prune-then-tune: one-shot first-order Taylor pruning to density d, then LoRA
   apt_<d>           APT to density d, non-uniform
   apt_<d>_uniform   APT to density d, the same shape in every layer (stock LlamaConfig export)
+  lora_nf4, apt_0.7_nf4   QLoRA and APT on an nf4 base (--base-quant nf4, docs/QUANTIZED_BASE.md);
+                    exported merged into the dequantized weights they trained on
 
 Every training run is a fresh subprocess (`--worker`), so its memory readings are its own.
 The model is loaded as `apt-ds train` loads it for a pruning run (`load_model(mmap=False)`:
@@ -66,7 +68,7 @@ TASKS = {"sst2": {"max_seq_len": 64, "steps": 48, "eval_examples": None},
 HARNESS_TASKS = ["arc_easy", "arc_challenge", "hellaswag", "piqa", "mmlu", "sst2", "boolq"]
 METHOD_ORDER = ["zero_shot", "lora", "apt_0.7", "ptt_0.7", "apt_0.5", "apt_0.7_uniform", "apt_0.5_uniform", "ptt_0.5"]
 # ablations, run only when named in --methods: APT without self-distillation
-EXTRA_METHODS = ["apt_0.7_nodistill", "apt_0.5_nodistill"]
+EXTRA_METHODS = ["apt_0.7_nodistill", "apt_0.5_nodistill", "lora_nf4", "apt_0.7_nf4"]  # _nf4: --base-quant nf4
 
 
 # ============================================================== parent: runs, speed, report

@@ -158,6 +158,11 @@ class ExportArguments:
                                  "files the export did not write)", default=False)
     max_shard_size: str = help_field("largest safetensors shard (e.g. 500MB, 5GB); bigger models are written as shards "
                                      "plus model.safetensors.index.json", default="5GB")
+    merge_into: Optional[str] = help_field("a run trained with --base-quant: merge the adapters into the dequantized "
+                                           "weights the run trained on (the default: the export computes as the live "
+                                           "model did; the codes are quantized again from the same files) or into the "
+                                           "original full-precision weights (docs/QUANTIZED_BASE.md)",
+                                           choices=("dequantized", "original"), default=None)
 
 
 def build_export_parser() -> ArgumentParser:

@@ -42,8 +42,11 @@ def main(argv: list[str] | None = None) -> int:
                 if note := set_aside_note(Path(args.run_dir)):  # a killed --overwrite start: where the previous run is
                     print(note, file=sys.stderr)
                 report_ = export_run(Path(args.run_dir), Path(args.out), dtype=args.dtype, overwrite=args.overwrite,
-                                     model_path=args.model, max_shard_size=args.max_shard_size, format=args.format)
+                                     model_path=args.model, max_shard_size=args.max_shard_size, format=args.format,
+                                     merge_into=args.merge_into)
             else:
+                if args.merge_into is not None:
+                    raise ConfigError("--merge-into is for a run trained with --base-quant, not for --model with --kept")
                 check_options(args.dtype, args.max_shard_size, args.format)  # before the (slow) model load
                 model, kept = _plain_model_and_kept(args.model, args.kept)
                 with _tokenizer_dir(args.model) as tokenizer_dir:

@@ -29,20 +29,24 @@ from apt_ds.io.checkpoint import CheckpointError, read_meta
 from apt_ds.io.fingerprint import file_fingerprint, model_fingerprint, same_model
 from apt_ds.io.modeling import TINY_MODELS, ModelLoadError, build_tiny_model, check_model_path, load_model
 from apt_ds.io.pinned import pinned_directory, replaced
+from apt_ds.io.quantized import merge_quant, quantize_model
 from apt_ds.io.weights import SafetensorsWeights, WeightsError
 from apt_ds.models import family_for, family_of
 
 
-def rebuild_trained_model(run_dir: Path, model_path: str | Path | None = None, checkpoint: Path | None = None):
+def rebuild_trained_model(run_dir: Path, model_path: str | Path | None = None, checkpoint: Path | None = None,
+                          quant=None):
     """The run's model as trained: original weights, shrunk, adapters loaded, masks installed.
 
     `model_path` overrides the base model recorded in the run (a run moved to another machine);
     `checkpoint`: where its checkpoint is read (default RUN/checkpoint; `export_run` pins it).
-    Every inconsistency of the run's files is reported as one CheckpointError."""
+    `quant` (apt_ds.algorithm.quant.BaseQuant): quantize the base as the run did, so that the
+    model computes with the weights it trained on. Every inconsistency of the run's files is
+    reported as one CheckpointError."""
     checkpoint = run_dir / "checkpoint" if checkpoint is None else checkpoint
     meta = read_meta(checkpoint)
     try:
-        return _rebuild(run_dir, checkpoint, meta, model_path)
+        return _rebuild(run_dir, checkpoint, meta, model_path, quant)
     except (KeyError, IndexError, ValueError, TypeError, RuntimeError, AttributeError) as err:
         if isinstance(err, (CheckpointError, ModelLoadError, UnsupportedModelError)):
             raise
@@ -50,7 +54,7 @@ def rebuild_trained_model(run_dir: Path, model_path: str | Path | None = None, c
         raise CheckpointError(f"{run_dir}: checkpoint is inconsistent ({type(err).__name__}: {detail})") from None
 
 
-def _rebuild(run_dir: Path, checkpoint: Path, meta: dict, model_path):
+def _rebuild(run_dir: Path, checkpoint: Path, meta: dict, model_path, quant):
     info = meta["run_info"]
     apt = APTConfig.from_dict(meta["apt_config"])
     base = str(model_path) if model_path is not None else info["model"]
@@ -74,6 +78,8 @@ def _rebuild(run_dir: Path, checkpoint: Path, meta: dict, model_path):
         current = file_fingerprint(base) if Path(base).is_dir() else model_fingerprint(model)
         if not same_model(recorded, current):
             raise CheckpointError(f"{run_dir}: model {base} is not the base model this run was trained from")
+    if quant is not None:  # before the shrinks: they re-quantize cut blocks from these very weights
+        quantize_model(model, quant)
     state = APTModel(model, apt, seed=meta["train_config"]["seed"])
     if state.original_shape != ModelShape.from_dict(meta["original_shape"]):  # a run from before families were recorded too
         raise CheckpointError(f"{run_dir}: model {base} does not match the checkpoint's original shapes")
@@ -134,9 +140,9 @@ def compact_model(model, state: APTModel):
 
 
 def merge_and_compact(trainer):
-    """The model of a trained `APTrainer` with its adapters merged and its pruned units removed: a
-    LlamaForCausalLM in eval mode without masks, hooks or distillation parts (per-layer widths
-    after a non-uniform run), in the dtype it trained in (export_run merges in fp32 and writes
+    """The model of a trained `APTrainer` with its adapters merged and its pruned units removed: its
+    family's causal LM (LlamaForCausalLM, Qwen2ForCausalLM, ...) in eval mode without masks, hooks
+    or distillation parts (per-layer widths after a non-uniform run), in the dtype it trained in (export_run merges in fp32 and writes
     `dtype`). The trainer cannot train on afterwards. One process or ZeRO-1/2: a ZeRO-3 model is
     partitioned across ranks, so export its run instead (`apt_ds.export_run`, which writes files)."""
     if any(hasattr(p, "ds_id") for p in trainer.model.parameters()):  # ZeRO-3's mark (export knows no DeepSpeed)
@@ -150,11 +156,12 @@ def merge_and_compact(trainer):
 
 def export_run(run_dir: Path, out: Path, dtype: str = "fp32", overwrite: bool = False,
                model_path: str | Path | None = None, max_shard_size: str | int = DEFAULT_SHARD_SIZE,
-               streaming: bool | None = None, format: str = "hf") -> dict:
+               streaming: bool | None = None, format: str = "hf", merge_into: str | None = None) -> dict:
     """Export a run. A base model that is a safetensors directory is streamed tensor by tensor
     (apt_ds.export.streaming: memory for about one shard); the built-in tiny models and GGUF
     files are rebuilt in memory. `streaming=False` forces the in-memory path (same output).
-    `format="gguf"` writes one llama.cpp file instead (apt_ds.export.gguf)."""
+    `format="gguf"` writes one llama.cpp file instead (apt_ds.export.gguf). `merge_into`: a
+    --base-quant run's adapters go into the dequantized weights (None, the default) or "original"."""
     run_dir, out = Path(run_dir), Path(out)
     check_options(dtype, max_shard_size, format)
     if model_path is not None and str(model_path) not in TINY_MODELS:  # e.g. a run directory given as the base
@@ -173,12 +180,13 @@ def export_run(run_dir: Path, out: Path, dtype: str = "fp32", overwrite: bool = 
     check_export_out(out, overwrite, protected=[run_dir, *bases], run_dir=run_dir)
     base = str(model_path) if model_path is not None else recorded_base
     stream = streaming is not False and base is not None and base not in TINY_MODELS and Path(base).is_dir()
+    quant = merge_quant(recorded, merge_into, run_dir)
     for attempt in range(CHECKPOINT_READS):
         with pinned_directory(run_dir / "checkpoint") as checkpoint:
             try:
                 if stream:
-                    return _export_streaming(run_dir, out, Path(base), dtype, max_shard_size, format, checkpoint)
-                return _export_in_memory(run_dir, out, model_path, dtype, max_shard_size, format, checkpoint)
+                    return _export_streaming(run_dir, out, Path(base), dtype, max_shard_size, format, checkpoint, quant)
+                return _export_in_memory(run_dir, out, model_path, dtype, max_shard_size, format, checkpoint, quant)
             except CheckpointError as err:
                 # A run in training renamed its next checkpoint into place and deleted this one while
                 # it was read: read the new one (the export's output is only renamed into place at the end).
@@ -190,8 +198,8 @@ CHECKPOINT_READS = 3  # a checkpoint every few seconds could outpace one read; m
 
 
 def _export_in_memory(run_dir: Path, out: Path, model_path, dtype: str, max_shard_size, format: str,
-                      checkpoint: Path) -> dict:
-    model, state, meta = rebuild_trained_model(run_dir, model_path, checkpoint)
+                      checkpoint: Path, quant) -> dict:
+    model, state, meta = rebuild_trained_model(run_dir, model_path, checkpoint, quant)
     base = str(model_path) if model_path is not None else meta["run_info"]["model"]
     on_disk = base not in TINY_MODELS and Path(base).is_dir()  # the files count: a tensor transformers did not load too
     base_names = SafetensorsWeights(base).names() if on_disk else None
@@ -213,7 +221,7 @@ def _run_report(run_dir: Path, meta: dict) -> dict:
 
 
 def _export_streaming(run_dir: Path, out: Path, base: Path, dtype: str, max_shard_size, format: str,
-                      checkpoint: Path) -> dict:
+                      checkpoint: Path, quant) -> dict:
     from huggingface_hub.serialization._base import parse_size_to_int
     from safetensors import SafetensorError, safe_open
 
@@ -231,7 +239,7 @@ def _export_streaming(run_dir: Path, out: Path, base: Path, dtype: str, max_shar
         raise CheckpointError(f"{run_dir}: cannot read checkpoint tensors: {str(err).splitlines()[0]}") from None
     try:
         _check_trained_tensors(run_dir, meta, masks, set(handle.keys()))
-        tensors = RunTensors(weights, meta, handle, masks)
+        tensors = RunTensors(weights, meta, handle, masks, quant)
         config = exported_config(base, tensors.final_shape)
         check_every_base_tensor_written(weights.names(), tensors.names(), family_for(config.model_type),
                                         tensors.current.tied_embeddings, str(base))

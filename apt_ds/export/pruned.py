@@ -31,10 +31,14 @@ def export_pruned(model, kept: dict, out: Path, dtype: str = "fp32", tokenizer_d
     check_export_out(out, overwrite, protected=[p for p in (tokenizer_dir, base) if p is not None])
     from apt_ds.algorithm.shrink import shrink_model
     from apt_ds.algorithm.units import check_supported_model
+    from apt_ds.io.fingerprint import check_base_head
     from apt_ds.io.weights import SafetensorsWeights
 
     check_supported_model(model)
-    base_names = SafetensorsWeights(Path(base)).names() if base is not None and Path(base).is_dir() else None
+    base_names = None
+    if base is not None and Path(base).is_dir():
+        check_base_head(base)  # a head transformers loaded otherwise than config.json says
+        base_names = SafetensorsWeights(Path(base)).names()
     named = str(base) if base is not None else "the model"
     original = ModelShape.from_model(model)
     groups, neurons, hidden = read_kept_record(kept)

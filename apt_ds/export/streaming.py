@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from apt_ds.algorithm.masks import is_binary
+from apt_ds.algorithm.quant import dequantize, keep_quantized, quantize
 from apt_ds.algorithm.shrink import _kept_shape, group_channels, write_shape_to_config
 from apt_ds.algorithm.units import ModelShape
 from apt_ds.export.checks import check_export_tensor, dtype_name
@@ -32,16 +33,18 @@ def _kept_index(record: list[int]) -> torch.Tensor:
 class RunTensors:
     """The exported tensors of a run, one at a time, from the base weights and the checkpoint."""
 
-    def __init__(self, weights, meta: dict, trainable, masks: dict[str, torch.Tensor]):
+    def __init__(self, weights, meta: dict, trainable, masks: dict[str, torch.Tensor], quant=None):
         """`weights`: apt_ds.io.weights.SafetensorsWeights of the base model; `trainable`: an open
-        safetensors handle of checkpoint/trainable.safetensors; `masks`: the checkpoint's masks."""
-        self.weights, self.trainable = weights, trainable
+        safetensors handle of checkpoint/trainable.safetensors; `masks`: the checkpoint's masks;
+        `quant` (a BaseQuant): merge into the projections as the run's quantized base held them."""
+        self.weights, self.trainable, self.quant = weights, trainable, quant
         self.trainable_names = set(trainable.keys())
         apt = meta["apt_config"]
         self.scaling = apt["adapter_alpha"] / apt["adapter_rank"]  # fixed at wrap time, kept when ranks grow
         self.current = ModelShape.from_dict(meta["shape"])
         self.family = family_for(self.current.family)
         self.layer_dims = {tensor.name: tensor.dims for tensor in self.family.layer_tensors}
+        self.projection_weights = {f"{tensor.module}.weight" for tensor in self.family.projections.values()}
         kept = meta["kept"]
         hidden_mask = masks["hidden"]
         if not is_binary(hidden_mask):
@@ -89,9 +92,13 @@ class RunTensors:
         layer, dims = int(index), self.layer_dims[local]
         axes = self._axes(layer)
         tensor = base
-        for dim, axis in enumerate(dims):  # the run's current shapes
-            if axes[axis] is not None:
-                tensor = tensor.index_select(dim, axes[axis][0])
+        if self.quant is not None and local in self.projection_weights:  # the codes the run held, dequantized
+            kept = [None if axes[axis] is None else axes[axis][0] for axis in dims]
+            tensor = dequantize(keep_quantized(quantize(base, self.quant, source=lambda: base), *kept)[0]).float()
+        else:
+            for dim, axis in enumerate(dims):  # the run's current shapes
+                if axes[axis] is not None:
+                    tensor = tensor.index_select(dim, axes[axis][0])
         module = name.rsplit(".", 1)[0]
         if name.endswith(".weight") and f"{module}.lora_A" in self.trainable_names:
             lora_a, lora_b = self.trainable.get_tensor(f"{module}.lora_A"), self.trainable.get_tensor(f"{module}.lora_B")

@@ -35,12 +35,46 @@ def file_fingerprint(directory: str | Path) -> dict:
     config = AutoConfig.from_pretrained(str(directory))
     weights = SafetensorsWeights(directory)
     family = family_for(config.model_type)
+    check_output_head(directory, config, weights, family)
     names = [n for n in weights.names() if not (config.tie_word_embeddings and n == family.output_embedding)]
 
     def reader(name):
         return math.prod(weights.shape(name)), lambda start, length: weights.flat_range(name, start, length)
 
     return _fingerprint(config, ((name, reader(name)) for name in sorted(names)), reader(family.embedding))
+
+
+def check_base_head(directory: str | Path) -> None:
+    """`check_output_head` of a safetensors directory on its own (an export with --kept)."""
+    from transformers import AutoConfig
+
+    from apt_ds.io.weights import SafetensorsWeights
+    from apt_ds.models import family_for
+
+    config = AutoConfig.from_pretrained(str(directory))
+    check_output_head(directory, config, SafetensorsWeights(directory), family_for(config.model_type))
+
+
+def check_output_head(directory, config, weights, family) -> None:
+    """The LM head the config says and the files hold agree. transformers loads a tied config whose
+    files hold another head as an untied model (a warning), and an untied config without a head
+    with a random one; training, the ZeRO-3 build and the exports would each read the model
+    otherwise, so a run or export from such a base is refused here, before any weight is read."""
+    from apt_ds.io.modeling import ModelLoadError
+
+    head, embedding = family.output_embedding, family.embedding
+    if not config.tie_word_embeddings and head not in weights:
+        raise ModelLoadError(f"{directory}: config.json does not tie the LM head to the embedding (tie_word_embeddings "
+                             f"false) but its weights hold no {head}: set tie_word_embeddings true, or add the head")
+    if config.tie_word_embeddings and head in weights:
+        numel = math.prod(weights.shape(embedding))
+        same = weights.shape(head) == weights.shape(embedding) and all(
+            torch.equal(weights.flat_range(head, start, FINGERPRINT_CHUNK), chunk)
+            for start, chunk in _chunks((numel, lambda start, length: weights.flat_range(embedding, start, length))))
+        if not same:
+            raise ModelLoadError(f"{directory}: config.json ties the LM head to the embedding (tie_word_embeddings true) "
+                                 f"but its weights hold a different {head}: set tie_word_embeddings false to use that "
+                                 f"head, or remove it from the files")
 
 
 # Elements read at a time (16 MiB of fp32): the fingerprint never holds a whole tensor, let alone

@@ -164,6 +164,19 @@ def check_gguf_architecture(path: Path, flag: str = "model path") -> None:
     raise UnsupportedModelError(f"{flag} {path} is a GGUF of architecture {architecture!r}{hint}")
 
 
+def _check_gguf_tensors(path: Path) -> None:
+    """A tensor transformers' GGUF reader would drop without a word: Llama-3.x's RoPE factors."""
+    try:
+        from gguf import GGUFReader
+
+        names = {tensor.name for tensor in GGUFReader(str(path)).tensors}
+    except Exception:  # unreadable here: transformers' own load says what is wrong with it
+        return
+    if "rope_freqs.weight" in names:
+        raise UnsupportedModelError(f"{path} holds llama3 RoPE factors (rope_freqs.weight), which transformers' GGUF reader "
+                                    f"drops (the model would compute with plain RoPE): give the model's HF directory")
+
+
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, mmap: bool = True):
     """A causal LM from a local HF directory, a .gguf file, or an apt_ds export.
 
@@ -176,6 +189,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, mmap: bool 
     path = Path(path)
     config = check_model_path(path)
     if path.is_file():
+        _check_gguf_tensors(path)
         try:
             return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
         except Exception as err:  # transformers raises many types for bad GGUF

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from apt_ds.algorithm.quant import BaseQuant, QuantizationError, bitsandbytes, quantize_linear
-from apt_ds.config import TrainConfig
+from apt_ds.config import ConfigError, TrainConfig
 from apt_ds.io.modeling import ModelLoadError
 from apt_ds.models import family_for, family_of
 
@@ -19,6 +19,24 @@ from apt_ds.models import family_for, family_of
 def base_quant_of(train: TrainConfig, dtype: torch.dtype) -> BaseQuant:
     """How the frozen projections are stored: --base-quant, computing in the base dtype."""
     return BaseQuant(train.base_quant, double_quant=train.double_quant, compute_dtype=dtype)
+
+
+def merge_quant(meta: dict, merge_into: str | None, run_dir) -> BaseQuant | None:
+    """How an export re-quantizes a run's base to merge into the dequantized weights it trained on,
+    or None to merge into the original weights. `merge_into` None: dequantized for a --base-quant
+    run (the export then computes exactly as the live model did, tests/training/
+    test_quantized_base.py), original otherwise. fp32: what a run quantizes from bf16 files gets
+    the same codes and absmax in fp32."""
+    if merge_into not in (None, "original", "dequantized"):
+        raise ConfigError(f"--merge-into must be original or dequantized, got {merge_into!r}")
+    train = meta.get("train_config", {})
+    quantized = train.get("base_quant", "none") != "none"
+    if merge_into == "dequantized" and not quantized:
+        raise ConfigError(f"--merge-into dequantized: {run_dir} was trained on a full-precision base (no --base-quant); "
+                          f"leave --merge-into out")
+    if merge_into == "original" or not quantized:
+        return None
+    return BaseQuant(train["base_quant"], double_quant=train.get("double_quant", True), compute_dtype=torch.float32)
 
 
 def check_quantizable_base(model: str, quant: BaseQuant, deepspeed: str | None, device: torch.device) -> None:

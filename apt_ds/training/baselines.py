@@ -15,7 +15,7 @@ kurtosis outlier term, which is APT's addition, not part of the standard criteri
 hooks only see gradients when the activations require grad; the base model is frozen, so
 the adapters of a temporary `APTModel` (B = 0: the function is the pretrained one) provide
 the upstream `requires_grad`. The temporary adapters and hooks are removed afterwards and
-the returned model is a plain `LlamaForCausalLM` (layers possibly of different shapes).
+the returned model is the family's plain causal LM (layers possibly of different shapes).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def _scoring_config(config: APTConfig, target_density: float) -> APTConfig:
 @contextlib.contextmanager
 def scoring_state(model, config: APTConfig):
     """An `APTModel` over `model` for scoring and cutting it once; afterwards `model` is a plain
-    frozen LlamaForCausalLM again, at whatever shape the block left it: hooks removed, the
+    frozen causal LM of its family again, at whatever shape the block left it: hooks removed, the
     temporary adapters merged (B = 0: the frozen weights exactly), no gradients, its training
     mode restored."""
     was_training = model.training

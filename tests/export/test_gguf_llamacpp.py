@@ -247,3 +247,9 @@ def test_llama3_rope_scaling(tokenizer, tmp_path):
     factors = tensors["rope_freqs.weight"].data
     assert factors.min() == 1.0 and factors.max() == 8.0  # both ends of the scaling are exercised
     assert_same_continuation(tmp_path / "m.gguf", model, prompt=PROMPT + PROMPT)
+    # transformers' GGUF reader drops the factors: such a file is no base model here (one line)
+    from apt_ds.io.modeling import load_model
+    from apt_ds.models import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match=r"holds llama3 RoPE factors \(rope_freqs.weight\)"):
+        load_model(tmp_path / "m.gguf")

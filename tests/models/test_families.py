@@ -94,6 +94,19 @@ def test_a_layer_the_description_does_not_list_is_refused():
         ModelShape.from_model(model)
 
 
+def test_a_refused_config_value_is_named_before_any_weight_is_read(in_tmp, tmp_path, tokenizer, capsys):
+    """The weights file is garbage: a refusal from config.json alone comes before it is opened."""
+    base = tmp_path / "biased"
+    tiny_family("llama", vocab=len(tokenizer), attention_bias=True).save_pretrained(base)
+    tokenizer.save_pretrained(str(base))
+    (base / "model.safetensors").write_bytes(b"not safetensors")
+    capsys.readouterr()
+    assert train_main(["--model", str(base), "--steps", "4", "--out", str(tmp_path / "run")]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "llama with attention_bias=True is not supported" in errors[0], errors
+    assert not (tmp_path / "run").exists()
+
+
 def _base_dir(tmp_path, tokenizer, model_type: str, tied: bool = False):
     directory = tmp_path / model_type
     tiny_family(model_type, vocab=len(tokenizer), tied=tied).save_pretrained(directory)

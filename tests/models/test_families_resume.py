@@ -1,4 +1,4 @@
-"""Each new family in one process: a run stopped mid-pruning (after a checkpoint whose shapes are
+"""Each new family in one process distils, grows ranks, and a run stopped mid-pruning (after a checkpoint whose shapes are
 already pruned) and resumed ends exactly as the uninterrupted run: the same kept units, ranks and
 masks, the same losses step by step, the same trained adapters. Non-uniform and uniform, since a
 uniform run's shape trials and its stock-class shapes take another path through the shrink."""
@@ -46,5 +46,8 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_one(tmp_path, model_type, un
     assert type(resumed.model).__name__ == FAMILIES[model_type].causal_lm_class
     resumed.train(micro_batches())
     assert_resumed_as_uninterrupted(resumed, reference, CRASH_STEP, STEPS)
+    steps = [r for r in reference.history if "loss" in r]
+    assert any(r["distill_loss"] > 0 for r in steps)  # the family distils ...
+    assert steps[-1]["total_rank"] > steps[0]["total_rank"]  # ... and grows its adapters' ranks
     assert resumed.state.shape.block_params() < 0.75 * resumed.state.original_shape.block_params()
     assert resumed.state.shape.uniform or not uniform

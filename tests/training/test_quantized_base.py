@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import sys
+from functools import partial
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from conftest import (
     TRAIN_FAST,
     Crash,
     assert_resumed_as_uninterrupted,
+    check_against_probe,
     micro_batches,
     random_batch,
     random_kept,
@@ -28,7 +31,9 @@ from apt_ds.algorithm.masks import UnitMasks
 from apt_ds.algorithm.quant import BaseQuant, dequantize, is_quantized, storage_bytes
 from apt_ds.algorithm.shrink import shrink_model
 from apt_ds.algorithm.units import ModelShape
+from apt_ds.cli.export import main as export_main
 from apt_ds.cli.train import main as train_main
+from apt_ds.export import merge
 from apt_ds.io.quantized import load_quantized, projection_modules, quantize_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
@@ -131,22 +136,6 @@ def test_merge_and_compact_and_plain_lora_on_a_quantized_base(in_tmp, tmp_path):
     assert _metrics(tmp_path / "lora")[-1]["density"] == 1.0
 
 
-@pytest.mark.parametrize("method, flags", [("nf4", []), ("fp4", ["--uniform"]), ("int8", []), ("nf4", ["--uniform"])],
-                         ids=["nf4", "fp4-uniform", "int8", "nf4-uniform"])
-def test_a_run_trains_prunes_grows_and_exports_within_two_percent(in_tmp, tmp_path, method, flags):
-    run = tmp_path / "run"
-    assert train_main([*TRAIN_FAST, "--model", "tiny-mha" if flags else "tiny", *flags, "--base-quant", method,
-                       "--target-density", "0.6", *EVAL, "--eval-examples", "8", "--out", str(run)]) == 0
-    steps, final = [m for m in _metrics(run) if not m.get("final")], _metrics(run)[-1]
-    assert final["density"] <= 0.6 + 1e-9 and steps[-1]["total_rank"] > steps[0]["total_rank"]
-    assert json.loads((run / "run.json").read_text())["train_config"]["base_quant"] == method
-    live = final["eval_loss"]  # the quantized model, masks installed
-    exported = exported_eval_loss(run, tmp_path / "export", 8)  # merged into the original weights
-    assert abs(exported - live) <= 0.02 * live, (exported, live)
-    config = json.loads((tmp_path / "export" / "config.json").read_text())
-    assert "quantization_config" not in config and (not flags or "apt_layer_shapes" not in config)
-
-
 @pytest.mark.parametrize("method", METHODS)
 def test_a_stopped_quantized_run_resumes_bit_for_bit(tmp_path, method):
     """The base is quantized again from the same weights on resume, and the shrinks replayed on
@@ -199,3 +188,42 @@ def test_resume_refuses_another_base_quant(in_tmp, tmp_path, capsys):
         capsys.readouterr()
         assert train_main([*TRAIN_FAST, *flags, "--out", str(run), "--resume"]) == 2
         assert change in capsys.readouterr().err
+
+
+# (--base-quant, shape flags, base): each method once, a uniform run, the streamed and the in-memory export
+RUNS = [("nf4", [], "directory"), ("fp4", ["--uniform"], "tiny-mha"), ("int8", [], "tiny")]
+
+
+@pytest.mark.parametrize("method, flags, base", RUNS, ids=[f"{m}-{b}{'-uniform' if f else ''}" for m, f, b in RUNS])
+def test_a_run_trains_prunes_grows_and_exports_both_merges(in_tmp, tmp_path, tokenizer, method, flags, base):
+    """By default the export quantizes the original weights again, shrinks them to the kept units
+    once (the codes do not depend on the order of the shrinks) and merges into their dequantized
+    values: its logits and greedy tokens are the live quantized model's. Merged into the original
+    weights instead, it is not, and its eval loss stays within 2% of the live model's."""
+    model = base
+    if base == "directory":  # streamed: read from the files tensor by tensor, at load and at export
+        tiny_family("qwen2", vocab=len(tokenizer)).save_pretrained(tmp_path / "base")
+        tokenizer.save_pretrained(str(tmp_path / "base"))
+        model = str(tmp_path / "base")
+    run = tmp_path / "run"
+    assert train_main([*TRAIN_FAST, "--model", model, *flags, "--base-quant", method, "--target-density", "0.6", *EVAL,
+                       "--eval-examples", "8", "--save-eval-probe", "--out", str(run)]) == 0
+    steps, final = [m for m in _metrics(run) if not m.get("final")], _metrics(run)[-1]
+    assert final["density"] <= 0.6 + 1e-9 and steps[-1]["total_rank"] > steps[0]["total_rank"]
+    assert json.loads((run / "run.json").read_text())["train_config"]["base_quant"] == method
+    assert export_main([str(run), "--out", str(tmp_path / "hf")]) == 0  # the default for a quantized run
+    check_against_probe(run, tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert "quantization_config" not in config and (not flags or "apt_layer_shapes" not in config)
+    with mock.patch.object(merge, "export_run", partial(merge.export_run, merge_into="original")):
+        exported = exported_eval_loss(run, tmp_path / "original", 8)
+    assert abs(exported - final["eval_loss"]) <= 0.02 * final["eval_loss"], (exported, final["eval_loss"])
+    with pytest.raises(AssertionError):  # the original weights: not what the run computed with
+        check_against_probe(run, tmp_path / "original")
+
+
+def test_merge_into_dequantized_needs_a_quantized_run(trained_runs, tmp_path, capsys):
+    capsys.readouterr()
+    assert export_main([str(trained_runs / "nonuniform"), "--out", str(tmp_path / "hf"), "--merge-into", "dequantized"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "full-precision base" in errors[0] and not (tmp_path / "hf").exists()
