@@ -86,6 +86,8 @@ def load_quantized(path: Path, quant: BaseQuant, device: torch.device):
     weights = SafetensorsWeights(path)
     with torch.device("meta"), no_init_weights():
         model = family.classes()[1](config)
+    if config.tie_word_embeddings:  # tied before the parameters are listed: the head is the embedding's
+        family.output_module(model).weight = family.embedding_module(model).weight
     projections = {f"{name}.weight": linear for name, linear in projection_modules(model)}
     params = dict(model.named_parameters())  # a tied LM head once, under the embedding's name
     missing = [name for name in params if name not in weights]
@@ -93,7 +95,7 @@ def load_quantized(path: Path, quant: BaseQuant, device: torch.device):
         raise ModelLoadError(f"the checkpoint {path} has no weights for {missing[:3]} ({len(missing)} tensors)")
     with torch.no_grad():
         for name, param in params.items():
-            tensor = weights.get(name)
+            tensor = weights.read(name)  # its pages unmapped again: nothing of the file stays resident
             if list(tensor.shape) != list(param.shape):
                 raise ModelLoadError(f"weight {name} has shape {list(tensor.shape)} in {path}, the config says "
                                      f"{list(param.shape)}")
@@ -101,7 +103,7 @@ def load_quantized(path: Path, quant: BaseQuant, device: torch.device):
             if name in projections:
                 linear = projections[name]
                 linear.weight = nn.Parameter(tensor, requires_grad=False)
-                quantize_linear(linear, quant, source=lambda name=name: weights.get(name))
+                quantize_linear(linear, quant, source=lambda name=name: weights.read(name))
             else:
                 owner, _, leaf = name.rpartition(".")
                 setattr(model.get_submodule(owner), leaf, nn.Parameter(tensor, requires_grad=False))

@@ -93,6 +93,16 @@ class SafetensorsWeights:
         self._slice(name)  # a clear error for an unknown name
         return self._handles[self._file_of[name]].get_tensor(name)
 
+    def read(self, name: str) -> torch.Tensor:
+        """`get`, through a handle opened for this tensor alone: the pages of the file it reads are
+        unmapped again at once, where the long-lived handles keep every page they read resident
+        (in RSS) for as long as this object lives."""
+        from safetensors import safe_open
+
+        self._slice(name)
+        with safe_open(str(self._file_of[name]), framework="pt") as handle:
+            return handle.get_tensor(name)
+
     def flat_range(self, name: str, start: int, length: int) -> torch.Tensor:
         """Elements [start, start + length) of the row-major flattened tensor, clipped to its
         size. Reads only the rows that cover the range (at most two more rows than needed)."""

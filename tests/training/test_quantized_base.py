@@ -52,15 +52,16 @@ def _metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_a_safetensors_base_loads_quantized_as_the_model_in_memory_quantizes(tmp_path, method):
+@pytest.mark.parametrize("method, tied", [("nf4", True), ("fp4", False), ("int8", False)])
+def test_a_safetensors_base_loads_quantized_as_the_model_in_memory_quantizes(tmp_path, method, tied):
     """Streamed from the files tensor by tensor: the same codes as quantizing the loaded model,
-    every projection quantized, everything else in the base dtype."""
-    model = tiny_family("qwen2")
+    every projection quantized, everything else in the base dtype (a tied head: the embedding)."""
+    model = tiny_family("qwen2", tied=tied)
     model.save_pretrained(tmp_path / "base")
     quant = BaseQuant(method)
     streamed = load_quantized(tmp_path / "base", quant, torch.device("cpu"))
-    in_memory = quantize_model(tiny_family("qwen2"), quant)
+    in_memory = quantize_model(tiny_family("qwen2", tied=tied), quant)
+    assert (streamed.lm_head.weight is streamed.model.embed_tokens.weight) == tied
     for (name, a), (_, b) in zip(projection_modules(streamed), projection_modules(in_memory)):
         assert is_quantized(a.weight) and torch.equal(dequantize(a.weight), dequantize(b.weight)), name
         assert torch.equal(a.bias, b.bias) if a.bias is not None else b.bias is None
