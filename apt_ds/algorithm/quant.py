@@ -155,6 +155,8 @@ def keep_quantized(weight, out_index: torch.Tensor | None, in_index: torch.Tenso
     original model once to the saved units, holds the very codes the uninterrupted run held."""
     quant, (rows, cols) = weight.apt_quant, weight.apt_shape
     device = weight.device
+    if _keeps_all(out_index, rows) and _keeps_all(in_index, cols):  # as the shrink leaves an uncut Linear
+        return weight, "exact"
     out_index = torch.arange(rows) if out_index is None else out_index.cpu()
     in_index = torch.arange(cols) if in_index is None else in_index.cpu()
     kept_rows = out_index if weight.apt_rows is None else weight.apt_rows[out_index]
@@ -175,6 +177,10 @@ def keep_quantized(weight, out_index: torch.Tensor | None, in_index: torch.Tenso
         del dense
     param.apt_source, param.apt_rows, param.apt_cols = weight.apt_source, kept_rows, kept_cols
     return param, route
+
+
+def _keeps_all(index: torch.Tensor | None, size: int) -> bool:
+    return index is None or (len(index) == size and bool((index.cpu() == torch.arange(size)).all()))
 
 
 def _whole_blocks(in_index: torch.Tensor, cols: int) -> torch.Tensor | None:

@@ -134,6 +134,10 @@ def _plain_model_and_kept(model_path: str, kept_path: str):
         if expected is not None:
             check_mask_widths(kept_path, widths, expected)
             widths = None
+    if Path(model_path).is_dir():  # a head that contradicts config.json: before any weight is read
+        from apt_ds.io.fingerprint import check_base_head
+
+        check_base_head(model_path)
     model = load_model(model_path)
     if widths is not None:  # a GGUF's or a per-layer export's widths are known once it is loaded
         from apt_ds.export.kept import model_widths

@@ -69,7 +69,7 @@ def check_output_head(directory, config, weights, family) -> None:
     if config.tie_word_embeddings and head in weights:
         numel = math.prod(weights.shape(embedding))
         same = weights.shape(head) == weights.shape(embedding) and all(
-            torch.equal(weights.flat_range(head, start, FINGERPRINT_CHUNK), chunk)
+            torch.equal(weights.flat_range(head, start, FINGERPRINT_CHUNK).to(chunk.dtype), chunk)
             for start, chunk in _chunks((numel, lambda start, length: weights.flat_range(embedding, start, length))))
         if not same:
             raise ModelLoadError(f"{directory}: config.json ties the LM head to the embedding (tie_word_embeddings true) "

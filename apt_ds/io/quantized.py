@@ -25,8 +25,8 @@ def merge_quant(meta: dict, merge_into: str | None, run_dir) -> BaseQuant | None
     """How an export re-quantizes a run's base to merge into the dequantized weights it trained on,
     or None to merge into the original weights. `merge_into` None: dequantized for a --base-quant
     run (the export then computes exactly as the live model did, tests/training/
-    test_quantized_base.py), original otherwise. fp32: what a run quantizes from bf16 files gets
-    the same codes and absmax in fp32."""
+    test_quantized_base.py), original otherwise. The codes come from the weights rounded to the
+    dtype the run computed in, as the run's own did (runs before it was recorded: fp32)."""
     if merge_into not in (None, "original", "dequantized"):
         raise ConfigError(f"--merge-into must be original or dequantized, got {merge_into!r}")
     train = meta.get("train_config", {})
@@ -36,7 +36,9 @@ def merge_quant(meta: dict, merge_into: str | None, run_dir) -> BaseQuant | None
                           f"leave --merge-into out")
     if merge_into == "original" or not quantized:
         return None
-    return BaseQuant(train["base_quant"], double_quant=train.get("double_quant", True), compute_dtype=torch.float32)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+        meta.get("run_info", {}).get("base_dtype", "float32")]
+    return BaseQuant(train["base_quant"], double_quant=train.get("double_quant", True), compute_dtype=dtype)
 
 
 def check_quantizable_base(model: str, quant: BaseQuant, deepspeed: str | None, device: torch.device) -> None:

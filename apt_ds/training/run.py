@@ -256,7 +256,7 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
         run_info = {"model": model_ref, "data": data_path, "tokenizer": TOKENIZER_DIR, "method": args.method,
                     "deepspeed": args.deepspeed, "world_size": backend.world_size, "model_fingerprint": fingerprint,
                     "truncation": truncation.to_dict(), "data_resolved": str(Path(data_path).resolve()),
-                    "data_fingerprint": examples_digest}
+                    "data_fingerprint": examples_digest, "base_dtype": str(base_dtype_of(backend, train))[6:]}
         backend.barrier()
         replaced = prepare_out_dir(out, args.resume, args.overwrite, backend.is_main())
         with previous_run_back_on_failure(out, replaced):

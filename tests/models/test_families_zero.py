@@ -4,7 +4,8 @@ the family's own class is built partitioned (Qwen2's config has no attention_bia
 LlamaForCausalLM build read), both ranks take the same decisions, the run reaches its density,
 and its export gives the live model's logits. Killed after a pruned checkpoint, the run resumes
 (its pruned shapes, biases and per-head norms rebuilt under ZeRO-3) and finishes with the
-uninterrupted run's decisions and losses."""
+uninterrupted run's decisions and losses. With -m slow: Mistral and Qwen3 under ZeRO-2, and Qwen3
+per-layer under ZeRO-3."""
 
 from __future__ import annotations
 
