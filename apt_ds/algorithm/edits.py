@@ -64,3 +64,10 @@ def merge_changes(*changes: ShapeChange) -> ShapeChange:
         for name, edits in change.items():
             merged.setdefault(name, []).extend(edits)
     return merged
+
+
+def full_or_index(index: torch.Tensor | None, size: int) -> torch.Tensor | None:
+    """None when `index` keeps all `size` entries in order (nothing to slice), else `index`."""
+    if index is None or (index.numel() == size and bool((index.cpu() == torch.arange(size)).all())):
+        return None
+    return index

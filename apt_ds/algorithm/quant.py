@@ -18,6 +18,7 @@ bitsandbytes is imported only when a quantized weight is made or used.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from apt_ds.algorithm.edits import full_or_index
 from apt_ds.config import BASE_QUANTS as QUANT_METHODS
 from apt_ds.config import ConfigError
 
@@ -54,6 +56,7 @@ class BaseQuant:
         return self.method != "none"
 
 
+@functools.cache  # frozen_linear asks on every forward pass: set up once
 def bitsandbytes():
     """The bitsandbytes module, or a one-line error saying how to install it."""
     # On a CPU with AVX512-BF16 bitsandbytes 0.50 tries to fetch an optional GEMV kernel from the
@@ -155,7 +158,7 @@ def keep_quantized(weight, out_index: torch.Tensor | None, in_index: torch.Tenso
     original model once to the saved units, holds the very codes the uninterrupted run held."""
     quant, (rows, cols) = weight.apt_quant, weight.apt_shape
     device = weight.device
-    if _keeps_all(out_index, rows) and _keeps_all(in_index, cols):  # as the shrink leaves an uncut Linear
+    if full_or_index(out_index, rows) is None and full_or_index(in_index, cols) is None:  # as the shrink leaves it
         return weight, "exact"
     out_index = torch.arange(rows) if out_index is None else out_index.cpu()
     in_index = torch.arange(cols) if in_index is None else in_index.cpu()
@@ -177,10 +180,6 @@ def keep_quantized(weight, out_index: torch.Tensor | None, in_index: torch.Tenso
         del dense
     param.apt_source, param.apt_rows, param.apt_cols = weight.apt_source, kept_rows, kept_cols
     return param, route
-
-
-def _keeps_all(index: torch.Tensor | None, size: int) -> bool:
-    return index is None or (len(index) == size and bool((index.cpu() == torch.arange(size)).all()))
 
 
 def _whole_blocks(in_index: torch.Tensor, cols: int) -> torch.Tensor | None:

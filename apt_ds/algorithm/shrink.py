@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from apt_ds.algorithm.adapters import APTAdapter
-from apt_ds.algorithm.edits import ShapeChange
+from apt_ds.algorithm.edits import ShapeChange, full_or_index
 from apt_ds.algorithm.quant import is_quantized, keep_quantized, logical_shape
 from apt_ds.algorithm.units import ModelShape
 from apt_ds.models import Family, family_of
@@ -49,17 +49,10 @@ def replace_module_params(access: ParamAccess, module: nn.Module, edit: Callable
     return result
 
 
-def _full_or_index(index: torch.Tensor | None, size: int) -> torch.Tensor | None:
-    """None when the index keeps everything (nothing to slice)."""
-    if index is None or (index.numel() == size and bool((index == torch.arange(size)).all())):
-        return None
-    return index
-
-
 def slice_linear(module: nn.Linear, out_index, in_index, prefix: str) -> ShapeChange:
     """Keep rows `out_index` and columns `in_index` of a (possibly adapted) Linear."""
-    out_index = _full_or_index(out_index, module.out_features)
-    in_index = _full_or_index(in_index, module.in_features)
+    out_index = full_or_index(out_index, module.out_features)
+    in_index = full_or_index(in_index, module.in_features)
     if out_index is None and in_index is None:
         return {}
     if is_quantized(module.weight):  # whole quantization blocks kept as they are where the units allow it
@@ -106,7 +99,7 @@ def shrink_model(model, shape: ModelShape, group_index, neuron_index, hidden_ind
                  access: ParamAccess = LOCAL_ACCESS) -> tuple[ModelShape, ShapeChange]:
     """Remove every unit not in the kept indices; returns the new shape and trainable edits.
     One module at a time: read it, slice it, partition its new parameters (`access`)."""
-    hid = _full_or_index(hidden_index, shape.hidden)
+    hid = full_or_index(hidden_index, shape.hidden)
     change: ShapeChange = {}
     family = family_of(model)
     for l, (layer, layer_shape) in enumerate(zip(family.decoder_layers(model), shape.layers)):
