@@ -4,15 +4,20 @@ row-wise int8. Adapters, masks and salience see activations and adapter weights,
 storage: the forward pass (`frozen_linear`) and the kurtosis of a weight's columns
 (`dense_weight`) are the only readers, and a physical shrink (`keep_quantized`) the only writer.
 
+A 4-bit matrix is stored in the orientation whose rows are the axis a shrink cuts one unit at a
+time (`stored_transposed`): whole rows of blocks are then kept exactly. q/k/v and down_proj are
+stored transposed (hidden channels, FFN neurons as rows), o_proj and gate/up as they are (hidden
+channels, FFN neurons as rows); heads of 64 or 128 channels are whole blocks along the columns.
+
 `keep_quantized` takes the exact route where the storage allows it and re-quantizes otherwise:
 - int8 keeps every slice exactly (one scale per output row: dropping a row drops its scale, a
   dropped column leaves the other codes as they were);
-- 4-bit keeps whole blocks exactly (rows of a matrix whose width is a multiple of the block
-  size, and columns that are whole blocks of every row: a 128-wide head of o_proj's input); their
-  absmax is then kept un-nested in fp32, since double quantization's nested blocks would be cut;
-  any other cut (single FFN neurons or hidden channels along the input) quantizes the kept rows
-  and columns of the original weight again, read from the model's files (`REQUANTIZED`, measured
-  in docs/QUANTIZED_BASE.md).
+- 4-bit keeps whole blocks exactly (stored rows, of a matrix whose stored width is a multiple of
+  the block size, and stored columns that are whole blocks of every row: a 64- or 128-wide head);
+  their absmax is then kept un-nested in fp32, since double quantization's nested blocks would be
+  cut; the one other cut left, hidden channels along gate/up's input and down's output, quantizes
+  the kept rows and columns of the original weight again, read from the model's files
+  (`REQUANTIZED`, measured in docs/QUANTIZED_BASE.md).
 bitsandbytes is imported only when a quantized weight is made or used.
 """
 
@@ -41,11 +46,14 @@ class QuantizationError(ConfigError):
 class BaseQuant:
     """How the frozen projections are stored: `method` one of QUANT_METHODS; `double_quant`
     quantizes the 4-bit absmax too (transformers' bnb_4bit_use_double_quant); `compute_dtype`
-    is what the dequantized weight multiplies in (bnb_4bit_compute_dtype: the base dtype)."""
+    is what the dequantized weight multiplies in (bnb_4bit_compute_dtype: the base dtype);
+    `pruned_axis_rows` stores each 4-bit matrix with the axis a shrink cuts unit by unit as its
+    rows (`stored_transposed`; False: as the checkpoint holds it, runs before 2026-12-07)."""
 
     method: str = "none"
     double_quant: bool = True
     compute_dtype: torch.dtype = torch.float32
+    pruned_axis_rows: bool = True
 
     def __post_init__(self):
         if self.method not in QUANT_METHODS:
@@ -70,46 +78,85 @@ def bitsandbytes():
     return bnb
 
 
+# The unit axes (apt_ds.models.family.AXES) by how much a shrink wants them as whole stored rows:
+# FFN neurons and hidden channels are cut one at a time, so a cut along the columns would break
+# blocks; a KV group's q/kv channels are 64 or 128 at a time, whole blocks along the columns too.
+ROW_AXIS_PREFERENCE = ("ffn", "hidden", "q", "kv", "head")
+
+
+def stored_transposed(dims: tuple[str, str] | None) -> bool:
+    """Whether a projection whose (out, in) unit axes are `dims` is stored as W^T: when its input
+    axis is the one a shrink cuts finer (q/k/v: hidden channels; down_proj: FFN neurons)."""
+    if dims is None:
+        return False
+    out_axis, in_axis = dims
+    return ROW_AXIS_PREFERENCE.index(in_axis) < ROW_AXIS_PREFERENCE.index(out_axis)
+
+
 def is_quantized(weight) -> bool:
     return getattr(weight, "apt_quant", None) is not None
 
 
 def logical_shape(weight) -> tuple[int, int]:
-    """(out_features, in_features) of a quantized weight (a 4-bit one is stored packed)."""
-    return tuple(weight.apt_shape) if is_quantized(weight) else tuple(weight.shape)
+    """(out_features, in_features) of a quantized weight (a 4-bit one is stored packed, maybe as W^T)."""
+    if not is_quantized(weight):
+        return tuple(weight.shape)
+    rows, cols = weight.apt_shape
+    if weight.apt_positions is not None:  # stored columns kept inside blocks that hold cut ones too
+        cols = len(weight.apt_positions)
+    return (cols, rows) if weight.apt_transposed else (rows, cols)
 
 
-def quantize(weight: torch.Tensor, quant: BaseQuant, source=None) -> nn.Parameter:
+def quantize(weight: torch.Tensor, quant: BaseQuant, source=None, dims: tuple[str, str] | None = None) -> nn.Parameter:
     """A frozen parameter holding `weight` (out x in) quantized, on the weight's device.
 
     `source()`: the original full-precision weight (read again from the checkpoint files, one
-    tensor at a time), which a shrink that cuts blocks quantizes afresh."""
-    param = _quantized(weight.detach().to(quant.compute_dtype).contiguous(), quant, quant.double_quant)
-    param.apt_source, param.apt_rows, param.apt_cols = source, None, None  # original rows/columns kept (None: all)
+    tensor at a time), which a shrink that cuts blocks quantizes afresh. `dims`: the projection's
+    (out, in) unit axes, which choose the stored orientation of a 4-bit weight (None: as given)."""
+    transposed = quant.method != "int8" and quant.pruned_axis_rows and stored_transposed(dims)
+    param = _quantized(weight.detach().to(quant.compute_dtype), quant, quant.double_quant, transposed)
+    param.apt_source, param.apt_rows, param.apt_cols = source, None, None  # original out/in units kept (None: all)
     return param
 
 
-def _quantized(dense: torch.Tensor, quant: BaseQuant, nested: bool) -> nn.Parameter:
+def _quantized(dense: torch.Tensor, quant: BaseQuant, nested: bool, transposed: bool) -> nn.Parameter:
+    """`dense` (out x in) quantized, stored as dense^T when `transposed`."""
     functional = bitsandbytes().functional
+    stored = (dense.t() if transposed else dense).contiguous()
     if quant.method == "int8":
-        codes, scales, _ = functional.int8_vectorwise_quant(dense)
+        codes, scales, _ = functional.int8_vectorwise_quant(stored)
         param = nn.Parameter(codes, requires_grad=False)
         param.apt_scales = scales
     else:
-        codes, state = functional.quantize_4bit(dense, blocksize=BLOCKSIZE, quant_type=quant.method,
+        codes, state = functional.quantize_4bit(stored, blocksize=BLOCKSIZE, quant_type=quant.method,
                                                 compress_statistics=nested)
         param = nn.Parameter(codes, requires_grad=False)
         param.apt_state = state
-    param.apt_quant, param.apt_shape = quant, tuple(dense.shape)
+    param.apt_quant, param.apt_shape, param.apt_transposed = quant, tuple(stored.shape), transposed
+    param.apt_positions = None  # the stored column of each column the weight stands for (None: all, in order)
     return param
 
 
-def dequantize(weight) -> torch.Tensor:
-    """The dense weight a quantized one stands for, in its compute dtype."""
+def _dequantized_storage(weight) -> torch.Tensor:
+    """The stored matrix (rows x cols as `apt_shape`) in the compute dtype."""
     quant = weight.apt_quant
     if quant.method == "int8":
         return (weight.data.float() * (weight.apt_scales.float()[:, None] / 127.0)).to(quant.compute_dtype)
     return bitsandbytes().functional.dequantize_4bit(weight.data, weight.apt_state).to(quant.compute_dtype)
+
+
+def _dense(weight) -> torch.Tensor:
+    """The weight (out x in) a quantized one stands for: the stored matrix's kept columns, transposed
+    back where it is stored as W^T (a view: not necessarily contiguous)."""
+    stored = _dequantized_storage(weight)
+    if weight.apt_positions is not None:
+        stored = stored.index_select(1, weight.apt_positions.to(stored.device))
+    return stored.t() if weight.apt_transposed else stored
+
+
+def dequantize(weight) -> torch.Tensor:
+    """The dense weight (out x in) a quantized one stands for, in its compute dtype."""
+    return _dense(weight).contiguous()
 
 
 def dense_weight(weight) -> torch.Tensor:
@@ -124,6 +171,8 @@ def frozen_linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.T
     bnb, quant = bitsandbytes(), weight.apt_quant
     x = x.to(quant.compute_dtype)
     bias = None if bias is None else bias.to(x.dtype)
+    if weight.apt_transposed or weight.apt_positions is not None:
+        return _DequantizedMatmul.apply(x, weight, bias)
     if quant.method == "int8":
         state = bnb.MatmulLtState()
         state.has_fp16_weights, state.CB, state.SCB, state.is_training = False, weight.data, weight.apt_scales, True
@@ -131,13 +180,33 @@ def frozen_linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.T
     return bnb.matmul_4bit(x, weight.data.t(), bias=bias, quant_state=weight.apt_state)
 
 
+class _DequantizedMatmul(torch.autograd.Function):
+    """x @ W^T + b for a 4-bit weight stored as W^T or with kept columns inside partly cut blocks.
+    bitsandbytes' matmul_4bit takes a whole [out, in] matrix only (its kernels, and its shape
+    guess, which cannot tell a square W^T), so this dequantizes as its MatMul4Bit does on the
+    training path: once in forward, once again in backward, holding only the codes in between.
+    Gradients flow to x only."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.weight = weight
+        return F.linear(x, _dense(weight).to(x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output @ _dense(ctx.weight).to(grad_output.dtype), None, None
+
+
 def storage_bytes(weight) -> int:
     """Bytes a weight holds in memory: codes, scales and (nested) absmax included."""
     if not is_quantized(weight):
         return weight.numel() * weight.element_size()
+    total = weight.data.numel() * weight.data.element_size()
+    if weight.apt_positions is not None:
+        total += weight.apt_positions.numel() * weight.apt_positions.element_size()
     if weight.apt_quant.method == "int8":
-        return weight.data.numel() + weight.apt_scales.numel() * weight.apt_scales.element_size()
-    state, total = weight.apt_state, weight.data.numel() * weight.data.element_size()
+        return total + weight.apt_scales.numel() * weight.apt_scales.element_size()
+    state = weight.apt_state
     total += state.absmax.numel() * state.absmax.element_size()
     if state.nested:
         total += state.state2.absmax.numel() * state.state2.absmax.element_size()
@@ -145,71 +214,89 @@ def storage_bytes(weight) -> int:
 
 
 # ---- physical shrink ---------------------------------------------------------------------------
-REQUANTIZED = "requantized"  # `keep_quantized`'s route when the kept units cut quantization blocks
+REQUANTIZED = "requantized"  # `keep_quantized`'s route when the kept units cut blocks it cannot keep
 
 
 def keep_quantized(weight, out_index: torch.Tensor | None, in_index: torch.Tensor | None) -> tuple[nn.Parameter, str]:
-    """The rows `out_index` and columns `in_index` (None: all) of a quantized weight, and the route
-    taken: "exact" (the kept codes as they were) or REQUANTIZED.
+    """The rows `out_index` and columns `in_index` (None: all) of the weight a quantized one stands
+    for (out x in, whatever its stored orientation), and the route taken: "exact" (the kept codes
+    as they were) or REQUANTIZED.
+
+    4-bit, stored rows a whole number of blocks: the kept stored rows, and every block that still
+    holds a kept stored column, keep their codes; a block whose columns are all cut is dropped, and
+    `apt_positions` names the kept columns inside blocks that were cut only in part (hidden
+    channels along gate/up's input and down's output: their blocks stay until the last of their
+    channels goes, computing exactly what the masked model did). Runs of the layout before
+    2026-12-07 (`pruned_axis_rows` False) kept whole blocks only and re-quantized any other cut.
 
     Re-quantizing starts from the original weight (`source`) at the original rows and columns
     kept, never from codes already quantized, and without nesting the absmax: the result is then
     the same whatever sequence of shrinks led to those units, so a resumed run, which shrinks the
     original model once to the saved units, holds the very codes the uninterrupted run held."""
-    quant, (rows, cols) = weight.apt_quant, weight.apt_shape
+    quant, (out_count, in_count) = weight.apt_quant, logical_shape(weight)
     device = weight.device
-    if full_or_index(out_index, rows) is None and full_or_index(in_index, cols) is None:  # as the shrink leaves it
+    if full_or_index(out_index, out_count) is None and full_or_index(in_index, in_count) is None:  # as the shrink leaves it
         return weight, "exact"
-    out_index = torch.arange(rows) if out_index is None else out_index.cpu()
-    in_index = torch.arange(cols) if in_index is None else in_index.cpu()
-    kept_rows = out_index if weight.apt_rows is None else weight.apt_rows[out_index]
-    kept_cols = in_index if weight.apt_cols is None else weight.apt_cols[in_index]
+    out_index = torch.arange(out_count) if out_index is None else out_index.cpu()
+    in_index = torch.arange(in_count) if in_index is None else in_index.cpu()
+    kept_out = out_index if weight.apt_rows is None else weight.apt_rows[out_index]
+    kept_in = in_index if weight.apt_cols is None else weight.apt_cols[in_index]
+    row_index, col_index = (in_index, out_index) if weight.apt_transposed else (out_index, in_index)
     if quant.method == "int8":
-        param = nn.Parameter(weight.data[out_index.to(device)][:, in_index.to(device)].contiguous(), requires_grad=False)
-        param.apt_scales = weight.apt_scales[out_index.to(device)].contiguous()
-        param.apt_quant, param.apt_shape = quant, (len(out_index), len(in_index))
-        route = "exact"
-    elif (blocks := _whole_blocks(in_index, cols)) is not None:
-        param, route = _keep_blocks(weight, out_index, blocks), "exact"
+        param = nn.Parameter(weight.data[row_index.to(device)][:, col_index.to(device)].contiguous(), requires_grad=False)
+        param.apt_scales = weight.apt_scales[row_index.to(device)].contiguous()
+        param.apt_quant, param.apt_shape = quant, (len(row_index), len(col_index))
+        param.apt_transposed, param.apt_positions, route = weight.apt_transposed, None, "exact"
+    elif weight.apt_shape[1] % BLOCKSIZE == 0 and (quant.pruned_axis_rows or _whole_blocks(col_index)):
+        param, route = _keep_blocks(weight, row_index, col_index), "exact"
     else:
         if weight.apt_source is not None:
-            dense = weight.apt_source().to(device, quant.compute_dtype)[kept_rows.to(device)][:, kept_cols.to(device)]
+            dense = weight.apt_source().to(device, quant.compute_dtype)[kept_out.to(device)][:, kept_in.to(device)]
         else:  # no file to read again: the kept values as they are now
             dense = dequantize(weight)[out_index.to(device)][:, in_index.to(device)]
-        param, route = _quantized(dense.contiguous(), quant, nested=False), REQUANTIZED
+        param, route = _quantized(dense, quant, nested=False, transposed=weight.apt_transposed), REQUANTIZED
         del dense
-    param.apt_source, param.apt_rows, param.apt_cols = weight.apt_source, kept_rows, kept_cols
+    param.apt_source, param.apt_rows, param.apt_cols = weight.apt_source, kept_out, kept_in
     return param, route
 
 
-def _whole_blocks(in_index: torch.Tensor, cols: int) -> torch.Tensor | None:
-    """The 4-bit blocks of a row that `in_index` keeps when it keeps only whole ones (and rows
-    are whole blocks), else None."""
-    if cols % BLOCKSIZE or len(in_index) % BLOCKSIZE:
-        return None
-    starts = in_index.view(-1, BLOCKSIZE)
-    if not bool((starts == starts[:, :1] + torch.arange(BLOCKSIZE)).all()) or bool((starts[:, 0] % BLOCKSIZE).any()):
-        return None
-    return starts[:, 0] // BLOCKSIZE
+def _whole_blocks(col_index: torch.Tensor) -> bool:
+    """Whether `col_index` keeps only whole 4-bit blocks of a stored row (the layout before
+    2026-12-07 kept no partial ones)."""
+    if len(col_index) % BLOCKSIZE:
+        return False
+    starts = col_index.view(-1, BLOCKSIZE)
+    return bool((starts == starts[:, :1] + torch.arange(BLOCKSIZE)).all()) and not bool((starts[:, 0] % BLOCKSIZE).any())
 
 
-def _keep_blocks(weight, out_index: torch.Tensor, blocks: torch.Tensor) -> nn.Parameter:
+def _keep_blocks(weight, row_index: torch.Tensor, col_index: torch.Tensor) -> nn.Parameter:
+    """The stored rows `row_index` and columns `col_index` (of those the weight stands for) with
+    their codes as they were: the blocks holding a kept column, their absmax un-nested (double
+    quantization's nested blocks of 256 absmax would be cut), and the kept columns' positions in
+    them where those are not all of them."""
     functional = bitsandbytes().functional
     state, (rows, cols) = weight.apt_state, weight.apt_shape
     per_row = cols // BLOCKSIZE
     device = weight.device
+    positions = torch.arange(cols) if weight.apt_positions is None else weight.apt_positions.cpu()
+    kept = positions[col_index]  # the stored columns kept
+    blocks = torch.unique(kept // BLOCKSIZE)  # sorted
+    new_positions = torch.searchsorted(blocks, kept // BLOCKSIZE) * BLOCKSIZE + kept % BLOCKSIZE
     # packed 4-bit codes: two per byte, a block of 64 values is 32 consecutive bytes
     codes = weight.data.reshape(rows, per_row, BLOCKSIZE // 2)
-    codes = codes.index_select(0, out_index.to(device)).index_select(1, blocks.to(device))
+    codes = codes.index_select(0, row_index.to(device)).index_select(1, blocks.to(device))
     absmax = state.absmax
     if state.nested:  # the exact absmax values the codes were scaled by, un-nested
         absmax = functional.dequantize_blockwise(state.absmax, state.state2) + state.offset
-    absmax = absmax.float().reshape(rows, per_row).index_select(0, out_index.to(device)).index_select(1, blocks.to(device))
-    shape = torch.Size((len(out_index), len(blocks) * BLOCKSIZE))
-    kept = functional.QuantState(absmax=absmax.reshape(-1).contiguous(), shape=shape, code=state.code,
-                                 blocksize=BLOCKSIZE, quant_type=state.quant_type, dtype=state.dtype)
+    absmax = absmax.float().reshape(rows, per_row).index_select(0, row_index.to(device)).index_select(1, blocks.to(device))
+    shape = torch.Size((len(row_index), len(blocks) * BLOCKSIZE))
+    state = functional.QuantState(absmax=absmax.reshape(-1).contiguous(), shape=shape, code=state.code,
+                                  blocksize=BLOCKSIZE, quant_type=state.quant_type, dtype=state.dtype)
     param = nn.Parameter(codes.reshape(-1, 1).contiguous(), requires_grad=False)
-    param.apt_state, param.apt_quant, param.apt_shape = kept, weight.apt_quant, tuple(shape)
+    param.apt_state, param.apt_quant, param.apt_shape = state, weight.apt_quant, tuple(shape)
+    param.apt_transposed = weight.apt_transposed
+    whole = torch.equal(new_positions, torch.arange(shape[1]))
+    param.apt_positions = None if whole else new_positions.to(device)
     return param
 
 
@@ -221,12 +308,12 @@ class QuantizedLinear(nn.Linear):
         return frozen_linear(x, self.weight, self.bias)
 
 
-def quantize_linear(linear: nn.Linear, quant: BaseQuant, source=None) -> QuantizedLinear:
-    """Quantize `linear`'s weight in place (the bias stays in the base dtype); `source`: as for
-    `quantize`."""
+def quantize_linear(linear: nn.Linear, quant: BaseQuant, source=None, dims: tuple[str, str] | None = None) -> QuantizedLinear:
+    """Quantize `linear`'s weight in place (the bias stays in the base dtype); `source`, `dims`:
+    as for `quantize`."""
     if type(linear) is not nn.Linear:
         raise TypeError(f"can only quantize a plain nn.Linear, got {type(linear).__name__}")
-    linear.weight = quantize(linear.weight, quant, source)
+    linear.weight = quantize(linear.weight, quant, source, dims)
     linear.__class__ = QuantizedLinear
     return linear  # type: ignore[return-value]
 

@@ -94,7 +94,7 @@ class RunTensors:
         tensor = base
         if self.quant is not None and local in self.projection_weights:  # the codes the run held, dequantized
             kept = [None if axes[axis] is None else axes[axis][0] for axis in dims]
-            tensor = dequantize(keep_quantized(quantize(base, self.quant, source=lambda: base), *kept)[0]).float()
+            tensor = dequantize(keep_quantized(quantize(base, self.quant, source=lambda: base, dims=dims), *kept)[0]).float()
         else:
             for dim, axis in enumerate(dims):  # the run's current shapes
                 if axes[axis] is not None:

@@ -15,6 +15,10 @@ from apt_ds.config import ConfigError, TrainConfig
 from apt_ds.io.modeling import ModelLoadError
 from apt_ds.models import family_for, family_of
 
+# run_info's name for how a run stored its 4-bit projections (BaseQuant.pruned_axis_rows); runs
+# without it stored every projection as the checkpoint holds it.
+QUANT_LAYOUT = "pruned-axis-rows"
+
 
 def base_quant_of(train: TrainConfig, dtype: torch.dtype) -> BaseQuant:
     """How the frozen projections are stored: --base-quant, computing in the base dtype."""
@@ -36,9 +40,11 @@ def merge_quant(meta: dict, merge_into: str | None, run_dir) -> BaseQuant | None
                           f"leave --merge-into out")
     if merge_into == "original" or not quantized:
         return None
+    info = meta.get("run_info", {})
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
-        meta.get("run_info", {}).get("base_dtype", "float32")]
-    return BaseQuant(train["base_quant"], double_quant=train.get("double_quant", True), compute_dtype=dtype)
+        info.get("base_dtype", "float32")]
+    return BaseQuant(train["base_quant"], double_quant=train.get("double_quant", True), compute_dtype=dtype,
+                     pruned_axis_rows=info.get("quant_layout") == QUANT_LAYOUT)
 
 
 def check_quantizable_base(model: str, quant: BaseQuant, deepspeed: str | None, device: torch.device) -> None:
@@ -57,11 +63,12 @@ def check_quantizable_base(model: str, quant: BaseQuant, deepspeed: str | None, 
 
 
 def projection_modules(model):
-    """(name, Linear) of every frozen projection the family lists (q/k/v/o, gate/up/down)."""
+    """(name, Linear, its (out, in) unit axes) of every frozen projection the family lists
+    (q/k/v/o, gate/up/down)."""
     family = family_of(model)
     for index, layer in enumerate(family.decoder_layers(model)):
         for tensor in family.projections.values():
-            yield f"{family.layer_prefix(index)}.{tensor.module}", family.layer_module(layer, tensor.role)
+            yield f"{family.layer_prefix(index)}.{tensor.module}", family.layer_module(layer, tensor.role), tensor.dims
 
 
 def quantize_model(model, quant: BaseQuant):
@@ -69,9 +76,9 @@ def quantize_model(model, quant: BaseQuant):
     Their full-precision weights stay beside them as the source a shrink re-quantizes from
     (algorithm/quant.py), which only a small model affords; files are read again instead."""
     with torch.no_grad():
-        for _, linear in projection_modules(model):
+        for _, linear, dims in projection_modules(model):
             original = linear.weight.detach().clone()
-            quantize_linear(linear, quant, source=lambda original=original: original)
+            quantize_linear(linear, quant, source=lambda original=original: original, dims=dims)
     return model
 
 
@@ -90,7 +97,7 @@ def load_quantized(path: Path, quant: BaseQuant, device: torch.device):
         model = family.classes()[1](config)
     if config.tie_word_embeddings:  # tied before the parameters are listed: the head is the embedding's
         family.output_module(model).weight = family.embedding_module(model).weight
-    projections = {f"{name}.weight": linear for name, linear in projection_modules(model)}
+    projections = {f"{name}.weight": (linear, dims) for name, linear, dims in projection_modules(model)}
     params = dict(model.named_parameters())  # a tied LM head once, under the embedding's name
     missing = [name for name in params if name not in weights]
     if missing:
@@ -103,9 +110,9 @@ def load_quantized(path: Path, quant: BaseQuant, device: torch.device):
                                      f"{list(param.shape)}")
             tensor = tensor.to(device=device, dtype=quant.compute_dtype)
             if name in projections:
-                linear = projections[name]
+                linear, dims = projections[name]
                 linear.weight = nn.Parameter(tensor, requires_grad=False)
-                quantize_linear(linear, quant, source=lambda name=name: weights.read(name))
+                quantize_linear(linear, quant, source=lambda name=name: weights.read(name), dims=dims)
             else:
                 owner, _, leaf = name.rpartition(".")
                 setattr(model.get_submodule(owner), leaf, nn.Parameter(tensor, requires_grad=False))

@@ -16,6 +16,7 @@ from apt_ds.config import STEP_SCALED_FIELDS, APTConfig, ConfigError, TrainConfi
 from apt_ds.io.atomic import write_text_atomic
 from apt_ds.io.checkpoint import CheckpointError, check_known_apt_fields, check_same_apt_config
 from apt_ds.io.fingerprint import same_model
+from apt_ds.io.quantized import QUANT_LAYOUT
 
 RESUME_MUST_MATCH = ("steps", "lr", "warmup_steps", "weight_decay", "max_grad_norm", "max_seq_len", "template", "seed",
                      "base_quant", "double_quant")  # the base's codes: a resume quantizes them again
@@ -79,6 +80,9 @@ def check_resumable_settings(meta: dict, train: TrainConfig, data_path: str, wor
         flags = " ".join(f"--{k.replace('_', '-')} {saved_train.get(k)}" for k in changed)
         problems.append(f"--resume must use the run's training settings; changed: {details} (pass {flags})")
     info = meta["run_info"]
+    if saved_train["base_quant"] != "none" and info.get("quant_layout") != QUANT_LAYOUT:
+        problems.append("--resume: the run stored its quantized base in the layout of apt-ds before 2026-12-07, which "
+                        "this version does not train on; export it as it is (the export reads the layout) or train again")
     if info.get("data") != data_path and not _same_path(info.get("data_resolved") or info.get("data"), data_path):
         problems.append(f"--resume: the run was trained on --data {info.get('data')}, not {data_path}")
     if apt_config is not None:

@@ -13,10 +13,12 @@ from apt_ds.algorithm.quant import (
     BaseQuant,
     QuantizationError,
     dequantize,
+    frozen_linear,
     keep_quantized,
     quantize,
     quantize_linear,
     storage_bytes,
+    stored_transposed,
 )
 
 METHODS = ["nf4", "fp4", "int8"]
@@ -74,16 +76,70 @@ def test_whole_rows_and_whole_blocks_are_kept_exactly(method, double_quant):
 
 
 @pytest.mark.parametrize("method", ["nf4", "fp4"])
-def test_single_columns_are_requantized_close_to_the_slice(method):
-    """Single input channels (FFN neurons of down_proj, hidden channels) cut 4-bit blocks: the
-    kept values are quantized again, close to (not equal to) the dequantized slice."""
+def test_single_columns_keep_their_codes_and_blocks_go_when_their_last_column_does(method):
+    """Single stored columns (hidden channels of gate/up's input) cut blocks only in part: those
+    blocks stay, their codes as they were, and the kept columns are named by their positions,
+    so the weight is the slice of the dequantized one bit for bit; a block with no column left is
+    dropped, and a later cut composes with the earlier one."""
     weight = quantize(_weight(), BaseQuant(method))
+    columns = torch.cat([torch.arange(0, 128, 3), torch.arange(192, 512)])  # block 2 (128..191) wholly cut
+    kept, route = keep_quantized(weight, None, columns)
+    expected = dequantize(weight)[:, columns]
+    assert route == "exact" and torch.equal(dequantize(kept), expected)
+    assert kept.apt_shape == (256, 448) and kept.apt_positions is not None  # 7 of 8 blocks stored
+    assert storage_bytes(kept) < storage_bytes(weight)
+    again = torch.arange(0, len(columns), 2)
+    twice, route = keep_quantized(kept, torch.tensor([0, 7, 100]), again)
+    assert route == "exact" and torch.equal(dequantize(twice), expected[[0, 7, 100]][:, again])
+    x = torch.randn(4, len(again), requires_grad=True)
+    y = frozen_linear(x, twice, None)
+    torch.testing.assert_close(y, x.detach() @ dequantize(twice).t(), rtol=1e-5, atol=1e-5)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, dequantize(twice).sum(0).expand(4, -1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["nf4", "fp4"])
+def test_the_layout_before_pruned_axis_rows_requantizes_single_columns(method):
+    """Runs of the layout before 2026-12-07 re-quantized any cut that was not whole blocks (their
+    exports still do): close to the dequantized slice, not equal."""
+    weight = quantize(_weight(), BaseQuant(method, pruned_axis_rows=False))
     columns = torch.arange(0, 512, 3)
     kept, route = keep_quantized(weight, None, columns)
     expected = dequantize(weight)[:, columns]
-    assert route == REQUANTIZED and kept.apt_shape == (256, len(columns))
+    assert route == REQUANTIZED and kept.apt_shape == (256, len(columns)) and kept.apt_positions is None
     gap = (dequantize(kept) - expected).abs().mean() / expected.abs().mean()
     assert 0 < gap < 0.15
+
+
+def test_stored_orientation_puts_the_finer_cut_axis_on_the_rows():
+    """q/k/v (out: heads, in: hidden) and down_proj (out: hidden, in: neurons) are stored as W^T;
+    o_proj and gate/up as they are."""
+    assert stored_transposed(("q", "hidden")) and stored_transposed(("kv", "hidden"))
+    assert stored_transposed(("hidden", "ffn"))
+    assert not stored_transposed(("hidden", "q")) and not stored_transposed(("ffn", "hidden"))
+    assert not stored_transposed(None)
+
+
+@pytest.mark.parametrize("method", ["nf4", "fp4"])
+def test_a_transposed_weight_computes_and_slices_as_the_weight_it_stands_for(method):
+    """A down_proj-like weight (out: 256 hidden, in: 512 neurons) stored as W^T: the forward
+    pass, input gradient and dequantized weight are those of W; single neurons (stored rows) and
+    64-wide column blocks of the output are kept exactly."""
+    dense = _weight(256, 512)
+    weight = quantize(dense, BaseQuant(method), dims=("hidden", "ffn"))
+    assert weight.apt_transposed and weight.apt_shape == (512, 256)
+    assert dequantize(weight).shape == (256, 512) and dequantize(weight).is_contiguous()
+    error = (dequantize(weight) - dense).abs().mean() / dense.abs().mean()
+    assert 0 < error < 0.15
+    x = torch.randn(3, 512, requires_grad=True)
+    y = frozen_linear(x, weight, torch.ones(256))
+    torch.testing.assert_close(y, x.detach() @ dequantize(weight).t() + 1, rtol=1e-4, atol=1e-4)
+    y.pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, (2 * y.detach()) @ dequantize(weight), rtol=1e-3, atol=1e-3)
+    neurons, rows = torch.arange(1, 512, 2), torch.cat([torch.arange(64), torch.arange(128, 256)])
+    kept, route = keep_quantized(weight, rows, neurons)
+    assert route == "exact" and torch.equal(dequantize(kept), dequantize(weight)[rows][:, neurons])
+    assert kept.apt_positions is None and kept.apt_shape == (256, 192)  # whole blocks dropped, rows kept
 
 
 def test_int8_keeps_any_column_exactly():
