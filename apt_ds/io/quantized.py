@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from apt_ds.algorithm.quant import BaseQuant, QuantizationError, bitsandbytes, quantize_linear
+from apt_ds.algorithm.quant import BaseQuant, QuantizationError, bitsandbytes, is_quantized, quantize_linear
 from apt_ds.config import ConfigError, TrainConfig
 from apt_ds.io.modeling import ModelLoadError
 from apt_ds.models import family_for, family_of
@@ -47,14 +47,36 @@ def merge_quant(meta: dict, merge_into: str | None, run_dir) -> BaseQuant | None
                      pruned_axis_rows=info.get("quant_layout") == QUANT_LAYOUT)
 
 
-def check_quantizable_base(model: str, quant: BaseQuant, deepspeed: str | None, device: torch.device) -> None:
-    """What cannot be quantized here, in one line each, before anything loads."""
+def quantization_record(model, train: TrainConfig) -> dict:
+    """What run_info records of a model's quantized base, read off the model itself (so a run made
+    through the API, not the CLI, records it too): its layout and compute dtype, which an export
+    needs to quantize the base again as the run held it. A model quantized otherwise than
+    `train.base_quant` says is refused: the export would merge into other weights than it trained on."""
+    quant = next((p.apt_quant for p in model.parameters() if is_quantized(p)), None)
+    method = quant.method if quant is not None else "none"
+    if method != train.base_quant:
+        raise ConfigError(f"the model's projections are {'stored ' + method if quant else 'not quantized'} but "
+                          f"TrainConfig.base_quant is {train.base_quant!r}: set base_quant={method!r}")
+    if quant is None:
+        return {}
+    return {"quant_layout": QUANT_LAYOUT if quant.pruned_axis_rows else "as-stored",
+            "base_dtype": str(quant.compute_dtype).removeprefix("torch.")}
+
+
+def check_quantizable_base(model: str, quant: BaseQuant, zero_stage: int | None, device: torch.device) -> None:
+    """What cannot be quantized here, in one line each, before anything loads. `zero_stage`: the
+    --deepspeed JSON's ZeRO stage (None: one process).
+
+    ZeRO-1/2 partition only the optimizer's state (the adapters'): every rank holds the frozen
+    quantized base whole and quantizes it identically from the files. ZeRO-3 would partition the
+    codes themselves, which needs them stored in the engine's dtype (bitsandbytes' quant_storage)
+    and a partitioned quantized load: not built yet."""
     if not quant.enabled:
         return
     bitsandbytes()
-    if deepspeed:
-        raise QuantizationError(f"--base-quant {quant.method} runs in one process in this version (a quantized base "
-                                f"under DeepSpeed ZeRO is not built yet): drop --deepspeed, or --base-quant none")
+    if zero_stage is not None and zero_stage >= 3:
+        raise QuantizationError(f"--base-quant {quant.method} under ZeRO-3 is not built yet (the quantized base is not "
+                                f"partitioned): use a ZeRO-2 config (ds_configs/zero2.json), or --base-quant none")
     if Path(model).is_file():
         raise QuantizationError(f"--base-quant {quant.method}: --model {model} is a GGUF file, whose weights were "
                                 f"quantized (or dequantized) already; give the model's safetensors directory")

@@ -28,7 +28,7 @@ from apt_ds.io.context_length import check_max_seq_len
 from apt_ds.io.data import TruncationStats, batches, demo_data_path, load_records, tokenize_dataset
 from apt_ds.io.fingerprint import file_fingerprint, model_fingerprint
 from apt_ds.io.modeling import TINY_MODELS, build_tiny_model, load_model
-from apt_ds.io.quantized import QUANT_LAYOUT, base_quant_of, check_quantizable_base, load_quantized, quantize_model
+from apt_ds.io.quantized import base_quant_of, check_quantizable_base, load_quantized, quantize_model
 from apt_ds.io.run_dir import (
     RUN_FILE,
     check_out_dir,
@@ -215,7 +215,8 @@ def run_training(args, apt: APTConfig, train: TrainConfig) -> dict:
 def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
     out = Path(args.out)
     check_out_dir(out, args.resume, args.overwrite)  # fail early; nothing is touched yet
-    check_quantizable_base(args.model, base_quant_of(train, base_dtype_of(backend, train)), args.deepspeed, backend.device)
+    zero_stage = getattr(backend, "zero_stage_requested", None) if args.deepspeed else None
+    check_quantizable_base(args.model, base_quant_of(train, base_dtype_of(backend, train)), zero_stage, backend.device)
     if getattr(args, "save_eval_probe", False) and not args.eval_data:
         raise ConfigError("--save-eval-probe needs --eval-data (the probe is the first eval batch)")
     meta = read_meta(resume.checkpoint_to_resume(out)) if args.resume else None
@@ -257,8 +258,6 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
                     "deepspeed": args.deepspeed, "world_size": backend.world_size, "model_fingerprint": fingerprint,
                     "truncation": truncation.to_dict(), "data_resolved": str(Path(data_path).resolve()),
                     "data_fingerprint": examples_digest, "base_dtype": str(base_dtype_of(backend, train))[6:]}
-        if train.base_quant != "none":  # how the 4-bit projections were oriented: an export quantizes them again so
-            run_info["quant_layout"] = QUANT_LAYOUT
         backend.barrier()
         replaced = prepare_out_dir(out, args.resume, args.overwrite, backend.is_main())
         with previous_run_back_on_failure(out, replaced):

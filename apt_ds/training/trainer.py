@@ -28,6 +28,7 @@ from apt_ds.distributed.placement import move_batch
 from apt_ds.io.checkpoint import load_checkpoint
 from apt_ds.io.checkpoint_save import repair_export_copy, save_checkpoint
 from apt_ds.io.metrics import MetricsWriter, memory_mb
+from apt_ds.io.quantized import quantization_record
 from apt_ds.training.attention_kernels import training_attention_kernels
 from apt_ds.training.divergence import DivergenceGuard, is_bad_step, kept_checkpoint_note
 from apt_ds.training.evaluate import mean_token_loss
@@ -65,7 +66,7 @@ class APTrainer:
         self.out_dir = Path(out_dir) if out_dir else None
         self.eval_batches = eval_batches or []
         self.progress = progress
-        self.run_info = run_info or {}
+        self.run_info = {**(run_info or {}), **quantization_record(model, train)}  # the export re-quantizes as this
         torch.manual_seed(train.seed)
         self.device = self.backend.device
         self.backend.place(model)  # before adapters and masks are made: they follow the model's device

@@ -27,6 +27,7 @@ from conftest import (
 )
 
 from apt_ds import APTConfig, APTrainer, TrainConfig
+from apt_ds.config import ConfigError
 from apt_ds.algorithm.masks import UnitMasks
 from apt_ds.algorithm.quant import BaseQuant, dequantize, is_quantized, storage_bytes
 from apt_ds.algorithm.shrink import shrink_model
@@ -149,6 +150,34 @@ def test_merge_and_compact_and_plain_lora_on_a_quantized_base(in_tmp, tmp_path):
     assert _metrics(tmp_path / "lora")[-1]["density"] == 1.0
 
 
+def test_a_run_made_through_the_api_records_its_layout_and_exports_as_it_computed(tmp_path, tokenizer):
+    """APTrainer on a model quantized by the caller (as benchmarks/_quality_worker.py trains), no
+    run_info given: the trainer reads the layout off the model, so the streamed export quantizes
+    the base again as the run held it and gives the live model's logits. A model quantized
+    otherwise than TrainConfig.base_quant says is refused before training."""
+    from apt_ds.export.merge import export_run
+
+    tiny_family("qwen2", vocab=len(tokenizer), **BLOCK_SHAPES).save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(str(tmp_path / "base"))
+    quant, apt = BaseQuant("nf4"), APTConfig.for_steps(8, target_density=0.6)
+    model = load_quantized(tmp_path / "base", quant, torch.device("cpu"))
+    with pytest.raises(ConfigError, match="stored nf4 but TrainConfig.base_quant is 'none'"):
+        APTrainer(model, apt, TrainConfig(steps=8, warmup_steps=1), progress=False)
+    trainer = APTrainer(model, apt, TrainConfig(steps=8, warmup_steps=1, base_quant="nf4"), out_dir=tmp_path / "run",
+                        progress=False, run_info={"model": str(tmp_path / "base"), "tokenizer": str(tmp_path / "base")})
+    trainer.train(micro_batches())
+    meta = json.loads((tmp_path / "run" / "checkpoint" / "apt_state.json").read_text())
+    assert meta["run_info"]["quant_layout"] == "pruned-axis-rows" and meta["run_info"]["base_dtype"] == "float32"
+    ids = random_batch(length=12, vocab=len(tokenizer))["input_ids"]
+    with torch.no_grad():
+        live = trainer.model(ids).logits
+    export_run(tmp_path / "run", tmp_path / "hf", dtype="fp32")
+    from apt_ds.io.modeling import load_pretrained
+
+    with torch.no_grad():
+        torch.testing.assert_close(load_pretrained(tmp_path / "hf")(ids).logits, live, rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_a_stopped_quantized_run_resumes_bit_for_bit(tmp_path, method):
     """The base is quantized again from the same weights on resume, and the shrinks replayed on
@@ -173,7 +202,7 @@ def test_a_stopped_quantized_run_resumes_bit_for_bit(tmp_path, method):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--deepspeed", str(Path(__file__).resolve().parents[2] / "ds_configs" / "zero2.json")], "one process in this version"),
+    (["--deepspeed", str(Path(__file__).resolve().parents[2] / "ds_configs" / "zero3.json")], "under ZeRO-3 is not built"),
     (["--base-dtype", "fp16"], "fp16"),
 ])
 def test_what_cannot_be_quantized_is_one_line_before_anything_is_written(in_tmp, tmp_path, capsys, args, message):

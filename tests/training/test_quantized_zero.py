@@ -1,0 +1,39 @@
+"""A quantized base (--base-quant nf4) under DeepSpeed ZeRO-2 on 2 real ranks (CPU accelerator):
+each rank quantizes the frozen base identically from the files and holds it whole (ZeRO-2
+partitions only the adapters' optimizer state), both ranks take the same decisions, the run
+reaches its density through engine rebuilds whose shrinks keep the codes, and the export merged
+into the dequantized weights gives the live model's logits. ZeRO-3 is refused before the model
+loads (tests/training/test_quantized_base.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import check_against_probe, tiny_family
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+from test_distributed import COMMON, EVAL, check_identical_and_pruned, ds_config, launch, rank_records  # noqa: E402
+
+from apt_ds.cli.export import main as export_main  # noqa: E402
+
+pytest.importorskip("bitsandbytes")
+
+# widths that are whole 4-bit blocks of 64, so every cut keeps its codes (algorithm/quant.py)
+BLOCK_SHAPES = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+
+
+def test_a_two_rank_zero2_run_on_an_nf4_base_prunes_and_exports(tmp_path, tokenizer):
+    base = tmp_path / "qwen2"
+    tiny_family("qwen2", vocab=len(tokenizer), **BLOCK_SHAPES).save_pretrained(base)
+    tokenizer.save_pretrained(str(base))
+    out = tmp_path / "run"
+    args = ["--deepspeed", ds_config(tmp_path, 2), *COMMON, "--micro-batch-size", "2", "--model", str(base),
+            "--base-quant", "nf4", *EVAL, "--save-eval-probe", "--out", str(out)]
+    result = launch(2, args)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    check_identical_and_pruned(out, 2)
+    assert len(rank_records(out)) == 2
+    assert export_main([str(out), "--out", str(tmp_path / "hf")]) == 0
+    check_against_probe(out, tmp_path / "hf")
