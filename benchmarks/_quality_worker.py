@@ -150,7 +150,9 @@ def run_worker(spec_path: Path) -> None:
         from apt_ds.algorithm.quant import BaseQuant
         from apt_ds.io.quantized import load_quantized
 
-        model = load_quantized(Path(spec["hf_dir"]), BaseQuant(method["base_quant"]), torch.device("cpu"))
+        # as the CLI stores it: the pruned axis as rows where the run prunes, transformers' layout where not
+        quant = BaseQuant(method["base_quant"], pruned_axis_rows=method["kind"] != "lora")
+        model = load_quantized(Path(spec["hf_dir"]), quant, torch.device("cpu"))
     else:
         model = load_model(spec["hf_dir"], mmap=False)  # as `apt-ds train` loads for pruning: freed weights leave RSS
     result["load_time_s"] = time.perf_counter() - started

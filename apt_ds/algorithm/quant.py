@@ -4,20 +4,23 @@ row-wise int8. Adapters, masks and salience see activations and adapter weights,
 storage: the forward pass (`frozen_linear`) and the kurtosis of a weight's columns
 (`dense_weight`) are the only readers, and a physical shrink (`keep_quantized`) the only writer.
 
-A 4-bit matrix is stored in the orientation whose rows are the axis a shrink cuts one unit at a
-time (`stored_transposed`): whole rows of blocks are then kept exactly. q/k/v and down_proj are
-stored transposed (hidden channels, FFN neurons as rows), o_proj and gate/up as they are (hidden
-channels, FFN neurons as rows); heads of 64 or 128 channels are whole blocks along the columns.
+In a run that prunes, a 4-bit matrix is stored in the orientation whose rows are the axis a
+shrink cuts one unit at a time (`stored_transposed`): whole rows of blocks are then kept exactly.
+q/k/v and down_proj are stored transposed (hidden channels, FFN neurons as rows), o_proj and
+gate/up as they are (hidden channels, FFN neurons as rows); heads of 64 or 128 channels are whole
+blocks along the columns. A run that does not prune (plain QLoRA) stores every matrix as the
+checkpoint holds it, as transformers does, and computes with bitsandbytes' own kernels.
 
 `keep_quantized` takes the exact route where the storage allows it and re-quantizes otherwise:
 - int8 keeps every slice exactly (one scale per output row: dropping a row drops its scale, a
   dropped column leaves the other codes as they were);
-- 4-bit keeps whole blocks exactly (stored rows, of a matrix whose stored width is a multiple of
-  the block size, and stored columns that are whole blocks of every row: a 64- or 128-wide head);
-  their absmax is then kept un-nested in fp32, since double quantization's nested blocks would be
-  cut; the one other cut left, hidden channels along gate/up's input and down's output, quantizes
-  the kept rows and columns of the original weight again, read from the model's files
-  (`REQUANTIZED`, measured in docs/QUANTIZED_BASE.md).
+- 4-bit, stored width a multiple of the block size: kept stored rows keep their codes, blocks of
+  columns cut whole are dropped, and blocks cut in part (hidden channels along gate/up's input
+  and down's output) stay whole, the kept columns named by their positions, until their last
+  column goes; absmax is kept un-nested in fp32, since double quantization's nested blocks would
+  be cut;
+- 4-bit, any other stored width: the kept rows and columns of the original weight, read from the
+  model's files, are quantized again (`REQUANTIZED`, measured in docs/QUANTIZED_BASE.md).
 bitsandbytes is imported only when a quantized weight is made or used.
 """
 
@@ -48,7 +51,8 @@ class BaseQuant:
     quantizes the 4-bit absmax too (transformers' bnb_4bit_use_double_quant); `compute_dtype`
     is what the dequantized weight multiplies in (bnb_4bit_compute_dtype: the base dtype);
     `pruned_axis_rows` stores each 4-bit matrix with the axis a shrink cuts unit by unit as its
-    rows (`stored_transposed`; False: as the checkpoint holds it, runs before 2026-12-07)."""
+    rows (`stored_transposed`) and keeps the codes at every shrink; False: as the checkpoint holds
+    it (runs that do not prune; runs before 2026-12-07, whose shrinks re-quantized cut blocks)."""
 
     method: str = "none"
     double_quant: bool = True
@@ -116,6 +120,9 @@ def quantize(weight: torch.Tensor, quant: BaseQuant, source=None, dims: tuple[st
     transposed = quant.method != "int8" and quant.pruned_axis_rows and stored_transposed(dims)
     param = _quantized(weight.detach().to(quant.compute_dtype), quant, quant.double_quant, transposed)
     param.apt_source, param.apt_rows, param.apt_cols = source, None, None  # original out/in units kept (None: all)
+    # Whether a shrink keeps the codes: decided once, by the original stored width, so that the route
+    # (and so the codes) never depends on the sequence of shrinks that led to the kept units.
+    param.apt_keeps_codes = quant.pruned_axis_rows and param.apt_shape[1] % BLOCKSIZE == 0
     return param
 
 
@@ -247,7 +254,8 @@ def keep_quantized(weight, out_index: torch.Tensor | None, in_index: torch.Tenso
         param.apt_scales = weight.apt_scales[row_index.to(device)].contiguous()
         param.apt_quant, param.apt_shape = quant, (len(row_index), len(col_index))
         param.apt_transposed, param.apt_positions, route = weight.apt_transposed, None, "exact"
-    elif weight.apt_shape[1] % BLOCKSIZE == 0 and (quant.pruned_axis_rows or _whole_blocks(col_index)):
+    elif weight.apt_keeps_codes or (not quant.pruned_axis_rows and weight.apt_shape[1] % BLOCKSIZE == 0
+                                    and _whole_blocks(col_index)):  # the earlier layout: whole blocks only
         param, route = _keep_blocks(weight, row_index, col_index), "exact"
     else:
         if weight.apt_source is not None:
@@ -257,6 +265,7 @@ def keep_quantized(weight, out_index: torch.Tensor | None, in_index: torch.Tenso
         param, route = _quantized(dense, quant, nested=False, transposed=weight.apt_transposed), REQUANTIZED
         del dense
     param.apt_source, param.apt_rows, param.apt_cols = weight.apt_source, kept_out, kept_in
+    param.apt_keeps_codes = weight.apt_keeps_codes
     return param, route
 
 

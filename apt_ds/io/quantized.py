@@ -18,11 +18,19 @@ from apt_ds.models import family_for, family_of
 # run_info's name for how a run stored its 4-bit projections (BaseQuant.pruned_axis_rows); runs
 # without it stored every projection as the checkpoint holds it.
 QUANT_LAYOUT = "pruned-axis-rows"
+AS_STORED = "as-stored"
 
 
-def base_quant_of(train: TrainConfig, dtype: torch.dtype) -> BaseQuant:
-    """How the frozen projections are stored: --base-quant, computing in the base dtype."""
-    return BaseQuant(train.base_quant, double_quant=train.double_quant, compute_dtype=dtype)
+def base_quant_of(train: TrainConfig, dtype: torch.dtype, prunes: bool = True) -> BaseQuant:
+    """How the frozen projections are stored: --base-quant, computing in the base dtype; with the
+    pruned axis as rows where the run prunes, as the checkpoint holds them (bitsandbytes' own
+    kernels, transformers' layout) where it does not."""
+    return BaseQuant(train.base_quant, double_quant=train.double_quant, compute_dtype=dtype, pruned_axis_rows=prunes)
+
+
+def quant_layout(prunes: bool) -> str:
+    """run_info's `quant_layout` of a quantized run that prunes or does not."""
+    return QUANT_LAYOUT if prunes else AS_STORED
 
 
 def merge_quant(meta: dict, merge_into: str | None, run_dir) -> BaseQuant | None:
@@ -40,7 +48,7 @@ def merge_quant(meta: dict, merge_into: str | None, run_dir) -> BaseQuant | None
                           f"leave --merge-into out")
     if merge_into == "original" or not quantized:
         return None
-    info = meta.get("run_info", {})
+    info = meta.get("run_info", {})  # runs without quant_layout: before 2026-12-07, stored as the checkpoint holds it
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
         info.get("base_dtype", "float32")]
     return BaseQuant(train["base_quant"], double_quant=train.get("double_quant", True), compute_dtype=dtype,
@@ -59,8 +67,25 @@ def quantization_record(model, train: TrainConfig) -> dict:
                           f"TrainConfig.base_quant is {train.base_quant!r}: set base_quant={method!r}")
     if quant is None:
         return {}
-    return {"quant_layout": QUANT_LAYOUT if quant.pruned_axis_rows else "as-stored",
+    if method != "int8" and quant.double_quant != train.double_quant:
+        raise ConfigError(f"the model's {method} projections were quantized with double_quant={quant.double_quant} "
+                          f"but TrainConfig.double_quant is {train.double_quant}: set them alike")
+    return {"quant_layout": quant_layout(quant.pruned_axis_rows),
             "base_dtype": str(quant.compute_dtype).removeprefix("torch.")}
+
+
+def check_quant_layout(checkpoint: Path, run_info: dict) -> None:
+    """CheckpointError unless the checkpoint's base was stored in the layout of the model about to
+    resume it (`run_info` from `quantization_record`): the codes are quantized again on resume."""
+    from apt_ds.io.checkpoint import CheckpointError, read_meta
+
+    meta = read_meta(checkpoint)
+    if meta["train_config"].get("base_quant", "none") == "none":
+        return
+    saved, now = meta["run_info"].get("quant_layout", AS_STORED), run_info.get("quant_layout")
+    if now is not None and saved != now:
+        raise CheckpointError(f"{checkpoint}: the run stored its quantized base {saved}, the model to resume it is "
+                              f"stored {now} (BaseQuant.pruned_axis_rows); quantize it as the run did, or train again")
 
 
 def check_quantizable_base(model: str, quant: BaseQuant, zero_stage: int | None, device: torch.device) -> None:
@@ -74,7 +99,7 @@ def check_quantizable_base(model: str, quant: BaseQuant, zero_stage: int | None,
     if not quant.enabled:
         return
     bitsandbytes()
-    if zero_stage is not None and zero_stage >= 3:
+    if isinstance(zero_stage, int) and zero_stage >= 3:  # a malformed stage is the config check's to name
         raise QuantizationError(f"--base-quant {quant.method} under ZeRO-3 is not built yet (the quantized base is not "
                                 f"partitioned): use a ZeRO-2 config (ds_configs/zero2.json), or --base-quant none")
     if Path(model).is_file():

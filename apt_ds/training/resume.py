@@ -16,10 +16,24 @@ from apt_ds.config import STEP_SCALED_FIELDS, APTConfig, ConfigError, TrainConfi
 from apt_ds.io.atomic import write_text_atomic
 from apt_ds.io.checkpoint import CheckpointError, check_known_apt_fields, check_same_apt_config
 from apt_ds.io.fingerprint import same_model
-from apt_ds.io.quantized import QUANT_LAYOUT
+from apt_ds.io.quantized import AS_STORED, quant_layout
 
 RESUME_MUST_MATCH = ("steps", "lr", "warmup_steps", "weight_decay", "max_grad_norm", "max_seq_len", "template", "seed",
                      "base_quant", "double_quant")  # the base's codes: a resume quantizes them again
+
+
+def quant_layout_problem(meta: dict, apt_config: dict | None) -> str | None:
+    """Why a quantized run cannot resume with `apt_config` (None: its own) in this version, or None:
+    the base is quantized again on resume, and a run that prunes must hold its codes in the layout
+    it trained with (runs before 2026-12-07 that pruned re-quantized cut blocks: not reproducible)."""
+    if meta["train_config"].get("base_quant", "none") == "none":
+        return None
+    prunes = (apt_config if apt_config is not None else meta["apt_config"]).get("prune", True)
+    saved = meta["run_info"].get("quant_layout", AS_STORED)
+    if saved == quant_layout(prunes):
+        return None
+    return (f"--resume: the run stored its quantized base {saved}, which this version does not train on "
+            f"{'with' if prunes else 'without'} pruning; export it as it is (the export reads the layout) or train again")
 
 
 def global_batch_size(train: dict | TrainConfig, world_size: int) -> int:
@@ -80,9 +94,9 @@ def check_resumable_settings(meta: dict, train: TrainConfig, data_path: str, wor
         flags = " ".join(f"--{k.replace('_', '-')} {saved_train.get(k)}" for k in changed)
         problems.append(f"--resume must use the run's training settings; changed: {details} (pass {flags})")
     info = meta["run_info"]
-    if saved_train["base_quant"] != "none" and info.get("quant_layout") != QUANT_LAYOUT:
-        problems.append("--resume: the run stored its quantized base in the layout of apt-ds before 2026-12-07, which "
-                        "this version does not train on; export it as it is (the export reads the layout) or train again")
+    layout_problem = quant_layout_problem(meta, apt_config)
+    if layout_problem:
+        problems.append(layout_problem)
     if info.get("data") != data_path and not _same_path(info.get("data_resolved") or info.get("data"), data_path):
         problems.append(f"--resume: the run was trained on --data {info.get('data')}, not {data_path}")
     if apt_config is not None:

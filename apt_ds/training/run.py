@@ -114,7 +114,7 @@ def _model(args, tokenizer, train: TrainConfig, prunes: bool, backend, check_fin
     run that prunes reads the weights into memory rather than mapping the file: mapped pages
     would stay resident after pruning (apt_ds.io.modeling.load_model)."""
     dtype = base_dtype_of(backend, train)
-    quant = base_quant_of(train, dtype)
+    quant = base_quant_of(train, dtype, prunes)
     if args.model in TINY_MODELS:
         model = build_tiny_model(vocab_size=len(tokenizer), seed=train.seed, variant=args.model)
         fingerprint = model_fingerprint(model)

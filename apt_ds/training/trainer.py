@@ -28,7 +28,7 @@ from apt_ds.distributed.placement import move_batch
 from apt_ds.io.checkpoint import load_checkpoint
 from apt_ds.io.checkpoint_save import repair_export_copy, save_checkpoint
 from apt_ds.io.metrics import MetricsWriter, memory_mb
-from apt_ds.io.quantized import quantization_record
+from apt_ds.io.quantized import check_quant_layout, quantization_record
 from apt_ds.training.attention_kernels import training_attention_kernels
 from apt_ds.training.divergence import DivergenceGuard, is_bad_step, kept_checkpoint_note
 from apt_ds.training.evaluate import mean_token_loss
@@ -100,6 +100,7 @@ class APTrainer:
         return self.backend.optimizer_steps
 
     def resume(self, checkpoint_dir: str | Path) -> None:
+        check_quant_layout(Path(checkpoint_dir), self.run_info)  # before any state is read into the trainer
         load_checkpoint(self, Path(checkpoint_dir))
         repair_export_copy(self, Path(checkpoint_dir))
 

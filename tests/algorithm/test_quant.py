@@ -111,6 +111,25 @@ def test_the_layout_before_pruned_axis_rows_requantizes_single_columns(method):
     assert 0 < gap < 0.15
 
 
+def test_the_route_does_not_depend_on_the_sequence_of_shrinks():
+    """A stored width that is not whole blocks (200) re-quantizes at every cut, also once a cut
+    left it whole blocks wide (192): two shrinks give the weight one shrink to the same units
+    gives, so resume and export hold the run's codes."""
+    dense = _weight(128, 200)
+    quant = BaseQuant("nf4")
+
+    def weight():
+        return quantize(dense, quant, source=lambda: dense, dims=("ffn", "hidden"))
+
+    first = torch.arange(8, 200)
+    once, route = keep_quantized(weight(), None, first)
+    assert route == REQUANTIZED and once.apt_shape == (128, 192)
+    second = torch.arange(0, 192, 2)
+    twice, route = keep_quantized(once, None, second)
+    direct, _ = keep_quantized(weight(), None, first[second])
+    assert route == REQUANTIZED and torch.equal(dequantize(twice), dequantize(direct))
+
+
 def test_stored_orientation_puts_the_finer_cut_axis_on_the_rows():
     """q/k/v (out: heads, in: hidden) and down_proj (out: hidden, in: neurons) are stored as W^T;
     o_proj and gate/up as they are."""

@@ -27,13 +27,13 @@ from conftest import (
 )
 
 from apt_ds import APTConfig, APTrainer, TrainConfig
-from apt_ds.config import ConfigError
 from apt_ds.algorithm.masks import UnitMasks
 from apt_ds.algorithm.quant import BaseQuant, dequantize, is_quantized, storage_bytes
 from apt_ds.algorithm.shrink import shrink_model
 from apt_ds.algorithm.units import ModelShape
 from apt_ds.cli.export import main as export_main
 from apt_ds.cli.train import main as train_main
+from apt_ds.config import ConfigError
 from apt_ds.export import merge
 from apt_ds.io.quantized import load_quantized, projection_modules, quantize_model
 
@@ -146,8 +146,14 @@ def test_merge_and_compact_and_plain_lora_on_a_quantized_base(in_tmp, tmp_path):
         compact = merge_and_compact(trainer)
         assert not any(is_quantized(p) for p in compact.parameters())
         torch.testing.assert_close(compact(ids).logits, live, rtol=1e-4, atol=1e-4)
-    assert train_main([*TRAIN_FAST, "--method", "lora", "--base-quant", "nf4", "--out", str(tmp_path / "lora")]) == 0
-    assert _metrics(tmp_path / "lora")[-1]["density"] == 1.0
+    lora = tmp_path / "lora"
+    assert train_main([*TRAIN_FAST, "--method", "lora", "--base-quant", "nf4", *EVAL, "--eval-examples", "8",
+                       "--save-eval-probe", "--out", str(lora)]) == 0
+    assert _metrics(lora)[-1]["density"] == 1.0
+    # no pruning: stored as the checkpoint holds it (transformers' layout, bitsandbytes' kernels)
+    assert json.loads((lora / "checkpoint" / "apt_state.json").read_text())["run_info"]["quant_layout"] == "as-stored"
+    assert export_main([str(lora), "--out", str(tmp_path / "lora-hf")]) == 0
+    check_against_probe(lora, tmp_path / "lora-hf")
 
 
 def test_a_run_made_through_the_api_records_its_layout_and_exports_as_it_computed(tmp_path, tokenizer):
@@ -211,6 +217,39 @@ def test_what_cannot_be_quantized_is_one_line_before_anything_is_written(in_tmp,
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and message in errors[0], errors
     assert not (tmp_path / "run").exists()
+
+
+def test_a_model_quantized_otherwise_than_the_config_says_is_refused():
+    apt = APTConfig.for_steps(8, target_density=0.6)
+    model = quantize_model(tiny_family("llama"), BaseQuant("nf4", double_quant=False))
+    with pytest.raises(ConfigError, match="double_quant=False but TrainConfig.double_quant is True"):
+        APTrainer(model, apt, TrainConfig(steps=8, warmup_steps=1, base_quant="nf4"), progress=False)
+    with pytest.raises(ConfigError, match="stored nf4 but TrainConfig.base_quant is 'fp4'"):
+        APTrainer(model, apt, TrainConfig(steps=8, warmup_steps=1, base_quant="fp4", double_quant=False), progress=False)
+
+
+def test_a_run_of_another_layout_is_not_resumed(in_tmp, tmp_path, capsys):
+    """A pruning run stored before 2026-12-07 (run_info without quant_layout: as the checkpoint
+    holds it, cut blocks re-quantized) cannot be resumed bit for bit: one line from the CLI, a
+    CheckpointError from APTrainer.resume; a model quantized in another layout than the run's too."""
+    from apt_ds.io.checkpoint import CheckpointError
+
+    run = tmp_path / "run"
+    assert train_main([*TRAIN_FAST, "--base-quant", "nf4", "--checkpoint-every", "4", "--out", str(run)]) == 0
+    state = run / "checkpoint" / "apt_state.json"
+    meta = json.loads(state.read_text())
+    del meta["run_info"]["quant_layout"]
+    state.write_text(json.dumps(meta))
+    capsys.readouterr()
+    assert train_main([*TRAIN_FAST, "--base-quant", "nf4", "--checkpoint-every", "4", "--steps", "12", "--resume",
+                       "--out", str(run)]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "stored its quantized base as-stored" in errors[0], errors
+    apt = APTConfig.for_steps(8, target_density=0.6)
+    trainer = APTrainer(quantize_model(tiny_family("llama"), BaseQuant("nf4")), apt,
+                        TrainConfig(steps=8, warmup_steps=1, base_quant="nf4"), progress=False)
+    with pytest.raises(CheckpointError, match="the model to resume it is stored pruned-axis-rows"):
+        trainer.resume(run / "checkpoint")
 
 
 def test_a_gguf_base_is_not_quantized_again(in_tmp, tmp_path, capsys):

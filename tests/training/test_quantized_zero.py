@@ -7,6 +7,7 @@ loads (tests/training/test_quantized_base.py)."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -35,5 +36,7 @@ def test_a_two_rank_zero2_run_on_an_nf4_base_prunes_and_exports(tmp_path, tokeni
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     check_identical_and_pruned(out, 2)
     assert len(rank_records(out)) == 2
+    meta = json.loads((out / "checkpoint" / "apt_state.json").read_text())
+    assert meta["train_config"]["base_quant"] == "nf4" and meta["run_info"]["quant_layout"] == "pruned-axis-rows"
     assert export_main([str(out), "--out", str(tmp_path / "hf")]) == 0
     check_against_probe(out, tmp_path / "hf")
