@@ -58,10 +58,17 @@ class BaseQuant:
     double_quant: bool = True
     compute_dtype: torch.dtype = torch.float32
     pruned_axis_rows: bool = True
+    # bitsandbytes' quant_storage: the dtype the packed 4-bit codes are held in. ZeRO-3 partitions
+    # them as it partitions every parameter, in the engine's dtype (as transformers and PEFT do for
+    # QLoRA under ZeRO-3); the bits are the same codes either way.
+    storage: torch.dtype = torch.uint8
 
     def __post_init__(self):
         if self.method not in QUANT_METHODS:
             raise QuantizationError(f"--base-quant must be one of {', '.join(QUANT_METHODS)}, got {self.method!r}")
+        if self.storage != torch.uint8 and (self.method == "int8" or not self.storage.is_floating_point):
+            raise QuantizationError(f"--base-quant {self.method} cannot hold its codes in {self.storage} "
+                                    f"(4-bit codes: uint8 or a float dtype; int8: int8 only)")
 
     @property
     def enabled(self) -> bool:
@@ -136,7 +143,7 @@ def _quantized(dense: torch.Tensor, quant: BaseQuant, nested: bool, transposed: 
         param.apt_scales = scales
     else:
         codes, state = functional.quantize_4bit(stored, blocksize=BLOCKSIZE, quant_type=quant.method,
-                                                compress_statistics=nested)
+                                                compress_statistics=nested, quant_storage=quant.storage)
         param = nn.Parameter(codes, requires_grad=False)
         param.apt_state = state
     param.apt_quant, param.apt_shape, param.apt_transposed = quant, tuple(stored.shape), transposed
@@ -178,7 +185,9 @@ def frozen_linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.T
     bnb, quant = bitsandbytes(), weight.apt_quant
     x = x.to(quant.compute_dtype)
     bias = None if bias is None else bias.to(x.dtype)
-    if weight.apt_transposed or weight.apt_positions is not None:
+    # ZeRO-3 gathers a partitioned weight for its module's forward and again for its backward, and
+    # frees it in between: only a function that reads the weight again in backward is safe there
+    if weight.apt_transposed or weight.apt_positions is not None or hasattr(weight, "ds_id"):
         return _DequantizedMatmul.apply(x, weight, bias)
     if quant.method == "int8":
         state = bnb.MatmulLtState()
@@ -205,10 +214,13 @@ class _DequantizedMatmul(torch.autograd.Function):
 
 
 def storage_bytes(weight) -> int:
-    """Bytes a weight holds in memory: codes, scales and (nested) absmax included."""
+    """Bytes a weight holds in this process's memory: codes (their ZeRO-3 partition where they are
+    partitioned), scales and (nested) absmax included."""
+    codes = getattr(weight, "ds_tensor", None)  # this rank's ZeRO-3 partition
+    codes = weight.data if codes is None else codes
     if not is_quantized(weight):
-        return weight.numel() * weight.element_size()
-    total = weight.data.numel() * weight.data.element_size()
+        return codes.numel() * codes.element_size()
+    total = codes.numel() * codes.element_size()
     if weight.apt_positions is not None:
         total += weight.apt_positions.numel() * weight.apt_positions.element_size()
     if weight.apt_quant.method == "int8":
@@ -291,8 +303,9 @@ def _keep_blocks(weight, row_index: torch.Tensor, col_index: torch.Tensor) -> nn
     kept = positions[col_index]  # the stored columns kept
     blocks = torch.unique(kept // BLOCKSIZE)  # sorted
     new_positions = torch.searchsorted(blocks, kept // BLOCKSIZE) * BLOCKSIZE + kept % BLOCKSIZE
-    # packed 4-bit codes: two per byte, a block of 64 values is 32 consecutive bytes
-    codes = weight.data.reshape(rows, per_row, BLOCKSIZE // 2)
+    # packed 4-bit codes: two per byte, a block of 64 values is 32 consecutive bytes (in whatever
+    # dtype they are held: quant_storage)
+    codes = weight.data.view(torch.uint8).reshape(rows, per_row, BLOCKSIZE // 2)
     codes = codes.index_select(0, row_index.to(device)).index_select(1, blocks.to(device))
     absmax = state.absmax
     if state.nested:  # the exact absmax values the codes were scaled by, un-nested
@@ -301,7 +314,7 @@ def _keep_blocks(weight, row_index: torch.Tensor, col_index: torch.Tensor) -> nn
     shape = torch.Size((len(row_index), len(blocks) * BLOCKSIZE))
     state = functional.QuantState(absmax=absmax.reshape(-1).contiguous(), shape=shape, code=state.code,
                                   blocksize=BLOCKSIZE, quant_type=state.quant_type, dtype=state.dtype)
-    param = nn.Parameter(codes.reshape(-1, 1).contiguous(), requires_grad=False)
+    param = nn.Parameter(codes.reshape(-1).contiguous().view(weight.dtype).reshape(-1, 1), requires_grad=False)
     param.apt_state, param.apt_quant, param.apt_shape = state, weight.apt_quant, tuple(shape)
     param.apt_transposed = weight.apt_transposed
     whole = torch.equal(new_positions, torch.arange(shape[1]))

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from apt_ds.algorithm.quant import logical_shape
+from apt_ds.algorithm.quant import is_quantized, logical_shape
 from apt_ds.models import UnitCosts, family_for
 from apt_ds.models import UnsupportedModelError as UnsupportedModelError  # where callers have always imported it
 
@@ -159,10 +159,10 @@ class ModelShape:
 
 
 def _full_shape(param: torch.Tensor) -> tuple[int, ...]:
+    if is_quantized(param):  # a quantized base weight is stored packed, maybe transposed (algorithm/quant.py)
+        return logical_shape(param)
     ds_shape = getattr(param, "ds_shape", None)  # ZeRO-3 partitioned parameter
-    if ds_shape is not None:
-        return tuple(ds_shape)
-    return logical_shape(param)  # a quantized base weight is stored packed, maybe transposed (algorithm/quant.py)
+    return tuple(ds_shape if ds_shape is not None else param.shape)
 
 
 ADAPTER_PARAMETERS = ("lora_A", "lora_B")  # APTAdapter's own (algorithm/adapters.py), not the base model's

@@ -23,10 +23,11 @@ from apt_ds.io.modeling import ModelLoadError
 from apt_ds.models import family_for
 
 
-def build_partitioned_model(config, source, ds_config: dict, dtype: torch.dtype, device: torch.device):
+def build_partitioned_model(config, source, ds_config: dict, dtype: torch.dtype, device: torch.device, quant=None):
     """The family's causal LM (LlamaForCausalLM, Qwen2ForCausalLM, ...) of `config` whose
     parameters are ZeRO-3 partitions filled from `source` (apt_ds.io.weights.SafetensorsWeights,
-    or a name -> tensor dict), in `dtype`."""
+    or a name -> tensor dict), in `dtype`; `quant` (an enabled apt_ds.algorithm.quant.BaseQuant):
+    the frozen projections quantized as they are read (`quantize_partitioned`)."""
     import deepspeed
     from transformers.initialization import no_init_weights
 
@@ -50,8 +51,37 @@ def build_partitioned_model(config, source, ds_config: dict, dtype: torch.dtype,
     # zero.Init makes every tensor constructor produce `dtype`, RoPE's inverse frequencies too:
     # rebuild them outside it, in fp32 as transformers computes them.
     family.rebuild_rotary(model, device)
-    load_partitions(model, source)
+    projections = projection_weights(model) if quant is not None else {}
+    load_partitions(model, source, skip=set(projections))
+    if quant is not None:
+        quantize_partitioned(model, projections, source, quant, device)
     return model
+
+
+def projection_weights(model) -> dict:
+    """{checkpoint name: (Linear, its (out, in) unit axes)} of the frozen projections."""
+    from apt_ds.io.quantized import projection_modules
+
+    return {f"{name}.weight": (linear, dims) for name, linear, dims in projection_modules(model)}
+
+
+def quantize_partitioned(model, projections: dict, source, quant, device: torch.device) -> None:
+    """Replace each projection's weight by its quantized codes, partitioned at once: one tensor is
+    read in full on each rank, quantized there and partitioned before the next one is read, so a
+    rank holds its partitions plus one tensor (as `load_partitions` does). The quantization state
+    (absmax, 1/64 of the codes or less) stays whole on every rank; resume and shrinks re-read
+    the original weight through `source` as one process does."""
+    from apt_ds.algorithm.quant import quantize_linear
+    from apt_ds.distributed.zero_params import partition_new_params
+
+    with torch.no_grad():
+        for name, (linear, dims) in projections.items():
+            full = (source[name] if isinstance(source, dict) else source.read(name)).to(device, quant.compute_dtype)
+            linear.weight = torch.nn.Parameter(full, requires_grad=False)  # the partitioned placeholder is dropped
+            reread = (lambda name=name: source[name]) if isinstance(source, dict) else (lambda name=name: source.read(name))
+            quantize_linear(linear, quant, source=reread, dims=dims)
+            del full
+            partition_new_params(model, linear, quant.compute_dtype)
 
 
 def _read_flat(source, name: str, start: int, length: int) -> torch.Tensor:
@@ -60,8 +90,9 @@ def _read_flat(source, name: str, start: int, length: int) -> torch.Tensor:
     return source.flat_range(name, start, length)
 
 
-def load_partitions(model, source) -> None:
-    """Fill every rank's partitions of `model` from `source`; tied parameters once."""
+def load_partitions(model, source, skip: set[str] = frozenset()) -> None:
+    """Fill every rank's partitions of `model` from `source`; tied parameters once; the names in
+    `skip` are left as zero.Init made them (they are replaced next)."""
     missing = [name for name, _ in model.named_parameters() if name not in source]
     if missing:
         raise ModelLoadError(f"the checkpoint has no weights for {missing[:3]} ({len(missing)} parameters)")
@@ -73,6 +104,8 @@ def load_partitions(model, source) -> None:
             stored = list(source[name].shape) if isinstance(source, dict) else source.shape(name)
             if stored != expected:
                 raise ModelLoadError(f"weight {name} has shape {stored} in the checkpoint, the config says {expected}")
+            if name in skip:
+                continue
             partition, size, rank = private.model_partition(param)
             piece = _read_flat(source, name, size * rank, size)
             partition[: piece.numel()].copy_(piece.to(partition.dtype))

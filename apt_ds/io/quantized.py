@@ -21,11 +21,14 @@ QUANT_LAYOUT = "pruned-axis-rows"
 AS_STORED = "as-stored"
 
 
-def base_quant_of(train: TrainConfig, dtype: torch.dtype, prunes: bool = True) -> BaseQuant:
+def base_quant_of(train: TrainConfig, dtype: torch.dtype, prunes: bool = True, zero3: bool = False) -> BaseQuant:
     """How the frozen projections are stored: --base-quant, computing in the base dtype; with the
     pruned axis as rows where the run prunes, as the checkpoint holds them (bitsandbytes' own
-    kernels, transformers' layout) where it does not."""
-    return BaseQuant(train.base_quant, double_quant=train.double_quant, compute_dtype=dtype, pruned_axis_rows=prunes)
+    kernels, transformers' layout) where it does not; 4-bit codes held in the base dtype under
+    ZeRO-3, which partitions them (quant_storage)."""
+    storage = dtype if zero3 and train.base_quant in ("nf4", "fp4") else torch.uint8
+    return BaseQuant(train.base_quant, double_quant=train.double_quant, compute_dtype=dtype, pruned_axis_rows=prunes,
+                     storage=storage)
 
 
 def quant_layout(prunes: bool) -> str:
@@ -93,15 +96,15 @@ def check_quantizable_base(model: str, quant: BaseQuant, zero_stage: int | None,
     --deepspeed JSON's ZeRO stage (None: one process).
 
     ZeRO-1/2 partition only the optimizer's state (the adapters'): every rank holds the frozen
-    quantized base whole and quantizes it identically from the files. ZeRO-3 would partition the
-    codes themselves, which needs them stored in the engine's dtype (bitsandbytes' quant_storage)
-    and a partitioned quantized load: not built yet."""
+    quantized base whole and quantizes it identically from the files. ZeRO-3 partitions the 4-bit
+    codes themselves, held in the engine's dtype (bitsandbytes' quant_storage); LLM.int8's codes
+    have no such storage, so int8 is refused there."""
     if not quant.enabled:
         return
     bitsandbytes()
-    if isinstance(zero_stage, int) and zero_stage >= 3:  # a malformed stage is the config check's to name
-        raise QuantizationError(f"--base-quant {quant.method} under ZeRO-3 is not built yet (the quantized base is not "
-                                f"partitioned): use a ZeRO-2 config (ds_configs/zero2.json), or --base-quant none")
+    if isinstance(zero_stage, int) and zero_stage >= 3 and quant.method == "int8":  # a malformed stage: the config check's
+        raise QuantizationError("--base-quant int8 cannot be partitioned under ZeRO-3 (bitsandbytes' int8 codes have no "
+                                "quant_storage): use nf4 or fp4, or a ZeRO-2 config (ds_configs/zero2.json)")
     if Path(model).is_file():
         raise QuantizationError(f"--base-quant {quant.method}: --model {model} is a GGUF file, whose weights were "
                                 f"quantized (or dequantized) already; give the model's safetensors directory")

@@ -1,13 +1,24 @@
 """What a trainer reads from and leaves in its `out_dir` besides checkpoints and metrics: each
-rank's final decisions, the check that a new trainer does not write over another run, and the
+rank's final decisions (and what it holds of a quantized base), the check that a new trainer does not write over another run, and the
 micro-batches of a step (an iterator that runs dry is named, not a bare StopIteration)."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
+from apt_ds.algorithm.quant import is_quantized, logical_shape, storage_bytes
 from apt_ds.config import ConfigError
+
+
+def quantized_base(model) -> dict | None:
+    """What this rank holds of a quantized base (its partitions under ZeRO-3, with the quantization
+    state every rank keeps whole) in bytes, and the parameters it stands for; None: not quantized."""
+    quantized = [p for p in model.parameters() if is_quantized(p)]
+    if not quantized:
+        return None
+    return {"bytes": sum(storage_bytes(p) for p in quantized), "params": sum(math.prod(logical_shape(p)) for p in quantized)}
 
 
 def write_rank_record(trainer) -> None:
@@ -16,6 +27,8 @@ def write_rank_record(trainer) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     record = {"rank": trainer.backend.rank, "world_size": trainer.backend.world_size, "kept": trainer.state.kept_record(),
               "ranks": trainer.state.ranks(), "shape": trainer.state.shape.to_dict()}
+    if trainer.quantized_base_at_start is not None:
+        record["quantized_base"] = {"at_start": trainer.quantized_base_at_start, "at_end": quantized_base(trainer.model)}
     (directory / f"rank{trainer.backend.rank}.json").write_text(json.dumps(record))
 
 

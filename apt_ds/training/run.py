@@ -114,13 +114,13 @@ def _model(args, tokenizer, train: TrainConfig, prunes: bool, backend, check_fin
     run that prunes reads the weights into memory rather than mapping the file: mapped pages
     would stay resident after pruning (apt_ds.io.modeling.load_model)."""
     dtype = base_dtype_of(backend, train)
-    quant = base_quant_of(train, dtype, prunes)
+    quant = base_quant_of(train, dtype, prunes, zero3=_partitions_weights(backend))
     if args.model in TINY_MODELS:
         model = build_tiny_model(vocab_size=len(tokenizer), seed=train.seed, variant=args.model)
         fingerprint = model_fingerprint(model)
         check_fingerprint(fingerprint)
         if _partitions_weights(backend):  # tiny: its full state dict is the source of the partitions
-            return _partitioned(backend, model.config, model.state_dict(), dtype, train), fingerprint
+            return _partitioned(backend, model.config, model.state_dict(), dtype, train, quant), fingerprint
         return (quantize_model(model.to(dtype), quant) if quant.enabled else model.to(dtype)), fingerprint
     path = Path(args.model)
     if path.is_dir():
@@ -128,13 +128,13 @@ def _model(args, tokenizer, train: TrainConfig, prunes: bool, backend, check_fin
 
         fingerprint = file_fingerprint(path)  # chunk by chunk: the same for every base dtype
         check_fingerprint(fingerprint)
-        if quant.enabled:  # quantized tensor by tensor as it loads (apt_ds.io.quantized)
-            return load_quantized(path, quant, backend.device), fingerprint
-        if _partitions_weights(backend):
+        if _partitions_weights(backend):  # quantized or not, partitioned tensor by tensor as it loads
             from transformers import AutoConfig
 
             config = AutoConfig.from_pretrained(str(path))
-            return _partitioned(backend, config, SafetensorsWeights(path), dtype, train), fingerprint
+            return _partitioned(backend, config, SafetensorsWeights(path), dtype, train, quant), fingerprint
+        if quant.enabled:  # quantized tensor by tensor as it loads (apt_ds.io.quantized)
+            return load_quantized(path, quant, backend.device), fingerprint
         return load_model(path, dtype=dtype, mmap=not prunes), fingerprint
     if _partitions_weights(backend):
         logger.warning("%s: a GGUF file is loaded whole on every rank before ZeRO-3 partitions it; convert it to a "
@@ -171,11 +171,11 @@ def _partitions_weights(backend) -> bool:
     return getattr(backend, "zero_stage_requested", 0) == 3
 
 
-def _partitioned(backend, config, source, dtype, train: TrainConfig):
+def _partitioned(backend, config, source, dtype, train: TrainConfig, quant):
     from apt_ds.distributed.zero_init import build_partitioned_model
 
     ds_config = backend.resolved_config(config, train.grad_accum_steps, train.max_grad_norm)
-    return build_partitioned_model(config, source, ds_config, dtype, backend.device)
+    return build_partitioned_model(config, source, ds_config, dtype, backend.device, quant if quant.enabled else None)
 
 
 def _texts_for_tokenizer(records) -> list[str]:

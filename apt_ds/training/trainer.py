@@ -43,7 +43,7 @@ from apt_ds.training.forward import (
 from apt_ds.training.heap import release_free_heap
 from apt_ds.training.laps import Laps
 from apt_ds.training.lr_schedule import warmup_cosine
-from apt_ds.training.out_files import check_unused_out_dir, next_micro_batches, write_rank_record
+from apt_ds.training.out_files import check_unused_out_dir, next_micro_batches, quantized_base, write_rank_record
 from apt_ds.training.progress import progress_fields
 from apt_ds.training.shape_trials import measure_uniform_shape
 
@@ -67,6 +67,7 @@ class APTrainer:
         self.eval_batches = eval_batches or []
         self.progress = progress
         self.run_info = {**(run_info or {}), **quantization_record(model, train)}  # the export re-quantizes as this
+        self.quantized_base_at_start = quantized_base(model)  # this rank's share, for its rank record
         torch.manual_seed(train.seed)
         self.device = self.backend.device
         self.backend.place(model)  # before adapters and masks are made: they follow the model's device

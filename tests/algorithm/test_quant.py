@@ -130,6 +130,29 @@ def test_the_route_does_not_depend_on_the_sequence_of_shrinks():
     assert route == REQUANTIZED and torch.equal(dequantize(twice), dequantize(direct))
 
 
+@pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16])
+def test_codes_held_in_a_float_dtype_are_the_same_codes(storage):
+    """ZeRO-3's quant_storage: the packed codes held in the engine's dtype compute, slice and
+    count bytes as the uint8 ones do, bit for bit."""
+    dense = _weight(256, 512)
+    as_bytes = quantize(dense, BaseQuant("nf4"), dims=("hidden", "ffn"))
+    held = quantize(dense, BaseQuant("nf4", storage=storage), dims=("hidden", "ffn"))
+    assert held.dtype == storage and storage_bytes(held) == storage_bytes(as_bytes)
+    assert torch.equal(held.data.view(torch.uint8).reshape(-1), as_bytes.data.reshape(-1))
+    assert torch.equal(dequantize(held), dequantize(as_bytes))
+    rows, neurons = torch.arange(0, 256, 3), torch.arange(1, 512, 2)
+    kept, route = keep_quantized(held, rows, neurons)
+    assert route == "exact" and kept.dtype == storage
+    assert torch.equal(dequantize(kept), dequantize(keep_quantized(as_bytes, rows, neurons)[0]))
+    x = torch.randn(3, len(neurons))
+    torch.testing.assert_close(frozen_linear(x, kept, None), x @ dequantize(kept).t(), rtol=1e-4, atol=1e-4)
+
+
+def test_int8_codes_cannot_be_held_in_a_float_dtype():
+    with pytest.raises(QuantizationError, match="int8 cannot hold its codes in torch.float32"):
+        BaseQuant("int8", storage=torch.float32)
+
+
 def test_stored_orientation_puts_the_finer_cut_axis_on_the_rows():
     """q/k/v (out: heads, in: hidden) and down_proj (out: hidden, in: neurons) are stored as W^T;
     o_proj and gate/up as they are."""

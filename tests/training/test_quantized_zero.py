@@ -1,9 +1,10 @@
-"""A quantized base (--base-quant nf4) under DeepSpeed ZeRO-2 on 2 real ranks (CPU accelerator):
-each rank quantizes the frozen base identically from the files and holds it whole (ZeRO-2
-partitions only the adapters' optimizer state), both ranks take the same decisions, the run
-reaches its density through engine rebuilds whose shrinks keep the codes, and the export merged
-into the dequantized weights gives the live model's logits. ZeRO-3 is refused before the model
-loads (tests/training/test_quantized_base.py)."""
+"""A quantized base (--base-quant nf4) under DeepSpeed ZeRO-2 and ZeRO-3 on 2 real ranks (CPU
+accelerator): under ZeRO-2 each rank quantizes the frozen base identically from the files and holds
+it whole (ZeRO-2 partitions only the adapters' optimizer state); under ZeRO-3 the codes are
+partitioned as they load. Both ranks take the same decisions, the run reaches its density through
+engine rebuilds whose shrinks keep the codes, and the export merged into the dequantized weights
+gives the live model's logits. int8 under ZeRO-3 is refused before the model loads
+(tests/training/test_quantized_base.py)."""
 
 from __future__ import annotations
 
@@ -25,18 +26,27 @@ pytest.importorskip("bitsandbytes")
 BLOCK_SHAPES = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
 
 
-def test_a_two_rank_zero2_run_on_an_nf4_base_prunes_and_exports(tmp_path, tokenizer):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_two_rank_zero_run_on_an_nf4_base_prunes_and_exports(tmp_path, tokenizer, stage):
+    """Under ZeRO-2 each rank holds the whole nf4 base (about half a byte per parameter with double
+    quantization); under ZeRO-3 each holds half of its codes (bitsandbytes' quant_storage in the
+    engine's dtype, partitioned tensor by tensor as they load) plus the quantization state."""
     base = tmp_path / "qwen2"
     tiny_family("qwen2", vocab=len(tokenizer), **BLOCK_SHAPES).save_pretrained(base)
     tokenizer.save_pretrained(str(base))
     out = tmp_path / "run"
-    args = ["--deepspeed", ds_config(tmp_path, 2), *COMMON, "--micro-batch-size", "2", "--model", str(base),
+    args = ["--deepspeed", ds_config(tmp_path, stage), *COMMON, "--micro-batch-size", "2", "--model", str(base),
             "--base-quant", "nf4", *EVAL, "--save-eval-probe", "--out", str(out)]
     result = launch(2, args)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     check_identical_and_pruned(out, 2)
-    assert len(rank_records(out)) == 2
     meta = json.loads((out / "checkpoint" / "apt_state.json").read_text())
     assert meta["train_config"]["base_quant"] == "nf4" and meta["run_info"]["quant_layout"] == "pruned-axis-rows"
+    for record in rank_records(out):
+        held = record["quantized_base"]["at_start"]
+        per_param = held["bytes"] / held["params"]
+        assert (0.5 <= per_param <= 0.53) if stage == 2 else (0.25 <= per_param <= 0.27), (stage, per_param)
+        end = record["quantized_base"]["at_end"]
+        assert end["params"] < held["params"] and end["bytes"] < held["bytes"]
     assert export_main([str(out), "--out", str(tmp_path / "hf")]) == 0
     check_against_probe(out, tmp_path / "hf")
