@@ -3,7 +3,8 @@ accelerator): under ZeRO-2 each rank quantizes the frozen base identically from 
 it whole (ZeRO-2 partitions only the adapters' optimizer state); under ZeRO-3 the codes are
 partitioned as they load. Both ranks take the same decisions, the run reaches its density through
 engine rebuilds whose shrinks keep the codes, and the export merged into the dequantized weights
-gives the live model's logits. int8 under ZeRO-3 is refused before the model loads
+gives the live model's logits; under ZeRO-3, killed after a pruned checkpoint, the run resumes to
+the uninterrupted run's decisions and losses. int8 under ZeRO-3 is refused before the model loads
 (tests/training/test_quantized_base.py)."""
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from conftest import check_against_probe, tiny_family
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from test_distributed import COMMON, EVAL, check_identical_and_pruned, ds_config, launch, rank_records  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+from test_families_zero import _killed_then_resumed_as_uninterrupted  # noqa: E402
 
 from apt_ds.cli.export import main as export_main  # noqa: E402
 
@@ -36,8 +40,8 @@ def test_a_two_rank_zero_run_on_an_nf4_base_prunes_and_exports(tmp_path, tokeniz
     tokenizer.save_pretrained(str(base))
     out = tmp_path / "run"
     args = ["--deepspeed", ds_config(tmp_path, stage), *COMMON, "--micro-batch-size", "2", "--model", str(base),
-            "--base-quant", "nf4", *EVAL, "--save-eval-probe", "--out", str(out)]
-    result = launch(2, args)
+            "--base-quant", "nf4", "--checkpoint-every", "6"]
+    result = launch(2, [*args, *EVAL, "--save-eval-probe", "--out", str(out)])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     check_identical_and_pruned(out, 2)
     meta = json.loads((out / "checkpoint" / "apt_state.json").read_text())
@@ -50,3 +54,5 @@ def test_a_two_rank_zero_run_on_an_nf4_base_prunes_and_exports(tmp_path, tokeniz
         assert end["params"] < held["params"] and end["bytes"] < held["bytes"]
     assert export_main([str(out), "--out", str(tmp_path / "hf")]) == 0
     check_against_probe(out, tmp_path / "hf")
+    if stage == 3:  # killed after a pruned checkpoint: the base quantized and shrunk again, partitioned, as it was
+        _killed_then_resumed_as_uninterrupted(tmp_path / "killed", args, reference=out)
