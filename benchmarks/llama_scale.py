@@ -4,6 +4,7 @@ resident anonymous memory (RssAnon) sampled every 0.2 s and split into phases.
 
     python benchmarks/llama_scale.py --model-dir /tmp/llama3b --out bench_out/llama_scale
     python benchmarks/llama_scale.py --shape qwen2.5-3b --model-dir /tmp/qwen25_3b --out bench_out/qwen25_scale
+    python benchmarks/llama_scale.py --base-quant nf4 --model-dir /tmp/apt_llama3b --out bench_out/llama_scale_nf4
 
 1. writes (once; reused when present) a random fp32 model of LLaMA-3.2-3B's shape: hidden 3072,
    28 layers, 24 heads / 8 KV groups, FFN 8192, vocabulary 128,256, tied embeddings (3.21B
@@ -208,6 +209,8 @@ def main() -> None:
                         help="where the random 3B model (12 GiB of fp32 safetensors) is written once and reused")
     parser.add_argument("--out", type=Path, default=ROOT / "bench_out" / "llama_scale")
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--base-quant", choices=["none", "nf4", "fp4"], default="none",
+                        help="train.py's --base-quant: the frozen projections' codes partitioned under ZeRO-3")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-3b",
                         help="whose published config the random model has (its family's tensors: Qwen2's biases, ...)")
     args = parser.parse_args()
@@ -235,7 +238,8 @@ def main() -> None:
              str(ROOT / "launch" / "train.py"), "--deepspeed", str(ds_path),
              "--model", str(args.model_dir), "--micro-batch-size", "1", "--max-seq-len", "64", "--steps", str(args.steps),
              "--target-density", "0.7", "--pruning-start-step", "2", "--pruning-end-step", "6",
-             "--num-pruning-events", "2", "--checkpoint-every", "0", "--out", str(run_dir), "--overwrite"]
+             "--num-pruning-events", "2", "--checkpoint-every", "0", "--base-quant", args.base_quant,
+             "--out", str(run_dir), "--overwrite"]
     started = time.time()
     samples = run_sampled(train, env, args.out / "train.log", rank_processes=True)
     train_s = time.time() - started
@@ -249,7 +253,7 @@ def main() -> None:
     embedding = config["vocab_size"] * config["hidden_size"] * (1 if config["tie_word_embeddings"] else 2)
     layer_params = (weights.numel() - embedding) / config["num_hidden_layers"]
     result = {
-        "command": " ".join([sys.executable, *sys.argv]), "shape": args.shape, "model_type": model_type, "host": platform.node(), "cpus": os.cpu_count(),
+        "command": " ".join([sys.executable, *sys.argv]), "shape": args.shape, "base_quant": args.base_quant, "model_type": model_type, "host": platform.node(), "cpus": os.cpu_count(),
         "model_bytes": weights.nbytes(), "model_params": weights.numel(),
         "ideal_per_rank_mb": round((weights.nbytes() / 2 + 4 * (layer_params + config["vocab_size"] * config["hidden_size"])) / 2**20),
         "rss_anon_peak_mb_by_rank": phases(samples, metrics, started),
