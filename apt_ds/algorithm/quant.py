@@ -173,6 +173,20 @@ def dequantize(weight) -> torch.Tensor:
     return _dense(weight).contiguous()
 
 
+def follow_codes(model) -> None:
+    """Move each quantized weight's state (absmax, scales, kept positions: plain attributes, which
+    `module.to(device)` does not see) onto its codes' device, after the model was placed."""
+    for weight in model.parameters():
+        if not is_quantized(weight):
+            continue
+        if weight.apt_quant.method == "int8":
+            weight.apt_scales = weight.apt_scales.to(weight.device)
+        else:
+            weight.apt_state.to(weight.device)  # QuantState.to moves absmax and the nested state in place
+        if weight.apt_positions is not None:
+            weight.apt_positions = weight.apt_positions.to(weight.device)
+
+
 def dense_weight(weight) -> torch.Tensor:
     return dequantize(weight) if is_quantized(weight) else weight
 

@@ -219,7 +219,7 @@ class TrainConfig(_JsonConfig):
     base_quant: str = help_field("store the frozen projections (q/k/v/o, gate/up/down) quantized with bitsandbytes, "
                                  "QLoRA-style: nf4 or fp4 (4-bit blocks of 64) or int8 (LLM.int8 rows); quantized as "
                                  "they load; embeddings, norms and the LM head stay in --base-dtype, which is also the "
-                                 "compute dtype; one process or ZeRO-1/2 (ZeRO-3 not yet); launch/export.py "
+                                 "compute dtype; one process, ZeRO-1/2, or ZeRO-3 for nf4/fp4; launch/export.py "
                                  "--merge-into says how the export merges "
                                  "(docs/QUANTIZED_BASE.md)", choices=BASE_QUANTS, default="none")
     double_quant: bool = help_field("with a 4-bit --base-quant, quantize the blocks' scales too (QLoRA's double "

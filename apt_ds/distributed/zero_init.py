@@ -74,6 +74,13 @@ def quantize_partitioned(model, projections: dict, source, quant, device: torch.
     from apt_ds.algorithm.quant import quantize_linear
     from apt_ds.distributed.zero_params import partition_new_params
 
+    from apt_ds.algorithm.quant import BLOCKSIZE, QuantizationError, stored_transposed
+
+    for name, (linear, dims) in projections.items():  # before any tensor is read
+        width = linear.out_features if quant.pruned_axis_rows and stored_transposed(dims) else linear.in_features
+        if width % BLOCKSIZE:  # codes of cut blocks would be re-quantized into sizes a float storage cannot hold
+            raise QuantizationError(f"--base-quant {quant.method} under ZeRO-3 needs every projection's stored width to be "
+                                    f"a multiple of {BLOCKSIZE}; {name} has {width}: use a ZeRO-2 config")
     with torch.no_grad():
         for name, (linear, dims) in projections.items():
             full = (source[name] if isinstance(source, dict) else source.read(name)).to(device, quant.compute_dtype)

@@ -52,8 +52,8 @@ def partition_new_params(model: torch.nn.Module, module: torch.nn.Module, dtype:
     anchor = next((p for p in model.parameters() if is_partitioned(p)), None)
     if not new or anchor is None:  # nothing partitioned yet: deepspeed.initialize will do it
         return
-    for param in new:
-        if param.is_floating_point() and param.dtype != dtype:
+    for param in new:  # not quantized codes held in a float dtype: their bits are codes, not numbers
+        if param.is_floating_point() and param.dtype != dtype and not hasattr(param, "apt_quant"):
             param.data = param.data.to(dtype)
     private.partition_like(anchor, new)  # through the zero.Init that partitioned the model
 
@@ -77,5 +77,5 @@ def cast_plain_params(model: torch.nn.Module, dtype: torch.dtype) -> None:
     if dtype == torch.float32:
         return
     for param in model.parameters():
-        if not is_partitioned(param) and param.dtype == torch.float32:
+        if not is_partitioned(param) and param.dtype == torch.float32 and not hasattr(param, "apt_quant"):
             param.data = param.data.to(dtype)

@@ -121,7 +121,8 @@ def _model(args, tokenizer, train: TrainConfig, prunes: bool, backend, check_fin
         check_fingerprint(fingerprint)
         if _partitions_weights(backend):  # tiny: its full state dict is the source of the partitions
             return _partitioned(backend, model.config, model.state_dict(), dtype, train, quant), fingerprint
-        return (quantize_model(model.to(dtype), quant) if quant.enabled else model.to(dtype)), fingerprint
+        model = model.to(dtype)
+        return (quantize_model(model.to(backend.device), quant) if quant.enabled else model), fingerprint
     path = Path(args.model)
     if path.is_dir():
         from apt_ds.io.weights import SafetensorsWeights

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from apt_ds.algorithm.distill import SelfDistiller
 from apt_ds.algorithm.edits import merge_changes
 from apt_ds.algorithm.pruner import AdaptivePruner, GradualMasker
+from apt_ds.algorithm.quant import follow_codes
 from apt_ds.algorithm.schedule import SparsityScheduler
 from apt_ds.algorithm.state import APTModel
 from apt_ds.algorithm.tuner import AdaptiveTuner
@@ -71,6 +72,7 @@ class APTrainer:
         torch.manual_seed(train.seed)
         self.device = self.backend.device
         self.backend.place(model)  # before adapters and masks are made: they follow the model's device
+        follow_codes(model)  # a quantized base's state too (a model quantized on the CPU, trained on a GPU)
         if train.gradient_checkpointing:
             # Non-reentrant: the first forward runs with gradients, so salience hooks see it once
             # (apt_ds.algorithm.salience skips the recomputation) and its tensors receive the gradients.

@@ -253,6 +253,18 @@ def test_a_run_of_another_layout_is_not_resumed(in_tmp, tmp_path, capsys):
         trainer.resume(run / "checkpoint")
 
 
+def test_an_architecture_apt_ds_does_not_know_is_one_line_with_base_quant(in_tmp, tmp_path, capsys):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=97)).save_pretrained(tmp_path / "gpt2")
+    capsys.readouterr()
+    assert train_main([*TRAIN_FAST, "--base-quant", "nf4", "--model", str(tmp_path / "gpt2"), "--out",
+                       str(tmp_path / "run")]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "gpt2" in errors[0], errors
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_gguf_base_is_not_quantized_again(in_tmp, tmp_path, capsys):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + bytes(64))
@@ -295,6 +307,8 @@ def test_a_run_trains_prunes_grows_and_exports_both_merges(in_tmp, tmp_path, tok
     assert json.loads((run / "run.json").read_text())["train_config"]["base_quant"] == method
     assert export_main([str(run), "--out", str(tmp_path / "hf")]) == 0  # the default for a quantized run
     check_against_probe(run, tmp_path / "hf")
+    if base == "directory":  # GGUF goes through the same tensor stream: the very merged weights
+        _gguf_holds_the_hf_exports_weights(run, tmp_path / "hf", tmp_path / "gg")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert "quantization_config" not in config and (not flags or "apt_layer_shapes" not in config)
     with mock.patch.object(merge, "export_run", partial(merge.export_run, merge_into="original")):
@@ -302,6 +316,22 @@ def test_a_run_trains_prunes_grows_and_exports_both_merges(in_tmp, tmp_path, tok
     assert abs(exported - final["eval_loss"]) <= 0.02 * final["eval_loss"], (exported, final["eval_loss"])
     with pytest.raises(AssertionError):  # the original weights: not what the run computed with
         check_against_probe(run, tmp_path / "original")
+
+
+def _gguf_holds_the_hf_exports_weights(run: Path, hf: Path, out: Path) -> None:
+    gguf = pytest.importorskip("gguf")
+    from safetensors.torch import load_file
+
+    assert export_main([str(run), "--out", str(out), "--format", "gguf", "--dtype", "fp32"]) == 0
+    tensors = {t.name: t for t in gguf.GGUFReader(str(next(out.glob("*.gguf")))).tensors}
+    exported = {}
+    for path in hf.glob("*.safetensors"):
+        exported.update(load_file(str(path)))
+    for layer in range(2):  # not rotated by llama.cpp's q/k permutation: compared as they are
+        for role, module in (("ffn_down", "mlp.down_proj"), ("ffn_gate", "mlp.gate_proj"), ("attn_v", "self_attn.v_proj")):
+            expected = exported[f"model.layers.{layer}.{module}.weight"]
+            got = torch.from_numpy(tensors[f"blk.{layer}.{role}.weight"].data.copy()).reshape(expected.shape)
+            torch.testing.assert_close(got, expected.float(), rtol=0, atol=0)
 
 
 def test_merge_into_dequantized_needs_a_quantized_run(trained_runs, tmp_path, capsys):
