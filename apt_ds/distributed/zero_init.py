@@ -71,10 +71,8 @@ def quantize_partitioned(model, projections: dict, source, quant, device: torch.
     rank holds its partitions plus one tensor (as `load_partitions` does). The quantization state
     (absmax, 1/64 of the codes or less) stays whole on every rank; resume and shrinks re-read
     the original weight through `source` as one process does."""
-    from apt_ds.algorithm.quant import quantize_linear
+    from apt_ds.algorithm.quant import BLOCKSIZE, QuantizationError, quantize_linear, stored_transposed
     from apt_ds.distributed.zero_params import partition_new_params
-
-    from apt_ds.algorithm.quant import BLOCKSIZE, QuantizationError, stored_transposed
 
     for name, (linear, dims) in projections.items():  # before any tensor is read
         width = linear.out_features if quant.pruned_axis_rows and stored_transposed(dims) else linear.in_features
