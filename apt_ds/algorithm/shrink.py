@@ -18,7 +18,8 @@ from torch import nn
 
 from apt_ds.algorithm.adapters import APTAdapter
 from apt_ds.algorithm.edits import ShapeChange, full_or_index
-from apt_ds.algorithm.quant import is_quantized, keep_quantized, logical_shape
+from apt_ds.algorithm.quant import is_quantized, logical_shape
+from apt_ds.algorithm.quant_shrink import keep_quantized
 from apt_ds.algorithm.units import ModelShape
 from apt_ds.models import Family, family_of
 

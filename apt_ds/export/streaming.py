@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from apt_ds.algorithm.masks import is_binary
-from apt_ds.algorithm.quant import dequantize, keep_quantized, quantize
+from apt_ds.algorithm.quant import dequantize, quantize
+from apt_ds.algorithm.quant_shrink import keep_quantized
 from apt_ds.algorithm.shrink import _kept_shape, group_channels, write_shape_to_config
 from apt_ds.algorithm.units import ModelShape
 from apt_ds.export.checks import check_export_tensor, dtype_name

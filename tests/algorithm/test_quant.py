@@ -9,17 +9,16 @@ import torch
 from torch import nn
 
 from apt_ds.algorithm.quant import (
-    REQUANTIZED,
     BaseQuant,
     QuantizationError,
     dequantize,
     frozen_linear,
-    keep_quantized,
     quantize,
     quantize_linear,
     storage_bytes,
     stored_transposed,
 )
+from apt_ds.algorithm.quant_shrink import REQUANTIZED, keep_quantized
 
 METHODS = ["nf4", "fp4", "int8"]
 
