@@ -265,6 +265,18 @@ def test_an_architecture_apt_ds_does_not_know_is_one_line_with_base_quant(in_tmp
     assert not (tmp_path / "run").exists()
 
 
+def test_zero3_refuses_a_projection_width_that_is_not_whole_blocks_before_reading_a_tensor():
+    """Float-held codes of a re-quantized cut would not fit their storage: refused in one line, and
+    before the first tensor is read (the source below has none)."""
+    from apt_ds.algorithm.quant import QuantizationError
+    from apt_ds.distributed.zero_init import projection_weights, quantize_partitioned
+
+    model = tiny_family("llama")  # hidden 64: k/v stored as W^T are 32 wide (one KV group of 2 x 16)
+    quant = BaseQuant("nf4", storage=torch.float32)
+    with pytest.raises(QuantizationError, match="needs every projection's stored width to be a multiple of 64"):
+        quantize_partitioned(model, projection_weights(model), {}, quant, torch.device("cpu"))
+
+
 def test_a_gguf_base_is_not_quantized_again(in_tmp, tmp_path, capsys):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + bytes(64))
