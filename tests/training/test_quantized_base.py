@@ -271,7 +271,7 @@ def test_zero3_refuses_a_projection_width_that_is_not_whole_blocks_before_readin
     from apt_ds.algorithm.quant import QuantizationError
     from apt_ds.distributed.zero_init import projection_weights, quantize_partitioned
 
-    model = tiny_family("llama")  # hidden 64: k/v stored as W^T are 32 wide (one KV group of 2 x 16)
+    model = tiny_family("llama")  # hidden 64: k/v stored as W^T are 32 wide (2 KV heads of 16)
     quant = BaseQuant("nf4", storage=torch.float32)
     with pytest.raises(QuantizationError, match="needs every projection's stored width to be a multiple of 64"):
         quantize_partitioned(model, projection_weights(model), {}, quant, torch.device("cpu"))
