@@ -65,6 +65,10 @@ class BaseQuant:
     def enabled(self) -> bool:
         return self.method != "none"
 
+    def transposes(self, dims: tuple[str, str] | None) -> bool:
+        """Whether a projection with these (out, in) unit axes is stored as W^T (4-bit, pruned axis as rows)."""
+        return self.method != "int8" and self.pruned_axis_rows and stored_transposed(dims)
+
 
 @functools.cache  # frozen_linear asks on every forward pass: set up once
 def bitsandbytes():
@@ -115,8 +119,7 @@ def quantize(weight: torch.Tensor, quant: BaseQuant, source=None, dims: tuple[st
     `source()`: the original full-precision weight (read again from the checkpoint files, one
     tensor at a time), which a shrink that cuts blocks quantizes afresh. `dims`: the projection's
     (out, in) unit axes, which choose the stored orientation of a 4-bit weight (None: as given)."""
-    transposed = quant.method != "int8" and quant.pruned_axis_rows and stored_transposed(dims)
-    param = quantize_stored(weight.detach().to(quant.compute_dtype), quant, quant.double_quant, transposed)
+    param = quantize_stored(weight.detach().to(quant.compute_dtype), quant, quant.double_quant, quant.transposes(dims))
     param.apt_source, param.apt_rows, param.apt_cols = source, None, None  # original out/in units kept (None: all)
     # Whether a shrink keeps the codes: decided once, by the original stored width, so that the route
     # (and so the codes) never depends on the sequence of shrinks that led to the kept units.
@@ -130,15 +133,24 @@ def quantize_stored(dense: torch.Tensor, quant: BaseQuant, nested: bool, transpo
     stored = (dense.t() if transposed else dense).contiguous()
     if quant.method == "int8":
         codes, scales, _ = functional.int8_vectorwise_quant(stored)
-        param = nn.Parameter(codes, requires_grad=False)
-        param.apt_scales = scales
-    else:
-        codes, state = functional.quantize_4bit(stored, blocksize=BLOCKSIZE, quant_type=quant.method,
-                                                compress_statistics=nested, quant_storage=quant.storage)
-        param = nn.Parameter(codes, requires_grad=False)
+        return codes_param(codes, quant, stored.shape, transposed, scales=scales)
+    codes, state = functional.quantize_4bit(stored, blocksize=BLOCKSIZE, quant_type=quant.method,
+                                            compress_statistics=nested, quant_storage=quant.storage)
+    return codes_param(codes, quant, stored.shape, transposed, state=state)
+
+
+def codes_param(codes: torch.Tensor, quant: BaseQuant, stored_shape, transposed: bool, *, state=None, scales=None,
+                positions: torch.Tensor | None = None) -> nn.Parameter:
+    """The frozen parameter holding `codes`: a stored_shape (rows x cols) matrix, W^T where
+    `transposed`, with its 4-bit `state` or int8 row `scales`, and `positions`: the stored column
+    of each column the weight stands for (None: all, in order)."""
+    param = nn.Parameter(codes, requires_grad=False)
+    if state is not None:
         param.apt_state = state
-    param.apt_quant, param.apt_shape, param.apt_transposed = quant, tuple(stored.shape), transposed
-    param.apt_positions = None  # the stored column of each column the weight stands for (None: all, in order)
+    if scales is not None:
+        param.apt_scales = scales
+    param.apt_quant, param.apt_shape, param.apt_transposed = quant, tuple(stored_shape), transposed
+    param.apt_positions = positions
     return param
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from apt_ds.algorithm.edits import full_or_index
-from apt_ds.algorithm.quant import BLOCKSIZE, bitsandbytes, dequantize, logical_shape, quantize_stored
+from apt_ds.algorithm.quant import BLOCKSIZE, bitsandbytes, codes_param, dequantize, logical_shape, quantize_stored
 
 REQUANTIZED = "requantized"  # `keep_quantized`'s route when the kept units cut blocks it cannot keep
 
@@ -49,10 +49,9 @@ def keep_quantized(weight, out_index: torch.Tensor | None, in_index: torch.Tenso
     kept_in = in_index if weight.apt_cols is None else weight.apt_cols[in_index]
     row_index, col_index = (in_index, out_index) if weight.apt_transposed else (out_index, in_index)
     if quant.method == "int8":
-        param = nn.Parameter(weight.data[row_index.to(device)][:, col_index.to(device)].contiguous(), requires_grad=False)
-        param.apt_scales = weight.apt_scales[row_index.to(device)].contiguous()
-        param.apt_quant, param.apt_shape = quant, (len(row_index), len(col_index))
-        param.apt_transposed, param.apt_positions, route = weight.apt_transposed, None, "exact"
+        codes = weight.data[row_index.to(device)][:, col_index.to(device)].contiguous()
+        scales = weight.apt_scales[row_index.to(device)].contiguous()
+        param, route = codes_param(codes, quant, codes.shape, weight.apt_transposed, scales=scales), "exact"
     elif weight.apt_keeps_codes or (not quant.pruned_axis_rows and weight.apt_shape[1] % BLOCKSIZE == 0
                                     and _whole_blocks(col_index)):  # the earlier layout: whole blocks only
         param, route = _keep_blocks(weight, row_index, col_index), "exact"
@@ -101,9 +100,6 @@ def _keep_blocks(weight, row_index: torch.Tensor, col_index: torch.Tensor) -> nn
     shape = torch.Size((len(row_index), len(blocks) * BLOCKSIZE))
     state = functional.QuantState(absmax=absmax.reshape(-1).contiguous(), shape=shape, code=state.code,
                                   blocksize=BLOCKSIZE, quant_type=state.quant_type, dtype=state.dtype)
-    param = nn.Parameter(codes.reshape(-1).contiguous().view(weight.dtype).reshape(-1, 1), requires_grad=False)
-    param.apt_state, param.apt_quant, param.apt_shape = state, weight.apt_quant, tuple(shape)
-    param.apt_transposed = weight.apt_transposed
     whole = torch.equal(new_positions, torch.arange(shape[1]))
-    param.apt_positions = None if whole else new_positions.to(device)
-    return param
+    return codes_param(codes.reshape(-1).contiguous().view(weight.dtype).reshape(-1, 1), weight.apt_quant, shape,
+                       weight.apt_transposed, state=state, positions=None if whole else new_positions.to(device))

@@ -16,6 +16,8 @@ The model's partitions are reached through `deepspeed_private.model_partition` (
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from apt_ds.distributed import deepspeed_private as private
@@ -51,18 +53,13 @@ def build_partitioned_model(config, source, ds_config: dict, dtype: torch.dtype,
     # zero.Init makes every tensor constructor produce `dtype`, RoPE's inverse frequencies too:
     # rebuild them outside it, in fp32 as transformers computes them.
     family.rebuild_rotary(model, device)
+    from apt_ds.io.quantized import projection_weights
+
     projections = projection_weights(model) if quant is not None else {}
     load_partitions(model, source, skip=set(projections))
     if quant is not None:
         quantize_partitioned(model, projections, source, quant, device)
     return model
-
-
-def projection_weights(model) -> dict:
-    """{checkpoint name: (Linear, its (out, in) unit axes)} of the frozen projections."""
-    from apt_ds.io.quantized import projection_modules
-
-    return {f"{name}.weight": (linear, dims) for name, linear, dims in projection_modules(model)}
 
 
 def quantize_partitioned(model, projections: dict, source, quant, device: torch.device) -> None:
@@ -71,20 +68,20 @@ def quantize_partitioned(model, projections: dict, source, quant, device: torch.
     rank holds its partitions plus one tensor (as `load_partitions` does). The quantization state
     (absmax, 1/64 of the codes or less) stays whole on every rank; resume and shrinks re-read
     the original weight through `source` as one process does."""
-    from apt_ds.algorithm.quant import BLOCKSIZE, QuantizationError, quantize_linear, stored_transposed
+    from apt_ds.algorithm.quant import BLOCKSIZE, QuantizationError, quantize_linear
     from apt_ds.distributed.zero_params import partition_new_params
 
+    read = source.__getitem__ if isinstance(source, dict) else source.read  # a whole tensor, by name
     for name, (linear, dims) in projections.items():  # before any tensor is read
-        width = linear.out_features if quant.pruned_axis_rows and stored_transposed(dims) else linear.in_features
+        width = linear.out_features if quant.transposes(dims) else linear.in_features
         if width % BLOCKSIZE:  # codes of cut blocks would be re-quantized into sizes a float storage cannot hold
             raise QuantizationError(f"--base-quant {quant.method} under ZeRO-3 needs every projection's stored width to be "
                                     f"a multiple of {BLOCKSIZE}; {name} has {width}: use a ZeRO-2 config")
     with torch.no_grad():
         for name, (linear, dims) in projections.items():
-            full = (source[name] if isinstance(source, dict) else source.read(name)).to(device, quant.compute_dtype)
+            full = read(name).to(device, quant.compute_dtype)
             linear.weight = torch.nn.Parameter(full, requires_grad=False)  # the partitioned placeholder is dropped
-            reread = (lambda name=name: source[name]) if isinstance(source, dict) else (lambda name=name: source.read(name))
-            quantize_linear(linear, quant, source=reread, dims=dims)
+            quantize_linear(linear, quant, source=functools.partial(read, name), dims=dims)
             del full
             partition_new_params(model, linear, quant.compute_dtype)
 

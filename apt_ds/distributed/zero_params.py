@@ -11,6 +11,7 @@ from typing import Iterable
 
 import torch
 
+from apt_ds.algorithm.quant import is_quantized
 from apt_ds.distributed import deepspeed_private as private
 
 
@@ -53,7 +54,7 @@ def partition_new_params(model: torch.nn.Module, module: torch.nn.Module, dtype:
     if not new or anchor is None:  # nothing partitioned yet: deepspeed.initialize will do it
         return
     for param in new:  # not quantized codes held in a float dtype: their bits are codes, not numbers
-        if param.is_floating_point() and param.dtype != dtype and not hasattr(param, "apt_quant"):
+        if param.is_floating_point() and param.dtype != dtype and not is_quantized(param):
             param.data = param.data.to(dtype)
     private.partition_like(anchor, new)  # through the zero.Init that partitioned the model
 
@@ -77,5 +78,5 @@ def cast_plain_params(model: torch.nn.Module, dtype: torch.dtype) -> None:
     if dtype == torch.float32:
         return
     for param in model.parameters():
-        if not is_partitioned(param) and param.dtype == torch.float32 and not hasattr(param, "apt_quant"):
+        if not is_partitioned(param) and param.dtype == torch.float32 and not is_quantized(param):
             param.data = param.data.to(dtype)

@@ -77,16 +77,21 @@ def quantization_record(model, train: TrainConfig) -> dict:
             "base_dtype": str(quant.compute_dtype).removeprefix("torch.")}
 
 
+def saved_quant_layout(meta: dict) -> str | None:
+    """The layout a run's checkpoint stored its quantized base in (runs before 2026-12-07 recorded
+    none: as the checkpoint holds it), or None for a full-precision run."""
+    if meta["train_config"].get("base_quant", "none") == "none":
+        return None
+    return meta["run_info"].get("quant_layout", AS_STORED)
+
+
 def check_quant_layout(checkpoint: Path, run_info: dict) -> None:
     """CheckpointError unless the checkpoint's base was stored in the layout of the model about to
     resume it (`run_info` from `quantization_record`): the codes are quantized again on resume."""
     from apt_ds.io.checkpoint import CheckpointError, read_meta
 
-    meta = read_meta(checkpoint)
-    if meta["train_config"].get("base_quant", "none") == "none":
-        return
-    saved, now = meta["run_info"].get("quant_layout", AS_STORED), run_info.get("quant_layout")
-    if now is not None and saved != now:
+    saved, now = saved_quant_layout(read_meta(checkpoint)), run_info.get("quant_layout")
+    if saved is not None and now is not None and saved != now:
         raise CheckpointError(f"{checkpoint}: the run stored its quantized base {saved}, the model to resume it is "
                               f"stored {now} (BaseQuant.pruned_axis_rows); quantize it as the run did, or train again")
 
@@ -121,6 +126,11 @@ def projection_modules(model):
             yield f"{family.layer_prefix(index)}.{tensor.module}", family.layer_module(layer, tensor.role), tensor.dims
 
 
+def projection_weights(model) -> dict:
+    """{checkpoint name: (Linear, its (out, in) unit axes)} of the frozen projections."""
+    return {f"{name}.weight": (linear, dims) for name, linear, dims in projection_modules(model)}
+
+
 def quantize_model(model, quant: BaseQuant):
     """Quantize the projections of a model already in memory (the built-in tiny ones), in place.
     Their full-precision weights stay beside them as the source a shrink re-quantizes from
@@ -147,7 +157,7 @@ def load_quantized(path: Path, quant: BaseQuant, device: torch.device):
         model = family.classes()[1](config)
     if config.tie_word_embeddings:  # tied before the parameters are listed: the head is the embedding's
         family.output_module(model).weight = family.embedding_module(model).weight
-    projections = {f"{name}.weight": (linear, dims) for name, linear, dims in projection_modules(model)}
+    projections = projection_weights(model)
     params = dict(model.named_parameters())  # a tied LM head once, under the embedding's name
     missing = [name for name in params if name not in weights]
     if missing:

@@ -1,6 +1,7 @@
 """What a trainer reads from and leaves in its `out_dir` besides checkpoints and metrics: each
-rank's final decisions (and what it holds of a quantized base), the check that a new trainer does not write over another run, and the
-micro-batches of a step (an iterator that runs dry is named, not a bare StopIteration)."""
+rank's final decisions (and what it holds of a quantized base), the check that a new trainer
+does not write over another run, and the micro-batches of a step (an iterator that runs dry is
+named, not a bare StopIteration)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from apt_ds.config import STEP_SCALED_FIELDS, APTConfig, ConfigError, TrainConfi
 from apt_ds.io.atomic import write_text_atomic
 from apt_ds.io.checkpoint import CheckpointError, check_known_apt_fields, check_same_apt_config
 from apt_ds.io.fingerprint import same_model
-from apt_ds.io.quantized import AS_STORED, quant_layout
+from apt_ds.io.quantized import quant_layout, saved_quant_layout
 
 RESUME_MUST_MATCH = ("steps", "lr", "warmup_steps", "weight_decay", "max_grad_norm", "max_seq_len", "template", "seed",
                      "base_quant", "double_quant")  # the base's codes: a resume quantizes them again
@@ -26,10 +26,10 @@ def quant_layout_problem(meta: dict, apt_config: dict | None) -> str | None:
     """Why a quantized run cannot resume with `apt_config` (None: its own) in this version, or None:
     the base is quantized again on resume, and a run that prunes must hold its codes in the layout
     it trained with (runs before 2026-12-07 that pruned re-quantized cut blocks: not reproducible)."""
-    if meta["train_config"].get("base_quant", "none") == "none":
+    saved = saved_quant_layout(meta)
+    if saved is None:
         return None
     prunes = (apt_config if apt_config is not None else meta["apt_config"]).get("prune", True)
-    saved = meta["run_info"].get("quant_layout", AS_STORED)
     if saved == quant_layout(prunes):
         return None
     return (f"--resume: the run stored its quantized base {saved}, which this version does not train on "

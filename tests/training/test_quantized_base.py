@@ -269,7 +269,8 @@ def test_zero3_refuses_a_projection_width_that_is_not_whole_blocks_before_readin
     """Float-held codes of a re-quantized cut would not fit their storage: refused in one line, and
     before the first tensor is read (the source below has none)."""
     from apt_ds.algorithm.quant import QuantizationError
-    from apt_ds.distributed.zero_init import projection_weights, quantize_partitioned
+    from apt_ds.distributed.zero_init import quantize_partitioned
+    from apt_ds.io.quantized import projection_weights
 
     model = tiny_family("llama")  # hidden 64: k/v stored as W^T are 32 wide (2 KV heads of 16)
     quant = BaseQuant("nf4", storage=torch.float32)
