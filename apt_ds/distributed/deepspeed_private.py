@@ -74,6 +74,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("zero3_partition", "ds_numel", "model_partition"),
     PrivateName("zero3_param", "ds_process_group", "model_partition"),
     PrivateName("zero3_param", "convert_to_zero_parameters", "partition_like"),
+    PrivateName("zero3_param", "ds_tensor", "release_partition"),
     PrivateName("engine", "basic_optimizer", "release_engine"),
     PrivateName("engine", "module_forward_pre_hook", "release_engine"),
     PrivateName("engine", "module_forward_post_hook", "release_engine"),
@@ -191,6 +192,13 @@ def model_partition_tensor(param) -> torch.Tensor | None:
     """`param.ds_tensor` without the collective's rank (None when not partitioned): for dtype and
     byte counts. Same internal as `model_partition`."""
     return getattr(param, "ds_tensor", None)
+
+
+def release_partition(param) -> None:
+    """Free this rank's slice of a ZeRO-3 parameter that is about to be replaced (its storage
+    becomes empty; its shape attributes stay). zero.Init allocates a partition for every
+    parameter it sees and has no public way to build a module without one."""
+    param.ds_tensor.data = torch.empty(0, dtype=param.ds_tensor.dtype, device=param.ds_tensor.device)
 
 
 def partition_like(anchor, params: list[torch.nn.Parameter]) -> None:

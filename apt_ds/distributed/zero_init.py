@@ -16,6 +16,7 @@ The model's partitions are reached through `deepspeed_private.model_partition` (
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -43,7 +44,8 @@ def build_partitioned_model(config, source, ds_config: dict, dtype: torch.dtype,
     # dtype is ignored by deepspeed 0.19 wherever the accelerator lacks fp16 (`dtype or float16 if
     # fp16 else bfloat16 ...` binds as `(dtype or float16) if ...`): on a CPU without AVX512-FP16
     # (an AMD EPYC here) an fp32 model came out in bf16.
-    with no_init_weights(), deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=None):
+    released = projections_released(family.projections) if quant is not None else contextlib.nullcontext()
+    with no_init_weights(), deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=None), released:
         model = family.classes()[1](config)
     made = {private.model_partition_tensor(p).dtype for p in model.parameters() if hasattr(p, "ds_id")}
     if made != {dtype}:
@@ -60,6 +62,25 @@ def build_partitioned_model(config, source, ds_config: dict, dtype: torch.dtype,
     if quant is not None:
         quantize_partitioned(model, projections, source, quant, device)
     return model
+
+
+@contextlib.contextmanager
+def projections_released(leaf_names):
+    """While a model is built under zero.Init: free the full-precision partition of each
+    projection named in `leaf_names` (`q_proj`, ..., the family's) as soon as its Linear is
+    assigned to its parent, so a quantized build never holds more than one projection in full
+    precision (zero.Init partitions every Linear it sees; its codes replace it after the build).
+    torch's module registration hook is global: it is removed on leaving."""
+
+    def release(parent, name, submodule):
+        if name in leaf_names and isinstance(submodule, torch.nn.Linear) and hasattr(submodule.weight, "ds_id"):
+            private.release_partition(submodule.weight)
+
+    handle = torch.nn.modules.module.register_module_module_registration_hook(release)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def quantize_partitioned(model, projections: dict, source, quant, device: torch.device) -> None:

@@ -60,3 +60,51 @@ def test_a_two_rank_zero_run_on_an_nf4_base_prunes_and_exports(tmp_path, tokeniz
     check_against_probe(out, tmp_path / "hf")
     if stage == 3:  # killed after a pruned checkpoint: the base quantized and shrunk again, partitioned, as it was
         _killed_then_resumed_as_uninterrupted(tmp_path / "killed", args, reference=out)
+
+
+ONE_PROJECTION_AT_A_TIME = """
+import json, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from apt_ds.algorithm.quant import BaseQuant, is_quantized
+from apt_ds.distributed.zero import DeepSpeedBackend
+from apt_ds.distributed.zero_init import build_partitioned_model
+from apt_ds.io.quantized import projection_weights
+
+config = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+backend = DeepSpeedBackend({"zero_optimization": {"stage": 3}}, base_dtype="fp32")
+ds_config = backend.resolved_config(config, 1, 1.0)
+state = LlamaForCausalLM(config).state_dict()
+built, most_held = [], 0
+
+def watch(parent, name, module):  # registered first, so it runs before the build's own hook
+    global most_held
+    if name.endswith("_proj"):
+        most_held = max(most_held, sum(p.ds_tensor.numel() for p in built))  # earlier projections' fp partitions
+        built.append(module.weight)
+
+handle = torch.nn.modules.module.register_module_module_registration_hook(watch)
+quant = BaseQuant("nf4", storage=torch.float32)
+model = build_partitioned_model(config, state, ds_config, torch.float32, backend.device, quant)
+handle.remove()
+print(json.dumps({"built": len(built), "most_held": most_held,
+                  "quantized": sum(is_quantized(l.weight) for l, _ in projection_weights(model).values())}))
+backend.shutdown()
+"""
+
+
+def test_a_zero3_quantized_build_holds_one_projection_in_full_precision_at_a_time(tmp_path):
+    """zero.Init gives every Linear a full-precision partition; each projection's is freed as soon as
+    it is built, so the load never holds the model's projections in full precision (before: a
+    3B-shaped run's load peaked above the fp32 run's)."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    result = subprocess.run([sys.executable, "-c", ONE_PROJECTION_AT_A_TIME], capture_output=True, text=True,
+                            timeout=300, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report == {"built": 14, "most_held": 0, "quantized": 14}
