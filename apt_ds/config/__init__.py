@@ -206,7 +206,11 @@ class TrainConfig(_JsonConfig):
                                   "(counts are printed and recorded in run.json)", default=256)
     template: str = help_field("how instruction/input/output rows become text: alpaca (the Alpaca prompt), chat (the "
                                "tokenizer's chat template, for chat models), none (prompt and response concatenated); the "
-                               "loss is on the response either way", choices=TEMPLATES, default="alpaca")
+                               "loss is on the response either way. Conversation rows (messages, conversations) always "
+                               "use the chat template", choices=TEMPLATES, default="alpaca")
+    train_on_prompt: bool = help_field("learn every token of a supervised row: the prompt, and a conversation's system "
+                                       "and user turns (default: the loss is on responses and assistant turns only, "
+                                       "as TRL's assistant_only_loss and completion_only_loss)", default=False)
     seed: int = help_field("random seed (model init of adapters, data order, layer sampling)", default=0)
     log_every: int = help_field("write a metrics line every N steps", default=1)
     checkpoint_every: int = help_field("save a resumable checkpoint every N steps (0: only at the end) (default: 10% of "

@@ -1,10 +1,14 @@
 """Training data through `datasets`: records -> token ids -> deterministic micro-batches.
 
-Three record formats are accepted, chosen per row:
+Four record formats are accepted, chosen per row:
   * `text`                                plain language modelling, loss on every token;
+  * `messages` / `conversations`          a conversation (or `prompt`/`completion` message lists),
+                                          rendered with the tokenizer's chat template, loss on the
+                                          assistant turns (`apt_ds.io.conversations`);
   * `instruction` (+ `input`) + `output`   a prompt template (`apt_ds.io.templates`: alpaca by
                                           default, chat or none), loss on the response only;
   * `prompt` + `completion`               raw prompt, loss on the completion only.
+`train_on_prompt` puts the loss on every token of the supervised formats instead.
 
 Prompt and response are encoded separately and concatenated, so the boundary between
 "not learned" and "learned" tokens is exact for every tokenizer; `encode_prompt_response`
@@ -19,6 +23,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from apt_ds.io.conversations import ChatRenderer, encode_conversation, messages_of
 from apt_ds.io.errors import DataError
 from apt_ds.io.records import USABLE_FIELDS, demo_data_path, load_records  # noqa: F401 - importable from here too
 from apt_ds.io.templates import PromptResponse, check_template, format_prompt, instruction_prompt_response  # noqa: F401
@@ -78,7 +83,7 @@ def encode_prompt_response(tokenizer, prompt: str, response: str, max_seq_len: i
 
 
 def _join_prompt_response(tokenizer, prompt_ids: list[int], response_ids: list[int], max_seq_len: int,
-                          stats: "TruncationStats | None" = None, framed: bool = False):
+                          stats: "TruncationStats | None" = None, framed: bool = False, train_on_prompt: bool = False):
     if not response_ids:
         return None
     if framed:  # the template's own BOS stays first when the prompt is cut from the left
@@ -102,6 +107,8 @@ def _join_prompt_response(tokenizer, prompt_ids: list[int], response_ids: list[i
     prompt_ids = list(prompt_ids)[-room:] if room > 0 else []
     input_ids = (bos + prompt_ids + target)[:max_seq_len]
     labels = ([IGNORE_INDEX] * (len(bos) + len(prompt_ids)) + target)[:max_seq_len]
+    if train_on_prompt:
+        labels = list(input_ids)
     if all(label == IGNORE_INDEX for label in labels):
         return None
     return {"input_ids": input_ids, "labels": labels}
@@ -124,15 +131,17 @@ def pack_blocks(streams: Iterable[list[int]], max_seq_len: int) -> list[dict]:
 
 class TruncationStats:
     """What the data lost. To max_seq_len: rows whose prompt was cut from the left, rows dropped
-    because their response alone did not fit, unpacked text rows cut at the end, and the longest of
+    because their response alone did not fit, unpacked text rows cut at the end, conversations cut
+    after their last whole turn that fits or inside their first assistant turn, and the longest of
     the rows that were cut or dropped (the longest row of all when any was; 0 when every row
-    fitted). Besides: rows skipped for having no usable text (e.g. an empty or null output), and
-    the first of them (1-based)."""
+    fitted). Besides: rows skipped for having no usable text (e.g. an empty or null output) or, for
+    conversations, no assistant turn, and the first of each (1-based)."""
 
     def __init__(self):
-        self.prompt_cut = self.dropped = self.text_cut = 0
+        self.prompt_cut = self.dropped = self.text_cut = self.turns_cut = self.turn_cut_inside = 0
         self.longest = 0
         self.skipped = self.first_skipped = 0
+        self.without_reply = self.first_without_reply = 0
 
     def count(self, kind: str, length: int) -> None:
         setattr(self, kind, getattr(self, kind) + 1)
@@ -142,44 +151,65 @@ class TruncationStats:
         self.skipped += 1
         self.first_skipped = self.first_skipped or row_number
 
+    def count_without_reply(self, row_number: int) -> None:
+        self.without_reply += 1
+        self.first_without_reply = self.first_without_reply or row_number
+
     def to_dict(self) -> dict:
         return {"prompt_cut": self.prompt_cut, "dropped": self.dropped, "text_cut": self.text_cut, "longest": self.longest,
-                "skipped": self.skipped}
+                "skipped": self.skipped, "turns_cut": self.turns_cut, "turn_cut_inside": self.turn_cut_inside,
+                "without_reply": self.without_reply}
 
     def message(self, source: str, max_seq_len: int) -> str | None:
         """One warning line, or None when nothing was cut or skipped."""
         cut = [f"{n} {_rows(n, what)}" for n, what in ((self.prompt_cut, "rows had the prompt cut from the left"),
                                                       (self.dropped, "rows were dropped (the response alone exceeds it)"),
-                                                      (self.text_cut, "rows without a prompt were cut at the end")) if n]
+                                                      (self.text_cut, "rows without a prompt were cut at the end"),
+                                                      (self.turns_cut, "conversations were cut after the last whole "
+                                                                       "turn that fits"),
+                                                      (self.turn_cut_inside, "conversations were cut inside the first "
+                                                                             "assistant turn")) if n]
         parts = [f"--max-seq-len {max_seq_len}: {'; '.join(cut)}; the longest row has {self.longest} tokens"] if cut else []
         if self.skipped:
             parts.append(f"{self.skipped} {_rows(self.skipped, 'rows were')} skipped, having no usable text (the first is row {self.first_skipped}; "
                          f"each row needs {USABLE_FIELDS}, not empty)")
+        if self.without_reply:
+            parts.append(f"{self.without_reply} {_rows(self.without_reply, 'conversations were')} skipped, having no "
+                         f"assistant turn to learn (the first is row {self.first_without_reply})")
         return f"warning: {source}: {'; '.join(parts)}" if parts else None
 
 
 def _rows(count: int, words: str) -> str:
-    """ "rows had ..." as "row had ..." for one: `words` starts with "rows" (and "were" becomes "was")."""
-    return words if count != 1 else words.replace("rows", "row", 1).replace("were", "was", 1)
+    """ "rows had ..." as "row had ..." for one: `words` starts with a plural ("rows", "conversations";
+    "were" becomes "was")."""
+    if count == 1:
+        first, space, rest = words.partition(" ")
+        return first[:-1] + space + rest.replace("were", "was", 1)
+    return words
 
 
 def tokenize_dataset(ds, tokenizer, max_seq_len: int, pack: bool, source: str = "dataset",
-                     stats: TruncationStats | None = None, template: str = "alpaca") -> list[dict]:
+                     stats: TruncationStats | None = None, template: str = "alpaca", train_on_prompt: bool = False,
+                     tokenizer_name: str = "") -> list[dict]:
     """Examples {input_ids, labels} (python int lists). `pack` packs text rows only:
     supervised rows keep one example each so their prompt/response boundary survives.
-    `stats` (optional) counts what max_seq_len cut or dropped; `template` formats instruction rows."""
+    `stats` (optional) counts what max_seq_len cut or dropped; `template` formats instruction rows;
+    `train_on_prompt` learns the prompts and the non-assistant turns too."""
     if max_seq_len < 2:
         raise DataError(f"{source}: max_seq_len must be >= 2, got {max_seq_len}")
     check_template(template, tokenizer)
     stats = TruncationStats() if stats is None else stats
-    pairs = []
+    pairs, conversations = [], []
     for number, row in enumerate(ds, start=1):
-        pair = split_record(row, template, tokenizer)
-        if pair is None:
+        messages = messages_of(row, number)
+        pair = split_record(row, template, tokenizer) if messages is None else None
+        if messages is not None:
+            conversations.append((number, messages))
+        elif pair is None:
             stats.count_skipped(number)
         else:
             pairs.append(pair)
-    if not pairs:
+    if not pairs and not conversations:
         raise DataError(f"{source} has no usable rows: need {USABLE_FIELDS}")
     texts = [pair.response for pair in pairs if pair.prompt is None]
     supervised = [pair for pair in pairs if pair.prompt is not None]
@@ -194,13 +224,21 @@ def tokenize_dataset(ds, tokenizer, max_seq_len: int, pack: bool, source: str = 
     prompt_ids = _encode(tokenizer, [pair.prompt for pair in supervised])
     response_ids = _encode(tokenizer, [pair.response for pair in supervised])
     for pair, p_ids, r_ids in zip(supervised, prompt_ids, response_ids):
-        example = _join_prompt_response(tokenizer, p_ids, r_ids, max_seq_len, stats, framed=pair.framed)
+        example = _join_prompt_response(tokenizer, p_ids, r_ids, max_seq_len, stats, framed=pair.framed,
+                                        train_on_prompt=train_on_prompt)
+        if example is not None:
+            examples.append(example)
+    renderer = ChatRenderer(tokenizer, tokenizer_name) if conversations else None
+    for number, messages in conversations:
+        example = encode_conversation(renderer, messages, number, max_seq_len, train_on_prompt, stats)
         if example is not None:
             examples.append(example)
     if not examples and stats.dropped:
         skipped = f"; {stats.skipped} more {_rows(stats.skipped, 'rows')} had no usable text" if stats.skipped else ""
         raise DataError(f"{source}: every row was dropped: its response alone exceeds --max-seq-len {max_seq_len} (the "
                         f"longest row has {stats.longest} tokens){skipped}; raise --max-seq-len or shorten the responses")
+    if not examples and stats.without_reply:
+        raise DataError(f"{source}: no conversation has an assistant turn to learn from ({stats.without_reply} without one)")
     if not examples:
         raise DataError(f"{source}: no row has a token to learn from after tokenization (max_seq_len={max_seq_len})")
     return examples

@@ -16,7 +16,10 @@ import datasets
 from apt_ds.io.errors import DataError
 
 SCAN_CHUNK_BYTES = 1 << 20  # the UTF-8 check reads a data file in pieces of this size
-USABLE_FIELDS = "a 'text' field or 'instruction'/'output' fields (or 'prompt'/'completion')"
+USABLE_FIELDS = ("a 'text' field, 'instruction'/'output' fields, 'prompt'/'completion' (text or message lists), or a "
+                 "conversation in 'messages' (role/content) or 'conversations' (ShareGPT from/value)")
+# fields that hold a list of messages (apt_ds.io.conversations); prompt/completion may hold either
+MESSAGE_FIELDS = ("messages", "conversations")
 
 
 def demo_data_path() -> Path:
@@ -33,7 +36,8 @@ def load_records(path: str | Path) -> datasets.Dataset:
     if len(ds) == 0:
         raise DataError(f"data file {path.name} has no rows")
     columns = set(ds.column_names)
-    if not ({"text"} <= columns or {"instruction", "output"} <= columns or {"prompt", "completion"} <= columns):
+    if not ({"text"} <= columns or {"instruction", "output"} <= columns or {"prompt", "completion"} <= columns
+            or columns & set(MESSAGE_FIELDS)):
         raise DataError(
             f"data file {path.name} has no usable rows: need {USABLE_FIELDS}; found fields {sorted(columns)}"
         )
@@ -42,17 +46,38 @@ def load_records(path: str | Path) -> datasets.Dataset:
 
 
 def _check_text_fields(ds: datasets.Dataset, path: Path) -> None:
-    """The fields that are read must hold text: {"text": 5} would otherwise train on "5"."""
-    for name in ("text", "instruction", "input", "output", "prompt", "completion"):
+    """The fields that are read must hold text: {"text": 5} would otherwise train on "5"; message
+    fields hold lists of messages (prompt/completion either)."""
+    for name in ("text", "instruction", "input", "output", "prompt", "completion", *MESSAGE_FIELDS):
         feature = ds.features.get(name)
-        if feature is not None and not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string", "null")):
-            kind = feature.dtype if isinstance(feature, datasets.Value) else type(feature).__name__.lower()
-            where = _first_non_text(path, name) if path.is_file() else ""
-            if name == "text" and not where and path.is_file() and _scan_text(path) == "[":  # datasets names a list's items 'text'
-                raise DataError(f"data file {path.name} is a JSON list of {kind} values: each row must be an object "
-                                f"with {USABLE_FIELDS}")
-            what = "text mixed with other values" if kind == "json" else f"{kind} values, not text"  # json: mixed types
-            raise DataError(f"data file {path.name}: field {name!r} holds {what}{where}")
+        if feature is None or _is_text(feature) and name not in MESSAGE_FIELDS:
+            continue
+        if name in (*MESSAGE_FIELDS, "prompt", "completion") and _is_message_list(feature):
+            continue
+        if name in MESSAGE_FIELDS:
+            raise DataError(f"data file {path.name}: field {name!r} must hold a list of messages (objects with "
+                            f"{'role/content' if name == 'messages' else 'from/value'})")
+        kind = feature.dtype if isinstance(feature, datasets.Value) else type(feature).__name__.lower()
+        where = _first_non_text(path, name) if path.is_file() else ""
+        if name == "text" and not where and path.is_file() and _scan_text(path) == "[":  # datasets names a list's items 'text'
+            raise DataError(f"data file {path.name} is a JSON list of {kind} values: each row must be an object "
+                            f"with {USABLE_FIELDS}")
+        what = "text mixed with other values" if kind == "json" else f"{kind} values, not text"  # json: mixed types
+        raise DataError(f"data file {path.name}: field {name!r} holds {what}{where}")
+
+
+def _is_text(feature) -> bool:
+    return isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string", "null")
+
+
+def _is_message_list(feature) -> bool:
+    """A list of objects whose role and content (or ShareGPT's from and value) are text, as datasets
+    types a JSON list of messages; other keys (a turn's weight, tool calls) are not read."""
+    inner = getattr(feature, "feature", None)  # datasets.List / Sequence / LargeList
+    if not isinstance(inner, dict):
+        return False
+    return any(all(_is_text(inner[key]) for key in pair) for pair in (("role", "content"), ("from", "value"))
+               if set(pair) <= set(inner))
 
 
 def _first_non_text(path: Path, name: str) -> str:

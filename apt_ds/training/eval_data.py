@@ -15,7 +15,7 @@ from pathlib import Path
 from apt_ds.config import ConfigError, TrainConfig
 from apt_ds.io.data import TruncationStats, collate, load_records, tokenize_dataset
 
-ROW_FIELDS = ("text", "instruction", "input", "output", "prompt", "completion")  # what training reads of a row
+ROW_FIELDS = ("text", "instruction", "input", "output", "prompt", "completion", "messages", "conversations")  # what training reads of a row
 _HASH_BATCH = 10_000
 
 
@@ -29,7 +29,7 @@ def held_out_batches(args, tokenizer, train: TrainConfig, backend, pad_id: int, 
         print(warning, file=sys.stderr)
     truncation = TruncationStats()
     examples = tokenize_dataset(records, tokenizer, train.max_seq_len, pack=False, source=args.eval_data, stats=truncation,
-                                template=train.template)
+                                template=train.template, train_on_prompt=train.train_on_prompt)
     warning = truncation.message(args.eval_data, train.max_seq_len)
     if warning and backend.is_main():
         print(warning, file=sys.stderr)

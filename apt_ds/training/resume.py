@@ -19,7 +19,7 @@ from apt_ds.io.fingerprint import same_model
 from apt_ds.io.quantized import quant_layout, saved_quant_layout
 
 RESUME_MUST_MATCH = ("steps", "lr", "warmup_steps", "weight_decay", "max_grad_norm", "max_seq_len", "template", "seed",
-                     "base_quant", "double_quant")  # the base's codes: a resume quantizes them again
+                     "base_quant", "double_quant", "train_on_prompt")  # the base's codes: a resume quantizes them again
 
 
 def quant_layout_problem(meta: dict, apt_config: dict | None) -> str | None:
@@ -82,7 +82,7 @@ def check_resumable_settings(meta: dict, train: TrainConfig, data_path: str, wor
     if "max_grad_norm" not in saved_train:
         saved_train = {**saved_train, "max_grad_norm": clipping_before_max_grad_norm(meta["run_info"])}
     # runs saved before these fields used the Alpaca prompt and a full-precision base
-    saved_train = {"template": "alpaca", "base_quant": "none", "double_quant": True, **saved_train}
+    saved_train = {"template": "alpaca", "base_quant": "none", "double_quant": True, "train_on_prompt": False, **saved_train}
     changed = [k for k in RESUME_MUST_MATCH if saved_train.get(k) != getattr(train, k)]
     # A changed --steps also moves what was left to its defaults (the warm-up, APTConfig.for_steps's
     # schedule): naming those too would send the user after settings that --steps alone puts back.

@@ -37,17 +37,15 @@ from apt_ds.io.run_dir import (
     prepare_out_dir,
     previous_run_back_on_failure,
 )
-from apt_ds.io.templates import check_template
-from apt_ds.io.tokenizer import load_tokenizer, train_sentencepiece_tokenizer
 from apt_ds.training import resume
 from apt_ds.training.eval_data import held_out_batches
 from apt_ds.training.heap import freeze_prepared_data
 from apt_ds.training.probe import live_probe, save_probe
+from apt_ds.training.run_tokenizer import TOKENIZER_DIR, prepare_tokenizer, texts_for_tokenizer
 from apt_ds.training.trainer import APTrainer
 
 logger = logging.getLogger(__name__)
 
-TOKENIZER_DIR = "tokenizer"
 PROBE_FILE = "eval_probe.safetensors"
 
 
@@ -90,21 +88,6 @@ def _make_backend(args, train: TrainConfig):
         train = dataclasses.replace(train, micro_batch_size=args.global_batch_size // per_step)
         backend.micro_batch_size = train.micro_batch_size
     return backend, train
-
-
-def _tokenizer(args, out: Path, texts: list[str], train: TrainConfig, staging: Path):
-    """Load (or, for the tiny model, train) the tokenizer, and check that it can format the data with
-    train.template before any model is read. Writes nothing into --out: a trained tokenizer goes to
-    `staging` until the run directory is prepared."""
-    if args.model not in TINY_MODELS:
-        tokenizer = load_tokenizer(args.model)
-    elif args.resume and (out / TOKENIZER_DIR / "tokenizer_config.json").is_file():
-        tokenizer = load_tokenizer(out / TOKENIZER_DIR)
-    else:  # deterministic: every rank trains the same tokenizer (no shared write needed)
-        tokenizer = train_sentencepiece_tokenizer(texts, staging, vocab_size=512)
-    # named by --model: the tiny model's tokenizer is in a temporary directory until the run is written
-    check_template(train.template, tokenizer, tokenizer_name=f"of --model {args.model}")
-    return tokenizer
 
 
 def _model(args, tokenizer, train: TrainConfig, prunes: bool, backend, check_fingerprint):
@@ -179,13 +162,6 @@ def _partitioned(backend, config, source, dtype, train: TrainConfig, quant):
     return build_partitioned_model(config, source, ds_config, dtype, backend.device, quant if quant.enabled else None)
 
 
-def _texts_for_tokenizer(records) -> list[str]:
-    texts = []
-    for row in records.select(range(min(len(records), 5000))):
-        texts.append(" ".join(str(row.get(k) or "") for k in ("text", "instruction", "input", "output", "prompt", "completion")))
-    return texts
-
-
 def import_training_libraries(with_deepspeed: bool) -> None:
     """Import now what training imports lazily anyway (transformers' model classes; DeepSpeed when
     asked for), so that `startup_objects_frozen`, entered next, hides their objects from the
@@ -229,11 +205,12 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
                                         resume.checkpoint_to_resume(out), deepspeed=args.deepspeed, method=args.method)
     records = load_records(data_path)
     with tempfile.TemporaryDirectory(prefix="apt-tokenizer-") as staging:
-        tokenizer = _tokenizer(args, out, _texts_for_tokenizer(records), train, Path(staging))
+        tokenizer = prepare_tokenizer(args, out, texts_for_tokenizer(records), train, Path(staging))
         _check_model_fits(args, train, backend)  # before tokenizing what may be a large data set
         truncation = TruncationStats()
         examples = tokenize_dataset(records, tokenizer, train.max_seq_len, pack=not args.no_pack, source=data_path,
-                                    stats=truncation, template=train.template)
+                                    stats=truncation, template=train.template, train_on_prompt=train.train_on_prompt,
+                                    tokenizer_name=f"of --model {args.model}")
         examples_digest = resume.data_fingerprint(meta, examples, data_path)  # a resume: the same examples as before
         warning = truncation.message(data_path, train.max_seq_len)
         if warning and backend.is_main():
