@@ -133,6 +133,14 @@ def train_sentencepiece_tokenizer(texts: Iterable[str], out_dir: str | Path, voc
     return tokenizer
 
 
+def tokenizer_training_texts(records) -> list[str]:
+    """What the built-in model's tokenizer is trained on: every text field of the first 5000 rows."""
+    texts = []
+    for row in records.select(range(min(len(records), 5000))):
+        texts.append(" ".join(str(row.get(k) or "") for k in ("text", "instruction", "input", "output", "prompt", "completion")))
+    return texts
+
+
 def _readable(line: str) -> list[str]:
     """`line`, or where sentencepiece would skip it, pieces of LINE_PIECE characters."""
     if len(line.encode("utf-8")) <= SENTENCE_BYTES:
