@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from pathlib import Path
@@ -124,6 +125,23 @@ def trained_runs(tmp_path_factory):
 # a text data set of the CLI's plain format, and flags for runs on it that checkpoint at step 4
 CLI_TEXT_ROWS = [{"text": f"row {i}: the quick brown fox jumps over the lazy dog number {i}."} for i in range(120)]
 RUN_FLAGS = ["--steps", "8", "--max-seq-len", "32", "--micro-batch-size", "2", "--checkpoint-every", "4", "--data", "data.jsonl"]
+
+
+@contextlib.contextmanager
+def interrupted_after_step(step: int):
+    """Ctrl-C in the training loop once `step` steps are done: a run for --resume to continue."""
+    from apt_ds.training.trainer import APTrainer
+
+    real_step = APTrainer._train_step
+
+    def crash(self, batches):
+        if self.step == step:
+            raise KeyboardInterrupt
+        return real_step(self, batches)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(APTrainer, "_train_step", crash)
+        yield
 
 
 @pytest.fixture

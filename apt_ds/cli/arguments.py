@@ -85,14 +85,22 @@ class RunArguments:
 
     _argument_group_name = "run"
 
-    model: str = help_field("local Hugging Face directory (LLaMA, Mistral, Qwen2/2.5, Qwen3), a .gguf file, or a "
-                            "built-in random small model: 'tiny' (LLaMA with GQA), 'tiny-mha' (one KV head per query "
-                            "head), 'tiny-mistral', 'tiny-qwen2', 'tiny-qwen3'", default="tiny")
+    model: str = help_field("local Hugging Face directory (LLaMA, Mistral, Qwen2/2.5, Qwen3), a .gguf file, a Hub name "
+                            "org/name or org/name@revision already in the local Hugging Face cache (HF_HOME; nothing is "
+                            "downloaded: docs/HUB_NAMES.md), or a built-in random small model: 'tiny' (LLaMA with GQA), "
+                            "'tiny-mha' (one KV head per query head), 'tiny-mistral', 'tiny-qwen2', 'tiny-qwen3'",
+                            default="tiny")
     data: Optional[str] = help_field("training data: JSONL/JSON with 'text', 'instruction'/'input'/'output' or "
-                                     "'prompt'/'completion' fields, or a directory saved by `datasets` "
+                                     "'prompt'/'completion' fields, a directory saved by `datasets`, or a Hub data set "
+                                     "name org/name[@revision] already in the local cache (json/jsonl/parquet/csv files, "
+                                     "or prepared by an earlier load_dataset; docs/HUB_NAMES.md) "
                                      "(default: the shipped demo data)", default=None)
+    data_split: str = help_field("the split of --data to train on, where it has splits (a Hub data set, a saved "
+                                 "DatasetDict)", default="train")
     eval_data: Optional[str] = help_field("held-out data (same formats); eval_loss is logged at each pruning event and "
                                           "at the end", default=None)
+    eval_data_split: Optional[str] = help_field("the split of --eval-data, where it has splits, e.g. validation "
+                                                "(default: --data-split's)", default=None)
     out: str = help_field("run directory: metrics.jsonl, checkpoint/, tokenizer/", default="runs/demo")
     deepspeed: Optional[str] = help_field("DeepSpeed JSON (ds_configs/zero2.json, zero3.json, ...); omit for one process "
                                           "without DeepSpeed", default=None)

@@ -23,7 +23,9 @@ class EvaluateArguments:
     out: str = help_field("results file (JSON), written when the evaluation ends; its directory must exist, and an "
                           "existing file is replaced only with --overwrite")
     model: Optional[str] = help_field("local Hugging Face directory (LLaMA, Mistral, Qwen2/2.5, Qwen3), apt_ds export "
-                                      "(uniform or not) or .gguf file; also accepted as the first positional argument", default=None)
+                                      "(uniform or not), .gguf file, or Hub name org/name[@revision] already in the local "
+                                      "Hugging Face cache (docs/HUB_NAMES.md); also accepted as the first positional "
+                                      "argument", default=None)
     tasks: str = help_field("comma-separated tasks: arc_easy, arc_challenge, hellaswag, piqa, mmlu (or its parts: "
                             "mmlu_stem, mmlu_humanities, mmlu_social_sciences, mmlu_other, mmlu_<subject>), sst2, boolq",
                             default=",".join(DEFAULT_TASKS))
@@ -71,11 +73,9 @@ def main(argv: list[str] | None = None) -> int:
 
         check_out_path(args.out, args.overwrite)
         from apt_ds.evaluation.harness import Request, evaluate
-        from apt_ds.io.modeling import model_file
 
-        model = model_file(args.model)  # a GGUF export's directory: its one file
         tasks = list(dict.fromkeys(name.strip() for name in args.tasks.split(",") if name.strip()))  # each once
-        request = Request(model=model, tasks=tasks, limit=args.limit, num_fewshot=args.num_fewshot,
+        request = Request(model=args.model, tasks=tasks, limit=args.limit, num_fewshot=args.num_fewshot,
                           device=args.device, dtype=args.dtype, sample_seed=args.sample_seed,
                           batch_size=int(args.batch_size) if args.batch_size.isdigit() else args.batch_size)
         results = evaluate(request)

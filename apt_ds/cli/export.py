@@ -32,10 +32,11 @@ def main(argv: list[str] | None = None) -> int:
         from apt_ds.export.merge import export_run
         from apt_ds.export.pruned import export_pruned
         from apt_ds.export.writer import check_options
+        from apt_ds.io.hub import resolve_model
         from apt_ds.io.modeling import model_file
 
-        if args.model:  # a directory holding one .gguf and no config.json: that file, as train and evaluate read it
-            args.model = model_file(args.model)
+        if args.model:  # a Hub name: its snapshot in the local cache; a directory holding one .gguf and no config.json:
+            args.model = model_file(resolve_model(args.model, "--model"))  # that file, as train and evaluate read it
 
         with run_lock.held(Path(args.out), "export"):  # before --out is checked: a second export into it is refused
             if args.run_dir:

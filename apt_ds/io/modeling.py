@@ -72,8 +72,8 @@ def check_model_path(path: str | Path, flag: str = "model path") -> dict:
     transformers reads, or a model (or apt_ds export) directory. Returns the directory's config.json ({} for a GGUF file)."""
     path = Path(path)
     if not path.exists():
-        raise ModelLoadError(f"{flag} {path} does not exist (give a local HF directory, a .gguf file, "
-                             f"or one of {', '.join(TINY_MODELS)})")
+        raise ModelLoadError(f"{flag} {path} does not exist (give a local HF directory, a .gguf file, a Hub name "
+                             f"org/name in the local Hugging Face cache, or one of {', '.join(TINY_MODELS)})")
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{flag} {path} is not a .gguf file; give a directory with config.json or a .gguf")

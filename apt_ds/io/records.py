@@ -1,4 +1,5 @@
-"""Loading records: a .json/.jsonl file or a saved `datasets` directory, with one-line errors.
+"""Loading records: a .json/.jsonl file, a saved `datasets` directory, or a Hugging Face Hub data
+set already in the local cache (apt_ds.io.hub), with one-line errors.
 
 Rows keep their fields; `apt_ds.io.data` turns them into token ids.
 """
@@ -14,6 +15,7 @@ from pathlib import Path
 import datasets
 
 from apt_ds.io.errors import DataError
+from apt_ds.io.hub import find_dataset, load_hub_dataset
 
 SCAN_CHUNK_BYTES = 1 << 20  # the UTF-8 check reads a data file in pieces of this size
 USABLE_FIELDS = ("a 'text' field, 'instruction'/'output' fields, 'prompt'/'completion' (text or message lists), or a "
@@ -27,25 +29,51 @@ def demo_data_path() -> Path:
     return Path(__file__).with_name("assets") / "demo.jsonl"
 
 
-def load_records(path: str | Path) -> datasets.Dataset:
-    """A .json/.jsonl file, or a directory written by `datasets.save_to_disk`."""
+def load_records(path: str | Path, split: str | None = None, flag: str = "--data") -> datasets.Dataset:
+    """A .json/.jsonl file, a directory written by `datasets.save_to_disk`, or a Hub name (org/name,
+    org/name@revision) of a data set in the local cache. `split`: the split of a DatasetDict (saved
+    or from the Hub) to read (None: train where there is one, else the first); a JSON file is one
+    split, train. `flag` names the option in errors (--data, --eval-data; its split: FLAG-split)."""
+    source = find_dataset(str(path), flag)  # None: a local path (one that exists always wins over a name)
     path = Path(path)
-    if not path.exists():
+    if source is not None:
+        with _quiet_datasets():
+            loaded = load_hub_dataset(source)
+        label, where = f"dataset {source.name}", f"dataset {source.name} ({source.location})"
+    elif not path.exists():
         raise DataError(f"data path {path} does not exist")
-    ds = _load_saved_dir(path) if path.is_dir() else _load_json_file(path)
+    else:
+        loaded = _load_saved_dir(path) if path.is_dir() else _load_json_file(path)
+        label = f"data file {path.name}"
+        where = f"data directory {path}" if path.is_dir() else label
+    ds = _one_split(loaded, split, where, flag)
     if len(ds) == 0:
-        raise DataError(f"data file {path.name} has no rows")
+        raise DataError(f"{label} has no rows")
     columns = set(ds.column_names)
     if not ({"text"} <= columns or {"instruction", "output"} <= columns or {"prompt", "completion"} <= columns
             or columns & set(MESSAGE_FIELDS)):
-        raise DataError(
-            f"data file {path.name} has no usable rows: need {USABLE_FIELDS}; found fields {sorted(columns)}"
-        )
-    _check_text_fields(ds, path)
+        raise DataError(f"{label} has no usable rows: need {USABLE_FIELDS}; found fields {sorted(columns)}")
+    _check_text_fields(ds, path, label)
     return ds
 
 
-def _check_text_fields(ds: datasets.Dataset, path: Path) -> None:
+def _one_split(loaded: datasets.Dataset | datasets.DatasetDict, split: str | None, where: str, flag: str) -> datasets.Dataset:
+    """The split asked for, or one line that lists the splits there are."""
+    if isinstance(loaded, datasets.DatasetDict):
+        if not loaded:
+            raise DataError(f"{where} holds a DatasetDict with no splits")
+        if split is None:
+            return loaded["train"] if "train" in loaded else loaded[next(iter(loaded))]
+        if split not in loaded:
+            raise DataError(f"{where} has no split {split!r}; its splits: {', '.join(loaded)} (choose one with {flag}-split)")
+        return loaded[split]
+    if split not in (None, "train"):  # one data set is the train split, as datasets loads a JSON file
+        raise DataError(f"{where} has no splits, so no split {split!r}: {flag}-split is for a Hub data set or a saved "
+                        f"DatasetDict (give train, or leave it out)")
+    return loaded
+
+
+def _check_text_fields(ds: datasets.Dataset, path: Path, label: str) -> None:
     """The fields that are read must hold text: {"text": 5} would otherwise train on "5"; message
     fields hold lists of messages (prompt/completion either)."""
     for name in ("text", "instruction", "input", "output", "prompt", "completion", *MESSAGE_FIELDS):
@@ -55,15 +83,15 @@ def _check_text_fields(ds: datasets.Dataset, path: Path) -> None:
         if name in (*MESSAGE_FIELDS, "prompt", "completion") and _is_message_list(feature):
             continue
         if name in MESSAGE_FIELDS:
-            raise DataError(f"data file {path.name}: field {name!r} must hold a list of messages (objects with "
+            raise DataError(f"{label}: field {name!r} must hold a list of messages (objects with "
                             f"{'role/content' if name == 'messages' else 'from/value'})")
         kind = feature.dtype if isinstance(feature, datasets.Value) else type(feature).__name__.lower()
         where = _first_non_text(path, name) if path.is_file() else ""
         if name == "text" and not where and path.is_file() and _scan_text(path) == "[":  # datasets names a list's items 'text'
-            raise DataError(f"data file {path.name} is a JSON list of {kind} values: each row must be an object "
+            raise DataError(f"{label} is a JSON list of {kind} values: each row must be an object "
                             f"with {USABLE_FIELDS}")
         what = "text mixed with other values" if kind == "json" else f"{kind} values, not text"  # json: mixed types
-        raise DataError(f"data file {path.name}: field {name!r} holds {what}{where}")
+        raise DataError(f"{label}: field {name!r} holds {what}{where}")
 
 
 def _is_text(feature) -> bool:
@@ -101,18 +129,13 @@ def _first_non_text(path: Path, name: str) -> str:
         return ""
 
 
-def _load_saved_dir(path: Path) -> datasets.Dataset:
+def _load_saved_dir(path: Path) -> datasets.Dataset | datasets.DatasetDict:
     try:
-        loaded = datasets.load_from_disk(str(path))
+        return datasets.load_from_disk(str(path))
     except IndexError:  # datasets cannot open a saved dataset of no rows (no arrow table to read)
         raise DataError(f"data directory {path} holds a saved dataset with no rows") from None
     except (FileNotFoundError, ValueError) as err:
         raise DataError(f"data directory {path} is not a dataset saved by `datasets` ({err})") from None
-    if isinstance(loaded, datasets.DatasetDict):
-        if not loaded:
-            raise DataError(f"data directory {path} holds a DatasetDict with no splits")
-        return loaded["train"] if "train" in loaded else loaded[next(iter(loaded))]
-    return loaded
 
 
 def _load_json_file(path: Path) -> datasets.Dataset:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from apt_ds.config import ConfigError, TrainConfig
 from apt_ds.io.data import TruncationStats, collate, load_records, tokenize_dataset
+from apt_ds.io.hub import data_location
 
 ROW_FIELDS = ("text", "instruction", "input", "output", "prompt", "completion", "messages", "conversations")  # what training reads of a row
 _HASH_BATCH = 10_000
@@ -23,8 +24,9 @@ def held_out_batches(args, tokenizer, train: TrainConfig, backend, pad_id: int, 
     """This rank's share of the held-out examples as micro-batches ([] without --eval-data)."""
     if not args.eval_data:
         return []
-    records = load_records(args.eval_data)
-    warning = overlap_warning(data_path, train_records, args.eval_data, records)
+    split = args.eval_data_split or args.data_split
+    records = load_records(args.eval_data, split=split, flag="--eval-data")
+    warning = overlap_warning(data_path, train_records, args.eval_data, records, same_split=split == args.data_split)
     if warning and backend.is_main():
         print(warning, file=sys.stderr)
     truncation = TruncationStats()
@@ -43,11 +45,13 @@ def held_out_batches(args, tokenizer, train: TrainConfig, backend, pad_id: int, 
     return [collate(mine[i : i + size], pad_id=pad_id) for i in range(0, len(mine), size)]
 
 
-def overlap_warning(data_path: str, train_records, eval_path: str, eval_records) -> str | None:
-    """A warning when the eval data is the training data, or shares rows with it; else None."""
-    if Path(data_path).resolve() == Path(eval_path).resolve():
+def overlap_warning(data_path: str, train_records, eval_path: str, eval_records, same_split: bool = True) -> str | None:
+    """A warning when the eval data is the training data, or shares rows with it; else None.
+    `same_split`: both are read at the same split (another split of one data set is other data)."""
+    if same_split and data_location(data_path) == data_location(eval_path):
+        other_split = "" if Path(eval_path).is_file() else "; --eval-data-split reads another split of it"
         return (f"warning: --eval-data {eval_path} is the training data (--data): eval_loss will measure how well the run "
-                f"fits what it trains on, not how it does on unseen rows")
+                f"fits what it trains on, not how it does on unseen rows{other_split}")
     held_out = set(row_digests(eval_records))
     shared = {digest for digest in row_digests(train_records) if digest in held_out}
     if not shared:

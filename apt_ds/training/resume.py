@@ -56,12 +56,14 @@ def clipping_before_max_grad_norm(run_info: dict) -> float:
 
 def check_resumable_settings(meta: dict, train: TrainConfig, data_path: str, world_size: int,
                              apt_config: dict | None = None, directory: Path | None = None,
-                             deepspeed: str | None | bool = False, method: str | None = None) -> None:
+                             deepspeed: str | None | bool = False, method: str | None = None,
+                             data_split: str | None = None) -> None:
     """What the command line alone decides (global batch, RESUME_MUST_MATCH, data and, given
     `apt_config`, the APT config; given `deepspeed`, the --deepspeed JSON or None, the backend;
-    given `method`, --method): checked before the data is read, so a mistyped resume fails in a
-    second, not after tokenizing, and names every setting to fix at once, not one per try (but for
-    a value typed equal to the default a changed --steps gives it, which the next try names)."""
+    given `method`, --method; given `data_split`, --data-split): checked before the data is read,
+    so a mistyped resume fails in a second, not after tokenizing, and names every setting to fix
+    at once, not one per try (but for a value typed equal to the default a changed --steps gives
+    it, which the next try names)."""
     if apt_config is not None:  # a checkpoint no flag can resume: nothing else is worth naming
         check_known_apt_fields(meta, apt_config, directory)
     problems = []
@@ -99,6 +101,8 @@ def check_resumable_settings(meta: dict, train: TrainConfig, data_path: str, wor
         problems.append(layout_problem)
     if info.get("data") != data_path and not _same_path(info.get("data_resolved") or info.get("data"), data_path):
         problems.append(f"--resume: the run was trained on --data {info.get('data')}, not {data_path}")
+    if data_split is not None and info.get("data_split") not in (None, data_split):  # runs before the flag recorded none
+        problems.append(f"--resume: the run was trained on --data-split {info['data_split']}, not {data_split}")
     if apt_config is not None:
         try:
             check_same_apt_config(meta, apt_config, directory, leave_out=follows_steps, method=method)

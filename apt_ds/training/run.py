@@ -27,6 +27,7 @@ from apt_ds.io.checkpoint_save import repair_finished_run
 from apt_ds.io.context_length import check_max_seq_len
 from apt_ds.io.data import TruncationStats, batches, demo_data_path, load_records, tokenize_dataset
 from apt_ds.io.fingerprint import file_fingerprint, model_fingerprint
+from apt_ds.io.hub import data_location
 from apt_ds.io.modeling import TINY_MODELS, build_tiny_model, load_model
 from apt_ds.io.quantized import base_quant_of, check_quantizable_base, load_quantized, quantize_model
 from apt_ds.io.run_dir import (
@@ -182,14 +183,15 @@ def import_training_libraries(with_deepspeed: bool) -> None:
         import_deepspeed()
 
 
-def run_training(args, apt: APTConfig, train: TrainConfig) -> dict:
+def run_training(args, apt: APTConfig, train: TrainConfig, model_name: str | None = None) -> dict:
+    """`model_name`: the Hub name args.model was resolved from (apt_ds.io.hub), recorded beside it."""
     backend, train = make_backend(args, train)
-    result = _run_on(backend, args, apt, train)
+    result = _run_on(backend, args, apt, train, model_name)
     backend.shutdown()  # only after success: a rank that failed has nobody to wait for
     return result
 
 
-def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
+def _run_on(backend, args, apt: APTConfig, train: TrainConfig, model_name: str | None) -> dict:
     out = Path(args.out)
     check_out_dir(out, args.resume, args.overwrite)  # fail early; nothing is touched yet
     zero_stage = getattr(backend, "zero_stage_requested", None) if args.deepspeed else None
@@ -202,8 +204,9 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
     if meta is not None:  # the command line's settings, before the data is read; the model's after it is built
         # the APT config too, and a finished run's: a changed setting is named, never ignored
         resume.check_resumable_settings(meta, train, data_path, backend.world_size, apt.to_dict(),
-                                        resume.checkpoint_to_resume(out), deepspeed=args.deepspeed, method=args.method)
-    records = load_records(data_path)
+                                        resume.checkpoint_to_resume(out), deepspeed=args.deepspeed, method=args.method,
+                                        data_split=args.data_split)
+    records = load_records(data_path, split=args.data_split)
     with tempfile.TemporaryDirectory(prefix="apt-tokenizer-") as staging:
         tokenizer = prepare_tokenizer(args, out, texts_for_tokenizer(records), train, Path(staging))
         _check_model_fits(args, train, backend)  # before tokenizing what may be a large data set
@@ -230,12 +233,13 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig) -> dict:
             if note and backend.is_main():
                 print(note, file=sys.stderr)
         backend.validate(model, train.grad_accum_steps, train.max_grad_norm)  # e.g. DeepSpeed JSON vs TrainConfig
-        # Absolute: the run is exported/resumed from other working directories.
+        # Absolute: the run is exported/resumed from other working directories. A Hub name: both.
         model_ref = args.model if args.model in TINY_MODELS else str(Path(args.model).resolve())
-        run_info = {"model": model_ref, "data": data_path, "tokenizer": TOKENIZER_DIR, "method": args.method,
-                    "deepspeed": args.deepspeed, "world_size": backend.world_size, "model_fingerprint": fingerprint,
-                    "truncation": truncation.to_dict(), "data_resolved": str(Path(data_path).resolve()),
-                    "data_fingerprint": examples_digest, "base_dtype": str(base_dtype_of(backend, train))[6:]}
+        run_info = {"model": model_ref, "model_name": model_name, "data": data_path, "data_split": args.data_split,
+                    "tokenizer": TOKENIZER_DIR, "method": args.method, "deepspeed": args.deepspeed,
+                    "world_size": backend.world_size, "model_fingerprint": fingerprint, "truncation": truncation.to_dict(),
+                    "data_resolved": data_location(data_path), "data_fingerprint": examples_digest,
+                    "base_dtype": str(base_dtype_of(backend, train))[6:]}
         backend.barrier()
         replaced = prepare_out_dir(out, args.resume, args.overwrite, backend.is_main())
         with previous_run_back_on_failure(out, replaced):

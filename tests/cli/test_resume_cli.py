@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import RUN_FLAGS as BASE
 from conftest import TRAIN_FAST as FAST
+from conftest import interrupted_after_step
 
 from apt_ds.cli.train import main as train_main
 from apt_ds.io import checkpoint_save as checkpoint_module
@@ -123,25 +124,15 @@ def test_clipping_of_deepspeed_runs_from_before_max_grad_norm(tmp_path):
     assert _clipping_before_max_grad_norm({"deepspeed": None}) == 0.0
 
 
-def test_resume_with_another_split_of_the_global_batch(tmp_path, monkeypatch, capsys):
+def test_resume_with_another_split_of_the_global_batch(tmp_path, capsys):
     """Crash after the step-4 checkpoint, resume with micro 1 x accumulation 2 instead of micro 2:
     same global batch, so the same data and the same decisions as the uninterrupted run. A
     different global batch is refused."""
-    from apt_ds.training.trainer import APTrainer
-
     common = [*FAST, "--target-density", "0.6", "--checkpoint-every", "4"]
     assert train_main([*common, "--out", str(tmp_path / "whole")]) == 0
-    real_step = APTrainer._train_step
-
-    def crash_after_step_5(self, batches):
-        if self.step == 5:
-            raise KeyboardInterrupt
-        return real_step(self, batches)
-
-    monkeypatch.setattr(APTrainer, "_train_step", crash_after_step_5)
-    assert train_main([*common, "--out", str(tmp_path / "split")]) == 130  # Ctrl-C: one line, no traceback
+    with interrupted_after_step(5):
+        assert train_main([*common, "--out", str(tmp_path / "split")]) == 130  # Ctrl-C: one line, no traceback
     assert "interrupted; --resume continues" in capsys.readouterr().err
-    monkeypatch.setattr(APTrainer, "_train_step", real_step)
     resplit = [a if a != "2" or common[i - 1] != "--micro-batch-size" else "1" for i, a in enumerate(common)]
     assert train_main([*resplit, "--grad-accum-steps", "3", "--resume", "--out", str(tmp_path / "split")]) == 2
     assert "global batch (2" in capsys.readouterr().err
