@@ -110,6 +110,21 @@ def set_binary_masks(masks, shape, groups, neurons, hidden) -> None:
 TRAIN_FAST = ["--steps", "8", "--max-seq-len", "32", "--micro-batch-size", "2", "--warmup-steps", "1"]
 
 
+def interrupted_at(step: int):
+    """APTrainer._train_step, but Ctrl-C as the trainer reaches `step`: a run stopped there, which
+    --resume continues from its last checkpoint (monkeypatch it in; setattr the real one back)."""
+    from apt_ds.training.trainer import APTrainer
+
+    real_step = getattr(APTrainer._train_step, "real_step", APTrainer._train_step)  # not another of these
+
+    def train_step(self, batches):
+        if self.step == step:
+            raise KeyboardInterrupt
+        return real_step(self, batches)
+    train_step.real_step = real_step
+    return train_step
+
+
 @pytest.fixture(scope="session")
 def trained_runs(tmp_path_factory):
     """Two finished APT runs to 0.6 of the tiny model, non-uniform and uniform, trained once for the
@@ -132,15 +147,8 @@ def interrupted_after_step(step: int):
     """Ctrl-C in the training loop once `step` steps are done: a run for --resume to continue."""
     from apt_ds.training.trainer import APTrainer
 
-    real_step = APTrainer._train_step
-
-    def crash(self, batches):
-        if self.step == step:
-            raise KeyboardInterrupt
-        return real_step(self, batches)
-
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(APTrainer, "_train_step", crash)
+        patch.setattr(APTrainer, "_train_step", interrupted_at(step))
         yield
 
 

@@ -115,7 +115,12 @@ class RunArguments:
                                  "checkpoint, and put back if the new one fails before that", default=False)
     global_batch_size: Optional[int] = help_field("sequences per optimizer step over all ranks (sets --micro-batch-size)",
                                                   default=None)
-    no_pack: bool = help_field("do not pack 'text' data into full blocks", default=False)
+    epochs: Optional[float] = help_field("passes over the data's examples (after packing; 0.5 allowed) instead of "
+                                         "--steps: steps = ceil(epochs x examples / global batch), known once the data "
+                                         "is read; the warm-up, checkpoint and pruning schedule defaults follow them",
+                                         default=None)
+    no_pack: bool = help_field("do not pack 'text' data into full blocks: one example per row (short rows packed make "
+                               "few examples, and each step more of an epoch)", default=False)
     eval_examples: int = help_field("examples of --eval-data used per evaluation", default=64)
     save_eval_probe: bool = help_field("after training, write eval_probe.safetensors: the live model's logits on the "
                                        "first --eval-data batch and its 20-token greedy continuation of that batch's first "

@@ -6,12 +6,14 @@ override it. A key set to `null` (`model: null`) must be given on the command li
 7B models name no local path. JSON is YAML, so the JSON files older runs used still load.
 
 Resolution: field defaults <- recipe <- command line, then the schedule defaults that scale
-with `steps` (APTConfig.for_steps) for whatever is still unset."""
+with `steps` (APTConfig.for_steps) for whatever is still unset; given `epochs` instead, once the
+run has read the data and knows its steps (configs_for_steps)."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import typing
 from collections.abc import Collection
@@ -109,9 +111,10 @@ def _float_from_text(name: str, value: Any) -> Any:
     return value
 
 
-def resolve(given: dict[str, Any]) -> tuple[RunArguments, APTConfig, TrainConfig]:
+def resolve(given: dict[str, Any]) -> tuple[RunArguments, APTConfig | None, TrainConfig]:
     """Defaults <- recipe (--config) <- the flags in `given`; scaled schedule defaults last.
-    A bad value is named as the user gave it: `--steps`, or `steps` in the --config file."""
+    A bad value is named as the user gave it: `--steps`, or `steps` in the --config file.
+    With --epochs the APT config is None until the data gives the steps (configs_for_steps)."""
     config = given.get("config")
     try:
         recipe = load_recipe(config) if config else {}
@@ -143,15 +146,40 @@ def _as_given(err: ConfigError, typed: Collection[str], from_recipe: Collection[
     return ConfigError(f"{where} {err.requirement}{note}", field=err.field, requirement=err.requirement)
 
 
-def _resolve(given: dict[str, Any], recipe: dict[str, Any]) -> tuple[RunArguments, APTConfig, TrainConfig]:
+def configs_for_steps(given: dict[str, Any], steps: int) -> tuple[APTConfig, TrainConfig]:
+    """The configs of a run given `--epochs` once its data says how many steps those are: as if
+    `--steps` had been typed instead, so the defaults that scale with the run's length follow it."""
+    _, apt, train = resolve({**{k: v for k, v in given.items() if k != "epochs"}, "steps": steps})
+    return apt, train
+
+
+def _one_length(merged: dict[str, Any], given: dict[str, Any], recipe: dict[str, Any], config: str | None) -> dict:
+    """--epochs sets the steps from the data, --steps directly: both typed (or both in the recipe) is
+    refused; one typed replaces the recipe's other, as a flag overrides a recipe."""
+    if "epochs" in given and "steps" in given:
+        raise ConfigError(f"--epochs {given['epochs']:g} sets the steps from the data and --steps {given['steps']} sets "
+                          "them directly: give one of them")
+    if recipe.get("epochs") is not None and recipe.get("steps") is not None:
+        raise ConfigError(f"--config {config} sets both epochs and steps: keep one (epochs sets the steps from the data)")
+    overridden = "steps" if "epochs" in given else "epochs" if "steps" in given else None
+    merged = {k: v for k, v in merged.items() if k != overridden}
+    epochs = merged.get("epochs")
+    if epochs is not None and not (isinstance(epochs, (int, float)) and math.isfinite(epochs) and epochs > 0):
+        raise field_error("RunArguments", "epochs", f"must be a number > 0, got {epochs!r}")
+    return merged
+
+
+def _resolve(given: dict[str, Any], recipe: dict[str, Any]) -> tuple[RunArguments, APTConfig | None, TrainConfig]:
     missing = [k for k, v in recipe.items() if v is None and given.get(k) is None]  # in the recipe's order
     if missing:
         flags = ", ".join(f"--{k.replace('_', '-')}" for k in missing)
         raise ConfigError(f"--config {given['config']} leaves {', '.join(missing)} to the command line: give {flags}")
-    merged = {**{k: v for k, v in recipe.items() if v is not None}, **given}
+    merged = _one_length({**{k: v for k, v in recipe.items() if v is not None}, **given}, given, recipe, given.get("config"))
     run = RunArguments(**{k: v for k, v in merged.items() if k in _field_names(RunArguments)})
     train_values = {k: v for k, v in merged.items() if k in _field_names(TrainConfig)}
     check_field_types(TrainConfig, train_values)
+    if run.epochs is not None:  # the steps come from the data: the run makes both configs once it is read
+        return run, None, TrainConfig(**train_values)  # (configs_for_steps); its length until then is a stand-in
     steps = int(train_values.get("steps", TrainConfig.steps))
     train_values.setdefault("checkpoint_every", default_checkpoint_every(steps))
     warmup_given = "warmup_steps" in train_values

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import signal
 import sys
 import threading
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from apt_ds.cli.arguments import RunArguments, build_train_parser, explicit_values
 from apt_ds.cli.errors import launcher_rank, report, user_errors
-from apt_ds.cli.recipe import resolve
+from apt_ds.cli.recipe import configs_for_steps, resolve
 from apt_ds.config import LORA_SETTINGS, APTConfig, ConfigError, TrainConfig
 from apt_ds.io import run_lock
 from apt_ds.io.run_dir import check_out_dir, has_checkpoint, is_run_dir, recover_interrupted_overwrite
@@ -162,14 +163,15 @@ def main(argv: list[str] | None = None) -> int:
         note_what_lora_ignores(run, given)
         out = run.out
         check_inputs_early(run, train, given)
-        from apt_ds.training.heap import startup_objects_frozen
-        from apt_ds.training.run import import_training_libraries, run_training
+        from apt_ds.training.heap import import_training_libraries, startup_objects_frozen
+        from apt_ds.training.run import run_training
 
         import_training_libraries(with_deepspeed=bool(run.deepspeed))
         # After the imports, before the model and the engine exist: those must stay visible to
         # the collector, or pruned weights held in an old engine's cycles would outlive events.
         with startup_objects_frozen(), terminate_as_interrupt():
-            run_training(run, apt, train, model_name=model_name)
+            run_training(run, apt, train, functools.partial(configs_for_steps, given),  # the last: for --epochs
+                         model_name=model_name)
     except KeyboardInterrupt as interrupt:  # first: user_errors() imports torch, which it may have left half-imported
         how = "terminated" if isinstance(interrupt, Terminated) else "interrupted"
         if launcher_rank() == "0":  # rank 0 says it (and put the previous run back), once

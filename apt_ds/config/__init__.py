@@ -191,7 +191,9 @@ class TrainConfig(_JsonConfig):
 
     _argument_group_name = "training loop"  # the --help section
 
-    steps: int = help_field("optimizer steps", default=60)
+    steps: int = help_field("optimizer steps, each of micro_batch_size x grad_accum_steps x ranks sequences (the "
+                            "run prints how many epochs of the data's examples they are; --epochs N sets them from "
+                            "the data instead)", default=60)
     micro_batch_size: int = help_field("sequences per micro-batch per rank", default=4)
     grad_accum_steps: int = help_field("micro-batches per optimizer step", default=1)
     lr: float = help_field("peak learning rate of adapters", default=2e-3)

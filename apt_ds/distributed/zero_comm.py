@@ -16,7 +16,7 @@ from apt_ds.distributed.launcher_env import launcher_env, local_device_index
 
 
 def import_deepspeed() -> None:
-    """Import DeepSpeed ahead of its first use (`apt_ds.training.run.import_training_libraries`)."""
+    """Import DeepSpeed ahead of its first use (`apt_ds.training.heap.import_training_libraries`)."""
     import deepspeed  # noqa: F401
 
 

@@ -201,7 +201,7 @@ def tokenize_dataset(ds, tokenizer, max_seq_len: int, pack: bool, source: str = 
     stats = TruncationStats() if stats is None else stats
     pairs, conversations = [], []
     for number, row in enumerate(ds, start=1):
-        messages = messages_of(row, number)
+        messages = messages_of(row, number) if not str(row.get("text") or "").strip() else None  # text first
         pair = split_record(row, template, tokenizer) if messages is None else None
         if messages is not None:
             conversations.append((number, messages))

@@ -39,6 +39,26 @@ def trim_free_heap() -> bool:
         return False
 
 
+def import_training_libraries(with_deepspeed: bool) -> None:
+    """Import now what training imports lazily anyway (transformers' model classes; DeepSpeed when
+    asked for), so that `startup_objects_frozen`, entered next, hides their objects from the
+    garbage collector. Measured on SmolLM2: the collection at a pruning event then walks 43k
+    objects instead of 231k (0.03 s instead of 0.16 s on the 2-vCPU EPYC)."""
+    # transformers is lazy: naming the classes imports them. The LR schedule's module imports peft,
+    # and peft bitsandbytes where it is installed (80k objects that an event would walk otherwise).
+    from transformers import (  # noqa: F401
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        LlamaForCausalLM,
+        get_cosine_with_min_lr_schedule_with_warmup,
+    )
+
+    if with_deepspeed:
+        from apt_ds.distributed.zero_comm import import_deepspeed
+
+        import_deepspeed()
+
+
 @contextlib.contextmanager
 def startup_objects_frozen() -> Iterator[None]:
     """Hide every object alive now from the cyclic garbage collector until the block ends

@@ -38,7 +38,7 @@ from apt_ds.io.run_dir import (
     prepare_out_dir,
     previous_run_back_on_failure,
 )
-from apt_ds.training import resume
+from apt_ds.training import epochs, resume
 from apt_ds.training.eval_data import held_out_batches
 from apt_ds.training.heap import freeze_prepared_data
 from apt_ds.training.probe import live_probe, save_probe
@@ -163,35 +163,19 @@ def _partitioned(backend, config, source, dtype, train: TrainConfig, quant):
     return build_partitioned_model(config, source, ds_config, dtype, backend.device, quant if quant.enabled else None)
 
 
-def import_training_libraries(with_deepspeed: bool) -> None:
-    """Import now what training imports lazily anyway (transformers' model classes; DeepSpeed when
-    asked for), so that `startup_objects_frozen`, entered next, hides their objects from the
-    garbage collector. Measured on SmolLM2: the collection at a pruning event then walks 43k
-    objects instead of 231k (0.03 s instead of 0.16 s on the 2-vCPU EPYC)."""
-    # transformers is lazy: naming the classes imports them. The LR schedule's module imports peft,
-    # and peft bitsandbytes where it is installed (80k objects that an event would walk otherwise).
-    from transformers import (  # noqa: F401
-        AutoModelForCausalLM,
-        AutoTokenizer,
-        LlamaForCausalLM,
-        get_cosine_with_min_lr_schedule_with_warmup,
-    )
-
-    if with_deepspeed:
-        from apt_ds.distributed.zero_comm import import_deepspeed
-
-        import_deepspeed()
-
-
-def run_training(args, apt: APTConfig, train: TrainConfig, model_name: str | None = None) -> dict:
-    """`model_name`: the Hub name args.model was resolved from (apt_ds.io.hub), recorded beside it."""
+def run_training(args, apt: APTConfig | None, train: TrainConfig, configs_for_steps=None,
+                 model_name: str | None = None) -> dict:
+    """With --epochs (`args.epochs`) the steps come from the data: `apt` is None and `train`'s length
+    a stand-in until `configs_for_steps(steps)` (apt_ds.cli.recipe) makes both, once the data is read.
+    `model_name`: the Hub name args.model was resolved from (apt_ds.io.hub), recorded beside it."""
     backend, train = make_backend(args, train)
-    result = _run_on(backend, args, apt, train, model_name)
+    result = _run_on(backend, args, apt, train, configs_for_steps, model_name)
     backend.shutdown()  # only after success: a rank that failed has nobody to wait for
     return result
 
 
-def _run_on(backend, args, apt: APTConfig, train: TrainConfig, model_name: str | None) -> dict:
+def _run_on(backend, args, apt: APTConfig | None, train: TrainConfig, configs_for_steps=None,
+            model_name: str | None = None) -> dict:
     out = Path(args.out)
     check_out_dir(out, args.resume, args.overwrite)  # fail early; nothing is touched yet
     zero_stage = getattr(backend, "zero_stage_requested", None) if args.deepspeed else None
@@ -201,6 +185,8 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig, model_name: str |
     meta = read_meta(resume.checkpoint_to_resume(out)) if args.resume else None
     # Validate every input before writing anything into --out.
     data_path = args.data or str(demo_data_path())
+    if args.epochs is not None and meta is not None:  # the run's own length, which its data must give again (below)
+        apt, train = epochs.with_steps(configs_for_steps, meta["train_config"]["steps"], train)
     if meta is not None:  # the command line's settings, before the data is read; the model's after it is built
         # the APT config too, and a finished run's: a changed setting is named, never ignored
         resume.check_resumable_settings(meta, train, data_path, backend.world_size, apt.to_dict(),
@@ -215,6 +201,10 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig, model_name: str |
                                     stats=truncation, template=train.template, train_on_prompt=train.train_on_prompt,
                                     tokenizer_name=f"of --model {args.model}")
         examples_digest = resume.data_fingerprint(meta, examples, data_path)  # a resume: the same examples as before
+        counts = epochs.count_data(records, examples, not args.no_pack, truncation.to_dict())
+        if args.epochs is not None:
+            apt, train = epochs.configs_for_epochs(args.epochs, counts, train, backend.world_size, meta, configs_for_steps)
+        said = epochs.start_lines(counts, train, backend.world_size, args.epochs)  # as training begins (_train)
         warning = truncation.message(data_path, train.max_seq_len)
         if warning and backend.is_main():
             print(warning, file=sys.stderr)
@@ -239,7 +229,8 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig, model_name: str |
                     "tokenizer": TOKENIZER_DIR, "method": args.method, "deepspeed": args.deepspeed,
                     "world_size": backend.world_size, "model_fingerprint": fingerprint, "truncation": truncation.to_dict(),
                     "data_resolved": data_location(data_path), "data_fingerprint": examples_digest,
-                    "base_dtype": str(base_dtype_of(backend, train))[6:]}
+                    "base_dtype": str(base_dtype_of(backend, train))[6:],
+                    "data_stats": epochs.data_stats(counts, train, backend.world_size, args.epochs)}
         backend.barrier()
         replaced = prepare_out_dir(out, args.resume, args.overwrite, backend.is_main())
         with previous_run_back_on_failure(out, replaced):
@@ -253,10 +244,10 @@ def _run_on(backend, args, apt: APTConfig, train: TrainConfig, model_name: str |
                     tokenizer.save_pretrained(str(out / TOKENIZER_DIR))
             backend.barrier()
     with previous_run_back_on_failure(out, replaced):
-        return _train(backend, args, apt, train, out, meta, model, examples, eval_batches, pad_id, run_info, replaced)
+        return _train(backend, args, apt, train, out, meta, model, examples, eval_batches, pad_id, run_info, replaced, said)
 
 
-def _train(backend, args, apt, train, out, meta, model, examples, eval_batches, pad_id, run_info, replaced) -> dict:
+def _train(backend, args, apt, train, out, meta, model, examples, eval_batches, pad_id, run_info, replaced, said) -> dict:
     monitor_into_run(backend, out)  # before the engine (and its monitor) is built
     trainer = APTrainer(model, apt, train, backend=backend, out_dir=out, eval_batches=eval_batches, run_info=run_info)
     if replaced is not None:  # the previous run goes once the new one can be resumed
@@ -278,8 +269,8 @@ def _train(backend, args, apt, train, out, meta, model, examples, eval_batches, 
         if backend.is_main():
             resume.truncate_metrics(out / "metrics.jsonl", meta["step"])
             resume_csv_files(backend, meta["step"], out)
-    stream = batches(examples, train.micro_batch_size, train.seed, rank=backend.rank, world_size=backend.world_size,
-                     pad_id=pad_id, start_step=start)
+    stream = epochs.saying(said, backend.is_main(), batches(examples, train.micro_batch_size, train.seed, rank=backend.rank,
+                                                            world_size=backend.world_size, pad_id=pad_id, start_step=start))
     final = trainer.train(stream, skip_consumed=False)
     if getattr(args, "save_eval_probe", False) and eval_batches:
         probe = live_probe(trainer, eval_batches[0])  # every rank: ZeRO-3 gathers weights inside forward

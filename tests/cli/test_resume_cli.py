@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import RUN_FLAGS as BASE
 from conftest import TRAIN_FAST as FAST
-from conftest import interrupted_after_step
+from conftest import interrupted_after_step, interrupted_at
 
 from apt_ds.cli.train import main as train_main
 from apt_ds.io import checkpoint_save as checkpoint_module
@@ -154,22 +154,13 @@ def test_resume_rewrites_a_damaged_export_copy(tmp_path, monkeypatch, capsys):
     from apt_ds.training.trainer import APTrainer
 
     common = [*FAST, "--target-density", "0.6", "--checkpoint-every", "4"]
-    real_step = APTrainer._train_step
-
-    def crash_at(step):
-        def train_step(self, batches):
-            if self.step == step:
-                raise KeyboardInterrupt
-            return real_step(self, batches)
-        return train_step
-
     run = tmp_path / "run"
-    monkeypatch.setattr(APTrainer, "_train_step", crash_at(5))
+    monkeypatch.setattr(APTrainer, "_train_step", interrupted_at(5))
     assert train_main([*common, "--out", str(run)]) == 130
     copy = run / "checkpoint" / "trainable.safetensors"
     saved = {k: v.clone() for k, v in load_file(str(copy)).items()}  # load_file maps the file we then tear
     copy.write_bytes(copy.read_bytes()[:-64])  # torn by a full disk or a copy that stopped
-    monkeypatch.setattr(APTrainer, "_train_step", crash_at(6))  # before the next checkpoint rewrites it
+    monkeypatch.setattr(APTrainer, "_train_step", interrupted_at(6))  # before the next checkpoint rewrites it
     real_save = checkpoint_module.save_file
 
     monkeypatch.setattr(checkpoint_module, "save_file", _disk_full)  # a rewrite that fails lets training go on

@@ -153,7 +153,7 @@ def no_lasting_offline_switch(monkeypatch):
 def _reach_train(argv, monkeypatch):
     import apt_ds.training.run as run
 
-    def reached(args, apt, train, model_name=None):
+    def reached(args, apt, train, configs_for_steps=None, model_name=None):
         raise Reached(args.model, model_name)
 
     monkeypatch.setattr(run, "run_training", reached)
