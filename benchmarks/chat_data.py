@@ -110,7 +110,7 @@ def main(argv=None) -> int:
                          "train_s": round(seconds, 1), "micro_batch_size": micro_batch,
                          "truncation": record["truncation"]}
         print(f"{name}: {results[name]['accuracy']:.3f} ({seconds:.0f} s)", flush=True)
-    write_json(args.out / "chat_data.json", {"results": results, "settings": vars(args) | {"model": str(args.model)},
+    write_json(args.out / "chat_data.json", {"results": results, "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                                              "test_rows": len(test_rows), "train_rows": len(train_rows),
                                              "commit": git_commit(), "cpu": cpu_model_name()})
     return 0
