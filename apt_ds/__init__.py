@@ -5,6 +5,12 @@ load torch and transformers, so that `--help` is quick and a Ctrl-C while a comm
 caught by the command, not printed as a traceback from inside an import."""
 
 import importlib as _importlib
+import logging as _logging
+
+# On a CPU with AVX512-BF16, bitsandbytes 0.50 tries at import to fetch an optional GEMV kernel from
+# the Hub and warns when it cannot (offline, untrusted publisher): its own kernels run instead. peft
+# imports bitsandbytes wherever it is installed, so every run would print it before its first line.
+_logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(_logging.ERROR)
 
 _PUBLIC = {
     "APTAdapter": "apt_ds.algorithm.adapters",

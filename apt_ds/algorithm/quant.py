@@ -19,7 +19,6 @@ bitsandbytes is imported only when a quantized weight is made or used.
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -73,13 +72,10 @@ class BaseQuant:
 @functools.cache  # frozen_linear asks on every forward pass: set up once
 def bitsandbytes():
     """The bitsandbytes module, or a one-line error saying how to install it."""
-    # On a CPU with AVX512-BF16 bitsandbytes 0.50 tries to fetch an optional GEMV kernel from the
-    # Hub at import and warns when it cannot (offline, untrusted): its own kernels run instead.
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     try:
         import bitsandbytes as bnb
     except ImportError:
-        raise QuantizationError("--base-quant needs bitsandbytes: pip install 'bitsandbytes>=0.45,<1' (or pip install "
+        raise QuantizationError("--base-quant needs bitsandbytes: pip install 'bitsandbytes>=0.50,<1' (or pip install "
                                 "-e '.[quant]')") from None
     return bnb
 

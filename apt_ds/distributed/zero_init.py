@@ -91,13 +91,13 @@ def quantize_partitioned(model, projections: dict, source, quant, device: torch.
     the original weight through `source` as one process does."""
     from apt_ds.algorithm.quant import BLOCKSIZE, QuantizationError, quantize_linear
     from apt_ds.distributed.zero_params import partition_new_params
+    from apt_ds.io.quantized import partition_width_problem
 
     read = source.__getitem__ if isinstance(source, dict) else source.read  # a whole tensor, by name
     for name, (linear, dims) in projections.items():  # before any tensor is read
         width = linear.out_features if quant.transposes(dims) else linear.in_features
         if width % BLOCKSIZE:  # codes of cut blocks would be re-quantized into sizes a float storage cannot hold
-            raise QuantizationError(f"--base-quant {quant.method} under ZeRO-3 needs every projection's stored width to be "
-                                    f"a multiple of {BLOCKSIZE}; {name} has {width}: use a ZeRO-2 config")
+            raise QuantizationError(partition_width_problem(quant, name, width))
     with torch.no_grad():
         for name, (linear, dims) in projections.items():
             full = read(name).to(device, quant.compute_dtype)

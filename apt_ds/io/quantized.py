@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from apt_ds.algorithm.quant import BaseQuant, QuantizationError, bitsandbytes, is_quantized, quantize_linear
+from apt_ds.algorithm.quant import BLOCKSIZE, BaseQuant, QuantizationError, bitsandbytes, is_quantized, quantize_linear
 from apt_ds.config import ConfigError, TrainConfig
 from apt_ds.io.modeling import ModelLoadError
 from apt_ds.models import family_for, family_of
@@ -111,10 +111,38 @@ def check_quantizable_base(model: str, quant: BaseQuant, zero_stage: int | None,
         raise QuantizationError("--base-quant int8 cannot be partitioned under ZeRO-3 (bitsandbytes' int8 codes have no "
                                 "quant_storage): use nf4 or fp4, or a ZeRO-2 config (ds_configs/zero2.json)")
     if Path(model).is_file():
-        raise QuantizationError(f"--base-quant {quant.method}: --model {model} is a GGUF file, whose weights were "
-                                f"quantized (or dequantized) already; give the model's safetensors directory")
+        raise QuantizationError(f"--base-quant {quant.method}: --model {model} is a GGUF file; a quantized base is read "
+                                f"tensor by tensor from safetensors: give the model's Hugging Face directory")
     if device.type == "cpu" and quant.compute_dtype == torch.float16:
         raise QuantizationError("--base-quant with fp16 compute needs a GPU: on a CPU use --base-dtype fp32 or bf16")
+    if isinstance(zero_stage, int) and zero_stage >= 3 and (Path(model) / "config.json").is_file():
+        check_partitionable_widths(Path(model), quant)
+
+
+def check_partitionable_widths(model_dir: Path, quant: BaseQuant) -> None:
+    """ZeRO-3 holds 4-bit codes in a float dtype, where codes re-quantized into a cut block would not
+    fit: every projection's stored width must be whole blocks. Read from config.json, before the
+    model loads (zero_init.quantize_partitioned checks the built modules again)."""
+    from transformers import AutoConfig
+
+    from apt_ds.algorithm.units import ModelShape
+    from apt_ds.io.modeling import axis_sizes
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    family, shape = family_for(config.model_type), ModelShape.from_config(config)
+    for index, layer in enumerate(shape.layers):
+        sizes = axis_sizes(layer, shape.hidden)
+        for name, tensor in family.projections.items():
+            out_size, in_size = (sizes[axis] for axis in tensor.dims)
+            width = out_size if quant.transposes(tensor.dims) else in_size
+            if width % BLOCKSIZE:
+                raise QuantizationError(partition_width_problem(quant, f"{family.layer_prefix(index)}.{tensor.module}.weight",
+                                                                width))
+
+
+def partition_width_problem(quant: BaseQuant, name: str, width: int) -> str:
+    return (f"--base-quant {quant.method} under ZeRO-3 needs every projection's stored width to be a multiple of "
+            f"{BLOCKSIZE}; {name} has {width}: use a ZeRO-2 config")
 
 
 def projection_modules(model):

@@ -36,6 +36,21 @@ def quant_layout_problem(meta: dict, apt_config: dict | None) -> str | None:
             f"{'with' if prunes else 'without'} pruning; export it as it is (the export reads the layout) or train again")
 
 
+DTYPE_FLAGS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def quantized_dtype_problem(saved_train: dict, run_info: dict, base_dtype: str | None) -> str | None:
+    """A quantized base is quantized again on resume from weights rounded to the base dtype: another
+    dtype would draw other codes under the trained adapters (fp32 and bf16 differ by a whole nf4
+    level on ~3% of the weights). None when nothing changes or nothing is known."""
+    saved = run_info.get("base_dtype")
+    if saved_train.get("base_quant", "none") == "none" or base_dtype is None or saved in (None, base_dtype):
+        return None
+    flag = DTYPE_FLAGS.get(saved, saved)
+    return (f"--resume: the run quantized its base from {saved} weights and computes in {saved}; this launch would use "
+            f"{base_dtype}, which draws other codes under the trained adapters (pass --base-dtype {flag})")
+
+
 def global_batch_size(train: dict | TrainConfig, world_size: int) -> int:
     values = train if isinstance(train, dict) else train.to_dict()
     return values["micro_batch_size"] * values["grad_accum_steps"] * world_size
@@ -57,10 +72,11 @@ def clipping_before_max_grad_norm(run_info: dict) -> float:
 def check_resumable_settings(meta: dict, train: TrainConfig, data_path: str, world_size: int,
                              apt_config: dict | None = None, directory: Path | None = None,
                              deepspeed: str | None | bool = False, method: str | None = None,
-                             data_split: str | None = None) -> None:
+                             data_split: str | None = None, base_dtype: str | None = None) -> None:
     """What the command line alone decides (global batch, RESUME_MUST_MATCH, data and, given
     `apt_config`, the APT config; given `deepspeed`, the --deepspeed JSON or None, the backend;
-    given `method`, --method; given `data_split`, --data-split): checked before the data is read,
+    given `method`, --method; given `data_split`, --data-split; given `base_dtype`, the dtype a
+    quantized base is quantized from, "float32" etc.): checked before the data is read,
     so a mistyped resume fails in a second, not after tokenizing, and names every setting to fix
     at once, not one per try (but for a value typed equal to the default a changed --steps gives
     it, which the next try names)."""
@@ -99,6 +115,9 @@ def check_resumable_settings(meta: dict, train: TrainConfig, data_path: str, wor
     layout_problem = quant_layout_problem(meta, apt_config)
     if layout_problem:
         problems.append(layout_problem)
+    dtype_problem = quantized_dtype_problem(saved_train, info, base_dtype)
+    if dtype_problem:
+        problems.append(dtype_problem)
     if info.get("data") != data_path and not _same_path(info.get("data_resolved") or info.get("data"), data_path):
         problems.append(f"--resume: the run was trained on --data {info.get('data')}, not {data_path}")
     if data_split is not None and info.get("data_split") not in (None, data_split):  # runs before the flag recorded none
