@@ -90,8 +90,9 @@ class RunArguments:
                             "downloaded: docs/HUB_NAMES.md), or a built-in random small model: 'tiny' (LLaMA with GQA), "
                             "'tiny-mha' (one KV head per query head), 'tiny-mistral', 'tiny-qwen2', 'tiny-qwen3'",
                             default="tiny")
-    data: Optional[str] = help_field("training data: JSONL/JSON with 'text', 'instruction'/'input'/'output' or "
-                                     "'prompt'/'completion' fields, a directory saved by `datasets`, or a Hub data set "
+    data: Optional[str] = help_field("training data: JSONL/JSON with 'text', 'instruction'/'input'/'output', "
+                                     "'prompt'/'completion' fields, or conversations ('messages' role/content, ShareGPT "
+                                     "'conversations' from/value; docs/DATA.md), a directory saved by `datasets`, or a Hub data set "
                                      "name org/name[@revision] already in the local cache (json/jsonl/parquet/csv files, "
                                      "or prepared by an earlier load_dataset; docs/HUB_NAMES.md) "
                                      "(default: the shipped demo data)", default=None)

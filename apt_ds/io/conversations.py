@@ -29,8 +29,8 @@ from apt_ds.io.errors import DataError
 
 IGNORE_INDEX = -100
 # ShareGPT's `from` values (and the roles they stand for), besides the roles themselves
-ROLE_NAMES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
-              "model": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
+ROLE_NAMES = {"system": "system", "developer": "system", "user": "user", "human": "user", "assistant": "assistant",
+              "gpt": "assistant", "model": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
 CONVERSATION_FIELDS = ("messages", "conversations")
 _PROBE = ("apt-ds probe: user turn", "apt-ds probe: assistant turn")
 
@@ -40,28 +40,37 @@ def is_message_list(value) -> bool:
 
 
 def messages_of(row: dict, number: int) -> list[dict] | None:
-    """The row's conversation as [{"role", "content"}], None when the row is not a conversation.
-    DataError (one line naming the row) for a message without text or with an unknown role."""
+    """The row's conversation as [{"role", "content", "learn"}], None when the row is not a
+    conversation. `learn` is False for a prompt's messages (TRL's conversational prompt-completion
+    learns the completion only) and for a turn marked `"weight": 0` or `"train": false` (axolotl's
+    per-turn fields). DataError (one line naming the row) for a message without text, an unknown
+    role, or a prompt and completion of which one is a message list and the other is not."""
+    prompt, completion = row.get("prompt"), row.get("completion")
     if is_message_list(row.get("messages")):
-        turns = row["messages"]
+        turns = [(turn, True) for turn in row["messages"]]
     elif is_message_list(row.get("conversations")):
-        turns = row["conversations"]
-    elif is_message_list(row.get("prompt")) and is_message_list(row.get("completion")):
-        turns = [*row["prompt"], *row["completion"]]
+        turns = [(turn, True) for turn in row["conversations"]]
+    elif isinstance(prompt, list) and is_message_list(completion):
+        turns = [*((turn, False) for turn in prompt), *((turn, True) for turn in completion)]
+    elif isinstance(prompt, list) or isinstance(completion, list):
+        raise DataError(f"row {number}: 'prompt' and 'completion' must both be text or both be message lists "
+                        "(TRL's conversational prompt-completion), with at least one completion message")
     else:
         return None
-    return [_message(turn, number) for turn in turns]
+    return [_message(turn, number, learn) for turn, learn in turns]
 
 
-def _message(turn: dict, number: int) -> dict:
+def _message(turn: dict, number: int, learn: bool) -> dict:
     role = turn.get("role") if turn.get("role") is not None else turn.get("from")
     content = turn.get("content") if turn.get("content") is not None else turn.get("value")
     if role not in ROLE_NAMES:
         raise DataError(f"row {number}: a message has role {role!r}; use system, user or assistant ('role'/'content', "
                         "TRL's messages) or system, human or gpt ('from'/'value', ShareGPT)")
     if not isinstance(content, str):
-        raise DataError(f"row {number}: a {role} message's content is {type(content).__name__}, not text")
-    return {"role": ROLE_NAMES[role], "content": content}
+        raise DataError(f"row {number}: the content of a message with role {role} is {type(content).__name__}, not text "
+                        "(lists of content parts are not read)")
+    learn = learn and turn.get("weight") != 0 and turn.get("train") is not False
+    return {"role": ROLE_NAMES[role], "content": content, "learn": learn}
 
 
 class RenderedConversation(NamedTuple):
@@ -69,6 +78,7 @@ class RenderedConversation(NamedTuple):
 
     text: str
     learned: list[tuple[int, int]]
+    unfound: int = 0  # learned assistant messages the template does not write as they are
 
 
 class ChatRenderer:
@@ -78,7 +88,7 @@ class ChatRenderer:
         if getattr(tokenizer, "chat_template", None) is None:
             name = tokenizer_name or getattr(tokenizer, "name_or_path", "") or "in use"
             raise DataError(f"the data holds conversations, which are rendered with the tokenizer's chat template, and "
-                            f"the tokenizer {name} has none (chat_template in its tokenizer_config.json): use a chat "
+                            f"the tokenizer {name} has none (chat_template.jinja or tokenizer_config.json's chat_template): use a chat "
                             "model's tokenizer, or give instruction/output rows with --template alpaca or none")
         self.tokenizer = tokenizer
         self.end_of_turn = self._end_of_turn()
@@ -105,43 +115,50 @@ class ChatRenderer:
         return after[: position + len(token)] if not after[:position].strip() else ""
 
     def render(self, messages: list[dict], number: int) -> RenderedConversation:
-        text = self._render(messages, number)
-        learned, cursor = [], 0
+        plain = [{"role": m["role"], "content": m["content"]} for m in messages]  # what the template reads
+        text = self._render(plain, number)
+        learned, cursor, unfound = [], 0, 0
         for index, message in enumerate(messages):
             content = message["content"].strip()  # templates often trim it (LLaMA-3's `| trim`)
+            replies = message["role"] == "assistant" and message.get("learn", True)
             if not content:
                 continue
             start = cursor
-            if message["role"] == "assistant":  # after its generation prompt, where the template allows
-                prompt = self._render(messages[:index], number, generation_prompt=True) if index else ""
+            if replies:  # after its generation prompt, where the template allows
+                prompt = self._render(plain[:index], number, generation_prompt=True) if index else ""
                 start = max(start, len(prompt) if text.startswith(prompt) else 0)
             position = text.find(content, start)
             if position < 0:
-                if message["role"] == "assistant":
-                    raise DataError(f"row {number}: the chat template does not write assistant message {index + 1} "
-                                    "as it is, so its tokens cannot be found; use --train-on-prompt to learn the "
-                                    "whole conversation")
-                continue  # e.g. a system prompt the template rewrites: nothing to learn there
+                unfound += replies  # e.g. a reasoning block the template rewrites: the row is skipped
+                continue  # a system prompt the template rewrites: nothing to learn there
             cursor = position + len(content)
-            if message["role"] == "assistant":
-                end = cursor + len(self.end_of_turn) if text.startswith(self.end_of_turn, cursor) else cursor
-                learned.append((position, end))
-                cursor = end
-        return RenderedConversation(text, learned)
+            if replies:
+                learned.append((position, self._turn_end(text, cursor)))
+                cursor = learned[-1][1]
+        return RenderedConversation(text, learned, unfound)
+
+    def _turn_end(self, text: str, end: int) -> int:
+        """Where an assistant turn ending its text at `end` ends: after the end-of-turn token, with
+        the whitespace before it (a reply's own trailing newline, Llama-2's space before EOS)."""
+        token = self.end_of_turn.lstrip()
+        after = len(text[end:]) - len(text[end:].lstrip()) + end
+        return after + len(token) if token and text.startswith(token, after) else end
 
 
 def encode_conversation(renderer: ChatRenderer, messages: list[dict], number: int, max_seq_len: int,
                         train_on_prompt: bool = False, stats=None) -> dict | None:
     """{input_ids, labels} of one conversation, cut at a turn boundary to max_seq_len; None when it
-    has no assistant turn or nothing learned fits (counted in `stats`, apt_ds.io.data.TruncationStats)."""
+    has no assistant turn to learn, a reply the template rewrites, or nothing learned fits (each
+    counted in `stats`, apt_ds.io.data.TruncationStats). A token is learned when it overlaps a
+    learned span: a space the tokenizer merges into a reply's first word (`▁abcd`) goes with it."""
     rendered = renderer.render(messages, number)
-    if not rendered.learned:
+    if rendered.unfound or not rendered.learned:
         if stats is not None:
-            stats.count_without_reply(number)
+            stats.count_without_reply(number) if not rendered.unfound else stats.count("rewritten", 0)
         return None
-    ids, starts = _tokens(renderer.tokenizer, rendered.text)
-    learned = [any(s <= start < e for s, e in rendered.learned) for start in starts]
-    turn_ends = [sum(1 for start in starts if start < end) for _, end in rendered.learned]
+    ids, offsets = _tokens(renderer.tokenizer, rendered.text)
+    learned = [any(start < e and end > s for s, e in rendered.learned) for start, end in offsets]
+    turn_ends = [sum(1 for start, _ in offsets if start < end) for _, end in rendered.learned]
     labels = list(ids) if train_on_prompt else [i if keep else IGNORE_INDEX for i, keep in zip(ids, learned)]
     if len(ids) > max_seq_len:
         fitting = [end for end in turn_ends if end <= max_seq_len]
@@ -149,18 +166,18 @@ def encode_conversation(renderer: ChatRenderer, messages: list[dict], number: in
         ids, labels = ids[:cut], labels[:cut]
         if all(label == IGNORE_INDEX for label in labels) or len(ids) < 2:
             if stats is not None:
-                stats.count("dropped", len(starts))
+                stats.count("turn_dropped", len(offsets))
             return None
         if stats is not None:
-            stats.count("turns_cut" if fitting else "turn_cut_inside", len(starts))
+            stats.count("turns_cut" if fitting else "turn_cut_inside", len(offsets))
     return {"input_ids": ids, "labels": labels}
 
 
-def _tokens(tokenizer, text: str) -> tuple[list[int], list[int]]:
+def _tokens(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
     """Token ids of the rendered text, as apply_chat_template(tokenize=True) makes them (no special
-    tokens added), and the character where each starts."""
+    tokens added), and the characters [start, end) of each."""
     if getattr(tokenizer, "is_fast", False):
         encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        return list(encoded["input_ids"]), [start for start, _ in encoded["offset_mapping"]]
+        return list(encoded["input_ids"]), [tuple(span) for span in encoded["offset_mapping"]]
     raise DataError(f"conversations need a fast tokenizer (tokenizer.json) to find the assistant turns' tokens; "
                     f"{type(tokenizer).__name__} is not one")

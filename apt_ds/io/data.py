@@ -27,6 +27,7 @@ from apt_ds.io.conversations import ChatRenderer, encode_conversation, messages_
 from apt_ds.io.errors import DataError
 from apt_ds.io.records import USABLE_FIELDS, demo_data_path, load_records  # noqa: F401 - importable from here too
 from apt_ds.io.templates import PromptResponse, check_template, format_prompt, instruction_prompt_response  # noqa: F401
+from apt_ds.io.truncation import TruncationStats, rows_phrase  # noqa: F401 - TruncationStats importable from here too
 
 IGNORE_INDEX = -100  # label value that torch's cross-entropy (and HF models) skip
 
@@ -129,65 +130,6 @@ def pack_blocks(streams: Iterable[list[int]], max_seq_len: int) -> list[dict]:
     return [{"input_ids": block, "labels": list(block)} for block in blocks if len(block) >= 2]
 
 
-class TruncationStats:
-    """What the data lost. To max_seq_len: rows whose prompt was cut from the left, rows dropped
-    because their response alone did not fit, unpacked text rows cut at the end, conversations cut
-    after their last whole turn that fits or inside their first assistant turn, and the longest of
-    the rows that were cut or dropped (the longest row of all when any was; 0 when every row
-    fitted). Besides: rows skipped for having no usable text (e.g. an empty or null output) or, for
-    conversations, no assistant turn, and the first of each (1-based)."""
-
-    def __init__(self):
-        self.prompt_cut = self.dropped = self.text_cut = self.turns_cut = self.turn_cut_inside = 0
-        self.longest = 0
-        self.skipped = self.first_skipped = 0
-        self.without_reply = self.first_without_reply = 0
-
-    def count(self, kind: str, length: int) -> None:
-        setattr(self, kind, getattr(self, kind) + 1)
-        self.longest = max(self.longest, length)
-
-    def count_skipped(self, row_number: int) -> None:
-        self.skipped += 1
-        self.first_skipped = self.first_skipped or row_number
-
-    def count_without_reply(self, row_number: int) -> None:
-        self.without_reply += 1
-        self.first_without_reply = self.first_without_reply or row_number
-
-    def to_dict(self) -> dict:
-        return {"prompt_cut": self.prompt_cut, "dropped": self.dropped, "text_cut": self.text_cut, "longest": self.longest,
-                "skipped": self.skipped, "turns_cut": self.turns_cut, "turn_cut_inside": self.turn_cut_inside,
-                "without_reply": self.without_reply}
-
-    def message(self, source: str, max_seq_len: int) -> str | None:
-        """One warning line, or None when nothing was cut or skipped."""
-        cut = [f"{n} {_rows(n, what)}" for n, what in ((self.prompt_cut, "rows had the prompt cut from the left"),
-                                                      (self.dropped, "rows were dropped (the response alone exceeds it)"),
-                                                      (self.text_cut, "rows without a prompt were cut at the end"),
-                                                      (self.turns_cut, "conversations were cut after the last whole "
-                                                                       "turn that fits"),
-                                                      (self.turn_cut_inside, "conversations were cut inside the first "
-                                                                             "assistant turn")) if n]
-        parts = [f"--max-seq-len {max_seq_len}: {'; '.join(cut)}; the longest row has {self.longest} tokens"] if cut else []
-        if self.skipped:
-            parts.append(f"{self.skipped} {_rows(self.skipped, 'rows were')} skipped, having no usable text (the first is row {self.first_skipped}; "
-                         f"each row needs {USABLE_FIELDS}, not empty)")
-        if self.without_reply:
-            parts.append(f"{self.without_reply} {_rows(self.without_reply, 'conversations were')} skipped, having no "
-                         f"assistant turn to learn (the first is row {self.first_without_reply})")
-        return f"warning: {source}: {'; '.join(parts)}" if parts else None
-
-
-def _rows(count: int, words: str) -> str:
-    """ "rows had ..." as "row had ..." for one: `words` starts with a plural ("rows", "conversations";
-    "were" becomes "was")."""
-    if count == 1:
-        first, space, rest = words.partition(" ")
-        return first[:-1] + space + rest.replace("were", "was", 1)
-    return words
-
-
 def tokenize_dataset(ds, tokenizer, max_seq_len: int, pack: bool, source: str = "dataset",
                      stats: TruncationStats | None = None, template: str = "alpaca", train_on_prompt: bool = False,
                      tokenizer_name: str = "") -> list[dict]:
@@ -233,10 +175,11 @@ def tokenize_dataset(ds, tokenizer, max_seq_len: int, pack: bool, source: str = 
         example = encode_conversation(renderer, messages, number, max_seq_len, train_on_prompt, stats)
         if example is not None:
             examples.append(example)
-    if not examples and stats.dropped:
-        skipped = f"; {stats.skipped} more {_rows(stats.skipped, 'rows')} had no usable text" if stats.skipped else ""
-        raise DataError(f"{source}: every row was dropped: its response alone exceeds --max-seq-len {max_seq_len} (the "
-                        f"longest row has {stats.longest} tokens){skipped}; raise --max-seq-len or shorten the responses")
+    if not examples and (stats.dropped or stats.turn_dropped):
+        skipped = f"; {stats.skipped} more {rows_phrase(stats.skipped, 'rows')} had no usable text" if stats.skipped else ""
+        what = "its response alone exceeds" if stats.dropped else "no reply token fits within"
+        raise DataError(f"{source}: every row was dropped: {what} --max-seq-len {max_seq_len} (the longest row has "
+                        f"{stats.longest} tokens){skipped}; raise --max-seq-len or shorten the rows")
     if not examples and stats.without_reply:
         raise DataError(f"{source}: no conversation has an assistant turn to learn from ({stats.without_reply} without one)")
     if not examples:

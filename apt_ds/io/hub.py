@@ -125,6 +125,9 @@ def load_hub_dataset(source: DatasetSource):
     except Exception as err:  # datasets raises many types: no data files, several configs, an unreadable file
         # two lines: "Config name is missing." is followed by the configurations there are
         detail = " ".join(line.strip() for line in str(err).strip().splitlines()[:2]) or type(err).__name__
+        cause = err.__cause__  # "An error occurred while generating the dataset" wraps the reason
+        if cause is not None and str(cause).strip():
+            detail += f" ({str(cause).strip().splitlines()[0]})"
         raise DataError(f"dataset {source.name} ({source.location}) cannot be read: {detail}") from None
 
 

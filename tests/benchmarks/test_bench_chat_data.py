@@ -19,6 +19,6 @@ def test_rows_become_two_exchange_conversations_in_alternating_formats():
     assert [next(iter(row)) for row in mix] == ["messages", "conversations"]  # the odd fifth row is left out
     for number, row in enumerate(mix):
         messages = messages_of(row, number)
-        assert messages[0] == {"role": "system", "content": SYSTEM}
+        assert messages[0] == {"role": "system", "content": SYSTEM, "learn": True}
         assert [m["content"] for m in messages if m["role"] == "assistant"] == [r["output"] for r in rows[2 * number: 2 * number + 2]]
         assert [m["content"] for m in messages if m["role"] == "user"] == [f"Label it.\n\n{r['input']}" for r in rows[2 * number: 2 * number + 2]]

@@ -84,7 +84,9 @@ def test_every_format_gives_the_tokenizers_rendering_learned_on_the_assistant_tu
     tokenizer, end_of_turn = chat_tokenizers[style]
     examples = {name: tokenize_dataset([row], tokenizer, 512, pack=False)[0] for name, row in _formats(CONVERSATION).items()}
     first = examples["messages"]
-    assert all(example == first for example in examples.values())  # same ids, same mask
+    assert examples["sharegpt"] == first and examples["prompt/completion"]["input_ids"] == first["input_ids"]
+    # prompt/completion learns the completion's turns only, as TRL does: the prompt's reply is context
+    assert _learned_runs(examples["prompt/completion"]) == _learned_runs(first)[1:]
     assert first["input_ids"] == list(tokenizer.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True)["input_ids"])
     eot = tokenizer.convert_tokens_to_ids(end_of_turn)
     replies = [m["content"] for m in CONVERSATION if m["role"] == "assistant"]
@@ -139,10 +141,10 @@ def test_a_tokenizer_without_a_chat_template_is_one_line_naming_template(tokeniz
 
 
 @pytest.mark.parametrize("message, problem", [({"role": "robot", "content": "x"}, "has role 'robot'"),
-                                              ({"role": "user", "content": 5}, "content is int, not text")])
+                                              ({"role": "user", "content": 5}, "role user is int, not text")])
 def test_a_malformed_message_is_one_line_naming_the_row(chat_tokenizers, message, problem):
     tokenizer, _ = chat_tokenizers["llama3"]
-    with pytest.raises(DataError, match=rf"^row 2: a .*{problem}"):
+    with pytest.raises(DataError, match=rf"^row 2: .*{problem}"):
         tokenize_dataset([{"messages": CONVERSATION}, {"messages": [message, *CONVERSATION[2:]]}], tokenizer, 64, pack=False)
 
 
@@ -171,3 +173,86 @@ def test_a_run_trains_on_conversations_with_the_built_in_model(tmp_path):
                        str(tmp_path / "chat.jsonl"), "--method", "lora", "--out", str(tmp_path / "run")]) == 0
     record = json.loads((tmp_path / "run" / "run.json").read_text())
     assert record["train_config"]["train_on_prompt"] is False and record["truncation"]["without_reply"] == 0
+
+
+# LLaMA-2-chat's shape: a space before the reply, a space and EOS after it
+LLAMA2 = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] | trim + ' [/INST]' }}"
+          "{% elif m['role'] == 'assistant' %}{{ ' ' + m['content'] | trim + ' ' + eos_token }}{% endif %}{% endfor %}")
+# Qwen's, with transformers' {% generation %} markers around what the assistant writes
+QWEN_MARKED = ("{%- for message in messages %}{%- if message.role == 'assistant' %}{{- '<|im_start|>assistant\n' }}"
+               "{% generation %}{{- message.content + '<|im_end|>' }}{% endgeneration %}{{- '\n' }}{%- else %}"
+               "{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}{%- endif %}{%- endfor %}"
+               "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+
+
+def _check_reply_coverage(tokenizer, conversation, example, end_of_turn):
+    """Every character of each reply and of the end-of-turn token after it is inside a learned token,
+    and every learned token touches one of them."""
+    from apt_ds.io.conversations import ChatRenderer, messages_of
+
+    messages = messages_of({"messages": conversation}, 1)
+    rendered = ChatRenderer(tokenizer).render(messages, 1)
+    offsets = tokenizer(rendered.text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    learned = [tuple(span) for span, label in zip(offsets, example["labels"]) if label != IGNORE_INDEX]
+    replies = [m["content"].strip() for m in conversation if m["role"] == "assistant"]
+    assert len(rendered.learned) == len(replies)
+    for (start, end), reply in zip(rendered.learned, replies):
+        assert rendered.text[start:end].startswith(reply) and rendered.text[start:end].rstrip().endswith(end_of_turn)
+        covered = set().union(*(range(s, e) for s, e in learned))
+        assert set(range(start, end)) <= covered
+    assert all(any(s < e2 and e > s2 for s2, e2 in rendered.learned) for s, e in learned)
+
+
+def test_a_space_merged_into_a_replys_first_word_is_learned_with_it(tokenizer):
+    """LLaMA-2's template writes ' ' + reply: sentencepiece makes '▁abcd' of the space and the word,
+    a token that starts before the reply. It is learned (it overlaps the reply), as is ' </s>'."""
+    import copy
+
+    llama2 = copy.deepcopy(tokenizer)
+    llama2.chat_template = LLAMA2
+    conversation = [m for m in CONVERSATION if m["role"] != "system"]
+    (example,) = tokenize_dataset([{"messages": conversation}], llama2, 512, pack=False)
+    _check_reply_coverage(llama2, conversation, example, "</s>")
+    first = _learned_runs(example)[0]
+    assert llama2.convert_ids_to_tokens(first)[0].startswith("▁") and first[-1] == llama2.eos_token_id
+
+
+def test_the_mask_equals_the_templates_own_assistant_mask(chat_tokenizers):
+    """transformers' return_assistant_tokens_mask, from {% generation %} markers, marks the same tokens
+    (a reply with a trailing newline included: its end of turn is still learned)."""
+    tokenizer, _ = chat_tokenizers["qwen2.5"]
+    marked = copy_with_template(tokenizer, QWEN_MARKED)
+    conversation = [*CONVERSATION[:2], {"role": "assistant", "content": "abcd\n"}, *CONVERSATION[3:]]
+    (example,) = tokenize_dataset([{"messages": conversation}], marked, 512, pack=False)
+    own = marked.apply_chat_template(conversation, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert example["input_ids"] == list(own["input_ids"])
+    assert [label != IGNORE_INDEX for label in example["labels"]] == [bool(m) for m in own["assistant_masks"]]
+    _check_reply_coverage(marked, conversation, example, "<|im_end|>")
+
+
+def copy_with_template(tokenizer, template: str):
+    import copy
+
+    other = copy.deepcopy(tokenizer)
+    other.chat_template = template
+    return other
+
+
+def test_turns_marked_not_to_learn_and_replies_the_template_rewrites(chat_tokenizers):
+    tokenizer, eot = chat_tokenizers["llama3"]
+    weighted = [*CONVERSATION[:2], {"role": "assistant", "content": "abcd", "weight": 0}, *CONVERSATION[3:]]
+    (example,) = tokenize_dataset([{"messages": weighted}], tokenizer, 512, pack=False)
+    (whole,) = tokenize_dataset([{"messages": CONVERSATION}], tokenizer, 512, pack=False)
+    assert example["input_ids"] == whole["input_ids"] and _learned_runs(example) == _learned_runs(whole)[1:]
+    shouting = copy_with_template(tokenizer, LLAMA3.replace("message['content'] | trim", "message['content'] | upper"))
+    stats = data.TruncationStats()
+    rows = [{"messages": CONVERSATION}, {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ABC"}]}]
+    assert len(tokenize_dataset(rows, shouting, 512, pack=False, stats=stats)) == 1  # "ABC" is written as it is
+    assert stats.rewritten == 1 and "1 conversation was skipped: the chat template does not write" in stats.message("d", 512)
+
+
+def test_a_prompt_and_completion_of_different_kinds_is_one_line(chat_tokenizers):
+    tokenizer, _ = chat_tokenizers["llama3"]
+    for row in ({"prompt": CONVERSATION[:2], "completion": "abcd"}, {"prompt": "Sort dcba.", "completion": CONVERSATION[2:3]}):
+        with pytest.raises(DataError, match=r"^row 1: 'prompt' and 'completion' must both be text or both be message lists"):
+            tokenize_dataset([row], tokenizer, 512, pack=False)
