@@ -83,8 +83,9 @@ def _check_text_fields(ds: datasets.Dataset, path: Path, label: str) -> None:
         if name in (*MESSAGE_FIELDS, "prompt", "completion") and _is_message_list(feature):
             continue
         if name in MESSAGE_FIELDS:
-            raise DataError(f"{label}: field {name!r} must hold a list of messages (objects with "
-                            f"{'role/content' if name == 'messages' else 'from/value'})")
+            keys = "role and content" if name == "messages" else "from and value"
+            raise DataError(f"{label}: field {name!r} must hold lists of messages, objects whose {keys} are text "
+                            "in every row (lists of content parts are not read)")
         kind = feature.dtype if isinstance(feature, datasets.Value) else type(feature).__name__.lower()
         where = _first_non_text(path, name) if path.is_file() else ""
         if name == "text" and not where and path.is_file() and _scan_text(path) == "[":  # datasets names a list's items 'text'

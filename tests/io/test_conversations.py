@@ -155,7 +155,7 @@ def test_conversation_files_load_in_every_format(tmp_path):
         assert len(load_records(path)) == 2
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"messages": "hello"}) + "\n")
-    with pytest.raises(DataError, match=r"^data file bad.jsonl: field 'messages' must hold a list of messages"):
+    with pytest.raises(DataError, match=r"^data file bad.jsonl: field 'messages' must hold lists of messages"):
         load_records(bad)
 
 
