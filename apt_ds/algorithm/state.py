@@ -111,14 +111,9 @@ class APTModel:
 
     def shape_fingerprint(self) -> str:
         """A digest of the kept units and adapter ranks, equal on two ranks iff those are: what the
-        ranks compare after each event (the record itself is ~2.3M indices at 70B, which
-        all_gather_object would copy from every rank to every rank)."""
-        digest = hashlib.sha256()
-        for kept in [*self.kept_groups, *self.kept_neurons, self.kept_hidden]:
-            digest.update(len(kept).to_bytes(8, "little"))
-            digest.update(kept.to("cpu", torch.int64).numpy().tobytes())
-        digest.update(json.dumps(self.ranks()).encode())
-        return digest.hexdigest()
+        ranks compare after each event, and what each rank's record keeps (the record itself is
+        ~2.3M indices at 70B, which all_gather_object would copy from every rank to every rank)."""
+        return shape_digest([*self.kept_groups, *self.kept_neurons, self.kept_hidden], self.ranks())
 
     def kept_record(self) -> dict:
         return {
@@ -126,3 +121,15 @@ class APTModel:
             "neurons": [k.tolist() for k in self.kept_neurons],
             "hidden": self.kept_hidden.tolist(),
         }
+
+
+def shape_digest(kept: list, ranks: dict[str, int]) -> str:
+    """`APTModel.shape_fingerprint` of kept index tensors (groups per layer, neurons per layer,
+    then hidden) and adapter ranks; also of a saved record's lists (torch.as_tensor of each)."""
+    digest = hashlib.sha256()
+    for indices in kept:
+        indices = torch.as_tensor(indices, dtype=torch.int64)
+        digest.update(len(indices).to_bytes(8, "little"))
+        digest.update(indices.to("cpu").numpy().tobytes())
+    digest.update(json.dumps(ranks).encode())
+    return digest.hexdigest()

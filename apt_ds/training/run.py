@@ -20,13 +20,14 @@ from apt_ds.algorithm.reachable import check_model_target
 from apt_ds.config import APTConfig, ConfigError, TrainConfig
 from apt_ds.distributed.backend import LocalBackend
 from apt_ds.distributed.placement import check_fits, configure_host_threads, resolve_base_dtype, resolve_device
+from apt_ds.distributed.split_work import parts_from_every_rank
 from apt_ds.distributed.zero_monitor import monitor_into_run, resume_csv_files
 from apt_ds.io.atomic import write_text_atomic
 from apt_ds.io.checkpoint import read_meta
 from apt_ds.io.checkpoint_save import repair_finished_run
 from apt_ds.io.context_length import check_max_seq_len
 from apt_ds.io.data import TruncationStats, batches, demo_data_path, load_records, tokenize_dataset
-from apt_ds.io.fingerprint import file_fingerprint, model_fingerprint
+from apt_ds.io.fingerprint import combine_fingerprint_parts, file_fingerprint_part, model_fingerprint
 from apt_ds.io.hub import data_location
 from apt_ds.io.modeling import TINY_MODELS, build_tiny_model, load_model
 from apt_ds.io.quantized import (
@@ -117,7 +118,10 @@ def _model(args, tokenizer, train: TrainConfig, prunes: bool, backend, check_fin
     if path.is_dir():
         from apt_ds.io.weights import SafetensorsWeights
 
-        fingerprint = file_fingerprint(path)  # chunk by chunk: the same for every base dtype
+        # Chunk by chunk (the same for every base dtype). It reads every byte of the model (140 GB at
+        # 70B): each rank reads its own share and all combine them, so the job reads the model once.
+        parts = parts_from_every_rank(backend, lambda rank, ranks: file_fingerprint_part(path, rank, ranks))
+        fingerprint = combine_fingerprint_parts(parts)
         check_fingerprint(fingerprint)
         if _partitions_weights(backend):  # quantized or not, partitioned tensor by tensor as it loads
             from transformers import AutoConfig

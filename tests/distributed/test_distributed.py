@@ -51,8 +51,9 @@ def env() -> dict:
     return {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 
-def launch(ranks: int, args: list[str], timeout: int = 600, **popen) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", str(free_port()), TRAIN, *args]
+def launch(ranks: int, args: list[str], timeout: int = 600, script: str = TRAIN, **popen) -> subprocess.CompletedProcess:
+    """`script` (launch/train.py, or a test's wrapper of it) on `ranks` ranks of the DeepSpeed launcher."""
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", str(free_port()), script, *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env(), cwd=REPO, **popen)
 
 
@@ -68,7 +69,7 @@ def check_identical_and_pruned(out: Path, ranks: int, since_step: int = 0, densi
     records = rank_records(out)
     assert len(records) == ranks
     for record in records[1:]:
-        assert record["kept"] == records[0]["kept"] and record["ranks"] == records[0]["ranks"]
+        assert record["shape_fingerprint"] == records[0]["shape_fingerprint"] and record["ranks"] == records[0]["ranks"]
     final = metrics(out)[-1]
     assert final["final"] and final["density"] <= density + 1e-9
     steps = [m for m in metrics(out) if not m.get("final")]
@@ -168,7 +169,7 @@ def test_one_rank_with_double_batch_decides_the_same(two_rank_zero2, tmp_path):
     one_rank = check_identical_and_pruned(out, 1)
     decisions = lambda run: [m["decision"] for m in metrics(run) if m.get("event")]  # noqa: E731
     assert len(decisions(out)) >= 2 and decisions(out) == decisions(two)  # every event, not just the end
-    assert one_rank["kept"] == rank_records(two)[0]["kept"]
+    assert one_rank["shape_fingerprint"] == rank_records(two)[0]["shape_fingerprint"]
     assert one_rank["ranks"] == rank_records(two)[0]["ranks"]
 
 
@@ -199,7 +200,7 @@ def test_sigkill_then_resume_finishes_like_uninterrupted(two_rank_zero2, tmp_pat
     reference_losses = {m["step"]: m["loss"] for m in metrics(reference) if not m.get("final")}
     for run, ranks in ((out, 2), (smaller, 1)):
         resumed = check_identical_and_pruned(run, ranks, since_step=killed_at)
-        assert resumed["kept"] == expected["kept"] and resumed["ranks"] == expected["ranks"]
+        assert resumed["shape_fingerprint"] == expected["shape_fingerprint"] and resumed["ranks"] == expected["ranks"]
         resumed_losses = {m["step"]: m["loss"] for m in metrics(run) if not m.get("final") and m["step"] > killed_at}
         assert resumed_losses and all(abs(resumed_losses[s] - reference_losses[s]) < 1e-4 for s in resumed_losses)
         # The monitor wrote into the run (no output_path in the JSON); the resume dropped the CSV rows
@@ -269,7 +270,7 @@ def test_one_rank_killed_under_zero3_ends_the_run_and_it_resumes(tmp_path):
     assert said == 1 and "rewritten from the restored weights" in result.stdout + result.stderr  # once, by rank 0
     resumed = check_identical_and_pruned(out, 2, since_step=killed_at)
     expected = rank_records(reference)[0]
-    assert resumed["kept"] == expected["kept"] and resumed["ranks"] == expected["ranks"]
+    assert resumed["shape_fingerprint"] == expected["shape_fingerprint"] and resumed["ranks"] == expected["ranks"]
     reference_losses = {m["step"]: m["loss"] for m in metrics(reference) if not m.get("final")}
     resumed_losses = {m["step"]: m["loss"] for m in metrics(out) if not m.get("final") and m["step"] > killed_at}
     assert resumed_losses and all(abs(resumed_losses[s] - reference_losses[s]) < 1e-4 for s in resumed_losses)
