@@ -68,6 +68,10 @@ class BaseQuant:
         """Whether a projection with these (out, in) unit axes is stored as W^T (4-bit, pruned axis as rows)."""
         return self.method != "int8" and self.pruned_axis_rows and stored_transposed(dims)
 
+    def stored_width(self, dims: tuple[str, str] | None, out_features: int, in_features: int) -> int:
+        """The length of a stored row of an (out x in) projection: the axis its 4-bit blocks run along."""
+        return out_features if self.transposes(dims) else in_features
+
 
 @functools.cache  # frozen_linear asks on every forward pass: set up once
 def bitsandbytes():

@@ -95,7 +95,7 @@ def quantize_partitioned(model, projections: dict, source, quant, device: torch.
 
     read = source.__getitem__ if isinstance(source, dict) else source.read  # a whole tensor, by name
     for name, (linear, dims) in projections.items():  # before any tensor is read
-        width = linear.out_features if quant.transposes(dims) else linear.in_features
+        width = quant.stored_width(dims, linear.out_features, linear.in_features)
         if width % BLOCKSIZE:  # codes of cut blocks would be re-quantized into sizes a float storage cannot hold
             raise QuantizationError(partition_width_problem(quant, name, width))
     with torch.no_grad():

@@ -134,7 +134,7 @@ def check_partitionable_widths(model_dir: Path, quant: BaseQuant) -> None:
         sizes = axis_sizes(layer, shape.hidden)
         for name, tensor in family.projections.items():
             out_size, in_size = (sizes[axis] for axis in tensor.dims)
-            width = out_size if quant.transposes(tensor.dims) else in_size
+            width = quant.stored_width(tensor.dims, out_size, in_size)
             if width % BLOCKSIZE:
                 raise QuantizationError(partition_width_problem(quant, f"{family.layer_prefix(index)}.{tensor.module}.weight",
                                                                 width))

@@ -22,6 +22,7 @@ USABLE_FIELDS = ("a 'text' field, 'instruction'/'output' fields, 'prompt'/'compl
                  "conversation in 'messages' (role/content) or 'conversations' (ShareGPT from/value)")
 # fields that hold a list of messages (apt_ds.io.conversations); prompt/completion may hold either
 MESSAGE_FIELDS = ("messages", "conversations")
+ROW_FIELDS = ("text", "instruction", "input", "output", "prompt", "completion", *MESSAGE_FIELDS)  # what training reads
 
 
 def demo_data_path() -> Path:
@@ -76,7 +77,7 @@ def _one_split(loaded: datasets.Dataset | datasets.DatasetDict, split: str | Non
 def _check_text_fields(ds: datasets.Dataset, path: Path, label: str) -> None:
     """The fields that are read must hold text: {"text": 5} would otherwise train on "5"; message
     fields hold lists of messages (prompt/completion either)."""
-    for name in ("text", "instruction", "input", "output", "prompt", "completion", *MESSAGE_FIELDS):
+    for name in ROW_FIELDS:
         feature = ds.features.get(name)
         if feature is None or _is_text(feature) and name not in MESSAGE_FIELDS:
             continue

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from apt_ds.io.records import USABLE_FIELDS
 
+# The counts of rows that made no example (each row is counted in at most one of them)
+LOST_KINDS = ("skipped", "dropped", "turn_dropped", "without_reply", "rewritten")
+
 
 class TruncationStats:
     """What the data lost. To max_seq_len: rows whose prompt was cut from the left, rows dropped

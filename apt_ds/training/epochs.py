@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from apt_ds.config import APTConfig, ConfigError, TrainConfig
 from apt_ds.io.checkpoint import CheckpointError
+from apt_ds.io.truncation import LOST_KINDS
 from apt_ds.training.resume import global_batch_size
 
 # A packed run past this many epochs repeats its blocks where the rows suggest it would not (a
@@ -47,11 +48,10 @@ class DataCounts:
 
 def count_data(records, examples: list, pack: bool, truncation: dict) -> DataCounts:
     """`records` as read, `examples` as tokenized with `pack`, and `truncation` (TruncationStats.to_dict):
-    its skipped rows (no usable text, or a conversation without a reply) and dropped ones (a response
-    or a conversation's first reply longer than --max-seq-len) make
+    its rows of LOST_KINDS (no usable text, no reply, a response or first reply beyond --max-seq-len) make
     no example, packed or not; every other row makes one unpacked (apt_ds.io.data.tokenize_dataset)."""
     text_rows = _text_rows(records)
-    lost = truncation.get("skipped", 0) + truncation.get("dropped", 0) + truncation.get("without_reply", 0)
+    lost = sum(truncation.get(kind, 0) for kind in LOST_KINDS)
     return DataCounts(rows=len(records), text_rows=text_rows, examples=len(examples), packed=pack and text_rows > 0,
                       examples_unpacked=len(records) - lost)
 

@@ -15,8 +15,8 @@ from pathlib import Path
 from apt_ds.config import ConfigError, TrainConfig
 from apt_ds.io.data import TruncationStats, collate, load_records, tokenize_dataset
 from apt_ds.io.hub import data_location
+from apt_ds.io.records import ROW_FIELDS
 
-ROW_FIELDS = ("text", "instruction", "input", "output", "prompt", "completion", "messages", "conversations")  # what training reads of a row
 _HASH_BATCH = 10_000
 
 

@@ -190,8 +190,9 @@ def _run_on(backend, args, apt: APTConfig | None, train: TrainConfig, configs_fo
     check_out_dir(out, args.resume, args.overwrite)  # fail early; nothing is touched yet
     zero_stage = getattr(backend, "zero_stage_requested", None) if args.deepspeed else None
     prunes = apt.prune if apt is not None else args.method != "lora"  # apt is None until --epochs sets the steps
-    check_quantizable_base(args.model, base_quant_of(train, base_dtype_of(backend, train), prunes), zero_stage,
-                           backend.device)
+    dtype = base_dtype_of(backend, train)  # --epochs changes the run's length later, never its dtype
+    dtype_name = str(dtype).removeprefix("torch.")
+    check_quantizable_base(args.model, base_quant_of(train, dtype, prunes), zero_stage, backend.device)
     if getattr(args, "save_eval_probe", False) and not args.eval_data:
         raise ConfigError("--save-eval-probe needs --eval-data (the probe is the first eval batch)")
     meta = read_meta(resume.checkpoint_to_resume(out)) if args.resume else None
@@ -203,7 +204,7 @@ def _run_on(backend, args, apt: APTConfig | None, train: TrainConfig, configs_fo
         # the APT config too, and a finished run's: a changed setting is named, never ignored
         resume.check_resumable_settings(meta, train, data_path, backend.world_size, apt.to_dict(),
                                         resume.checkpoint_to_resume(out), deepspeed=args.deepspeed, method=args.method,
-                                        data_split=args.data_split, base_dtype=str(base_dtype_of(backend, train))[6:])
+                                        data_split=args.data_split, base_dtype=dtype_name)
     records = load_records(data_path, split=args.data_split)
     with tempfile.TemporaryDirectory(prefix="apt-tokenizer-") as staging:
         tokenizer = prepare_tokenizer(args, out, texts_for_tokenizer(records), train, Path(staging))
@@ -241,7 +242,7 @@ def _run_on(backend, args, apt: APTConfig | None, train: TrainConfig, configs_fo
                     "tokenizer": TOKENIZER_DIR, "method": args.method, "deepspeed": args.deepspeed,
                     "world_size": backend.world_size, "model_fingerprint": fingerprint, "truncation": truncation.to_dict(),
                     "data_resolved": data_location(data_path), "data_fingerprint": examples_digest,
-                    "base_dtype": str(base_dtype_of(backend, train))[6:],
+                    "base_dtype": dtype_name,
                     "data_stats": epochs.data_stats(counts, train, backend.world_size, args.epochs),
                     **quantization_record(model, train)}  # a quantized base's layout, in run.json too
         backend.barrier()

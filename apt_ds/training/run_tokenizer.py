@@ -6,6 +6,7 @@ from pathlib import Path
 
 from apt_ds.config import TrainConfig
 from apt_ds.io.modeling import TINY_MODELS
+from apt_ds.io.records import ROW_FIELDS
 from apt_ds.io.templates import check_template
 from apt_ds.io.tokenizer import load_tokenizer, train_sentencepiece_tokenizer
 
@@ -34,8 +35,7 @@ def prepare_tokenizer(args, out: Path, texts: list[str], train: TrainConfig, sta
 def texts_for_tokenizer(records) -> list[str]:
     texts = []
     for row in records.select(range(min(len(records), 5000))):
-        texts.append(" ".join(_row_text(row.get(k)) for k in ("text", "instruction", "input", "output", "prompt", "completion",
-                                                               "messages", "conversations")))
+        texts.append(" ".join(_row_text(row.get(k)) for k in ROW_FIELDS))
     return texts
 
 
