@@ -49,6 +49,7 @@ OWNERS = {
     "zero3_partition": "a ZeRO-3 parameter's ds_tensor",
     "zero3_module": "submodule of a model under a ZeRO-3 engine, after one forward and backward",
     "csv_monitor": "deepspeed.monitor.csv_monitor.csvMonitor instance (rank 0 of a run whose JSON enables csv_monitor)",
+    "comm_module": "the deepspeed.comm.comm module, after deepspeed.init_distributed",
 }
 
 PRIVATE_NAMES: tuple[PrivateName, ...] = (
@@ -83,6 +84,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("zero3_param", "_z3_optimizer", "release_engine"),
     PrivateName("zero3_module", "pre_bwd_fn", "release_engine"),
     PrivateName("zero3_module", "post_bwd_fn", "release_engine"),
+    PrivateName("comm_module", "cdb", "comm_backend"),
 )
 
 
@@ -207,6 +209,16 @@ def partition_like(anchor, params: list[torch.nn.Parameter]) -> None:
     `deepspeed.zero.Init(module=...)`, partitions a whole module tree and needs a config again;
     this keeps a shape change to one new module held in full at a time."""
     anchor.convert_to_zero_parameters(param_list=params)
+
+
+def comm_backend():
+    """DeepSpeed's communication backend object (comm.py's module global `cdb`, a TorchBackend),
+    through which ZeRO-3 gathers every parameter (`allgather_fn` -> `cdb.all_gather_into_tensor`);
+    None before `deepspeed.init_distributed`. apt_ds.distributed.gloo_gather wraps its gather on
+    gloo: DeepSpeed has no public hook for how a collective is carried out."""
+    from deepspeed.comm import comm
+
+    return comm.cdb
 
 
 # ---- tearing an engine down ----------------------------------------------------------------

@@ -76,7 +76,8 @@ def resolve_config(user: dict, *, grad_accum_steps: int, world_size: int, micro_
     """Fill "auto" values and batch sizes; refuse contradictions. Pure function of its inputs.
 
     "auto" bucket sizes follow the Hugging Face integration: reduce_bucket_size = hidden²,
-    stage3_prefetch_bucket_size = 0.9·hidden², stage3_param_persistence_threshold = 10·hidden."""
+    stage3_prefetch_bucket_size = 0.9·hidden², stage3_param_persistence_threshold = 10·hidden.
+    "auto" stage3_max_live_parameters / stage3_max_reuse_distance: `GATHERED_KEPT` (see there)."""
     cfg = copy.deepcopy(user)
 
     def fail(msg: str):
@@ -98,7 +99,7 @@ def resolve_config(user: dict, *, grad_accum_steps: int, world_size: int, micro_
     _resolve_batch_sizes(cfg, grad_accum_steps, world_size, micro_batch_size, fail)
     _resolve_clipping(cfg, max_grad_norm, fail)
     _resolve_precision(cfg, base_dtype, bf16_supported and not on_cpu, fail)
-    _resolve_zero(cfg, hidden_size, fail)
+    _resolve_zero(cfg, hidden_size, fail, on_cpu)
     leftover = _auto_paths(cfg)
     if leftover:
         fail(f"\"auto\" is not supported for {', '.join(leftover)}; give a value")
@@ -217,7 +218,16 @@ def _resolve_batch_sizes(cfg: dict, gas: int, world_size: int, micro_batch_size:
                train_batch_size=micro * gas * world_size)
 
 
-def _resolve_zero(cfg: dict, hidden_size: int | None, fail) -> None:
+# "auto" stage3_max_live_parameters and stage3_max_reuse_distance, by where the weights are gathered.
+# On a GPU: DeepSpeed's defaults (the Hugging Face examples' 1e9): a weight gathered in the forward
+# stays for its reuse in the backward, up to 1e9 parameters (2 GB per rank in bf16), which saves
+# gathering the last layers twice. On the CPU accelerator: 0, every gathered weight is released
+# after use: host memory is the limit there, and 1e9 kept fp32 parameters (4 GB per rank) killed
+# a 2-rank 3B run on a 24 GB machine (docs/BENCHMARKS.md, "LLaMA scale").
+GATHERED_KEPT = {"gpu": 1_000_000_000, "cpu": 0}
+
+
+def _resolve_zero(cfg: dict, hidden_size: int | None, fail, on_cpu: bool = False) -> None:
     if "zero_optimization" not in cfg:  # DeepSpeed's default is stage 0, which apt-ds cannot use: say what is missing
         import difflib
 
@@ -234,6 +244,9 @@ def _resolve_zero(cfg: dict, hidden_size: int | None, fail) -> None:
             if not hidden_size:
                 fail(f"zero_optimization.{key} is \"auto\" but the model config has no hidden_size")
             zero[key] = rule(hidden_size)
+    for key in ("stage3_max_live_parameters", "stage3_max_reuse_distance"):
+        if _is_auto(zero.get(key)):
+            zero[key] = GATHERED_KEPT["cpu" if on_cpu else "gpu"]
     for key in ("offload_param", "offload_optimizer"):
         section = zero.get(key)
         if section is not None and not isinstance(section, dict):

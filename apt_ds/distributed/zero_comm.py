@@ -12,6 +12,8 @@ from typing import Callable
 
 import torch
 
+from apt_ds.distributed import deepspeed_private as private
+from apt_ds.distributed.gloo_gather import bounded_gloo_gathers
 from apt_ds.distributed.launcher_env import launcher_env, local_device_index
 
 
@@ -33,6 +35,9 @@ def init_process_group() -> None:
         deepspeed.init_distributed(verbose=False)  # its auto_mpi_discovery maps AzureML / SageMaker / mpi4py
         if get_accelerator().device_name() == "cpu":
             _release_shm_buffers()
+    if private.comm_backend() is None:  # a process group started by the caller: DeepSpeed wraps it
+        deepspeed.init_distributed(verbose=False)
+    bounded_gloo_gathers(private.comm_backend())  # gloo's gathers without a second full copy
     # Again after it: DeepSpeed's discovery (AzureML, SageMaker, mpi4py) sets LOCAL_RANK only inside
     # init_distributed, and a caller who started the process group may have chosen no device; either
     # way every rank was left on device 0 while NCCL was bound to cuda:LOCAL_RANK.

@@ -47,7 +47,7 @@ from apt_ds.io.run_dir import (
 )
 from apt_ds.training import epochs, resume
 from apt_ds.training.eval_data import held_out_batches
-from apt_ds.training.heap import freeze_prepared_data
+from apt_ds.training.heap import freeze_prepared_data, large_allocations_returned
 from apt_ds.training.probe import live_probe, save_probe
 from apt_ds.training.run_tokenizer import TOKENIZER_DIR, prepare_tokenizer, texts_for_tokenizer
 from apt_ds.training.trainer import APTrainer
@@ -65,6 +65,7 @@ def make_backend(args, train: TrainConfig):
         raise ConfigError(f"DeepSpeed config {args.deepspeed}: fp16 is not supported on CPU (no fp16 kernels); "
                           "set \"fp16\": {\"enabled\": false} or use bf16")
     configure_host_threads(backend.device)
+    large_allocations_returned(backend.device)  # gathered weights freed to the OS, not the heap (heap.py)
     return backend, train
 
 

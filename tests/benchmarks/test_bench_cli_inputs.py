@@ -31,6 +31,9 @@ def test_memory_on_paper_labels_the_rank_count_it_was_given():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import memory_on_paper
 
-    results = {name: memory_on_paper.per_rank(values, 4, 2048) for name, (values, _) in memory_on_paper.LLAMA2.items()}
+    results = {name: memory_on_paper.per_rank(values, 4, 2048) for name, values in memory_on_paper.MODELS.items()}
     text = memory_on_paper.table(results, 4)
-    assert "per rank (4 ranks, bf16)" in text and "per 4-rank node" in text and "8" not in text.split("|")[1]
+    assert "per rank (4 ranks, bf16)" in text and "per 4-rank node" in text and "fits 4 x 24 GB" in text
+    assert "8" not in text.split("|")[1]
+    for result in results.values():  # the steady step is the sum of its terms, each positive
+        assert result["steady"] == sum(result["terms"].values()) and min(result["terms"].values()) > 0

@@ -116,6 +116,19 @@ def test_shipped_configs_resolve(name, bf16_supported):
     assert monitor_config_problem(cfg) is None  # zero2_monitor.json: DeepSpeed's own model accepts it
 
 
+@pytest.mark.parametrize("name", ["zero3.json", "zero3_offload.json"])
+def test_gathered_weights_are_kept_for_reuse_on_gpus_and_released_on_the_cpu(name):
+    """The shipped ZeRO-3 configs keep up to 1e9 gathered parameters for their reuse on a GPU and
+    none on the CPU accelerator, where 1e9 fp32 parameters (4 GB a rank) ran a 3B model out of memory."""
+    user, _ = load_ds_config(CONFIGS / name)
+    keys = ("stage3_max_live_parameters", "stage3_max_reuse_distance")
+    on_gpu = _resolve(user, hidden_size=4096)["zero_optimization"]
+    on_cpu = _resolve(user, hidden_size=4096, on_cpu=True)["zero_optimization"]
+    assert [on_gpu[key] for key in keys] == [10**9, 10**9] and [on_cpu[key] for key in keys] == [0, 0]
+    given = {**user, "zero_optimization": {**user["zero_optimization"], "stage3_max_live_parameters": 12345}}
+    assert _resolve(given, hidden_size=4096, on_cpu=True)["zero_optimization"]["stage3_max_live_parameters"] == 12345
+
+
 # ---- launcher environments (pure function) -----------------------------------------------------
 def _port() -> int:
     return 4242

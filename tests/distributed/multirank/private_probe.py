@@ -40,7 +40,9 @@ def owners(backend, stage: int) -> dict[str, list]:
     if stage in (1, 2):
         return {"engine": [engine], "zero12_optimizer": [engine.optimizer], "zero12_param": params,
                 "csv_monitor": [backend.monitor.csv_monitor]}
-    return {"zero3_optimizer": [engine.optimizer], "zero3_param": params,
+    from deepspeed.comm import comm
+
+    return {"zero3_optimizer": [engine.optimizer], "zero3_param": params, "comm_module": [comm],
             "zero3_partition": [p.ds_tensor for p in params], "zero3_module": list(backend.module.modules())}
 
 
