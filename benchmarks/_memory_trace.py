@@ -200,3 +200,28 @@ def mallinfo_mb() -> dict[str, float]:
 
 def now() -> float:
     return time.time()
+
+
+def large_tensors(min_mb: float = 256) -> list[dict]:
+    """Tensors of `min_mb` MiB or more that Python can reach, with what refers to them (one level
+    of referrers' types and, for dicts, the keys pointing at them): to find a buffer that outlives
+    its use. Storages are reported once."""
+    import gc
+
+    found, seen = [], set()
+    for obj in gc.get_objects():
+        if not isinstance(obj, torch.Tensor):
+            continue
+        key = _storage_key(obj)
+        if key is None or key[1] < min_mb * 2**20 or key in seen:
+            continue
+        seen.add(key)
+        referrers = []
+        for ref in gc.get_referrers(obj):
+            if isinstance(ref, dict):
+                names = [k for k, v in ref.items() if v is obj][:3]
+                referrers.append(f"dict{names}")
+            elif type(ref).__name__ not in ("frame", "list") or len(referrers) < 8:
+                referrers.append(type(ref).__module__ + "." + type(ref).__name__)
+        found.append({"mb": round(key[1] / 2**20, 1), "shape": list(obj.shape), "referrers": referrers[:8]})
+    return found

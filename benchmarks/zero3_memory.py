@@ -64,6 +64,8 @@ def worker(trace_out: Path, profile_steps: set[int], baseline: bool, train_argv:
             with trace.allocations_recorded() as prof:
                 result = original(self, *args)
             entry.update(end=trace.now(), rss_at_end=trace.rss_mb(), malloc_at_end=trace.mallinfo_mb(), **trace.replay(prof))
+            del prof
+            entry["large_tensors_after"] = trace.large_tensors()
             records.append(entry)
             return result
         return run

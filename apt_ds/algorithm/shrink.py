@@ -77,11 +77,32 @@ def slice_linear(module: nn.Linear, out_index, in_index, prefix: str) -> ShapeCh
 
 
 def _slice_param(module: nn.Module, attr: str, index, dim: int = 0) -> None:
-    """Keep `index` along `dim` of a frozen parameter (a norm weight, an embedding matrix)."""
+    """Keep `index` along `dim` of a frozen parameter (a norm weight, an embedding matrix).
+    A ZeRO-3 matrix's columns are kept in place, in the gathered copy it is read from (`ds_id`:
+    that copy is DeepSpeed's buffer, discarded afterwards), so that the event does not hold a
+    second full matrix: LLaMA-3.2-3B's tied embedding is 1.5 GB in fp32 (docs/BENCHMARKS.md)."""
     if index is None:
         return
-    old = getattr(module, attr).detach()
-    setattr(module, attr, nn.Parameter(old.index_select(dim, index.to(old.device)).contiguous(), requires_grad=False))
+    param = getattr(module, attr)
+    old, index = param.detach(), index.to(param.device)
+    if dim == 1 and old.dim() == 2 and hasattr(param, "ds_id") and old.is_contiguous():
+        kept = compact_columns(old, index)
+    else:
+        kept = old.index_select(dim, index).contiguous()
+    setattr(module, attr, nn.Parameter(kept, requires_grad=False))
+
+
+def compact_columns(matrix: torch.Tensor, index: torch.Tensor, rows_per_block: int = 4096) -> torch.Tensor:
+    """`matrix[:, index]` written over `matrix`'s own storage and returned as a view of it; the
+    only other memory is one block of rows. `matrix` (contiguous, row-major) is overwritten:
+    block by block, a copy of the block's kept columns is written at the kept row length, which
+    never reaches a row not yet read (the rows after the block start at or after its end)."""
+    rows, kept = matrix.shape[0], len(index)
+    flat = matrix.view(-1)
+    for start in range(0, rows, rows_per_block):
+        stop = min(rows, start + rows_per_block)
+        flat[start * kept: stop * kept].copy_(matrix[start:stop].index_select(1, index).view(-1))
+    return flat[: rows * kept].view(rows, kept)
 
 
 def group_channels(group_index: torch.Tensor, group_size: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,7 @@ from apt_ds.algorithm.adapters import add_adapters
 from apt_ds.algorithm.edits import apply_edits
 from apt_ds.algorithm.masks import UnitMasks
 from apt_ds.algorithm.pruner import GradualMasker, KeepDecision
-from apt_ds.algorithm.shrink import group_channels, shrink_model
+from apt_ds.algorithm.shrink import compact_columns, group_channels, shrink_model
 from apt_ds.algorithm.units import LayerShape, ModelShape
 
 ADAPTER_TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")
@@ -267,3 +267,16 @@ def test_gradual_masker_refuses_a_decision_for_other_shapes():
     other = ModelShape(40, (LayerShape(1, 2, 8, 50), LayerShape(3, 2, 8, 7)), 61, False)  # the same total
     with pytest.raises(PruningError, match="do not match"):
         GradualMasker(0.25).step_toward(UnitMasks(shape), _decision_for(other, seed=0))
+
+
+@pytest.mark.parametrize("rows, cols, kept, block", [(10, 7, 3, 3), (1000, 64, 50, 128), (5, 4, 4, 2), (9, 6, 1, 4)])
+def test_compact_columns_keeps_columns_in_the_matrix_own_storage(rows, cols, kept, block):
+    """The embedding's hidden channels kept under ZeRO-3 without a second full matrix: the result
+    is matrix[:, index], in the same storage (unsorted indices too)."""
+    generator = torch.Generator().manual_seed(rows)
+    matrix = torch.randn(rows, cols, generator=generator)
+    index = torch.randperm(cols, generator=generator)[:kept]
+    expected = matrix[:, index].clone()
+    result = compact_columns(matrix, index, rows_per_block=block)
+    assert torch.equal(result, expected)
+    assert result.untyped_storage().data_ptr() == matrix.untyped_storage().data_ptr()
