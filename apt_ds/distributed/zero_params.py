@@ -59,6 +59,13 @@ def partition_new_params(model: torch.nn.Module, module: torch.nn.Module, dtype:
     private.partition_like(anchor, new)  # through the zero.Init that partitioned the model
 
 
+def release_replaced(param) -> None:
+    """Free the partition of a ZeRO-3 parameter a shape change has just replaced (it is never read
+    again); other parameters are left to the garbage collector."""
+    if is_partitioned(param) and private.model_partition_tensor(param) is not None:
+        private.release_partition(param)
+
+
 def check_shapes_agree(model: torch.nn.Module) -> None:
     """RuntimeError unless every rank has the same parameter shapes and trainable set (after a
     shape change; a mismatch would hang DeepSpeed's next collective). Collective."""

@@ -81,6 +81,11 @@ def test_shape_changes_handle_one_module_at_a_time(ranks):
         assert len(adoptions) > 20  # every shrunk module and grown adapter, at two events
         # Right before a module's new parameters are partitioned, they are all that is unpartitioned.
         assert all(a["unpartitioned"] <= a["module"] for a in adoptions), adoptions
+        # ... and the partitions they replace are freed at once: what is still held by replaced
+        # parameters is at most the module being replaced (old and new partitions of the whole
+        # model side by side raised an event's peak above a step's).
+        assert all(a["stale_bytes"] <= result["largest_module_partition_bytes"] for a in adoptions), \
+            [a["stale_bytes"] for a in adoptions]
         assert result["write_backs"] == []  # gathered parameters about to be replaced were never broadcast
 
 

@@ -14,6 +14,7 @@ with a one-process run.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 from pathlib import Path
@@ -48,6 +49,26 @@ def batches(vocab: int, rank: int, world: int):
         step += 1
 
 
+def stale_partition_bytes(model) -> int:
+    """Partition bytes still held by ZeRO-3 parameters that are no longer in the model (replaced
+    by a shape change; DeepSpeed's parameters sit in reference cycles, so only an explicit release
+    frees them before the next garbage collection)."""
+    current = {id(p) for p in model.parameters()}
+    seen, total = set(), 0
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.nn.Parameter) and hasattr(obj, "ds_tensor") and id(obj) not in current:
+            storage = obj.ds_tensor.untyped_storage()
+            if storage.nbytes() and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total
+
+
+def largest_module_partition_bytes(model) -> int:
+    return max(sum(p.ds_tensor.untyped_storage().nbytes() for p in m.parameters(recurse=False) if hasattr(p, "ds_tensor"))
+               for m in model.modules())
+
+
 def unpartitioned_elements(model) -> int:
     return sum(p.numel() for p in model.parameters() if not hasattr(p, "ds_id") or p.data.numel() > 0)
 
@@ -79,14 +100,15 @@ def main() -> None:
     else:
         model = build_partitioned_model(config, weights, resolved, backend.param_dtype, backend.device)
     result = {"world_size": backend.world_size, "rank": backend.rank, "full_bytes": full_bytes,
-              "loaded_bytes": partition_bytes(model), "loaded_unpartitioned": unpartitioned_elements(model)}
+              "loaded_bytes": partition_bytes(model), "loaded_unpartitioned": unpartitioned_elements(model),
+              "largest_module_partition_bytes": largest_module_partition_bytes(model)}
 
     adoptions = []
     partition_new = backend.partition_new_params
 
     def recording_partition(module):
         # Elements not partitioned anywhere in the model right before `module`'s new ones are.
-        adoptions.append({"unpartitioned": unpartitioned_elements(model),
+        adoptions.append({"unpartitioned": unpartitioned_elements(model), "stale_bytes": stale_partition_bytes(model),
                           "module": sum(p.numel() for p in module.parameters(recurse=False))})
         partition_new(module)
 
