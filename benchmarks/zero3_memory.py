@@ -3,6 +3,8 @@
     python benchmarks/zero3_memory.py --shape llama-3.2-1b --model-dir /tmp/apt_llama1b --ranks 2 --out bench_out/mem1b
     python benchmarks/zero3_memory.py --shape llama-3.2-3b --model-dir /tmp/apt_llama3b --ranks 2 --out bench_out/mem3b
     python benchmarks/zero3_memory.py ... --method lora           # the same run without pruning
+    python benchmarks/zero3_memory.py --shape given --model-dir SMOLLM2 --method both --ds-config ds_configs/zero2.json \
+        --steps 150 --apt-args "--target-density 0.7" --profile-steps "" --resident   # APT beside LoRA (RssAnon + RssFile)
 
 Runs launch/train.py (APT or LoRA, ZeRO-3 unless --ds-config says otherwise) with a random model
 of a published LLaMA shape (written once by benchmarks/llama_scale.py's writer), and in each rank:
@@ -41,21 +43,21 @@ def worker(trace_out: Path, profile_steps: set[int], baseline: bool, train_argv:
     import _memory_trace as trace
     import torch.distributed as dist
 
+    import apt_ds.distributed.gloo_gather as gloo_gather
+    import apt_ds.training.run as run
     from apt_ds.cli.train import main
     from apt_ds.training import trainer as trainer_module
 
     if baseline:
-        import apt_ds.distributed.gloo_gather as gloo_gather
-        import apt_ds.training.run as run
-
         gloo_gather.PIECE_BYTES = 2**62
+    if baseline or os.environ.get("APT_BENCH_ADAPTIVE_MMAP") == "1":  # --adaptive-mmap
         run.large_allocations_returned = lambda device: False
 
     records: list[dict] = []
     train_step, after_step = trainer_module.APTrainer._train_step, trainer_module.APTrainer._after_step
 
     def traced(kind, original):
-        def run(self, *args):
+        def traced_call(self, *args):
             step = self.step
             if step not in profile_steps:
                 return original(self, *args)
@@ -68,7 +70,7 @@ def worker(trace_out: Path, profile_steps: set[int], baseline: bool, train_argv:
             entry["large_tensors_after"] = trace.large_tensors()
             records.append(entry)
             return result
-        return run
+        return traced_call
 
     trainer_module.APTrainer._train_step = traced("step", train_step)
     trainer_module.APTrainer._after_step = traced("after the step (decision, event)", after_step)
@@ -80,7 +82,7 @@ def worker(trace_out: Path, profile_steps: set[int], baseline: bool, train_argv:
         path.write_text(json.dumps(records, indent=1))
 
 
-def driver() -> None:
+def driver(resident: bool = False) -> None:
     import llama_scale
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -101,8 +103,12 @@ def driver() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench_out" / "zero3_memory")
     parser.add_argument("--baseline", action="store_true",
                         help="as before issue 47's fixes: gloo gathers in one piece, glibc's mmap threshold adapting")
+    parser.add_argument("--adaptive-mmap", action="store_true",
+                        help="leave glibc's mmap threshold adapting (the fix's other half still on): its cost alone")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.adaptive_mmap:
+        os.environ["APT_BENCH_ADAPTIVE_MMAP"] = "1"
     if args.shape != "given":
         llama_scale.write_model(args.model_dir, LLAMA_1B if args.shape == "llama-3.2-1b" else llama_scale.LLAMA_3B)
     if args.ds_config is None:
@@ -113,7 +119,8 @@ def driver() -> None:
     methods = ["lora", "apt"] if args.method == "both" else [args.method]
     results = {method: measure(args, method, args.out / method if len(methods) > 1 else args.out) for method in methods}
     result = {"command": " ".join([sys.executable, *sys.argv]), "shape": args.shape, "ranks": args.ranks,
-              "baseline": args.baseline, "hardware": llama_scale.platform.processor() or llama_scale.platform.machine(),
+              "baseline": args.baseline, "adaptive_mmap": args.adaptive_mmap,
+              "rss": "RssAnon + RssFile" if resident else "RssAnon", "hardware": llama_scale.platform.processor() or llama_scale.platform.machine(),
               "ds_config": json.loads(args.ds_config.read_text())["zero_optimization"],
               **(results[methods[0]] if len(methods) == 1 else {"by_method": results})}
     (args.out / "memory.json").write_text(json.dumps(result, indent=1))
@@ -147,6 +154,15 @@ def measure(args, method: str, out: Path) -> dict:
             "final_density": metrics[-1].get("density")}
 
 
+def _resident_mb(pid: int) -> float | None:
+    """RssAnon + RssFile of `pid` in MiB (file-backed pages count: weights read through mmap)."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+        return (int(fields["RssAnon"].split()[0]) + int(fields["RssFile"].split()[0])) / 1024
+    except (FileNotFoundError, ProcessLookupError, KeyError):
+        return None
+
+
 def _is_rank(cmdline: list[str]) -> bool:
     return "zero3_memory.py" in " ".join(cmdline) and "deepspeed.launcher" not in " ".join(cmdline)
 
@@ -160,4 +176,8 @@ if __name__ == "__main__":
     import llama_scale
 
     llama_scale._is_rank = _is_rank  # the ranks run this script, not launch/train.py
-    driver()
+    resident = "--resident" in sys.argv  # anonymous + file-backed: a one-process or ZeRO-2 model may stay mmapped
+    if resident:
+        sys.argv.remove("--resident")
+        llama_scale.rss_anon_mb = _resident_mb
+    driver(resident)

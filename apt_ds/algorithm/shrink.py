@@ -94,11 +94,11 @@ def _slice_param(module: nn.Module, attr: str, index, dim: int = 0) -> None:
     if index is None:
         return
     param = getattr(module, attr)
-    old, index = param.detach(), index.to(param.device)
-    if dim == 1 and old.dim() == 2 and hasattr(param, "ds_id") and old.is_contiguous():
-        kept = compact_columns(old, index)
+    index = index.to(param.device)
+    if dim == 1 and param.dim() == 2 and hasattr(param, "ds_id") and param.is_contiguous():
+        kept = compact_columns(param.data, index)  # .data: the parameter's version stays (DeepSpeed checks it)
     else:
-        kept = old.index_select(dim, index).contiguous()
+        kept = param.detach().index_select(dim, index).contiguous()
     setattr(module, attr, nn.Parameter(kept, requires_grad=False))
 
 

@@ -13,7 +13,8 @@ Decisions (measured with deepspeed 0.19.8, torch 2.13 CPU, gloo):
   DeepSpeed's CPU accelerator, where bf16 matmul gradients ran ~9x slower than fp32 here),
   `fp16.enabled` (off), both decided by `--base-dtype` when it is given (the engine's precision
   IS the base weights' dtype; a JSON value that contradicts it is refused), the three batch sizes (set from the trainer) and the ZeRO bucket sizes (from the
-  model's hidden size), and for `gradient_clipping` (the trainer's max_grad_norm, which a
+  model's hidden size), `stage3_max_live_parameters` / `stage3_max_reuse_distance` (by where the
+  weights are gathered: `GATHERED_KEPT`), and for `gradient_clipping` (the trainer's max_grad_norm, which a
   number in the JSON may only repeat; always written, 0 included, because DeepSpeed's own
   default is to clip at 1.0). Careful: DeepSpeed itself silently reads
   `"bf16": {"enabled": "auto"}` as False; only `resolve_config` resolves it. Any other "auto"

@@ -4,8 +4,8 @@ ZeRO-3 gathers a parameter with one `all_gather_into_tensor` into a buffer the s
 tensor. NCCL writes straight into that buffer; gloo (DeepSpeed's CPU accelerator) does not: its
 allgather first receives everything into a flat tensor of its own of the same size, then copies
 it out (`newLikeFlat` in ProcessGroupGloo's AsyncAllgatherWork). Gathering LLaMA-3.2-1B's tied
-128k x 2048 embedding therefore held 2 GB instead of 1 GB per rank at the step's peak; at 3B,
-3.1 GB instead of 1.6 (measured with benchmarks/zero3_memory.py, docs/BENCHMARKS.md).
+128k x 2048 embedding therefore held 2 GB instead of 1 GB per rank at the step's peak (measured
+with benchmarks/zero3_memory.py's profiler, docs/BENCHMARKS.md); at 3B the same copy is 1.5 GB.
 
 On gloo, a gather larger than `PIECE_BYTES` is done here in pieces instead: each piece gathers
 the same slice of every rank's partition straight into the output's views, so gloo's own flat
@@ -39,12 +39,15 @@ class _AllPieces:
 
 
 def gather_in_pieces(output: torch.Tensor, tensor: torch.Tensor, group=None, async_op: bool = False,
-                     piece_bytes: int = PIECE_BYTES):
+                     piece_bytes: int | None = None):
     """`all_gather_into_tensor(output, tensor)` over `group` as pieces of at most `piece_bytes`
-    (all ranks together) of gloo's temporary; `output` and `tensor` contiguous, `output` holding
-    world x tensor's elements in rank order."""
+    (all ranks together; default `PIECE_BYTES`, read at the call) of gloo's temporary; `output`
+    and `tensor` contiguous, `output` holding world x tensor's elements in rank order. `tensor`
+    may be a view of `output` (DeepSpeed's coalesced gathers): each piece copies a rank's own
+    slice onto itself and touches nothing another piece reads."""
     import torch.distributed as dist
 
+    piece_bytes = PIECE_BYTES if piece_bytes is None else piece_bytes
     world = dist.get_world_size(group)
     per_rank = tensor.numel()
     if output.numel() != per_rank * world or not (output.is_contiguous() and tensor.is_contiguous()):
@@ -65,6 +68,7 @@ def gather_in_pieces(output: torch.Tensor, tensor: torch.Tensor, group=None, asy
 
 
 def _is_gloo(group) -> bool:
+    """Whether `group` (None: the default group) runs on gloo, the backend that copies."""
     import torch.distributed as dist
 
     try:

@@ -37,6 +37,8 @@ def init_process_group() -> None:
             _release_shm_buffers()
     if private.comm_backend() is None:  # a process group started by the caller: DeepSpeed wraps it
         deepspeed.init_distributed(verbose=False)
+        if get_accelerator().device_name() == "cpu":
+            _release_shm_buffers()
     bounded_gloo_gathers(private.comm_backend())  # gloo's gathers without a second full copy
     # Again after it: DeepSpeed's discovery (AzureML, SageMaker, mpi4py) sets LOCAL_RANK only inside
     # init_distributed, and a caller who started the process group may have chosen no device; either

@@ -1,4 +1,5 @@
-"""Give freed heap memory back to the operating system after a pruning event.
+"""Give freed heap memory back to the operating system: after a pruning event, after loading, and
+as it is freed on CPU runs under ZeRO-3 (`large_allocations_returned`).
 
 PyTorch's CPU allocator sits on malloc. A shape change frees the old, larger weight and
 optimizer tensors, but glibc keeps most of those pages in the process (they count in RSS)
@@ -45,7 +46,7 @@ M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 
 
 def large_allocations_returned(device, environ=os.environ) -> bool:
-    """On a CPU, give every freed tensor of 1 MiB or more back to the OS at once (glibc
+    """On a CPU under ZeRO-3, give every freed tensor of 1 MiB or more back to the OS at once (glibc
     `mallopt(M_MMAP_THRESHOLD, 1 MiB)`, which also stops glibc from raising that threshold).
 
     By default glibc raises its mmap threshold to the size of the last freed mmapped block (up to
@@ -53,10 +54,11 @@ def large_allocations_returned(device, environ=os.environ) -> bool:
     for each forward and backward) come from the heap and stay in it: measured on a 1B LLaMA
     shape, 2 ranks, ZeRO-3 (docs/BENCHMARKS.md), up to 2 GB of free heap per rank, resident, and
     steps after the last pruning event 0.5-0.9 GB higher; with the fixed threshold the step times
-    were the same. A GPU's weights are not in this heap: nothing is changed there, nor where the
-    user set MALLOC_MMAP_THRESHOLD_ (glibc's own tunable) or on other C libraries. True if set."""
-    if getattr(device, "type", device) != "cpu" or "MALLOC_MMAP_THRESHOLD_" in environ \
-            or not sys.platform.startswith("linux"):
+    were within 5% at 3B (docs/BENCHMARKS.md). A GPU's weights are not in this heap: nothing is
+    changed there, nor where the user chose a threshold (MALLOC_MMAP_THRESHOLD_, GLIBC_TUNABLES'
+    glibc.malloc.mmap_threshold) or on other C libraries. True if set."""
+    chosen = "MALLOC_MMAP_THRESHOLD_" in environ or "mmap_threshold" in environ.get("GLIBC_TUNABLES", "")
+    if getattr(device, "type", device) != "cpu" or chosen or not sys.platform.startswith("linux"):
         return False
     try:
         return bool(ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))

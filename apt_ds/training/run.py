@@ -65,7 +65,8 @@ def make_backend(args, train: TrainConfig):
         raise ConfigError(f"DeepSpeed config {args.deepspeed}: fp16 is not supported on CPU (no fp16 kernels); "
                           "set \"fp16\": {\"enabled\": false} or use bf16")
     configure_host_threads(backend.device)
-    large_allocations_returned(backend.device)  # gathered weights freed to the OS, not the heap (heap.py)
+    if getattr(backend, "zero_stage_requested", 0) == 3:  # measured there; other paths gather nothing
+        large_allocations_returned(backend.device)  # gathered weights freed to the OS, not the heap (heap.py)
     return backend, train
 
 

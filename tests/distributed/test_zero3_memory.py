@@ -182,6 +182,16 @@ def _gather_worker(rank: int, port: int, out: str) -> None:
         handle = gather_in_pieces(pieces, mine, async_op=True, piece_bytes=piece_bytes)
         handle.wait()
         results[str(dtype) + str(per_rank)] = bool(torch.equal(whole, pieces)) and handle.is_completed()
+    # DeepSpeed's coalesced gathers pass the rank's own slice of the output as the input, and may
+    # have two gathers in flight before waiting on either.
+    first, second = (torch.arange(2 * 300, dtype=torch.float32) * (k + 1) for k in range(2))
+    expected = [t.clone() for t in (first, second)]
+    for tensor in (first, second):  # the other rank's half is what the gather must bring
+        tensor[(1 - rank) * 300:(2 - rank) * 300] = -1.0
+    handles = [gather_in_pieces(t, t[rank * 300:(rank + 1) * 300], async_op=True, piece_bytes=200) for t in (first, second)]
+    for handle in reversed(handles):
+        handle.wait()
+    results["in place, two in flight"] = all(torch.equal(t, e) for t, e in zip((first, second), expected))
     Path(out, f"gather{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
@@ -190,4 +200,4 @@ def test_gloo_gathers_in_pieces_equal_one_all_gather(tmp_path):
     mp.spawn(_gather_worker, args=(free_port(), str(tmp_path)), nprocs=2)
     for rank in (0, 1):
         results = json.loads((tmp_path / f"gather{rank}.json").read_text())
-        assert len(results) == 3 and all(results.values()), results
+        assert len(results) == 4 and all(results.values()), results
