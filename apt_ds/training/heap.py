@@ -54,7 +54,9 @@ def large_allocations_returned(device, environ=os.environ) -> bool:
     for each forward and backward) come from the heap and stay in it: measured on a 1B LLaMA
     shape, 2 ranks, ZeRO-3 (docs/BENCHMARKS.md), up to 2 GB of free heap per rank, resident, and
     steps after the last pruning event 0.5-0.9 GB higher; with the fixed threshold the step times
-    were within 5% at 3B (docs/BENCHMARKS.md). A GPU's weights are not in this heap: nothing is
+    were within 5% at 3B, and up to ~30% slower at 1B in one A/B run (docs/BENCHMARKS.md): host
+    memory first, as a CPU run is memory-bound; `MALLOC_MMAP_THRESHOLD_=33554432` chooses speed. A
+    GPU's weights are not in this heap: nothing is
     changed there, nor where the user chose a threshold (MALLOC_MMAP_THRESHOLD_, GLIBC_TUNABLES'
     glibc.malloc.mmap_threshold) or on other C libraries. True if set."""
     chosen = "MALLOC_MMAP_THRESHOLD_" in environ or "mmap_threshold" in environ.get("GLIBC_TUNABLES", "")

@@ -87,6 +87,7 @@ def test_shape_changes_handle_one_module_at_a_time(ranks):
         assert all(a["stale_bytes"] <= result["largest_module_partition_bytes"] for a in adoptions), \
             [a["stale_bytes"] for a in adoptions]
         assert result["write_backs"] == []  # gathered parameters about to be replaced were never broadcast
+        assert result["external_params"] == 0  # no stale reference to a released partition (see the probe)
 
 
 def test_partitioned_loading_trains_exactly_as_a_full_load(ranks, full_load_ranks):

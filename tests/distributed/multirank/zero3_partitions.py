@@ -125,6 +125,9 @@ def main() -> None:
     final = trainer.train(batches(config.vocab_size, backend.rank, backend.world_size))
     result.update(
         final_bytes=partition_bytes(model), final_unpartitioned=unpartitioned_elements(model),
+        # DeepSpeed's lists of parameters a module uses but does not own outlive engine rebuilds: one
+        # naming a replaced (released) parameter would make the next engine gather an empty partition
+        external_params=sum(len(getattr(m, "_external_params", {})) for m in model.modules()),
         final_full_bytes=sum(int(torch.Size(p.ds_shape).numel()) * p.element_size() for p in model.parameters()),
         adoptions=adoptions, write_backs=[m for m in write_backs if m is not None],
         losses=[h["task_loss"] for h in trainer.history if "task_loss" in h],
