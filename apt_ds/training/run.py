@@ -47,7 +47,7 @@ from apt_ds.io.run_dir import (
 )
 from apt_ds.training import epochs, resume
 from apt_ds.training.eval_data import held_out_batches
-from apt_ds.training.heap import freeze_prepared_data, large_allocations_returned
+from apt_ds.training.heap import freeze_prepared_data, large_allocations_returned, release_free_heap
 from apt_ds.training.probe import live_probe, save_probe
 from apt_ds.training.run_tokenizer import TOKENIZER_DIR, prepare_tokenizer, texts_for_tokenizer
 from apt_ds.training.trainer import APTrainer
@@ -287,6 +287,7 @@ def _train(backend, args, apt, train, out, meta, model, examples, eval_batches, 
             resume_csv_files(backend, meta["step"], out)
     stream = epochs.saying(said, backend.is_main(), batches(examples, train.micro_batch_size, train.seed, rank=backend.rank,
                                                             world_size=backend.world_size, pad_id=pad_id, start_step=start))
+    release_free_heap()  # what loading freed (file chunks, replaced partitions) goes back to the OS
     final = trainer.train(stream, skip_consumed=False)
     if getattr(args, "save_eval_probe", False) and eval_batches:
         probe = live_probe(trainer, eval_batches[0])  # every rank: ZeRO-3 gathers weights inside forward

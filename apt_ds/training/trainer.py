@@ -115,7 +115,6 @@ class APTrainer:
         if self.out_dir and self.step == 0:
             check_unused_out_dir(self.out_dir, self.backend)
         next_micro_batches(batches, self.consumed_micro_batches if skip_consumed else 0, self.step, cfg.steps)
-        release_free_heap()  # what loading freed (file chunks, replaced partitions) goes back to the OS
         # `with`: an error closes the bar first, so its message starts a line of its own
         with (training_attention_kernels(cfg.cudnn_attention),
               tqdm(total=cfg.steps, initial=self.step, disable=not (self.progress and self.backend.is_main()), desc="apt") as bar):
