@@ -103,6 +103,7 @@ def driver(resident: bool = False) -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench_out" / "zero3_memory")
     parser.add_argument("--baseline", action="store_true",
                         help="as before issue 47's fixes: gloo gathers in one piece, glibc's mmap threshold adapting")
+    parser.add_argument("--one-process", action="store_true", help="no DeepSpeed: launch/train.py in one process")
     parser.add_argument("--adaptive-mmap", action="store_true",
                         help="leave glibc's mmap threshold adapting (the fix's other half still on): its cost alone")
     args = parser.parse_args()
@@ -145,8 +146,10 @@ def measure(args, method: str, out: Path) -> dict:
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.ranks),
            "--master_port", str(llama_scale.free_port()), str(Path(__file__).resolve()), "--worker",
            str(out / "trace.json"), args.profile_steps, str(int(args.baseline)), "@@train", *train_argv]
+    if args.one_process:  # launch/train.py itself, no DeepSpeed, no profiler: RSS phases only
+        cmd = [sys.executable, str(ROOT / "launch" / "train.py"), *train_argv[2:]]
     started = time.time()
-    samples = llama_scale.run_sampled(cmd, env, out / "train.log", rank_processes=True)
+    samples = llama_scale.run_sampled(cmd, env, out / "train.log", rank_processes=not args.one_process)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     traces = {path.stem: json.loads(path.read_text()) for path in sorted(out.glob("trace_rank*.json"))}
     return {"method": method, "rss_anon_peak_mb_by_rank": llama_scale.phases(samples, metrics, started),
