@@ -182,6 +182,17 @@ def rss_mb() -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def proc_status_mb(*fields: str, pid: int | str = "self") -> dict[str, float] | None:
+    """Memory fields of /proc/PID/status (RssAnon, RssFile, VmHWM, ...) in MiB; None once the
+    process is gone."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    values = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    return {field: int(values[field].split()[0]) / 1024 for field in fields if field in values}
+
+
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 

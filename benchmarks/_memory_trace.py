@@ -175,27 +175,18 @@ def allocations_recorded():
 
 
 def rss_mb() -> dict[str, float]:
-    fields = {}
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith(("RssAnon:", "VmHWM:", "RssFile:", "RssShmem:")):
-                key, value = line.split(":")
-                fields[key] = round(int(value.split()[0]) / 1024, 1)
-    return fields
+    from _common import proc_status_mb
+
+    return {k: round(v, 1) for k, v in proc_status_mb("RssAnon", "VmHWM", "RssFile", "RssShmem").items()}
 
 
 def mallinfo_mb() -> dict[str, float]:
-    """glibc's own count: bytes in use by malloc (uordblks + hblkhd) and free inside the heap."""
-    import ctypes
+    """glibc's own count: bytes in use by malloc (in the heap + mmapped) and free inside the heap."""
+    from apt_ds.training.heap import malloc_counts
 
-    class Mallinfo2(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in
-                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = Mallinfo2
-    info = libc.mallinfo2()
-    return {"malloc_in_use": round((info.uordblks + info.hblkhd) / 2**20, 1), "malloc_free_in_heap": round(info.fordblks / 2**20, 1)}
+    counts = malloc_counts() or dict.fromkeys(("uordblks", "hblkhd", "fordblks"), 0)
+    return {"malloc_in_use": round((counts["uordblks"] + counts["hblkhd"]) / 2**20, 1),
+            "malloc_free_in_heap": round(counts["fordblks"] / 2**20, 1)}
 
 
 def now() -> float:

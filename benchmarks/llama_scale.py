@@ -130,13 +130,10 @@ def write_model(directory: Path, config: dict, dtype: str = "float32", device: s
 
 # ---- 2./3. runs with per-rank memory sampling ----------------------------------------------------
 def rss_anon_mb(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) / 1024
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return None
+    from _common import proc_status_mb
+
+    fields = proc_status_mb("RssAnon", pid=pid)
+    return fields.get("RssAnon") if fields else None
 
 
 def run_sampled(cmd: list[str], env: dict, log: Path, rank_processes: bool) -> list[dict]:

@@ -18,7 +18,6 @@ Arms (`--arms`): nf4, fp32 (glibc's defaults); nf4_arena2 (MALLOC_ARENA_MAX=2); 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import json
 import os
@@ -39,17 +38,10 @@ ARMS = {  # name -> (base quant, environment, trim after every step)
 }
 
 
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
 def status_mb(field: str) -> float:
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    from _common import proc_status_mb
+
+    return proc_status_mb(field).get(field, float("nan"))
 
 
 def live_tensors() -> tuple[int, float]:
@@ -81,20 +73,19 @@ def worker(args) -> None:
     sys.path.insert(0, str(ROOT))
     import apt_ds.training.trainer as trainer_module
     from apt_ds.cli.train import main
+    from apt_ds.training.heap import malloc_counts, trim_free_heap
 
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = MallInfo2
     original = trainer_module.memory_mb
 
     def memory_mb() -> dict:
         record = original()
-        info = libc.mallinfo2()
+        info = malloc_counts()
         tensors, tensor_mb = live_tensors()
-        record.update(step_peak_mb=step_peak_mb(), rss_anon_mb=round(status_mb("RssAnon"), 1), heap_used_mb=round(info.uordblks / 2**20, 1),
-                      heap_free_mb=round(info.fordblks / 2**20, 1), mmapped_mb=round(info.hblkhd / 2**20, 1),
+        record.update(step_peak_mb=step_peak_mb(), rss_anon_mb=round(status_mb("RssAnon"), 1), heap_used_mb=round(info["uordblks"] / 2**20, 1),
+                      heap_free_mb=round(info["fordblks"] / 2**20, 1), mmapped_mb=round(info["hblkhd"] / 2**20, 1),
                       live_tensors=tensors, live_tensor_mb=round(tensor_mb, 1), gc_objects=len(gc.get_objects()))
         if args.trim_each_step:
-            libc.malloc_trim(0)
+            trim_free_heap()
             record["rss_after_trim_mb"] = round(status_mb("VmRSS"), 1)
         return record
 
@@ -102,10 +93,10 @@ def worker(args) -> None:
     train = trainer_module.APTrainer.train
 
     def train_and_record_start(self, *a, **k):  # what loading left: its peak, RSS and heap as training starts
-        info = libc.mallinfo2()
+        info = malloc_counts()
         args.run_dir.joinpath("start.json").write_text(json.dumps({
             "load_peak_mb": step_peak_mb(), "rss_mb": round(status_mb("VmRSS"), 1),
-            "heap_used_mb": round(info.uordblks / 2**20, 1), "heap_free_mb": round(info.fordblks / 2**20, 1)}))
+            "heap_used_mb": round(info["uordblks"] / 2**20, 1), "heap_free_mb": round(info["fordblks"] / 2**20, 1)}))
         return train(self, *a, **k)
 
     trainer_module.APTrainer.train = train_and_record_start

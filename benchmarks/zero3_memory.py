@@ -84,6 +84,7 @@ def worker(trace_out: Path, profile_steps: set[int], baseline: bool, train_argv:
 
 def driver(resident: bool = False) -> None:
     import llama_scale
+    from _common import git_commit, hardware
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=["llama-3.2-1b", "llama-3.2-3b", "given"], default="llama-3.2-1b",
@@ -121,7 +122,7 @@ def driver(resident: bool = False) -> None:
     results = {method: measure(args, method, args.out / method if len(methods) > 1 else args.out) for method in methods}
     result = {"command": " ".join([sys.executable, *sys.argv]), "shape": args.shape, "ranks": args.ranks,
               "baseline": args.baseline, "adaptive_mmap": args.adaptive_mmap,
-              "rss": "RssAnon + RssFile" if resident else "RssAnon", "hardware": llama_scale.platform.processor() or llama_scale.platform.machine(),
+              "rss": "RssAnon + RssFile" if resident else "RssAnon", "hardware": hardware(), "commit": git_commit(),
               "ds_config": json.loads(args.ds_config.read_text())["zero_optimization"],
               **(results[methods[0]] if len(methods) == 1 else {"by_method": results})}
     (args.out / "memory.json").write_text(json.dumps(result, indent=1))
@@ -159,11 +160,10 @@ def measure(args, method: str, out: Path) -> dict:
 
 def _resident_mb(pid: int) -> float | None:
     """RssAnon + RssFile of `pid` in MiB (file-backed pages count: weights read through mmap)."""
-    try:
-        fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
-        return (int(fields["RssAnon"].split()[0]) + int(fields["RssFile"].split()[0])) / 1024
-    except (FileNotFoundError, ProcessLookupError, KeyError):
-        return None
+    from _common import proc_status_mb
+
+    fields = proc_status_mb("RssAnon", "RssFile", pid=pid)
+    return sum(fields.values()) if fields else None
 
 
 def _is_rank(cmdline: list[str]) -> bool:

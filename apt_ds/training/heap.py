@@ -68,6 +68,25 @@ def large_allocations_returned(device, environ=os.environ) -> bool:
         return False
 
 
+MALLINFO2_FIELDS = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+
+
+def malloc_counts() -> dict[str, int] | None:
+    """glibc's own counts in bytes (`mallinfo2`: uordblks in use in the heap, fordblks free in it,
+    hblkhd in mmapped blocks, ...); None on other C libraries and glibc before 2.33."""
+    try:
+        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+
+    class Mallinfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in MALLINFO2_FIELDS]
+
+    mallinfo2.restype = Mallinfo2
+    info = mallinfo2()
+    return {name: getattr(info, name) for name in MALLINFO2_FIELDS}
+
+
 def import_training_libraries(with_deepspeed: bool) -> None:
     """Import now what training imports lazily anyway (transformers' model classes; DeepSpeed when
     asked for), so that `startup_objects_frozen`, entered next, hides their objects from the

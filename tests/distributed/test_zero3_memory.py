@@ -23,6 +23,8 @@ from conftest import tiny_family
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_distributed import COMMON, TRAIN, free_port, launch, metrics  # noqa: E402
 
+PROBES = str(Path(__file__).resolve().parent / "multirank")  # memory_probes.py
+
 # launch/train.py with every ZeRO-3 gather recorded (which modules hold gathered parameters at
 # that moment) and the live tensor bytes after each step, written to OUT/memory<RANK>.json
 RECORDING_TRAIN = '''
@@ -35,6 +37,9 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 import apt_ds.distributed.gloo_gather as gloo_gather
 from apt_ds.training import trainer as trainer_module
+
+sys.path.insert(0, {probes!r})
+from memory_probes import live_tensor_mb  # tensor bytes reachable from Python, each storage once
 
 gloo_gather.PIECE_BYTES = {piece_bytes}  # the tiny model's embedding is gathered in pieces too
 owners, gathers, steps, in_step, in_pieces = {{}}, [], [], [False], [0]
@@ -70,17 +75,6 @@ ds_comm.all_gather_into_tensor = recorded_gather
 train_step = trainer_module.APTrainer._train_step
 
 
-def live_tensor_bytes():
-    seen, total = set(), 0
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
-            storage = obj.untyped_storage()
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-    return total
-
-
 def recorded_step(self, batches):
     owners.clear()  # this step's modules (an event replaces parameters)
     for name, module in self.model.named_modules():
@@ -94,7 +88,7 @@ def recorded_step(self, batches):
         in_step[0] = False
         owners.clear()
     gc.collect()
-    steps.append({{"step": record["step"], "live_bytes": live_tensor_bytes()}})
+    steps.append({{"step": record["step"], "live_bytes": live_tensor_mb() * 2**20}})
     return record
 
 
@@ -125,7 +119,7 @@ def test_a_step_gathers_one_module_at_a_time_and_memory_is_flat_after_the_last_e
     tiny_family("llama", vocab=len(tokenizer), tied=True).save_pretrained(base)
     tokenizer.save_pretrained(str(base))
     script = tmp_path / "recording_train.py"
-    script.write_text(RECORDING_TRAIN.format(train=TRAIN, out=str(tmp_path), piece_bytes=4096))
+    script.write_text(RECORDING_TRAIN.format(train=TRAIN, out=str(tmp_path), piece_bytes=4096, probes=PROBES))
     out = tmp_path / "run"
     result = launch(2, ["--deepspeed", zero3_config(tmp_path, prefetch), *COMMON, "--micro-batch-size", "2",
                         "--model", str(base), "--out", str(out)], script=str(script))

@@ -3,33 +3,26 @@ freed gathered weight goes back to the OS instead of staying in the heap."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import subprocess
 import sys
 
 import pytest
 
-from apt_ds.training.heap import large_allocations_returned
+from apt_ds.training.heap import large_allocations_returned, malloc_counts
 
 # In a fresh process (the setting is process-wide): free a 24 MiB tensor, which by default raises
 # glibc's threshold to 24 MiB, then count how much of a new 16 MiB tensor is mmapped.
 PROBE = '''
-import ctypes, sys, torch
-from apt_ds.training.heap import large_allocations_returned
+import sys, torch
+from apt_ds.training.heap import large_allocations_returned, malloc_counts
 
-class Mallinfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-libc = ctypes.CDLL("libc.so.6")
-libc.mallinfo2.restype = Mallinfo2
 fixed = large_allocations_returned("cpu") if sys.argv[1] == "fixed" else False
 big = torch.ones(6 * 2**20)  # 24 MiB
 del big
-before = libc.mallinfo2().hblkhd
+before = malloc_counts()["hblkhd"]
 weight = torch.ones(4 * 2**20)  # 16 MiB
-print(fixed, (libc.mallinfo2().hblkhd - before) // 2**20)
+print(fixed, (malloc_counts()["hblkhd"] - before) // 2**20)
 '''
 
 
@@ -40,14 +33,7 @@ def _mmapped_mib(mode: str) -> tuple[str, int]:
     return fixed, int(mib)
 
 
-def _has_mallinfo2() -> bool:
-    try:
-        return hasattr(ctypes.CDLL("libc.so.6"), "mallinfo2")
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux") or not _has_mallinfo2(), reason="glibc >= 2.33's mallopt/mallinfo2")
+@pytest.mark.skipif(malloc_counts() is None, reason="glibc >= 2.33's mallopt/mallinfo2")
 def test_fixed_threshold_serves_a_freed_size_by_mmap_again():
     assert _mmapped_mib("default") == ("False", 0)  # glibc's default: from the heap, kept there when freed
     assert _mmapped_mib("fixed") == ("True", 16)
