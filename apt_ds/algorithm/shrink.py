@@ -39,6 +39,7 @@ class ParamAccess:
     read: Callable[[Iterable[nn.Parameter]], contextlib.AbstractContextManager]
     adopt: Callable[[nn.Module], None]
     release: Callable[[nn.Parameter], None] = lambda param: None
+    reads_copies: bool = False  # what `read` shows are throwaway copies (ZeRO-3 gathers): may be overwritten
 
 
 LOCAL_ACCESS = ParamAccess(read=lambda params: contextlib.nullcontext(), adopt=lambda module: None)
@@ -86,16 +87,16 @@ def slice_linear(module: nn.Linear, out_index, in_index, prefix: str) -> ShapeCh
     return change
 
 
-def _slice_param(module: nn.Module, attr: str, index, dim: int = 0) -> None:
+def _slice_param(module: nn.Module, attr: str, index, dim: int = 0, in_place: bool = False) -> None:
     """Keep `index` along `dim` of a frozen parameter (a norm weight, an embedding matrix).
-    A ZeRO-3 matrix's columns are kept in place, in the gathered copy it is read from (`ds_id`:
-    that copy is DeepSpeed's buffer, discarded afterwards), so that the event does not hold a
-    second full matrix: LLaMA-3.2-3B's tied embedding is 1.5 GB in fp32 (docs/BENCHMARKS.md)."""
+    `in_place` (the parameter is a throwaway copy, `ParamAccess.reads_copies`): a matrix's columns
+    are kept in its own storage, so that the event does not hold a second full matrix:
+    LLaMA-3.2-3B's tied embedding is 1.5 GB in fp32 (docs/BENCHMARKS.md)."""
     if index is None:
         return
     param = getattr(module, attr)
     index = index.to(param.device)
-    if dim == 1 and param.dim() == 2 and hasattr(param, "ds_id") and param.is_contiguous():
+    if in_place and dim == 1 and param.dim() == 2 and param.is_contiguous():
         kept = compact_columns(param.data, index)  # .data: the parameter's version stays (DeepSpeed checks it)
     else:
         kept = param.detach().index_select(dim, index).contiguous()
@@ -153,12 +154,12 @@ def shrink_model(model, shape: ModelShape, group_index, neuron_index, hidden_ind
 
 def _shrink_embeddings(family: Family, model, hid: torch.Tensor, access: ParamAccess, tied: bool) -> None:
     embedding, output, final_norm = family.embedding_module(model), family.output_module(model), family.final_norm_module(model)
-    replace_module_params(access, embedding, lambda: _slice_param(embedding, "weight", hid, dim=1))
+    replace_module_params(access, embedding, lambda: _slice_param(embedding, "weight", hid, 1, access.reads_copies))
     replace_module_params(access, final_norm, lambda: _slice_param(final_norm, "weight", hid))
     if tied:
         output.weight = embedding.weight
     else:
-        replace_module_params(access, output, lambda: _slice_param(output, "weight", hid, dim=1))
+        replace_module_params(access, output, lambda: _slice_param(output, "weight", hid, 1, access.reads_copies))
     embedding.embedding_dim = output.in_features = len(hid)
 
 

@@ -243,7 +243,7 @@ class DeepSpeedBackend(TrainingBackend):
         """Shape changes read gathered tensors without writing them back (the old parameters are
         discarded, so broadcasting them would be waste) and partition new ones at once."""
         return ParamAccess(read=lambda params: self.gathered(params, modifier_rank=None), adopt=self.partition_new_params,
-                           release=zero_params.release_replaced)
+                           release=zero_params.release_replaced, reads_copies=True)
 
     def partition_new_params(self, module) -> None:
         zero_params.partition_new_params(self.module, module, self.param_dtype)
