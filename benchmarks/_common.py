@@ -193,6 +193,19 @@ def proc_status_mb(*fields: str, pid: int | str = "self") -> dict[str, float] | 
     return {field: int(values[field].split()[0]) / 1024 for field in fields if field in values}
 
 
+def proportional_set_mb(pid: int | str = "self") -> float | None:
+    """Pss of /proc/PID/smaps_rollup in MiB: every page the process maps, each counted once
+    (RSS counts a file page twice when two mappings hold it, as neighbouring per-tensor
+    mappings of one checkpoint do) and shared ones split among the processes mapping them;
+    None once the process is gone."""
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    values = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    return int(values["Pss"].split()[0]) / 1024 if "Pss" in values else None
+
+
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 

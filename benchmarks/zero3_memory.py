@@ -4,7 +4,7 @@
     python benchmarks/zero3_memory.py --shape llama-3.2-3b --model-dir /tmp/apt_llama3b --ranks 2 --out bench_out/mem3b
     python benchmarks/zero3_memory.py ... --method lora           # the same run without pruning
     python benchmarks/zero3_memory.py --shape given --model-dir SMOLLM2 --method both --ds-config ds_configs/zero2.json \
-        --steps 150 --apt-args "--target-density 0.7" --profile-steps "" --resident   # APT beside LoRA (RssAnon + RssFile)
+        --steps 150 --apt-args "--target-density 0.7" --profile-steps "" --resident   # APT beside LoRA (Pss)
 
 Runs launch/train.py (APT or LoRA, ZeRO-3 unless --ds-config says otherwise) with a random model
 of a published LLaMA shape (written once by benchmarks/llama_scale.py's writer), and in each rank:
@@ -122,7 +122,7 @@ def driver(resident: bool = False) -> None:
     results = {method: measure(args, method, args.out / method if len(methods) > 1 else args.out) for method in methods}
     result = {"command": " ".join([sys.executable, *sys.argv]), "shape": args.shape, "ranks": args.ranks,
               "baseline": args.baseline, "adaptive_mmap": args.adaptive_mmap,
-              "rss": "RssAnon + RssFile" if resident else "RssAnon", "hardware": hardware(), "commit": git_commit(),
+              "rss": "Pss (anonymous + file-backed)" if resident else "RssAnon", "hardware": hardware(), "commit": git_commit(),
               "ds_config": json.loads(args.ds_config.read_text())["zero_optimization"],
               **(results[methods[0]] if len(methods) == 1 else {"by_method": results})}
     (args.out / "memory.json").write_text(json.dumps(result, indent=1))
@@ -159,11 +159,10 @@ def measure(args, method: str, out: Path) -> dict:
 
 
 def _resident_mb(pid: int) -> float | None:
-    """RssAnon + RssFile of `pid` in MiB (file-backed pages count: weights read through mmap)."""
-    from _common import proc_status_mb
+    """Pss of `pid` in MiB: file-backed pages count (weights read through mmap), each once."""
+    from _common import proportional_set_mb
 
-    fields = proc_status_mb("RssAnon", "RssFile", pid=pid)
-    return sum(fields.values()) if fields else None
+    return proportional_set_mb(pid)
 
 
 def _is_rank(cmdline: list[str]) -> bool:
@@ -179,7 +178,7 @@ if __name__ == "__main__":
     import llama_scale
 
     llama_scale._is_rank = _is_rank  # the ranks run this script, not launch/train.py
-    resident = "--resident" in sys.argv  # anonymous + file-backed: a one-process or ZeRO-2 model may stay mmapped
+    resident = "--resident" in sys.argv  # Pss, file-backed pages too: a one-process or ZeRO-2 model may stay mmapped
     if resident:
         sys.argv.remove("--resident")
         llama_scale.rss_anon_mb = _resident_mb

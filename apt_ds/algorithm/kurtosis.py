@@ -6,13 +6,27 @@ from __future__ import annotations
 import torch
 
 
+# Elements of W taken into float64 at a time (2 MiB): a whole 70B down_proj in float64 with its
+# powers would be 7.5 GB at once, and on a CPU the few MB-sized temporaries of even a small
+# model's first salience step raised glibc's mmap threshold and stayed behind as ~150 MB of free
+# heap (SmolLM2-135M, one process: what put APT's peak above LoRA's, docs/BENCHMARKS.md).
+POWER_SUM_BLOCK = 2**18
+
+
 def column_power_sums(weight: torch.Tensor) -> torch.Tensor:
     """P[k-1, j] = sum_i W_ij^k for k = 1..4, the kurtosis sufficient statistics. float64: the
     central fourth moment is a difference of raw moments, which cancel badly in fp32; these
-    are (4, channels) vectors computed once per shape, so the cost is nothing even on a GPU."""
-    w = weight.detach().double()
-    w2 = w * w
-    return torch.stack([w.sum(0), w2.sum(0), (w2 * w).sum(0), (w2 * w2).sum(0)])
+    are (4, channels) vectors computed once per shape, in blocks of rows (POWER_SUM_BLOCK)."""
+    weight = weight.detach()
+    sums = torch.zeros(4, weight.shape[1], dtype=torch.float64, device=weight.device)
+    for block in weight.split(max(1, POWER_SUM_BLOCK // max(1, weight.shape[1]))):
+        w = block.double()
+        w2 = w * w
+        sums[0] += w.sum(0)
+        sums[1] += w2.sum(0)
+        sums[2] += (w2 * w).sum(0)
+        sums[3] += (w2 * w2).sum(0)
+    return sums
 
 
 def unit_kurtosis(mean_x: torch.Tensor, power_sums: torch.Tensor, rows: int, unit_width: int) -> torch.Tensor:

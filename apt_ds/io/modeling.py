@@ -180,10 +180,10 @@ def _check_gguf_tensors(path: Path) -> None:
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, mmap: bool = True):
     """A causal LM from a local HF directory, a .gguf file, or an apt_ds export.
 
-    mmap=False reads a HF directory's weights into process memory instead of mapping the
-    file. Pruning needs that: transformers keeps the checkpoint mapped for the life of the
-    process, and the mapped pages stay resident after the weights were sliced into smaller
-    copies, so memory would not drop as units are removed."""
+    mmap=False reads a HF directory's weights into process memory, one tensor at a time
+    (apt_ds.io.by_tensor), instead of mapping the file. Pruning needs that: the mapped pages stay
+    resident after the weights were sliced into smaller copies, so memory would not drop as
+    units are removed."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
@@ -206,13 +206,9 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, mmap: bool 
 def _from_pretrained(auto_class, path: Path, dtype: torch.dtype, mmap: bool):
     if mmap:
         return auto_class.from_pretrained(str(path), dtype=dtype)
-    try:
-        return auto_class.from_pretrained(str(path), dtype=dtype, disable_mmap=True)
-    except TypeError as err:  # transformers before disable_mmap: mapped, and say what that costs
-        if "disable_mmap" not in str(err):
-            raise
-        logger.warning("this transformers version cannot load without mmap: memory will not drop as units are pruned")
-        return auto_class.from_pretrained(str(path), dtype=dtype)
+    from apt_ds.io.by_tensor import load_by_tensor
+
+    return load_by_tensor(path, dtype)
 
 
 def axis_sizes(shape: LayerShape, hidden: int) -> dict[str, int]:

@@ -12,7 +12,6 @@ from torch import nn
 
 from apt_ds.algorithm.quant import BLOCKSIZE, BaseQuant, QuantizationError, bitsandbytes, is_quantized, quantize_linear
 from apt_ds.config import ConfigError, TrainConfig
-from apt_ds.io.modeling import ModelLoadError
 from apt_ds.models import family_for, family_of
 
 # run_info's name for how a run stored its 4-bit projections (BaseQuant.pruned_axis_rows); runs
@@ -173,42 +172,21 @@ def quantize_model(model, quant: BaseQuant):
 def load_quantized(path: Path, quant: BaseQuant, device: torch.device):
     """The family's causal LM from `path`'s safetensors, projections quantized on `device` as they
     are read, every other tensor in the compute dtype there."""
-    from transformers import AutoConfig
-    from transformers.initialization import no_init_weights
-
+    from apt_ds.io.by_tensor import empty_model, fill_by_tensor
     from apt_ds.io.weights import SafetensorsWeights
 
-    config = AutoConfig.from_pretrained(str(path))
-    family = family_for(config.model_type)
+    def place(name: str, tensor: torch.Tensor, param: nn.Parameter) -> None:
+        tensor = tensor.to(device=device, dtype=quant.compute_dtype)
+        if name in projections:
+            linear, dims = projections[name]
+            linear.weight = nn.Parameter(tensor, requires_grad=False)
+            quantize_linear(linear, quant, source=lambda name=name: weights.read(name), dims=dims)
+        else:
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, nn.Parameter(tensor, requires_grad=False))
+
     weights = SafetensorsWeights(path)
-    with torch.device("meta"), no_init_weights():
-        model = family.classes()[1](config)
-    if config.tie_word_embeddings:  # tied before the parameters are listed: the head is the embedding's
-        family.output_module(model).weight = family.embedding_module(model).weight
+    model = empty_model(path)
     projections = projection_weights(model)
-    params = dict(model.named_parameters())  # a tied LM head once, under the embedding's name
-    missing = [name for name in params if name not in weights]
-    if missing:
-        raise ModelLoadError(f"the checkpoint {path} has no weights for {missing[:3]} ({len(missing)} tensors)")
-    with torch.no_grad():
-        for name, param in params.items():
-            tensor = weights.read(name)  # its pages unmapped again: nothing of the file stays resident
-            if list(tensor.shape) != list(param.shape):
-                raise ModelLoadError(f"weight {name} has shape {list(tensor.shape)} in {path}, the config says "
-                                     f"{list(param.shape)}")
-            tensor = tensor.to(device=device, dtype=quant.compute_dtype)
-            if name in projections:
-                linear, dims = projections[name]
-                linear.weight = nn.Parameter(tensor, requires_grad=False)
-                quantize_linear(linear, quant, source=lambda name=name: weights.read(name), dims=dims)
-            else:
-                owner, _, leaf = name.rpartition(".")
-                setattr(model.get_submodule(owner), leaf, nn.Parameter(tensor, requires_grad=False))
-            del tensor
-    if config.tie_word_embeddings:
-        family.output_module(model).weight = family.embedding_module(model).weight
-    family.rebuild_rotary(model, device)
-    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if left:
-        raise ModelLoadError(f"loading {path} quantized left {left[:3]} unset: this family's tensors are not all known")
-    return model.eval()
+    fill_by_tensor(model, weights, place, device)
+    return model

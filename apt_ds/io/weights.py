@@ -94,9 +94,10 @@ class SafetensorsWeights:
         return self._handles[self._file_of[name]].get_tensor(name)
 
     def read(self, name: str) -> torch.Tensor:
-        """`get`, through a handle opened for this tensor alone: the pages of the file it reads are
-        unmapped again at once, where the long-lived handles keep every page they read resident
-        (in RSS) for as long as this object lives."""
+        """`get`, through a handle opened for this tensor alone, so that nothing but the tensor
+        holds the file's pages: safetensors 0.8 maps each tensor on its own (copy-on-write), and
+        its pages leave memory with it; the long-lived handles keep every page they read
+        resident (in RSS) for as long as this object lives."""
         from safetensors import safe_open
 
         self._slice(name)

@@ -421,3 +421,16 @@ def test_padding_is_not_counted():
         "labels": torch.cat([batch["labels"], torch.full((4, pad), -100)], 1),
     }
     _assert_scores_close(_scores_of(model, batch), _scores_of(model, padded), rtol=1e-4)
+
+
+def test_column_power_sums_over_row_blocks_are_the_whole_weights_sums(monkeypatch):
+    """Taken in blocks of rows (a bounded float64 temporary), the sums are those of the whole
+    weight at once, to float64 rounding; a block smaller than one row still takes whole rows."""
+    import apt_ds.algorithm.kurtosis as kurtosis
+
+    weight = torch.randn(37, 50, generator=torch.Generator().manual_seed(3))
+    w = weight.double()
+    whole = torch.stack([w.sum(0), (w**2).sum(0), (w**3).sum(0), (w**4).sum(0)])
+    for block in (10 * 50, 7 * 50 + 3, 1):  # 4 blocks, 6 blocks of 7 rows, a row at a time
+        monkeypatch.setattr(kurtosis, "POWER_SUM_BLOCK", block)
+        torch.testing.assert_close(column_power_sums(weight), whole, rtol=1e-12, atol=1e-12)

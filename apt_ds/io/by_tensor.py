@@ -1,0 +1,95 @@
+"""A causal LM read from a safetensors directory one tensor at a time, into process memory.
+
+A pruning run must hold its weights in its own memory: a slice of a memory-mapped file leaves
+the file's pages resident, so memory would not drop as units are removed. transformers'
+`disable_mmap` reads each file whole before it builds tensors from it, so the model is held
+twice at the load's peak (1.42 GB for SmolLM2-135M's 540 MB of fp32 weights, measured), which
+made a pruning run's whole-run peak higher than a LoRA run's that maps the file. Read tensor by
+tensor, through a handle opened for that tensor alone (SafetensorsWeights.read), the peak is the
+model plus its largest tensor, and each tensor's pages go when a shrink replaces it. The
+quantized loader (apt_ds.io.quantized) fills its model the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from apt_ds.io.modeling import ModelLoadError
+from apt_ds.models import family_for
+
+logger = logging.getLogger(__name__)
+
+# Receives each checkpoint tensor as read (its file dtype, on the CPU) with the parameter it fills.
+PlaceTensor = Callable[[str, torch.Tensor, nn.Parameter], None]
+
+
+def load_by_tensor(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    """`path`'s causal LM with every weight in `dtype` on `device`, read one tensor at a time."""
+
+    from apt_ds.io.weights import SafetensorsWeights
+
+    def place(name: str, tensor: torch.Tensor, param: nn.Parameter) -> None:
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, nn.Parameter(tensor.to(device=device, dtype=dtype),
+                                                               requires_grad=param.requires_grad))
+
+    model = empty_model(path)
+    fill_by_tensor(model, SafetensorsWeights(path), place, torch.device(device))
+    model.config.dtype = dtype  # as from_pretrained(dtype=...) records it
+    return model
+
+
+def empty_model(path: str | Path):
+    """The family's causal LM for `path`'s config on the meta device, its LM head tied where the
+    config ties it, with the generation config from_pretrained would give it."""
+    from transformers import AutoConfig, GenerationConfig
+    from transformers.initialization import no_init_weights
+
+    path = Path(path)
+    config = AutoConfig.from_pretrained(str(path))
+    family = family_for(config.model_type)
+    with torch.device("meta"), no_init_weights():
+        model = family.classes()[1](config)
+    if config.tie_word_embeddings:  # tied before the parameters are listed: the head is the embedding's
+        family.output_module(model).weight = family.embedding_module(model).weight
+    if (path / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(str(path))
+    return model
+
+
+def fill_by_tensor(model, weights, place: PlaceTensor, device: torch.device) -> None:
+    """Give every parameter of `model` (from empty_model) its tensor from `weights` (a directory's
+    SafetensorsWeights), through `place`;
+    then tie the head again and make RoPE's tables on `device`. Fails on a missing tensor, a shape
+    the config does not give, or a parameter or buffer left unset; says which checkpoint tensors
+    the model has no place for, as transformers does."""
+    path = weights.directory
+    family = family_for(model.config.model_type)
+    params = dict(model.named_parameters())  # a tied LM head once, under the embedding's name
+    missing = [name for name in params if name not in weights]
+    if missing:
+        raise ModelLoadError(f"the checkpoint {path} has no weights for {missing[:3]} ({len(missing)} tensors)")
+    tied = model.config.tie_word_embeddings
+    unused = [name for name in weights.names() if name not in params and not family.left_out_on_purpose(name, tied)]
+    if unused:
+        logger.warning("%s: %d tensors the model has no place for are not loaded: %s", path, len(unused), unused[:3])
+    with torch.no_grad():
+        for name, param in params.items():
+            tensor = weights.read(name)  # its pages unmapped again: nothing of the file stays resident
+            if list(tensor.shape) != list(param.shape):
+                raise ModelLoadError(f"weight {name} has shape {list(tensor.shape)} in {path}, the config says "
+                                     f"{list(param.shape)}")
+            place(name, tensor, param)
+            del tensor
+    if model.config.tie_word_embeddings:
+        family.output_module(model).weight = family.embedding_module(model).weight
+    family.rebuild_rotary(model, device)
+    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ModelLoadError(f"loading {path} left {left[:3]} unset: this family's tensors are not all known")
+    model.eval()

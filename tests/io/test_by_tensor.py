@@ -1,0 +1,70 @@
+"""A pruning run's base read one tensor at a time (apt_ds.io.by_tensor): the same model as
+transformers' from_pretrained, every tensor in a storage of its own (so a tensor replaced by its
+sliced copy leaves memory), and a checkpoint that does not fit the config refused in one line."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from conftest import tiny_family
+from safetensors.torch import load_file, save_file
+
+from apt_ds.io.by_tensor import load_by_tensor
+from apt_ds.io.modeling import ModelLoadError, load_model
+from apt_ds.models import FAMILIES
+
+FAMILY_TIES = [(name, tied) for name in FAMILIES for tied in (False, True)]
+
+
+@pytest.mark.parametrize("model_type, tied", FAMILY_TIES)
+def test_a_base_read_tensor_by_tensor_is_the_model_from_pretrained_gives(tmp_path, model_type, tied):
+    from transformers import AutoModelForCausalLM
+
+    tiny_family(model_type, tied=tied).to(torch.bfloat16).save_pretrained(tmp_path)  # bf16 on disk, fp32 here
+    ours = load_model(tmp_path, dtype=torch.float32, mmap=False)
+    theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    assert type(ours) is type(theirs) and not ours.training
+    assert ours.state_dict().keys() == theirs.state_dict().keys()
+    for name, tensor in theirs.state_dict().items():
+        assert ours.state_dict()[name].dtype == tensor.dtype and torch.equal(ours.state_dict()[name], tensor), name
+    assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == tied
+    assert ours.config.to_diff_dict() == theirs.config.to_diff_dict()
+    assert ours.generation_config.to_diff_dict() == theirs.generation_config.to_diff_dict()
+    ids = torch.randint(0, ours.config.vocab_size, (2, 9))
+    assert torch.equal(ours(ids).logits, theirs(ids).logits)
+
+
+def test_every_tensor_has_a_storage_of_its_own(tmp_path):
+    """What lets memory drop as units are pruned: no parameter is a view into a buffer shared
+    with others (a whole file read at once, or one mapping of it)."""
+    tiny_family("llama").save_pretrained(tmp_path)
+    model = load_by_tensor(tmp_path)
+    for name, param in model.named_parameters():
+        assert param.untyped_storage().nbytes() == param.numel() * param.element_size(), name
+
+
+def _rewrite(directory, change) -> None:
+    tensors = load_file(str(directory / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), "has no weights for ['model.layers.1.mlp.up_proj.weight']"),
+    (lambda t: t.update({"model.norm.weight": torch.ones(3)}), "weight model.norm.weight has shape [3]"),
+])
+def test_a_checkpoint_that_does_not_fit_its_config_is_refused(tmp_path, change, message):
+    tiny_family("llama").save_pretrained(tmp_path)
+    _rewrite(tmp_path, change)
+    with pytest.raises(ModelLoadError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_model(tmp_path, mmap=False)
+
+
+def test_a_tensor_the_model_has_no_place_for_is_named(tmp_path, caplog):
+    tiny_family("llama").save_pretrained(tmp_path)
+    _rewrite(tmp_path, lambda t: t.update({"model.extra.weight": torch.zeros(2)}))
+    with caplog.at_level(logging.WARNING, logger="apt_ds.io.by_tensor"):
+        load_model(tmp_path, mmap=False)
+    assert "1 tensors the model has no place for are not loaded: ['model.extra.weight']" in caplog.text
