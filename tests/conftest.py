@@ -51,14 +51,40 @@ def tiny_family(model_type: str, seed: int = 0, vocab: int = 97, tied: bool = Fa
     values.update(TINY_CONFIGS["gqa"])
     values.update(FAMILY_OVERRIDES[model_type])
     values.update(overrides)  # the caller's word last (a Mistral without a window)
-    model = model_class(config_class(**values))
+    return randomise_biases_and_norms(model_class(config_class(**values)))
+
+
+def randomise_biases_and_norms(model):
+    """Every bias around 0 and every norm parameter (RMSNorm, LayerNorm) perturbed, in place:
+    transformers' zeros and ones would hide a dropped tensor; returns the model in eval mode."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("bias"):
                 param.normal_(0, 0.5)
-            elif "norm" in name:
+            elif "norm" in name.lower():
                 param.add_(0.1 * torch.randn_like(param))
     return model.eval()
+
+
+def masked_then_shrunk(model, shape, batch: dict, kept, min_effect: float):
+    """Logits of `model` (with UnitMasks installed) under the binary masks of `kept`, which must
+    move them by more than `min_effect`, and after shrink_model to `kept`, which must equal
+    them to 1e-5; returns the new shape and the shrink's trainable edits."""
+    from apt_ds.algorithm.masks import UnitMasks
+    from apt_ds.algorithm.shrink import shrink_model
+
+    masks = UnitMasks(shape)
+    masks.install(model)
+    with torch.no_grad():
+        unmasked = model(**batch).logits
+        set_binary_masks(masks, shape, *kept)
+        masked = model(**batch).logits
+    assert (masked - unmasked).abs().max() > min_effect
+    new_shape, change = shrink_model(model, shape, *kept)
+    masks.reset(new_shape)
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batch).logits, masked, rtol=0, atol=1e-5)
+    return new_shape, change
 
 
 @pytest.fixture(params=list(TINY_CONFIGS))

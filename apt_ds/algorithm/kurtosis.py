@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-
 # Elements of W taken into float64 at a time (2 MiB): a whole 70B down_proj in float64 with its
 # powers would be 7.5 GB at once, and on a CPU the few MB-sized temporaries of even a small
 # model's first salience step raised glibc's mmap threshold and stayed behind as ~150 MB of free

@@ -1,10 +1,14 @@
-"""Per-unit gates multiplied into a decoder forward pass (LLaMA, Qwen, Mistral: apt_ds.models).
+"""Per-unit gates multiplied into a forward pass (decoders and encoders: apt_ds.models).
 
 - KV-group mask z_attn[l]: scales the query heads of each group at the input of o_proj;
 - FFN-neuron mask z_ffn[l]: scales act(gate) * up at the input of down_proj;
-- hidden mask z_hid: scales the embedding output and every o_proj / down_proj output (what is
-  added to the residual stream); RMSNorms then average x^2 over the kept channels only
-  (divisor sum(z_hid)), so that removing a channel later gives the same numbers.
+- hidden mask z_hid, pre-norm decoders: scales the embedding output and every o_proj / down_proj
+  output (what is added to the residual stream); RMSNorms then average x^2 over the kept
+  channels only (divisor sum(z_hid)), so that removing a channel later gives the same numbers;
+- hidden mask, post-LayerNorm encoders: every LayerNorm (the embeddings' and two a layer) takes
+  its mean and variance over the kept channels and multiplies its output by z_hid, which is the
+  residual stream: what a dense layer adds to a pruned channel is never read. The classifier's
+  input is gated too (the pooler's tanh turns a pruned channel's bias into a non-zero input).
 
 Masks are plain tensors held by `UnitMasks` (identical on every rank, saved with
 checkpoints, never seen by ZeRO). A decay-window step leaves them views of one tensor (one update
@@ -21,6 +25,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch import nn
 
 from apt_ds.algorithm.units import ModelShape
 from apt_ds.models import family_of
@@ -85,19 +90,24 @@ class UnitMasks:
         """Register the gating hooks on a decoder model of a known family (idempotent)."""
         self.remove()
         family, hidden_out = family_of(model), self._hidden_output_hook
-        self._handles.append(family.embedding_module(model).register_forward_hook(hidden_out))
+        pre_norm = family.norm_placement == "pre"  # the residual stream is what the blocks add
+        if pre_norm:
+            self._handles.append(family.embedding_module(model).register_forward_hook(hidden_out))
         for index, layer in enumerate(family.decoder_layers(model)):
-            attn = family.attention_block(layer)
+            head_dim, group_size = family.head_geometry(layer)
             attn_output, ffn_down = family.layer_module(layer, "attn_output"), family.layer_module(layer, "ffn_down")
             self._handles += [
-                attn_output.register_forward_pre_hook(self._group_input_hook(index, attn.head_dim, attn.num_key_value_groups)),
-                attn_output.register_forward_hook(hidden_out),
+                attn_output.register_forward_pre_hook(self._group_input_hook(index, head_dim, group_size)),
                 ffn_down.register_forward_pre_hook(self._neuron_input_hook(index)),
-                ffn_down.register_forward_hook(hidden_out),
             ]
+            if pre_norm:
+                self._handles += [attn_output.register_forward_hook(hidden_out), ffn_down.register_forward_hook(hidden_out)]
             for norm in family.hidden_norms(layer):
                 self._mask_norm(norm)
-        self._mask_norm(family.final_norm_module(model))
+        for norm in family.outer_norms(model):
+            self._mask_norm(norm)
+        if family.head_input is not None:
+            self._handles.append(model.get_submodule(family.head_input).register_forward_pre_hook(self._hidden_input_hook))
 
     def remove(self) -> None:
         """Undo `install` (nothing is undone when a norm's forward was replaced after it)."""
@@ -163,10 +173,24 @@ class UnitMasks:
             return None
         return output * self._gate("hidden", 0, output.dtype, lambda: self.hidden)
 
+    def _hidden_input_hook(self, module, args):
+        if not (self.enabled and self._hidden_active):
+            return None
+        x = args[0]
+        return (x * self._gate("hidden", 0, x.dtype, lambda: self.hidden),) + tuple(args[1:])
+
     def _norm_over_kept(self, module, x: torch.Tensor) -> torch.Tensor:
-        """LLaMA's RMSNorm with the mean of x^2 taken over the kept channels only."""
+        """The norm with its statistics taken over the kept channels only: LLaMA's RMSNorm (the
+        mean of x^2), or a LayerNorm (mean and variance; its output gated by the mask, so that a
+        removed channel's bias is not added to the residual stream)."""
         x32 = x.to(torch.float32)
         kept = self._gate("kept", 0, torch.float32, lambda: self.hidden.sum().clamp_min(1e-6))
+        if isinstance(module, nn.LayerNorm):
+            z = self._gate("hidden", 0, torch.float32, lambda: self.hidden)
+            centred = (x32 - (x32 * z).sum(-1, keepdim=True) / kept) * z
+            variance = centred.pow(2).sum(-1, keepdim=True) / kept
+            normed = centred * torch.rsqrt(variance + module.eps)
+            return ((normed * module.weight + module.bias) * z).to(x.dtype)
         variance = x32.pow(2).sum(-1, keepdim=True) / kept
         normed = x32 * torch.rsqrt(variance + module.variance_epsilon)
         return module.weight * normed.to(x.dtype)

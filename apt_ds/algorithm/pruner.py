@@ -4,7 +4,7 @@ Non-uniform (APT's default): every block (a KV group, or `block_size` neurons of
 hidden channels taken in score order) gets density = score / cost at the current shapes; one
 sorted list; the longest prefix whose EXACT parameter count fits the budget is kept (then once
 more with the hidden size fixed, see `_decide_ranked`). Because block_params = D * (sum of the
-kept groups' and neurons' per-channel coefficients + the layers' norms + 1 [+ embedding columns])
+kept groups' and neurons' per-channel coefficients + the layers' norms + the outer norms [+ embedding columns])
 + the kept units' constants (biases) depends only on running totals (units.py gives the terms),
 the count of every prefix comes from three cumulative sums: a sort per pass decides.
 Uniform: all layers keep the same (groups, neurons); search the shapes (G, N, D) that fit
@@ -68,7 +68,7 @@ def embedding_columns(shape: ModelShape, count_embeddings: bool) -> int:
     """Parameters per hidden channel spent in embeddings/lm_head when they count in the budget."""
     if not count_embeddings:
         return 0
-    return shape.vocab * (1 if shape.tied_embeddings else 2)
+    return shape.outer_columns("embedding")
 
 
 def normalize_by_kind(shape: ModelShape, group_scores, neuron_scores, hidden_scores, emb: int = 0):
@@ -156,7 +156,8 @@ class AdaptivePruner:
         cfg = self.config
         emb = embedding_columns(shape, cfg.count_embeddings)
         vectors = []  # in slot order: groups and neurons of each layer, then hidden channels
-        per_channel, constant = 1 + emb, 0  # the final norm (and the embedding columns when they count)
+        # the norms outside the layers (and the embedding columns when they count)
+        per_channel, constant = shape.outer_columns("block") + emb, 0
         for layer, groups, neurons, neuron_block in zip(shape.layers, group_scores, neuron_scores, sizes.ffn):
             c = shape.costs(layer)
             vectors.append(Vector(0, groups, shape.group_cost(layer), c.group_per_channel, cfg.prune_heads, 1,
@@ -200,7 +201,7 @@ class AdaptivePruner:
             for D in d_options:
                 if D % heads or (only is not None and (G, D) != tuple(only)):
                     continue
-                fixed = (D * (c.group_per_channel * G * L + c.per_channel * L + 1 + emb)
+                fixed = (D * (c.group_per_channel * G * L + c.per_channel * L + shape.outer_columns("block") + emb)
                          + L * (c.group_constant * G + c.constant))
                 if cfg.prune_neurons:
                     N = min(N0, int((target - fixed) // per_neuron(D))) if target >= fixed else 0

@@ -1,4 +1,4 @@
-"""Physically removing pruned units from a decoder model (weights, adapters, norms, config).
+"""Physically removing pruned units from a model (weights, adapters, norms, config).
 
 Masking saves nothing; slicing does. Given kept indices at the current shapes, every tensor
 that touches a removed unit is replaced by a smaller one, `in/out_features` and the config
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from apt_ds.algorithm.adapters import APTAdapter
-from apt_ds.algorithm.edits import ShapeChange, full_or_index
+from apt_ds.algorithm.edits import Keep, ShapeChange, full_or_index
 from apt_ds.algorithm.quant import is_quantized, logical_shape
 from apt_ds.algorithm.quant_shrink import keep_quantized
 from apt_ds.algorithm.units import ModelShape
@@ -87,8 +87,10 @@ def slice_linear(module: nn.Linear, out_index, in_index, prefix: str) -> ShapeCh
     return change
 
 
-def _slice_param(module: nn.Module, attr: str, index, dim: int = 0, in_place: bool = False) -> None:
-    """Keep `index` along `dim` of a frozen parameter (a norm weight, an embedding matrix).
+def _slice_param(module: nn.Module, attr: str, index, dim: int = 0, in_place: bool = False,
+                 trainable: bool = False) -> None:
+    """Keep `index` along `dim` of a parameter (a norm weight, an embedding matrix; frozen
+    unless `trainable`: a task head trained in full).
     `in_place` (the parameter is a throwaway copy, `ParamAccess.reads_copies`): a matrix's columns
     are kept in its own storage, so that the event does not hold a second full matrix:
     LLaMA-3.2-3B's tied embedding is 1.5 GB in fp32 (docs/BENCHMARKS.md)."""
@@ -100,7 +102,7 @@ def _slice_param(module: nn.Module, attr: str, index, dim: int = 0, in_place: bo
         kept = compact_columns(param.data, index)  # .data: the parameter's version stays (DeepSpeed checks it)
     else:
         kept = param.detach().index_select(dim, index).contiguous()
-    setattr(module, attr, nn.Parameter(kept, requires_grad=False))
+    setattr(module, attr, nn.Parameter(kept, requires_grad=trainable))
 
 
 def compact_columns(matrix: torch.Tensor, index: torch.Tensor, rows_per_block: int = 4096) -> torch.Tensor:
@@ -138,29 +140,68 @@ def shrink_model(model, shape: ModelShape, group_index, neuron_index, hidden_ind
     for l, (layer, layer_shape) in enumerate(zip(family.decoder_layers(model), shape.layers)):
         q_ch, kv_ch = group_channels(group_index[l], layer_shape.group_size, layer_shape.head_dim)
         kept = {"q": q_ch, "kv": kv_ch, "ffn": neuron_index[l], "hidden": hid}
-        for tensor in family.projections.values():  # a bias is sliced with its Linear's rows
+        for tensor in family.linears:  # a bias is sliced with its Linear's rows
             linear, name = family.layer_module(layer, tensor.role), f"{family.layer_prefix(l)}.{tensor.module}"
             out_i, in_i = (kept[axis] for axis in tensor.dims)
             change.update(replace_module_params(access, linear, lambda: slice_linear(linear, out_i, in_i, name)))
         for norm in family.hidden_norms(layer):
-            replace_module_params(access, norm, lambda: _slice_param(norm, "weight", hid))
+            replace_module_params(access, norm, lambda: _slice_norm(norm, hid))
     if hid is not None:
-        embedding, output = family.embedding_module(model), family.output_module(model)
-        _shrink_embeddings(family, model, hid, access, tied=output.weight is embedding.weight or shape.tied_embeddings)
+        change.update(_shrink_outer(family, model, hid, access, shape.tied_embeddings))
     new_shape = _kept_shape(shape, group_index, neuron_index, hidden_index)
     write_shape_to_config(model.config, new_shape)
     return new_shape, change
 
 
-def _shrink_embeddings(family: Family, model, hid: torch.Tensor, access: ParamAccess, tied: bool) -> None:
-    embedding, output, final_norm = family.embedding_module(model), family.output_module(model), family.final_norm_module(model)
-    replace_module_params(access, embedding, lambda: _slice_param(embedding, "weight", hid, 1, access.reads_copies))
-    replace_module_params(access, final_norm, lambda: _slice_param(final_norm, "weight", hid))
+def _slice_norm(norm: nn.Module, hid) -> None:
+    """Keep the hidden channels `hid` of an RMSNorm's weight, or a LayerNorm's weight and bias."""
+    if hid is None:
+        return
+    for leaf in ("weight", "bias"):
+        if getattr(norm, leaf, None) is not None:
+            _slice_param(norm, leaf, hid)
+    if isinstance(norm, nn.LayerNorm):
+        norm.normalized_shape = (len(hid),)
+
+
+def _shrink_outer(family: Family, model, hid: torch.Tensor, access: ParamAccess, tied: bool) -> ShapeChange:
+    """Keep the hidden channels `hid` in every tensor outside the layers (the family's
+    `outer_tensors`): embedding tables' columns, outer norms, an LM head's columns (tied: the
+    embedding's again), a task head's inputs (and a pooler's outputs). A module trained in full
+    (an encoder's classifier) stays trainable, and its edits are returned for the optimizer."""
+    change: ShapeChange = {}
+    output = family.output_module(model) if family.output_embedding is not None else None
+    tied = tied or (output is not None and output.weight is family.embedding_module(model).weight)
+    by_module: dict[str, list] = {}
+    for tensor in family.outer_tensors:
+        if "hidden" in tensor.dims and not (tied and tensor.name == family.output_embedding):
+            by_module.setdefault(tensor.module, []).append(tensor)
+    for path, tensors in by_module.items():
+        module = model.get_submodule(path)
+        if isinstance(module, nn.LayerNorm) or tensors[0].dims == ("hidden",) and tensors[0].part == "block":
+            replace_module_params(access, module, lambda: _slice_norm(module, hid))
+            continue
+        trainable = any(p.requires_grad for p in module.parameters(recurse=False))
+
+        def edit(module=module, tensors=tensors, trainable=trainable):
+            for tensor in tensors:
+                for dim, axis in enumerate(tensor.dims):
+                    if axis == "hidden":  # columns of a matrix kept in place when what is read is a copy
+                        _slice_param(module, tensor.leaf, hid, dim, access.reads_copies and dim == 1, trainable)
+                if trainable:
+                    change[tensor.name] = [Keep(dim, hid) for dim, axis in enumerate(tensor.dims) if axis == "hidden"]
+
+        replace_module_params(access, module, edit)
+        if isinstance(module, nn.Embedding):
+            module.embedding_dim = len(hid)
+        elif isinstance(module, nn.Linear):  # from the description: a ZeRO-3 weight's own shape is its partition's
+            dims = next(t.dims for t in tensors if t.leaf == "weight")
+            module.out_features = len(hid) if dims[0] == "hidden" else module.out_features
+            module.in_features = len(hid) if dims[1] == "hidden" else module.in_features
     if tied:
-        output.weight = embedding.weight
-    else:
-        replace_module_params(access, output, lambda: _slice_param(output, "weight", hid, 1, access.reads_copies))
-    embedding.embedding_dim = output.in_features = len(hid)
+        output.weight = family.embedding_module(model).weight
+        output.in_features = len(hid)
+    return change
 
 
 def _kept_shape(shape: ModelShape, group_index, neuron_index, hidden_index) -> ModelShape:

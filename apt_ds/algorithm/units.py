@@ -1,4 +1,4 @@
-"""The prunable units of a decoder model and their exact parameter counts.
+"""The prunable units of a decoder (or encoder) model and their exact parameter counts.
 
 A layer is described by how many KV groups it keeps (each group = 1 KV head + `group_size`
 query heads), its FFN width and the shared hidden size. Block parameters (attention, MLP,
@@ -9,7 +9,9 @@ norms, final norm) are linear in the hidden size D and in the kept groups G_l an
 with the terms from the family's tensor table (apt_ds.models: LLaMA's c_g = (2g + 2) * d_h,
 c_n = 3, c_l = 2 and no constants; Qwen2's q/k/v biases give b_g = (g + 2) * d_h, Qwen3's
 per-head norms b_l = 2 * d_h), which is what lets the pruner count any candidate set exactly
-in O(1) from running totals.
+in O(1) from running totals. The `+ 1` is the final norm: in general the norms outside the
+layers (an encoder's embedding LayerNorm: + 2). An encoder's task head (BERT's pooler and
+classifier) is counted in the total but not in the budget: the pooler's D^2 is not linear in D.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ class ModelShape:
     vocab: int
     tied_embeddings: bool
     family: str = "llama"  # the model_type whose tensor table counts the parameters
+    # An encoder's position and token-type tables and its classifier's labels (0 for decoders)
+    positions: int = 0
+    types: int = 0
+    labels: int = 0
 
     # ---- counts -------------------------------------------------------------------------
     def costs(self, layer: LayerShape) -> UnitCosts:
@@ -66,23 +72,39 @@ class ModelShape:
     def kept(self, hidden: int, layers: tuple[LayerShape, ...]) -> "ModelShape":
         return replace(self, hidden=hidden, layers=tuple(layers))
 
+    def _outer_params(self, part: str, hidden: int | None = None) -> int:
+        sizes = {"hidden": self.hidden if hidden is None else hidden, "vocab": self.vocab, "positions": self.positions,
+                 "types": self.types, "labels": self.labels}
+        family = family_for(self.family)
+        return sum(t.numel(sizes) for t in family.outer_tensors
+                   if t.part == part and not (self.tied_embeddings and t.name == family.output_embedding))
+
+    def outer_columns(self, part: str) -> int:
+        """Parameters one hidden channel costs outside the layers in `part` ("block": the norms;
+        "embedding": the tables' columns)."""
+        return self._outer_params(part, 1) - self._outer_params(part, 0)
+
     def block_params(self) -> int:
-        """Attention + MLP + all norms (incl. the final one): the density denominator."""
-        return sum(self.layer_params(layer) for layer in self.layers) + self.hidden
+        """Attention + MLP + all norms (incl. those outside the layers): the density denominator."""
+        return sum(self.layer_params(layer) for layer in self.layers) + self._outer_params("block")
 
     def embedding_params(self) -> int:
-        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        return self._outer_params("embedding")
+
+    def head_params(self) -> int:
+        """An encoder's task head (pooler, classifier): counted, never in the density budget."""
+        return self._outer_params("head")
 
     def total_params(self) -> int:
-        return self.block_params() + self.embedding_params()
+        return self.block_params() + self.embedding_params() + self.head_params()
 
     def budget_params(self, count_embeddings: bool) -> int:
         return self.total_params() if count_embeddings else self.block_params()
 
     def hidden_cost(self) -> int:
         """Parameters one hidden channel costs at the current shapes."""
-        per_channel = sum(self.layer_params(layer, 1) - self.layer_params(layer, 0) for layer in self.layers) + 1
-        return per_channel
+        per_channel = sum(self.layer_params(layer, 1) - self.layer_params(layer, 0) for layer in self.layers)
+        return per_channel + self.outer_columns("block")
 
     @property
     def uniform(self) -> bool:
@@ -90,11 +112,13 @@ class ModelShape:
 
     # ---- (de)serialisation ---------------------------------------------------------------
     def to_dict(self) -> dict:
+        encoder = {key: getattr(self, key) for key in ("positions", "types", "labels") if getattr(self, key)}
         return {
             "hidden": self.hidden,
             "vocab": self.vocab,
             "tied_embeddings": self.tied_embeddings,
             "family": self.family,
+            **encoder,  # a decoder's record is as it always was
             "layers": [asdict(layer) for layer in self.layers],
         }
 
@@ -106,13 +130,15 @@ class ModelShape:
             vocab=int(data["vocab"]),
             tied_embeddings=bool(data["tied_embeddings"]),
             family=str(data.get("family", "llama")),  # runs before families were recorded were LLaMA's
+            **{key: int(data.get(key, 0)) for key in ("positions", "types", "labels")},
         )
 
     @classmethod
     def from_config(cls, config) -> "ModelShape":
         """Shapes of an unpruned (or apt-exported) LLaMA config, validated."""
         check_supported_config(config)
-        heads, kv = config.num_attention_heads, config.num_key_value_heads
+        heads = config.num_attention_heads
+        kv = getattr(config, "num_key_value_heads", None) or heads  # encoders: a KV group a head
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         per_layer = getattr(config, "apt_layer_shapes", None)
         if per_layer:
@@ -122,13 +148,7 @@ class ModelShape:
                 LayerShape(num_kv_groups=kv, group_size=heads // kv, head_dim=head_dim, ffn=config.intermediate_size)
                 for _ in range(config.num_hidden_layers)
             )
-        return cls(
-            hidden=config.hidden_size,
-            layers=layers,
-            vocab=config.vocab_size,
-            tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            family=config.model_type,
-        )
+        return cls(hidden=config.hidden_size, layers=layers, vocab=config.vocab_size, **_outer_sizes(config))
 
     @classmethod
     def from_model(cls, model) -> "ModelShape":
@@ -136,26 +156,29 @@ class ModelShape:
         check_supported_model(model)
         config = model.config
         layers, family = [], family_for(config.model_type)
+        ffn_role = next(t.role for t in family.layer_tensors if t.dims[0] == "ffn")  # gate or up: rows are neurons
         for layer in family.decoder_layers(model):
-            attn = family.attention_block(layer)
-            head_dim = attn.head_dim
+            head_dim, group_size = family.head_geometry(layer)
             kv_rows = _full_shape(family.layer_module(layer, "attn_k").weight)[0]
             layers.append(
                 LayerShape(
                     num_kv_groups=kv_rows // head_dim,
-                    group_size=attn.num_key_value_groups,
+                    group_size=group_size,
                     head_dim=head_dim,
-                    ffn=_full_shape(family.layer_module(layer, "ffn_gate").weight)[0],
+                    ffn=_full_shape(family.layer_module(layer, ffn_role).weight)[0],
                 )
             )
         vocab, hidden = _full_shape(family.embedding_module(model).weight)
-        return cls(
-            hidden=hidden,
-            layers=tuple(layers),
-            vocab=vocab,
-            tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            family=config.model_type,
-        )
+        return cls(hidden=hidden, layers=tuple(layers), vocab=vocab, **_outer_sizes(config))
+
+
+def _outer_sizes(config) -> dict:
+    """ModelShape's fields besides the layers, hidden size and vocabulary, from a config."""
+    family = family_for(config.model_type)
+    encoder = family.kind == "encoder"
+    return dict(tied_embeddings=family.ties(config), family=config.model_type,
+                positions=config.max_position_embeddings if encoder else 0,
+                types=config.type_vocab_size if encoder else 0, labels=config.num_labels if encoder else 0)
 
 
 def _full_shape(param: torch.Tensor) -> tuple[int, ...]:
@@ -192,8 +215,8 @@ def check_supported_model(model) -> None:
     family = family_for(config.model_type)
     try:
         layers = family.decoder_layers(model)
-        for find in (family.embedding_module, family.output_module, family.final_norm_module):
-            find(model)
+        for tensor in family.outer_tensors:
+            model.get_submodule(tensor.module)
     except AttributeError as error:
         raise UnsupportedModelError(f"{type(model).__name__} is not the {family.model_type} causal LM its config "
                                     f"names ({error})") from None

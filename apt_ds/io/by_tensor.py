@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from apt_ds.io.modeling import ModelLoadError
+from apt_ds.io.errors import ModelLoadError
 from apt_ds.models import family_for
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from apt_ds.algorithm.units import LayerShape, UnsupportedModelError
-from apt_ds.models import FAMILIES, family_for
+from apt_ds.io.errors import ModelLoadError
+from apt_ds.models import FAMILIES, check_trainable, family_for
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +36,6 @@ TINY_CONFIG = dict(
 )
 
 
-class ModelLoadError(ValueError):
-    """The model path does not hold a loadable checkpoint of a supported family."""
 
 
 def tiny_config(variant: str) -> dict:
@@ -100,7 +99,7 @@ def check_model_path(path: str | Path, flag: str = "model path") -> dict:
     if not isinstance(config, dict):
         raise ModelLoadError(f"{flag} {path}: config.json is not a JSON object")
     if not config.get("apt_layer_shapes"):
-        family_for(config.get("model_type"), where=str(path))
+        check_trainable(family_for(config.get("model_type"), where=str(path)), where=str(path))
     if not any(path.glob("*.safetensors")):
         pickled = " (only pickled *.bin weights, which are not loaded: convert them to safetensors)" if any(path.glob("*.bin")) else ""
         raise ModelLoadError(f"{flag} {path} holds no *.safetensors weights{pickled}")

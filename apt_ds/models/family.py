@@ -1,6 +1,6 @@
-"""What a model family description says: the tensors of a decoder layer and the unit axis of
-each of their dimensions, the config values it refuses, the transformers classes, and the base
-tensors an export leaves out on purpose.
+"""What a model family description says: the tensors of a layer (a decoder's, or an encoder's)
+and the unit axis of each of their dimensions, the tensors outside the layers, the config values
+it refuses, the transformers classes, and the base tensors an export leaves out on purpose.
 
 Unit axes (the dimensions pruning slices):
     q       the query-head channels of the kept KV groups (group_size * head_dim per group)
@@ -12,90 +12,27 @@ Unit axes (the dimensions pruning slices):
 A layer's exact parameter count, the pruner's budget terms, the export's slicing and the list
 of tensors it writes all come from that one table, so a family with a bias or a per-head norm
 is counted, sliced and exported the same way everywhere.
+
+Decoders (LLaMA's layer: pre-RMSNorm, RoPE, GQA) and encoders (BERT's: post-LayerNorm with
+biases, absolute position embeddings, a sequence-classification head) differ in where the
+norms sit and what lies outside the layers, which `norm`, `norm_placement` and `outer` say.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
-AXES = ("q", "kv", "ffn", "hidden", "head")
-
-
-class UnsupportedModelError(ValueError):
-    """The model is not one apt-ds can prune; the message says why in one line."""
-
-
-@dataclass(frozen=True)
-class LeftOut:
-    """Base checkpoint tensors an export does not write: `pattern` (a full-match regex over the
-    HF name) and why dropping them changes nothing."""
-
-    pattern: str
-    why: str
-
-    def __post_init__(self):
-        re.compile(self.pattern)  # a typo in a description fails at import, not at export
-
-    def matches(self, name: str) -> bool:
-        return re.fullmatch(self.pattern, name) is not None
-
-
-# What a layer tensor does, in llama.cpp's names for a block's tensors (its GGUF name is
-# `blk.{i}.{role}.{weight|bias}`): the code that hooks, slices or writes a tensor asks a family's
-# description for a role, never for a module name.
-ROLES = {
-    "attn_norm": "the RMSNorm before attention",
-    "attn_q": "the query projection (rows: the heads of the kept KV groups, rotated by RoPE)",
-    "attn_k": "the key projection (rows: one head per kept KV group, rotated by RoPE)",
-    "attn_v": "the value projection (rows: one head per kept KV group)",
-    "attn_q_norm": "the RMSNorm over each query head",
-    "attn_k_norm": "the RMSNorm over each key head",
-    "attn_output": "attention's output projection (columns: the query heads; the KV-group mask's site)",
-    "ffn_norm": "the RMSNorm before the FFN",
-    "ffn_gate": "the FFN's gate projection",
-    "ffn_up": "the FFN's up projection",
-    "ffn_down": "the FFN's down projection (columns: the neurons; the neuron mask's site)",
-}
-
-
-@dataclass(frozen=True)
-class LayerTensor:
-    """One tensor of a decoder layer: its name below the layer (`model.layers.{i}.`), the unit axis
-    of each dimension (rows first) and its role (ROLES)."""
-
-    name: str
-    dims: tuple[str, ...]
-    role: str
-
-    def __post_init__(self):
-        if not self.dims or not set(self.dims) <= set(AXES):
-            raise ValueError(f"{self.name}: dims {self.dims} must be some of {AXES}")
-        if {"q", "kv"} & set(self.dims) and "ffn" in self.dims:
-            raise ValueError(f"{self.name}: a tensor belongs to KV groups or to FFN neurons, not both")
-        if self.role not in ROLES:
-            raise ValueError(f"{self.name}: role {self.role!r} must be one of {sorted(ROLES)}")
-        if self.kind not in ("weight", "bias"):
-            raise ValueError(f"{self.name}: a layer tensor is a module's weight or bias")
-
-    @property
-    def module(self) -> str:
-        """The module path below the layer (`self_attn.q_proj` of `self_attn.q_proj.bias`)."""
-        return self.name.rsplit(".", 1)[0]
-
-    @property
-    def kind(self) -> str:
-        """`weight` or `bias`."""
-        return self.name.rsplit(".", 1)[1]
-
-    @property
-    def attention(self) -> bool:
-        """Part of the attention block (its norm included): a layer without KV groups has none of these."""
-        return self.role.startswith("attn_")
-
-    @property
-    def gguf_name(self) -> str:
-        return f"{self.role}.{self.kind}"
+from apt_ds.models.tensors import (  # noqa: F401  (re-exported: where callers import them)
+    AXES,
+    OUTER_AXES,
+    OUTER_PARTS,
+    ROLES,
+    LayerTensor,
+    LeftOut,
+    OuterTensor,
+    UnsupportedModelError,
+    module_of,
+)
 
 
 @dataclass(frozen=True)
@@ -123,16 +60,35 @@ class Family:
     model_type: str
     names: str  # the models it covers, for messages and docs
     config_class: str  # transformers' names
-    causal_lm_class: str
+    causal_lm_class: str  # the model class apt-ds builds (an encoder's: its sequence classifier)
     layer_tensors: tuple[LayerTensor, ...]  # in the order of the layer's state_dict
     refused_config: tuple[tuple[str, str], ...] = ()  # (config attribute, why) refused when truthy
     left_out: tuple[LeftOut, ...] = ()
     # The tensors outside the decoder layers (HF names) and where the layers are
     embedding: str = "model.embed_tokens.weight"
-    final_norm: str = "model.norm.weight"
-    output_embedding: str = "lm_head.weight"  # not written when the config ties it to the input embedding
+    final_norm: str | None = "model.norm.weight"
+    output_embedding: str | None = "lm_head.weight"  # not written when the config ties it to the input embedding
     layers: str = "model.layers"
-    rotary: str = "model.rotary_emb"  # RoPE's module: its tables are buffers made from the config, never saved
+    rotary: str | None = "model.rotary_emb"  # RoPE's module: its tables are buffers made from the config, never saved
+    # "decoder" (a causal LM) or "encoder" (a sequence classifier)
+    kind: str = "decoder"
+    # "rms": RMSNorm; "layer": LayerNorm with a bias. "pre": each block's norm before it, the
+    # residual stream unnormalised; "post": a norm after each residual add (BERT).
+    norm: str = "rms"
+    norm_placement: str = "pre"
+    # Every tensor outside the layers, in state_dict order (empty: the decoder's embedding, final
+    # norm and LM head, from the fields above)
+    outer: tuple[OuterTensor, ...] = ()
+    # The Linear whose input the hidden mask gates (an encoder's classifier: its pooled input
+    # passed through a tanh, where a pruned channel is not zero)
+    head_input: str | None = None
+    # Modules trained in full beside the adapters, as PEFT's modules_to_save (a new task head)
+    modules_to_save: tuple[str, ...] = ()
+    # Where a layer's head geometry is read: the attention module below the layer (None: the
+    # parent of the output projection) and its head_dim and group size attributes (None: 1)
+    attention_path: str | None = None
+    head_dim_attr: str = "head_dim"
+    group_size_attr: str | None = "num_key_value_groups"
     # llama.cpp's architecture for a GGUF export with every layer alike, and for per-layer shapes
     # (None: llama.cpp has no graph that runs them; `gguf_non_uniform_why` says why)
     gguf_uniform: str | None = None
@@ -155,12 +111,32 @@ class Family:
         return arch
 
     def __post_init__(self):
+        if self.kind not in ("decoder", "encoder") or self.norm not in ("rms", "layer") \
+                or self.norm_placement not in ("pre", "post"):
+            raise ValueError(f"{self.model_type}: kind, norm or norm_placement is not one of the known values")
+        outer_names = [t.name for t in self.outer_tensors]
+        if len(set(outer_names)) != len(outer_names):
+            raise ValueError(f"{self.model_type}: an outer tensor is listed twice")
         names = [t.name for t in self.layer_tensors]
         if len(set(names)) != len(names):
             raise ValueError(f"{self.model_type}: a layer tensor is listed twice")
         roles = [(t.role, t.kind) for t in self.layer_tensors]
         if len(set(roles)) != len(roles):
             raise ValueError(f"{self.model_type}: two layer tensors have the same role")
+
+    @property
+    def outer_tensors(self) -> tuple[OuterTensor, ...]:
+        """The tensors outside the layers (a decoder's LM head listed even when tied)."""
+        if self.outer:
+            return self.outer
+        return (OuterTensor(self.embedding, ("vocab", "hidden"), "embedding"),
+                OuterTensor(self.final_norm, ("hidden",), "block"),
+                OuterTensor(self.output_embedding, ("vocab", "hidden"), "embedding"))
+
+    def ties(self, config) -> bool:
+        """The config ties an LM head to the input embedding (an encoder has no LM head to tie:
+        BERT's config says tie_word_embeddings=True all the same)."""
+        return self.output_embedding is not None and bool(getattr(config, "tie_word_embeddings", False))
 
     def left_out_on_purpose(self, name: str, tied_embeddings: bool) -> bool:
         if tied_embeddings and name == self.output_embedding:
@@ -191,30 +167,45 @@ class Family:
         return model.get_submodule(self.layers)
 
     def embedding_module(self, model):
-        return model.get_submodule(_module_of(self.embedding))
+        return model.get_submodule(module_of(self.embedding))
 
     def final_norm_module(self, model):
-        return model.get_submodule(_module_of(self.final_norm))
+        return model.get_submodule(module_of(self.final_norm))
 
     def output_module(self, model):
         """The LM head (its weight is the embedding's when the config ties them)."""
-        return model.get_submodule(_module_of(self.output_embedding))
+        return model.get_submodule(module_of(self.output_embedding))
 
     def attention_block(self, layer):
-        """The layer's attention module (the parent of its output projection)."""
-        return layer.get_submodule(_module_of(self.module_path("attn_output")))
+        """The layer's attention module: the one holding its head geometry."""
+        return layer.get_submodule(self.attention_path or module_of(self.module_path("attn_output")))
+
+    def head_geometry(self, layer) -> tuple[int, int]:
+        """(head_dim, query heads per KV head) of a layer module."""
+        attention = self.attention_block(layer)
+        group_size = getattr(attention, self.group_size_attr) if self.group_size_attr else 1
+        return getattr(attention, self.head_dim_attr), group_size
 
     def ffn_block(self, layer):
         """The layer's FFN module (the parent of its down projection)."""
-        return layer.get_submodule(_module_of(self.module_path("ffn_down")))
+        return layer.get_submodule(module_of(self.module_path("ffn_down")))
 
     def hidden_norms(self, layer) -> list:
-        """The layer's norms over the hidden channels (sliced and masked with them)."""
-        return [self.layer_module(layer, t.role) for t in self.layer_tensors if t.dims == ("hidden",)]
+        """The layer's norms over the hidden channels (sliced and masked with them), once each."""
+        roles = dict.fromkeys(t.role for t in self.layer_tensors if t.dims == ("hidden",) and t.role.endswith("_norm"))
+        return [self.layer_module(layer, role) for role in roles]
+
+    def outer_norms(self, model) -> list:
+        """The norms over the hidden channels outside the layers (a decoder's final norm, an
+        encoder's embedding LayerNorm), once each."""
+        modules = dict.fromkeys(t.module for t in self.outer_tensors if t.dims == ("hidden",) and t.part == "block")
+        return [model.get_submodule(module) for module in modules]
 
     def rebuild_rotary(self, model, device=None) -> None:
         """Make RoPE's module again from the config (in fp32, as transformers does), after a build
         on the meta device or under a dtype-forcing context left its tables empty or rounded."""
+        if self.rotary is None:
+            return
         owner, name = self.rotary.rsplit(".", 1)
         rotary = type(model.get_submodule(self.rotary))(config=model.config)
         setattr(model.get_submodule(owner), name, rotary if device is None else rotary.to(device))
@@ -227,9 +218,16 @@ class Family:
         return name.startswith(self.layers + ".")
 
     @property
+    def linears(self) -> tuple[LayerTensor, ...]:
+        """Every Linear weight of the layer (what a shrink slices)."""
+        return tuple(t for t in self.layer_tensors if t.kind == "weight" and len(t.dims) == 2)
+
+    @property
     def projections(self) -> dict[str, LayerTensor]:
-        """The layer's Linear weights by module name (`q_proj`: PEFT's `target_modules` names)."""
-        return {t.module.rsplit(".", 1)[-1]: t for t in self.layer_tensors if t.kind == "weight" and len(t.dims) == 2}
+        """The layer's Linear weights by module name (`q_proj`: PEFT's `target_modules` names);
+        a name two Linears share (BERT's `dense`) names neither."""
+        leaves = [t.module.rsplit(".", 1)[-1] for t in self.linears]
+        return {leaf: t for leaf, t in zip(leaves, self.linears) if leaves.count(leaf) == 1}
 
     def unit_costs(self, group_size: int, head_dim: int) -> UnitCosts:
         """The pruner's terms, summed over the layer's tensors: a unit axis contributes its
@@ -271,11 +269,6 @@ class Family:
         import transformers
 
         return getattr(transformers, self.config_class), getattr(transformers, self.causal_lm_class)
-
-
-def _module_of(name: str) -> str:
-    """The module path of a tensor or submodule name (`model.embed_tokens` of `...weight`)."""
-    return name.rsplit(".", 1)[0]
 
 
 # The tensors every family here shares: LLaMA's decoder layer.

@@ -11,11 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAMILY_OVERRIDES, check_against_probe, random_batch, random_kept, set_binary_masks, tiny_family
+from conftest import FAMILY_OVERRIDES, check_against_probe, masked_then_shrunk, random_batch, random_kept, tiny_family
 
 from apt_ds.algorithm.adapters import add_adapters
-from apt_ds.algorithm.masks import UnitMasks
-from apt_ds.algorithm.shrink import shrink_model
 from apt_ds.algorithm.units import ModelShape
 from apt_ds.cli.export import main as export_main
 from apt_ds.cli.train import main as train_main
@@ -64,20 +62,9 @@ def test_shrink_matches_masked_model(model_type):
     with torch.no_grad():
         for adapter in adapters.values():
             adapter.lora_B.normal_(0, 0.05)
-    batch = random_batch(length=20)  # past Mistral's window of 8
     shape = ModelShape.from_model(model)
-    kept = random_kept(shape, seed=7)
-    masks = UnitMasks(shape)
-    masks.install(model)
-    with torch.no_grad():
-        unmasked = model(**batch).logits
-        set_binary_masks(masks, shape, *kept)
-        masked = model(**batch).logits
-    assert (masked - unmasked).abs().max() > 1e-3
-    new_shape, _ = shrink_model(model, shape, *kept)
-    masks.reset(new_shape)
-    with torch.no_grad():
-        torch.testing.assert_close(model(**batch).logits, masked, rtol=0, atol=1e-5)
+    batch = random_batch(length=20)  # past Mistral's window of 8
+    new_shape, _ = masked_then_shrunk(model, shape, batch, random_kept(shape, seed=7), 1e-3)
     assert ModelShape.from_model(model) == new_shape and _params(model) == new_shape.total_params()
     if model_type == "qwen2":
         attention = model.model.layers[0].self_attn

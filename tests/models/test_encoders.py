@@ -1,0 +1,146 @@
+"""Encoders through the same description as decoders (BERT and RoBERTa sequence classifiers,
+apt_ds.models.bert / roberta): exact parameter counts with the task head outside the budget,
+and masked == shrunk logits (post-LayerNorm: each LayerNorm over the kept channels, biases
+sliced, the pooler and classifier sliced with the hidden channels) on tiny random models with
+random biases and LayerNorm weights, padded batches and token types. Training them is refused
+in one line until their data, loss and exports exist."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import masked_then_shrunk, random_kept, randomise_biases_and_norms
+
+from apt_ds.algorithm.adapters import add_adapters
+from apt_ds.algorithm.edits import Keep
+from apt_ds.algorithm.masks import UnitMasks
+from apt_ds.algorithm.units import ModelShape
+from apt_ds.io.modeling import check_model_path
+from apt_ds.models import ENCODERS, FAMILIES, UnsupportedModelError, family_for
+
+ENCODER_NAMES = list(ENCODERS)
+LABELS = 3
+
+
+def tiny_encoder(model_type: str, seed: int = 0, **overrides):
+    """A tiny random sequence classifier: 4 heads of 16, 3 layers, no dropout, random biases and
+    LayerNorm parameters."""
+    config_class, model_class = family_for(model_type).classes()
+    torch.manual_seed(seed)
+    values = dict(vocab_size=97, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_size=96,
+                  max_position_embeddings=48, type_vocab_size=2 if model_type == "bert" else 1, num_labels=LABELS,
+                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=1)
+    return randomise_biases_and_norms(model_class(config_class(**{**values, **overrides})))
+
+
+def encoder_batch(model_type: str, batch: int = 4, length: int = 12, seed: int = 1) -> dict:
+    """Right-padded rows of different lengths (RoBERTa's position ids skip the padding index)."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, 97, (batch, length), generator=generator)
+    mask = torch.ones_like(ids)
+    for row in range(1, batch):
+        mask[row, length - 2 * row:] = 0
+    ids = ids.masked_fill(mask == 0, 1)
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    if model_type == "bert":
+        inputs["token_type_ids"] = (torch.arange(length) >= length // 2).long().expand(batch, length) * mask
+    return inputs
+
+
+def _params(model) -> int:
+    return sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
+
+
+def test_encoders_are_their_own_kind_beside_the_decoders():
+    assert set(ENCODER_NAMES) == {"bert", "roberta"} and not set(ENCODERS) & set(FAMILIES)
+    assert all(f.kind == "encoder" for f in ENCODERS.values()) and all(f.kind == "decoder" for f in FAMILIES.values())
+
+
+@pytest.mark.parametrize("model_type", ENCODER_NAMES)
+def test_parameter_count_is_exact_with_the_head_outside_the_budget(model_type):
+    model = tiny_encoder(model_type)
+    shape = ModelShape.from_model(model)
+    assert shape == ModelShape.from_config(model.config) and shape.family == model_type
+    assert (shape.positions, shape.labels, shape.tied_embeddings) == (48, LABELS, False)
+    assert shape.total_params() == _params(model)
+    embeddings = sum(p.numel() for n, p in model.named_parameters() if n.endswith("_embeddings.weight"))
+    head = sum(p.numel() for n, p in model.named_parameters() if "pooler" in n or n.startswith("classifier"))
+    assert shape.embedding_params() == embeddings and shape.head_params() == head
+    assert shape.block_params() == _params(model) - embeddings - head
+    assert ModelShape.from_dict(shape.to_dict()) == shape
+
+
+def test_an_encoder_layer_costs_what_its_tensors_hold():
+    """A head (one KV group: group size 1) costs its q/k/v/output rows and columns and q/k/v
+    biases; a neuron its up and down entries and up bias; a hidden channel 6 entries a layer
+    (output biases, two LayerNorms) and 2 in the embeddings' LayerNorm."""
+    shape = ModelShape.from_model(tiny_encoder("bert"))
+    layer = shape.layers[0]
+    assert (layer.group_size, layer.head_dim, layer.num_kv_groups) == (1, 16, 4)
+    assert shape.group_cost(layer) == 4 * 16 * 64 + 3 * 16 and shape.neuron_cost(layer) == 2 * 64 + 1
+    assert shape.hidden_cost() == 3 * (4 * 4 * 16 + 2 * 96 + 6) + 2
+
+
+@pytest.mark.parametrize("prune_hidden", [True, False], ids=["hidden", "no-hidden"])
+@pytest.mark.parametrize("model_type", ENCODER_NAMES)
+def test_shrink_matches_masked_model(model_type, prune_hidden):
+    model = tiny_encoder(model_type)
+    adapters = add_adapters(model, ("query", "value"), rank=4, alpha=8.0, seed=0)
+    head = family_for(model_type).modules_to_save[0]
+    model.get_submodule(head).requires_grad_(True)  # trained in full beside the adapters
+    with torch.no_grad():
+        for adapter in adapters.values():
+            adapter.lora_B.normal_(0, 0.05)
+    shape = ModelShape.from_model(model)
+    kept = random_kept(shape, seed=7, prune_hidden=prune_hidden)
+    # 10x the tolerance: LayerNorms damp what one unit adds
+    new_shape, change = masked_then_shrunk(model, shape, encoder_batch(model_type), kept, 1e-4)
+    assert ModelShape.from_model(model) == new_shape and _params(model) == new_shape.total_params()
+    trained = {n: p for n, p in model.named_parameters() if n.startswith(head + ".")}
+    assert trained and all(p.requires_grad for p in trained.values())
+    if prune_hidden:  # the head's optimizer state follows its inputs (and a hidden-wide layer's outputs)
+        for name, param in trained.items():
+            edits = change.get(name, [])  # a (labels,) bias keeps its shape
+            assert all(isinstance(e, Keep) and len(e.index) == new_shape.hidden for e in edits)
+            assert len(edits) == sum(size == new_shape.hidden for size in param.shape), name
+    else:
+        assert not set(change) & set(trained)
+
+
+@pytest.mark.parametrize("model_type", ENCODER_NAMES)
+def test_a_partly_masked_layernorm_blends_toward_the_shrunk_one(model_type):
+    """Mid-decay (a hidden mask between 0 and 1) the output moves monotonically from the dense
+    model's to the pruned one's: the masked LayerNorm is continuous in the mask."""
+    model = tiny_encoder(model_type)
+    batch = encoder_batch(model_type)
+    shape = ModelShape.from_model(model)
+    masks = UnitMasks(shape)
+    masks.install(model)
+    dropped = torch.arange(0, shape.hidden, 5)
+    distances = []
+    with torch.no_grad():
+        dense = model(**batch).logits
+        for level in (0.9, 0.5, 0.0):
+            masks.hidden = torch.ones(shape.hidden).index_fill_(0, dropped, level)
+            masks.refresh()
+            distances.append(float((model(**batch).logits - dense).abs().max()))
+    assert 0 < distances[0] < distances[1] < distances[2]
+
+
+@pytest.mark.parametrize("model_type", ENCODER_NAMES)
+def test_training_an_encoder_is_refused_in_one_line(tmp_path, model_type):
+    tiny_encoder(model_type).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match=r"is an encoder, which apt-ds does not train yet; it trains decoders"):
+        check_model_path(tmp_path)
+
+
+def test_the_train_command_refuses_an_encoder_before_reading_weights(in_tmp, tmp_path, capsys):
+    from apt_ds.cli.train import main as train_main
+
+    tiny_encoder("bert").save_pretrained(tmp_path / "bert")
+    (tmp_path / "bert" / "model.safetensors").write_bytes(b"not safetensors")
+    capsys.readouterr()
+    assert train_main(["--model", str(tmp_path / "bert"), "--steps", "4", "--out", str(tmp_path / "run")]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "BERT (bert) is an encoder, which apt-ds does not train yet" in errors[0], errors
+    assert not (tmp_path / "run").exists()
