@@ -163,10 +163,12 @@ def add_adapters(model, targets, rank: int, alpha: float, seed: int = 0,
     for param in model.parameters():
         param.requires_grad_(False)
     generator = torch.Generator().manual_seed(seed)
-    adapters, layers = {}, family_of(model).layers
+    family = family_of(model)
+    paths = set(family.adapter_paths(targets))  # `q_proj` is BERT's attention.self.query too
+    adapters = {}
     for name, module in model.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf in targets and isinstance(module, nn.Linear) and name.startswith(f"{layers}."):
+        below_layer = name[len(family.layers) + 1:].partition(".")[2] if name.startswith(f"{family.layers}.") else None
+        if below_layer in paths and isinstance(module, nn.Linear):
             adapters[name] = APTAdapter.wrap(module, rank, alpha, generator, device=device)
     if not adapters:
         raise ValueError(f"no Linear named {list(targets)} found inside model layers")

@@ -12,8 +12,8 @@ Both factors are summed over micro-batches and across data-parallel ranks BEFORE
 product, so scores do not depend on how the global batch is split. Sites:
 - KV groups: input of o_proj (channels of the group's query heads, summed);
 - FFN neurons: input of down_proj;
-- hidden channels: outputs of o_proj and down_proj, the product taken per site and summed
-  over the 2L sites.
+- hidden channels: outputs of o_proj and down_proj (a post-LayerNorm encoder's: of the norm after
+  each residual add, `Family.hidden_sites`), the product taken per site and summed over the 2L sites.
 Outlier term (groups, neurons): k = sqrt(max(kurtosis(O), 0)) with O = mean_{b,t}(X) * W over
 the unit's own entries of W (o_proj columns of a group, the down_proj column of a neuron), added
 as w * mean_layer(S) * k / mean_layer(k) (w = APTConfig.kurtosis_weight). The spec adds k itself:
@@ -36,8 +36,7 @@ import torch
 
 from apt_ds.algorithm.finite import require_finite
 from apt_ds.algorithm.kurtosis import column_power_sums, unit_kurtosis
-from apt_ds.algorithm.quant import dense_weight
-from apt_ds.algorithm.salience_site import SiteSums
+from apt_ds.algorithm.salience_site import SiteSums, effective_weight
 from apt_ds.algorithm.shrink import group_channels
 from apt_ds.algorithm.units import ModelShape
 from apt_ds.models import family_of
@@ -103,9 +102,12 @@ class SalienceCollector:
         family = family_of(model)
         for index, layer in enumerate(family.decoder_layers(model)):
             attn_output, ffn_down = family.layer_module(layer, "attn_output"), family.layer_module(layer, "ffn_down")
-            for module, inner, outer in ((attn_output, "attn_sites", 2 * index), (ffn_down, "ffn_sites", 2 * index + 1)):
+            hidden = [family.layer_module(layer, role) for role in family.hidden_sites]
+            for module, inner, outer, site in ((attn_output, "attn_sites", 2 * index, hidden[0]),
+                                               (ffn_down, "ffn_sites", 2 * index + 1, hidden[1])):
                 self._handles.append(module.register_forward_pre_hook(self._input_hook(inner, index), prepend=True))
-                self._handles.append(module.register_forward_hook(self._output_hook(inner, index, outer), prepend=True))
+                self._handles.append(module.register_forward_hook(self._weight_hook(inner, index), prepend=True))
+                self._handles.append(site.register_forward_hook(self._hidden_hook(outer), prepend=True))
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -148,13 +150,21 @@ class SalienceCollector:
 
         return hook
 
-    def _output_hook(self, kind: str, index: int, hidden_index: int):
+    def _hidden_hook(self, hidden_index: int):
         def hook(module, args, output):
             if self._collecting():
                 self.hidden_sites[hidden_index].capture(output, self._weights_for(output))
+            return None
+
+        return hook
+
+    def _weight_hook(self, kind: str, index: int):
+        """The kurtosis statistics of the site's weight, once per shape (adapted: every step)."""
+        def hook(module, args, output):
+            if self._collecting():
                 site = getattr(self, kind)[index]
                 if self.use_kurtosis and site.stale_weights:
-                    site.power_sums = column_power_sums(_effective_weight(module))
+                    site.power_sums = column_power_sums(effective_weight(module))
                     site.stale_weights = False
                     site.weights_change = callable(getattr(module, "merged_weight", None))
             return None
@@ -272,9 +282,9 @@ class SalienceCollector:
             # far below anything that orders units.
             for layer, old, new, index in zip(old_shape.layers, old_attn, self.attn_sites, group_index):
                 query_channels, _ = group_channels(index.to(torch.long).cpu(), layer.group_size, layer.head_dim)
-                _carry_power_sums(old, new, query_channels)
+                new.take_power_sums(old, query_channels)
             for old, new, index in zip(old_ffn, self.ffn_sites, neuron_index):
-                _carry_power_sums(old, new, index.to(torch.long))
+                new.take_power_sums(old, index.to(torch.long))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         if self.group_scores is None:
@@ -292,17 +302,3 @@ class SalienceCollector:
         self.hidden_scores = state["hidden"].float().to(self.device)
         self.group_scores = [state[f"group.{i}"].float().to(self.device) for i in range(layers)]
         self.neuron_scores = [state[f"neuron.{i}"].float().to(self.device) for i in range(layers)]
-
-
-def _carry_power_sums(old: SiteSums, new: SiteSums, columns: torch.Tensor) -> None:
-    """Give `new` the power sums of `old`'s kept columns, unless they go stale every step anyway."""
-    if old.power_sums is None or old.weights_change:
-        return
-    new.power_sums = old.power_sums[:, columns.to(old.power_sums.device)]
-    new.stale_weights = False
-
-
-def _effective_weight(module) -> torch.Tensor:
-    """The weight the forward pass applies (base + adapter update when the module has one)."""
-    merged = getattr(module, "merged_weight", None)
-    return merged() if callable(merged) else dense_weight(module.weight)

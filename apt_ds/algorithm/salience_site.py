@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from apt_ds.algorithm.quant import dense_weight
+
 
 class SiteSums:
     """Running sums for one hook site (one channel vector): fp32 views into the collector's one
@@ -36,6 +38,13 @@ class SiteSums:
         if x.requires_grad:
             x.register_hook(self._on_grad)
 
+    def take_power_sums(self, old: "SiteSums", columns: torch.Tensor) -> None:
+        """The power sums of `old`'s kept columns, unless they go stale every step anyway."""
+        if old.power_sums is None or old.weights_change:
+            return
+        self.power_sums = old.power_sums[:, columns.to(old.power_sums.device)]
+        self.stale_weights = False
+
     @torch.no_grad()  # a create_graph backward must not attach its graph to the step buffer
     def _on_grad(self, grad: torch.Tensor) -> None:
         self.grad_abs += abs_sum(grad, tuple(range(grad.dim() - 1)))
@@ -56,3 +65,9 @@ def abs_sum(x: torch.Tensor, dims: tuple[int, ...], in_place: bool = False, fuse
     if fused:
         return torch.linalg.vector_norm(x, 1, dims, dtype=torch.float32)
     return (x.abs_() if in_place else x.abs()).sum(dims, dtype=torch.float32)
+
+
+def effective_weight(module) -> torch.Tensor:
+    """The weight the forward pass applies (base + adapter update when the module has one)."""
+    merged = getattr(module, "merged_weight", None)
+    return merged() if callable(merged) else dense_weight(module.weight)

@@ -1,6 +1,6 @@
 """The APT model state: adapters, masks, salience, kept units, and how they change together.
 
-`APTModel` owns everything that is attached to the LLaMA network (adapters, masks,
+`APTModel` owns everything that is attached to the network (adapters, masks,
 salience hooks, the distillation transform) plus the bookkeeping that lets a shrunk
 architecture be rebuilt from the original checkpoint: which ORIGINAL unit indices survive.
 """
@@ -21,6 +21,7 @@ from apt_ds.algorithm.salience import SalienceCollector
 from apt_ds.algorithm.shrink import LOCAL_ACCESS, ParamAccess, replace_module_params, shrink_model, slice_linear
 from apt_ds.algorithm.units import ModelShape, check_supported_model
 from apt_ds.config import APTConfig
+from apt_ds.models import family_of
 
 
 class APTModel:
@@ -37,6 +38,8 @@ class APTModel:
         self.kept_neurons = [torch.arange(l.ffn) for l in self.shape.layers]
         self.kept_hidden = torch.arange(self.shape.hidden)
         add_adapters(model, config.adapter_targets, config.adapter_rank, config.adapter_alpha, seed=seed, device=self.device)
+        for path in family_of(model).modules_to_save:  # a new task head: trained in full, as PEFT's modules_to_save
+            model.get_submodule(path).requires_grad_(True)
         if config.distill and config.prune:
             attach_transform(model, self.shape.hidden, config.transform_rank, config.adapter_alpha, seed, self.device)
         self.masks = UnitMasks(self.shape, self.device)

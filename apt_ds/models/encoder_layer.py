@@ -42,6 +42,7 @@ ENCODER_FIELDS = dict(
     kind="encoder",
     norm="layer",
     norm_placement="post",
+    hidden_sites=("attn_output_norm", "layer_output_norm"),
     layer_tensors=ENCODER_LAYER,
     final_norm=None,
     output_embedding=None,

@@ -86,6 +86,9 @@ class Family:
     modules_to_save: tuple[str, ...] = ()
     # Where a layer's head geometry is read: the attention module below the layer (None: the
     # parent of the output projection) and its head_dim and group size attributes (None: 1)
+    # The roles whose outputs are a layer's two hidden-channel salience sites: what a block adds
+    # to the residual stream (pre-norm), or the norm that follows the residual add (post-norm)
+    hidden_sites: tuple[str, str] = ("attn_output", "ffn_down")
     attention_path: str | None = None
     head_dim_attr: str = "head_dim"
     group_size_attr: str | None = "num_key_value_groups"
@@ -229,6 +232,20 @@ class Family:
         leaves = [t.module.rsplit(".", 1)[-1] for t in self.linears]
         return {leaf: t for leaf, t in zip(leaves, self.linears) if leaves.count(leaf) == 1}
 
+    def adapter_paths(self, targets) -> list[str]:
+        """The module paths below a layer that adapters `targets` wrap: a name of this family's
+        projections (`query`), or of LLaMA's (`q_proj`, `v_proj`: PEFT's usual names), which
+        means the projection with the same role here (BERT's `attention.self.query`)."""
+        from apt_ds.models.decoder_layer import DECODER_PROJECTION_ROLES
+
+        paths = []
+        for target in targets:
+            if target in self.projections:
+                paths.append(self.projections[target].module)
+            elif target in DECODER_PROJECTION_ROLES and self.layer_tensor(DECODER_PROJECTION_ROLES[target]) is not None:
+                paths.append(self.module_path(DECODER_PROJECTION_ROLES[target]))
+        return list(dict.fromkeys(paths))
+
     def unit_costs(self, group_size: int, head_dim: int) -> UnitCosts:
         """The pruner's terms, summed over the layer's tensors: a unit axis contributes its
         channels per unit (q: group_size * head_dim, kv: head_dim, ffn: 1), `hidden` makes the
@@ -269,22 +286,3 @@ class Family:
         import transformers
 
         return getattr(transformers, self.config_class), getattr(transformers, self.causal_lm_class)
-
-
-# The tensors every family here shares: LLaMA's decoder layer.
-ATTENTION_WEIGHTS = (
-    LayerTensor("self_attn.q_proj.weight", ("q", "hidden"), "attn_q"),
-    LayerTensor("self_attn.k_proj.weight", ("kv", "hidden"), "attn_k"),
-    LayerTensor("self_attn.v_proj.weight", ("kv", "hidden"), "attn_v"),
-    LayerTensor("self_attn.o_proj.weight", ("hidden", "q"), "attn_output"),
-)
-MLP_AND_NORMS = (
-    LayerTensor("mlp.gate_proj.weight", ("ffn", "hidden"), "ffn_gate"),
-    LayerTensor("mlp.up_proj.weight", ("ffn", "hidden"), "ffn_up"),
-    LayerTensor("mlp.down_proj.weight", ("hidden", "ffn"), "ffn_down"),
-    LayerTensor("input_layernorm.weight", ("hidden",), "attn_norm"),
-    LayerTensor("post_attention_layernorm.weight", ("hidden",), "ffn_norm"),
-)
-# Checkpoints saved by transformers before 4.31 hold each layer's rotary table; it is a function
-# of the config (rope_theta, head_dim), rebuilt at load, never a trained weight.
-ROTARY_TABLE = LeftOut(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq", "the rotary table is rebuilt from the config")

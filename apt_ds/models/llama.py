@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from apt_ds.models.family import ATTENTION_WEIGHTS, MLP_AND_NORMS, ROTARY_TABLE, Family
+from apt_ds.models.decoder_layer import ATTENTION_WEIGHTS, MLP_AND_NORMS, ROTARY_TABLE
+from apt_ds.models.family import Family
 
 LLAMA = Family(
     model_type="llama",

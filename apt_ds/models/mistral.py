@@ -5,7 +5,8 @@ which applies the window: the GGUF export says past which context length it diff
 
 from __future__ import annotations
 
-from apt_ds.models.family import ATTENTION_WEIGHTS, MLP_AND_NORMS, ROTARY_TABLE, Family
+from apt_ds.models.decoder_layer import ATTENTION_WEIGHTS, MLP_AND_NORMS, ROTARY_TABLE
+from apt_ds.models.family import Family
 
 MISTRAL = Family(
     model_type="mistral",

@@ -4,7 +4,8 @@ run as `deci`, whose graph adds q/k/v biases when the file holds them."""
 
 from __future__ import annotations
 
-from apt_ds.models.family import MLP_AND_NORMS, Family, LayerTensor
+from apt_ds.models.decoder_layer import MLP_AND_NORMS
+from apt_ds.models.family import Family, LayerTensor
 
 QWEN2 = Family(
     model_type="qwen2",

@@ -3,7 +3,8 @@ head (`q_norm`, `k_norm`: head_dim weights shared by the heads, so kept whole wh
 
 from __future__ import annotations
 
-from apt_ds.models.family import ATTENTION_WEIGHTS, MLP_AND_NORMS, Family, LayerTensor
+from apt_ds.models.decoder_layer import ATTENTION_WEIGHTS, MLP_AND_NORMS
+from apt_ds.models.family import Family, LayerTensor
 
 QWEN3 = Family(
     model_type="qwen3",

@@ -1,6 +1,10 @@
 """The supervised forward of a training step: logits only where a label is learned, the
 distillation step's teacher and student passes, and activation checkpointing. Shared by
 `APTrainer` and the baselines.
+
+Two tasks, told apart by the labels' shape: a causal LM's are (batch, seq), a label per token
+(-100 where none is learned); a sequence classifier's (an encoder's) are (batch,), one class a
+row, whose logits are (batch, classes) and whose loss is the cross-entropy over the rows.
 """
 
 from __future__ import annotations
@@ -8,14 +12,22 @@ from __future__ import annotations
 import torch
 
 
+def classifies(labels: torch.Tensor) -> bool:
+    """A label a row (a sequence classifier's), not a label a token."""
+    return labels.dim() == 1
+
+
 def supervised_token_count(batch: dict) -> int:
-    """Tokens the causal-LM loss averages over (labels are shifted by one)."""
-    return int((batch["labels"][:, 1:] != -100).sum())
+    """Tokens the causal-LM loss averages over (labels are shifted by one); rows, for a classifier."""
+    labels = batch["labels"]
+    return int((labels != -100).sum()) if classifies(labels) else int((labels[:, 1:] != -100).sum())
 
 
-def supervised_positions(labels: torch.Tensor) -> torch.Tensor:
+def supervised_positions(labels: torch.Tensor) -> torch.Tensor | None:
     """Positions whose next token is supervised in some row of the batch (read them on the host:
-    on a GPU `nonzero` waits for the device)."""
+    on a GPU `nonzero` waits for the device); None for a classifier (one logit row a sequence)."""
+    if classifies(labels):
+        return None
     return (labels[:, 1:] != -100).any(0).nonzero().squeeze(1)
 
 
@@ -31,6 +43,10 @@ def supervised_forward(forward, batch: dict, positions: torch.Tensor | None = No
     (batch, kept) mask of the supervised entries).
     """
     labels = batch["labels"]
+    if classifies(labels):
+        out = positions_forward(forward, batch, None, **kwargs)
+        loss = torch.nn.functional.cross_entropy(out.logits.float(), labels, ignore_index=-100)
+        return out, loss, labels != -100
     targets = labels[:, 1:]  # position i predicts token i + 1
     if positions is None:
         positions = supervised_positions(labels)
@@ -44,11 +60,14 @@ def supervised_forward(forward, batch: dict, positions: torch.Tensor | None = No
     return out, loss, mask
 
 
-def positions_forward(forward, batch: dict, positions: torch.Tensor, **kwargs):
+def positions_forward(forward, batch: dict, positions: torch.Tensor | None, **kwargs):
     """The model output with logits only at `positions` (the teacher's pass: no loss, so no fp32
-    copy of its logits for a cross-entropy nobody reads)."""
+    copy of its logits for a cross-entropy nobody reads); None: a classifier's logits."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    if positions is None:
+        return forward(**inputs, **kwargs)
     positions = positions.to(batch["input_ids"].device, non_blocking=True)
-    return forward(**{k: v for k, v in batch.items() if k != "labels"}, logits_to_keep=positions, **kwargs)
+    return forward(**inputs, logits_to_keep=positions, **kwargs)
 
 
 def distilled_forward(backend, distiller, model, switches, batch: dict, positions: torch.Tensor):

@@ -144,3 +144,39 @@ def test_the_train_command_refuses_an_encoder_before_reading_weights(in_tmp, tmp
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and "BERT (bert) is an encoder, which apt-ds does not train yet" in errors[0], errors
     assert not (tmp_path / "run").exists()
+
+
+def classification_batches(model_type: str, seed: int = 0):
+    """An endless stream of learnable micro-batches: the label is which third of the vocabulary
+    the row's first real token falls in."""
+    served = 0
+    while True:
+        batch = encoder_batch(model_type, seed=seed + served)
+        batch["labels"] = (batch["input_ids"][:, 0] - 2) * LABELS // 95
+        yield batch
+        served += 1
+
+
+@pytest.mark.parametrize("model_type", ENCODER_NAMES)
+def test_an_encoder_trains_prunes_to_its_density_and_learns_its_head(model_type):
+    """APTrainer in one process on a sequence classifier: adapters on the query and value
+    projections (`q_proj`/`v_proj` mean those here), the classifier trained in full, heads, neurons
+    and hidden channels pruned to the target with rank growth and self-distillation on."""
+    from apt_ds import APTConfig, APTrainer, TrainConfig
+
+    model = tiny_encoder(model_type)
+    head_before = {n: p.detach().clone() for n, p in model.named_parameters() if n.startswith("classifier")}
+    apt = APTConfig.for_steps(24, target_density=0.5, shape_multiple=1)
+    train = TrainConfig(steps=24, micro_batch_size=4, lr=5e-3, warmup_steps=2, seed=0, log_every=1)
+    trainer = APTrainer(model, apt, train, progress=False)
+    adapted = sorted(trainer.state.adapters)
+    assert adapted and all(name.endswith(("self.query", "self.value")) for name in adapted)
+    trainer.train(classification_batches(model_type))
+    assert abs(trainer.state.density() - 0.5) < 0.05
+    shape = trainer.state.shape
+    assert shape.hidden < 64 and sum(l.ffn for l in shape.layers) < 3 * 96  # hidden channels and neurons went
+    assert max(a.rank for a in trainer.state.adapters.values()) > apt.adapter_rank  # ranks grew
+    head_after = {n: p for n, p in model.named_parameters() if n.startswith("classifier")}
+    assert head_after.keys() == head_before.keys() and all(p.requires_grad for p in head_after.values())
+    bias = "classifier.bias" if model_type == "bert" else "classifier.out_proj.bias"
+    assert not torch.equal(head_after[bias], head_before[bias])  # trained, not only sliced
