@@ -191,18 +191,28 @@ def tokenize_dataset(ds, tokenizer, max_seq_len: int, pack: bool, source: str = 
 
 
 def collate(examples: list[dict], pad_id: int, pad_to: int | None = None) -> dict[str, torch.Tensor]:
-    """Right-padded LongTensors; labels are -100 at padding by position (pad may equal EOS)."""
+    """Right-padded LongTensors; labels are -100 at padding by position (pad may equal EOS). A
+    classifier's examples (apt_ds.io.classification: a `label` each) give labels of shape
+    (batch,), and their token types padded with 0."""
     length = max(len(example["input_ids"]) for example in examples)
     length = max(length, pad_to or 0)
+    classifies = "label" in examples[0]
     input_ids = torch.full((len(examples), length), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(examples), length), dtype=torch.long)
     labels = torch.full((len(examples), length), IGNORE_INDEX, dtype=torch.long)
+    types = torch.zeros((len(examples), length), dtype=torch.long) if "token_type_ids" in examples[0] else None
     for row, example in enumerate(examples):
         n = len(example["input_ids"])
         input_ids[row, :n] = torch.tensor(example["input_ids"], dtype=torch.long)
         attention_mask[row, :n] = 1
-        labels[row, :n] = torch.tensor(example["labels"], dtype=torch.long)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        if types is not None:
+            types[row, :n] = torch.tensor(example["token_type_ids"], dtype=torch.long)
+        if not classifies:
+            labels[row, :n] = torch.tensor(example["labels"], dtype=torch.long)
+    if classifies:
+        labels = torch.tensor([example["label"] for example in examples], dtype=torch.long)
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    return batch if types is None else {**batch, "token_type_ids": types}
 
 
 def batches(

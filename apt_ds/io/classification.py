@@ -1,0 +1,107 @@
+"""Sequence-classification data (GLUE's shape): rows -> token ids and a class, for an encoder.
+
+A row holds one text (`sentence`, as SST-2, or `text`) or a pair (`sentence1` / `sentence2`, as
+MNLI and the GLUE pair tasks), and an integer `label` in 0..K-1; K, the classifier's size, is the
+largest label + 1. The sequence starts with the token a classifier reads (BERT's [CLS],
+RoBERTa's <s>): a tokenizer that frames pairs itself (cls and sep tokens) does, with its token
+types; any other is framed here as BOS A EOS (B EOS). Rows cut to max_seq_len are counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from apt_ds.io.errors import DataError
+
+SINGLE_FIELDS = ("sentence", "text")
+PAIR_FIELDS = ("sentence1", "sentence2")
+LABEL_FIELD = "label"
+CLASSIFICATION_FIELDS = ("a 'sentence' or 'text' field, or 'sentence1'/'sentence2', with an integer 'label'")
+
+
+@dataclass(frozen=True)
+class ClassificationData:
+    """The examples ({"input_ids", "label"} and "token_type_ids" where the tokenizer gives them),
+    the number of classes and how many rows were cut to max_seq_len."""
+
+    examples: list[dict]
+    num_labels: int
+    cut: int
+
+
+def text_fields(columns, source: str) -> tuple[str, ...]:
+    """The fields a classification row's text is read from: a pair, or one text."""
+    columns = set(columns)
+    if LABEL_FIELD not in columns:
+        raise DataError(f"{source} has no {LABEL_FIELD!r} field: a classifier needs {CLASSIFICATION_FIELDS}; found "
+                        f"fields {sorted(columns)}")
+    if set(PAIR_FIELDS) <= columns:
+        return PAIR_FIELDS
+    single = next((name for name in SINGLE_FIELDS if name in columns), None)
+    if single is None:
+        raise DataError(f"{source} has no text to classify: need {CLASSIFICATION_FIELDS}; found fields {sorted(columns)}")
+    return (single,)
+
+
+def class_of(value, number: int, source: str) -> int:
+    """A row's label as an int >= 0; anything else named with its row."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise DataError(f"{source}: row {number} has label {value!r}: labels must be integers 0..K-1")
+    if value < 0:
+        raise DataError(f"{source}: row {number} has label {value}: a negative label marks an unlabelled row (GLUE's "
+                        f"test splits); train and evaluate on a split with labels")
+    return value
+
+
+def tokenize_classification(ds, tokenizer, max_seq_len: int, source: str = "data",
+                            num_labels: int | None = None) -> ClassificationData:
+    """The rows of `ds` as classifier examples. `num_labels`: the classes the model was made for
+    (held-out data), which every label must be below; None: the data's own (largest + 1)."""
+    if max_seq_len < 3:
+        raise DataError(f"{source}: max_seq_len must be >= 3 for a classifier's framing, got {max_seq_len}")
+    fields = text_fields(ds.column_names, source)
+    labels = [class_of(row[LABEL_FIELD], number, source) for number, row in enumerate(ds, start=1)]
+    classes = max(labels) + 1 if num_labels is None else num_labels
+    too_large = next(((n, label) for n, label in enumerate(labels, start=1) if label >= classes), None)
+    if too_large is not None:
+        raise DataError(f"{source}: row {too_large[0]} has label {too_large[1]}, but the classifier has {classes} classes "
+                        f"(labels 0..{classes - 1})")
+    if num_labels is None and classes < 2:
+        raise DataError(f"{source}: every row has label 0: a classifier needs at least two classes")
+    texts = [[str(row[name] or "") for name in fields] for row in ds]
+    frames_itself = tokenizer.cls_token_id is not None and tokenizer.sep_token_id is not None
+    encode = _framed_by_tokenizer if frames_itself else _framed_here
+    examples, cut = [], 0
+    for row_texts, label in zip(texts, labels):
+        example, was_cut = encode(tokenizer, row_texts, max_seq_len)
+        cut += was_cut
+        examples.append({**example, "label": label})
+    return ClassificationData(examples, classes, cut)
+
+
+def _framed_by_tokenizer(tokenizer, texts: list[str], max_seq_len: int) -> tuple[dict, bool]:
+    """BERT's [CLS] A [SEP] B [SEP] with token types, RoBERTa's <s> A </s></s> B </s>: the
+    tokenizer's own framing, truncated longest-first as transformers' pipelines do."""
+    whole = tokenizer(*texts, truncation=False)
+    encoded = tokenizer(*texts, truncation=True, max_length=max_seq_len)
+    example = {"input_ids": list(encoded["input_ids"])}
+    if "token_type_ids" in encoded:
+        example["token_type_ids"] = list(encoded["token_type_ids"])
+    return example, len(whole["input_ids"]) > max_seq_len
+
+
+def _framed_here(tokenizer, texts: list[str], max_seq_len: int) -> tuple[dict, bool]:
+    """BOS A EOS (B EOS) for a tokenizer without cls/sep tokens (the tiny sentencepiece one):
+    the text pieces cut longest-first to fit."""
+    if tokenizer.bos_token_id is None or tokenizer.eos_token_id is None:
+        raise DataError("the tokenizer has neither cls/sep nor bos/eos tokens to frame a classifier's input with")
+    pieces = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    room = max_seq_len - 1 - len(pieces)  # BOS, and an EOS after each piece
+    was_cut = sum(len(p) for p in pieces) > room
+    while sum(len(p) for p in pieces) > room:
+        longest = max(range(len(pieces)), key=lambda i: len(pieces[i]))
+        pieces[longest] = pieces[longest][:-1]
+    ids = [tokenizer.bos_token_id]
+    for piece in pieces:
+        ids += [*piece, tokenizer.eos_token_id]
+    return {"input_ids": ids}, was_cut
