@@ -32,7 +32,7 @@ from apt_ds.io.modeling import TINY_MODELS, ModelLoadError, build_tiny_model, ch
 from apt_ds.io.pinned import pinned_directory, replaced
 from apt_ds.io.quantized import merge_quant, quantize_model
 from apt_ds.io.weights import SafetensorsWeights, WeightsError
-from apt_ds.models import family_for, family_of
+from apt_ds.models import ENCODERS, check_trainable, family_for, family_of
 
 
 def rebuild_trained_model(run_dir: Path, model_path: str | Path | None = None, checkpoint: Path | None = None,
@@ -171,6 +171,8 @@ def export_run(run_dir: Path, out: Path, dtype: str = "fp32", overwrite: bool = 
         check_model_path(model_path, flag="--model")
     recorded = read_meta(run_dir / "checkpoint")
     recorded_base = recorded.get("run_info", {}).get("model")
+    if isinstance(recorded.get("shape"), dict) and recorded["shape"].get("family") in ENCODERS:
+        check_trainable(family_for(recorded["shape"]["family"]))  # before any work
     if format == "gguf" and "shape" in recorded:  # before any work: a shape llama.cpp cannot run is refused in one line
         from apt_ds.export.gguf import gguf_architecture
 

@@ -28,8 +28,11 @@ logger = logging.getLogger(__name__)
 PlaceTensor = Callable[[str, torch.Tensor, nn.Parameter], None]
 
 
-def load_by_tensor(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-    """`path`'s causal LM with every weight in `dtype` on `device`, read one tensor at a time."""
+def load_by_tensor(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                   num_labels: int | None = None, seed: int = 0):
+    """`path`'s model (its family's class) with every weight in `dtype` on `device`, read one
+    tensor at a time; an encoder's classifier with `num_labels` classes, new where the checkpoint
+    has none (seeded: `seed`)."""
 
     from apt_ds.io.weights import SafetensorsWeights
 
@@ -38,58 +41,105 @@ def load_by_tensor(path: str | Path, dtype: torch.dtype = torch.float32, device:
         setattr(model.get_submodule(owner), leaf, nn.Parameter(tensor.to(device=device, dtype=dtype),
                                                                requires_grad=param.requires_grad))
 
-    model = empty_model(path)
-    fill_by_tensor(model, SafetensorsWeights(path), place, torch.device(device))
+    model = empty_model(path, num_labels)
+    fill_by_tensor(model, SafetensorsWeights(path), place, torch.device(device), seed)
     model.config.dtype = dtype  # as from_pretrained(dtype=...) records it
     return model
 
 
-def empty_model(path: str | Path):
-    """The family's causal LM for `path`'s config on the meta device, its LM head tied where the
-    config ties it, with the generation config from_pretrained would give it."""
+def empty_model(path: str | Path, num_labels: int | None = None):
+    """The family's model for `path`'s config on the meta device (an encoder's classifier with
+    `num_labels` classes), its LM head tied where the config ties it, with the generation config
+    from_pretrained would give it."""
     from transformers import AutoConfig, GenerationConfig
     from transformers.initialization import no_init_weights
 
     path = Path(path)
-    config = AutoConfig.from_pretrained(str(path))
+    config = AutoConfig.from_pretrained(str(path), **({} if num_labels is None else {"num_labels": num_labels}))
     family = family_for(config.model_type)
     with torch.device("meta"), no_init_weights():
         model = family.classes()[1](config)
-    if config.tie_word_embeddings:  # tied before the parameters are listed: the head is the embedding's
+    if family.ties(config):  # tied before the parameters are listed: the head is the embedding's
         family.output_module(model).weight = family.embedding_module(model).weight
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(path))
     return model
 
 
-def fill_by_tensor(model, weights, place: PlaceTensor, device: torch.device) -> None:
+def fill_by_tensor(model, weights, place: PlaceTensor, device: torch.device, seed: int = 0) -> None:
     """Give every parameter of `model` (from empty_model) its tensor from `weights` (a directory's
-    SafetensorsWeights), through `place`;
-    then tie the head again and make RoPE's tables on `device`. Fails on a missing tensor, a shape
-    the config does not give, or a parameter or buffer left unset; says which checkpoint tensors
-    the model has no place for, as transformers does."""
+    SafetensorsWeights), through `place`, under its own name or without the base model's prefix
+    (a `BertModel` checkpoint under a BertForSequenceClassification); a task head the checkpoint
+    lacks (`modules_to_save`) is made new, seeded. Then tie the head again and make RoPE's
+    tables or position ids on `device`. Fails on a missing tensor, a shape the config does not
+    give, or a parameter or buffer left unset; says which checkpoint tensors the model has no
+    place for, as transformers does."""
     path = weights.directory
     family = family_for(model.config.model_type)
     params = dict(model.named_parameters())  # a tied LM head once, under the embedding's name
-    missing = [name for name in params if name not in weights]
+    prefix = f"{model.base_model_prefix}."
+    stored = {name: name if name in weights else name.removeprefix(prefix) for name in params}
+    new = {name for name in params if stored[name] not in weights and _in_head(family, name)}
+    missing = [name for name in params if stored[name] not in weights and name not in new]
     if missing:
         raise ModelLoadError(f"the checkpoint {path} has no weights for {missing[:3]} ({len(missing)} tensors)")
-    tied = model.config.tie_word_embeddings
-    unused = [name for name in weights.names() if name not in params and not family.left_out_on_purpose(name, tied)]
+    tied = family.ties(model.config)
+    read = set(stored.values())
+    unused = [name for name in weights.names() if name not in read and not family.left_out_on_purpose(name, tied)]
     if unused:
         logger.warning("%s: %d tensors the model has no place for are not loaded: %s", path, len(unused), unused[:3])
     with torch.no_grad():
         for name, param in params.items():
-            tensor = weights.read(name)  # its pages unmapped again: nothing of the file stays resident
+            if name in new:
+                continue
+            tensor = weights.read(stored[name])  # a mapping of its own: nothing else holds the file's pages
             if list(tensor.shape) != list(param.shape):
                 raise ModelLoadError(f"weight {name} has shape {list(tensor.shape)} in {path}, the config says "
                                      f"{list(param.shape)}")
             place(name, tensor, param)
             del tensor
-    if model.config.tie_word_embeddings:
+    if new:
+        _new_head(model, family, new, place, seed)
+    if tied:
         family.output_module(model).weight = family.embedding_module(model).weight
     family.rebuild_rotary(model, device)
+    _rebuild_position_ids(model, device)
     left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise ModelLoadError(f"loading {path} left {left[:3]} unset: this family's tensors are not all known")
     model.eval()
+
+
+def _in_head(family, name: str) -> bool:
+    return any(name.startswith(module + ".") for module in family.modules_to_save)
+
+
+def _new_head(model, family, names: set[str], place: PlaceTensor, seed: int) -> None:
+    """The task head's parameters `names`, initialised as transformers initialises them, from
+    `seed` alone (every rank, and the resume's rebuild, make the same one)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for path in family.modules_to_save:
+            head = model.get_submodule(path)
+            for module_name, module in head.named_modules(prefix=path):
+                fresh = [(leaf, p) for leaf, p in module.named_parameters(recurse=False) if f"{module_name}.{leaf}" in names]
+                for leaf, param in fresh:
+                    setattr(module, leaf, nn.Parameter(torch.empty(param.shape), requires_grad=param.requires_grad))
+                if fresh:
+                    model._init_weights(module)
+            for module_name, module in head.named_modules(prefix=path):
+                for leaf, param in list(module.named_parameters(recurse=False)):
+                    if f"{module_name}.{leaf}" in names:
+                        place(f"{module_name}.{leaf}", param.detach(), param)
+
+
+def _rebuild_position_ids(model, device: torch.device) -> None:
+    """An encoder's non-persistent index buffers (`embeddings.position_ids`, `token_type_ids`),
+    which a meta-device build leaves empty, as transformers makes them."""
+    for name, buffer in list(model.named_buffers()):
+        if buffer.is_meta and name.rsplit(".", 1)[-1] in ("position_ids", "token_type_ids"):
+            owner, _, leaf = name.rpartition(".")
+            length = model.config.max_position_embeddings
+            value = torch.arange(length, device=device).expand(1, -1) if leaf == "position_ids" else \
+                torch.zeros((1, length), dtype=torch.long, device=device)
+            model.get_submodule(owner).register_buffer(leaf, value, persistent=False)

@@ -18,7 +18,7 @@ from torch import nn
 
 from apt_ds.algorithm.units import LayerShape, UnsupportedModelError
 from apt_ds.io.errors import ModelLoadError
-from apt_ds.models import FAMILIES, check_trainable, family_for
+from apt_ds.models import FAMILIES, family_for
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def check_model_path(path: str | Path, flag: str = "model path") -> dict:
     if not isinstance(config, dict):
         raise ModelLoadError(f"{flag} {path}: config.json is not a JSON object")
     if not config.get("apt_layer_shapes"):
-        check_trainable(family_for(config.get("model_type"), where=str(path)), where=str(path))
+        family_for(config.get("model_type"), where=str(path))
     if not any(path.glob("*.safetensors")):
         pickled = " (only pickled *.bin weights, which are not loaded: convert them to safetensors)" if any(path.glob("*.bin")) else ""
         raise ModelLoadError(f"{flag} {path} holds no *.safetensors weights{pickled}")
@@ -176,8 +176,11 @@ def _check_gguf_tensors(path: Path) -> None:
                                     f"drops (the model would compute with plain RoPE): give the model's HF directory")
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, mmap: bool = True):
-    """A causal LM from a local HF directory, a .gguf file, or an apt_ds export.
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, mmap: bool = True, num_labels: int | None = None,
+               seed: int = 0):
+    """A causal LM from a local HF directory, a .gguf file, or an apt_ds export; an encoder's
+    sequence classifier with `num_labels` classes (its head new where the checkpoint has none,
+    from `seed`), always read tensor by tensor so that every method starts from the same head.
 
     mmap=False reads a HF directory's weights into process memory, one tensor at a time
     (apt_ds.io.by_tensor), instead of mapping the file. Pruning needs that: the mapped pages stay
@@ -197,17 +200,13 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, mmap: bool 
         return load_pretrained(path, dtype=dtype)
     try:
         AutoConfig.from_pretrained(str(path))
-        return _from_pretrained(AutoModelForCausalLM, path, dtype, mmap)
+        if not mmap or family_for(config.get("model_type")).kind == "encoder":
+            from apt_ds.io.by_tensor import load_by_tensor
+
+            return load_by_tensor(path, dtype, num_labels=num_labels, seed=seed)
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     except Exception as err:
         raise ModelLoadError(f"cannot load model from {path}: {str(err).splitlines()[0]}") from None
-
-
-def _from_pretrained(auto_class, path: Path, dtype: torch.dtype, mmap: bool):
-    if mmap:
-        return auto_class.from_pretrained(str(path), dtype=dtype)
-    from apt_ds.io.by_tensor import load_by_tensor
-
-    return load_by_tensor(path, dtype)
 
 
 def axis_sizes(shape: LayerShape, hidden: int) -> dict[str, int]:

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from apt_ds.config import ConfigError, TrainConfig
+from apt_ds.io.classification import tokenize_classification
 from apt_ds.io.data import TruncationStats, collate, load_records, tokenize_dataset
 from apt_ds.io.hub import data_location
 from apt_ds.io.records import ROW_FIELDS
@@ -20,8 +21,10 @@ from apt_ds.io.records import ROW_FIELDS
 _HASH_BATCH = 10_000
 
 
-def held_out_batches(args, tokenizer, train: TrainConfig, backend, pad_id: int, train_records, data_path: str) -> list[dict]:
-    """This rank's share of the held-out examples as micro-batches ([] without --eval-data)."""
+def held_out_batches(args, tokenizer, train: TrainConfig, backend, pad_id: int, train_records, data_path: str,
+                     num_labels: int | None = None) -> list[dict]:
+    """This rank's share of the held-out examples as micro-batches ([] without --eval-data); a
+    classifier's (`num_labels` classes) when given."""
     if not args.eval_data:
         return []
     split = args.eval_data_split or args.data_split
@@ -30,8 +33,11 @@ def held_out_batches(args, tokenizer, train: TrainConfig, backend, pad_id: int, 
     if warning and backend.is_main():
         print(warning, file=sys.stderr)
     truncation = TruncationStats()
-    examples = tokenize_dataset(records, tokenizer, train.max_seq_len, pack=False, source=args.eval_data, stats=truncation,
-                                template=train.template, train_on_prompt=train.train_on_prompt)
+    if num_labels is not None:
+        examples = tokenize_classification(records, tokenizer, train.max_seq_len, args.eval_data, num_labels).examples
+    else:
+        examples = tokenize_dataset(records, tokenizer, train.max_seq_len, pack=False, source=args.eval_data,
+                                    stats=truncation, template=train.template, train_on_prompt=train.train_on_prompt)
     warning = truncation.message(args.eval_data, train.max_seq_len)
     if warning and backend.is_main():
         print(warning, file=sys.stderr)

@@ -181,9 +181,11 @@ def data_fingerprint(meta: dict | None, examples: list[dict], data_path: str) ->
     position in the example stream, which in another stream means other rows seen twice or never."""
     digest = hashlib.sha256()
     for example in examples:
-        for key in ("input_ids", "labels"):
-            digest.update(array.array("q", example[key]).tobytes())
-            digest.update(b"|")
+        for key in ("input_ids", "labels", "token_type_ids", "label"):  # a classifier's: its types and class
+            if key in example:
+                value = example[key]
+                digest.update(array.array("q", [value] if isinstance(value, int) else value).tobytes())
+                digest.update(b"|")
     fingerprint = f"sha256:{digest.hexdigest()} ({len(examples)} examples)"
     # runs from before it have none; a finished run trains no more, whatever the data now
     recorded = (meta or {}).get("run_info", {}).get("data_fingerprint") if not (meta or {}).get("finished") else None

@@ -26,7 +26,7 @@ from apt_ds.io.atomic import write_text_atomic
 from apt_ds.io.checkpoint import read_meta
 from apt_ds.io.checkpoint_save import repair_finished_run
 from apt_ds.io.context_length import check_max_seq_len
-from apt_ds.io.data import TruncationStats, batches, demo_data_path, load_records, tokenize_dataset
+from apt_ds.io.data import TruncationStats, batches, demo_data_path, load_records
 from apt_ds.io.fingerprint import combine_fingerprint_parts, file_fingerprint_part, model_fingerprint
 from apt_ds.io.hub import data_location
 from apt_ds.io.modeling import TINY_MODELS, build_tiny_model, load_model
@@ -50,6 +50,7 @@ from apt_ds.training.eval_data import held_out_batches
 from apt_ds.training.heap import freeze_prepared_data, large_allocations_returned, release_free_heap
 from apt_ds.training.probe import live_probe, save_probe
 from apt_ds.training.run_tokenizer import TOKENIZER_DIR, prepare_tokenizer, texts_for_tokenizer
+from apt_ds.training.task import check_encoder_options, classifies, tokenize_for_task
 from apt_ds.training.trainer import APTrainer
 
 logger = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ def _make_backend(args, train: TrainConfig):
     return backend, train
 
 
-def _model(args, tokenizer, train: TrainConfig, prunes: bool, backend, check_fingerprint):
+def _model(args, tokenizer, train: TrainConfig, prunes: bool, backend, check_fingerprint, num_labels=None):
     """The model in the base dtype and its fingerprint, which `check_fingerprint` sees as soon as it
     is known: for a safetensors directory before the weights are read (minutes for a 70B model).
     Under ZeRO-3 the model is partitioned from the first byte (apt_ds.distributed.zero_init). Otherwise a
@@ -132,7 +133,7 @@ def _model(args, tokenizer, train: TrainConfig, prunes: bool, backend, check_fin
             return _partitioned(backend, config, SafetensorsWeights(path), dtype, train, quant), fingerprint
         if quant.enabled:  # quantized tensor by tensor as it loads (apt_ds.io.quantized)
             return load_quantized(path, quant, backend.device), fingerprint
-        return load_model(path, dtype=dtype, mmap=not prunes), fingerprint
+        return load_model(path, dtype=dtype, mmap=not prunes, num_labels=num_labels, seed=train.seed), fingerprint
     if _partitions_weights(backend):
         logger.warning("%s: a GGUF file is loaded whole on every rank before ZeRO-3 partitions it; convert it to a "
                        "safetensors directory to load partitions only", path)
@@ -180,6 +181,8 @@ def run_training(args, apt: APTConfig | None, train: TrainConfig, configs_for_st
     """With --epochs (`args.epochs`) the steps come from the data: `apt` is None and `train`'s length
     a stand-in until `configs_for_steps(steps)` (apt_ds.cli.recipe) makes both, once the data is read.
     `model_name`: the Hub name args.model was resolved from (apt_ds.io.hub), recorded beside it."""
+    if classifies(args.model):  # before a backend (and DeepSpeed) starts
+        check_encoder_options(args, train)
     backend, train = make_backend(args, train)
     result = _run_on(backend, args, apt, train, configs_for_steps, model_name)
     backend.shutdown()  # only after success: a rank that failed has nobody to wait for
@@ -212,11 +215,10 @@ def _run_on(backend, args, apt: APTConfig | None, train: TrainConfig, configs_fo
         tokenizer = prepare_tokenizer(args, out, texts_for_tokenizer(records), train, Path(staging))
         _check_model_fits(args, train, backend)  # before tokenizing what may be a large data set
         truncation = TruncationStats()
-        examples = tokenize_dataset(records, tokenizer, train.max_seq_len, pack=not args.no_pack, source=data_path,
-                                    stats=truncation, template=train.template, train_on_prompt=train.train_on_prompt,
-                                    tokenizer_name=f"of --model {args.model}")
+        task = tokenize_for_task(args, records, tokenizer, train, data_path, truncation, backend.is_main())
+        examples = task.examples
         examples_digest = resume.data_fingerprint(meta, examples, data_path)  # a resume: the same examples as before
-        counts = epochs.count_data(records, examples, not args.no_pack, truncation.to_dict())
+        counts = epochs.count_data(records, examples, task.packed, truncation.to_dict())
         if args.epochs is not None:
             apt, train = epochs.configs_for_epochs(args.epochs, counts, train, backend.world_size, meta, configs_for_steps)
         said = epochs.start_lines(counts, train, backend.world_size, args.epochs)  # as training begins (_train)
@@ -224,14 +226,14 @@ def _run_on(backend, args, apt: APTConfig | None, train: TrainConfig, configs_fo
         if warning and backend.is_main():
             print(warning, file=sys.stderr)
         pad_id = tokenizer.pad_token_id or 0
-        eval_batches = held_out_batches(args, tokenizer, train, backend, pad_id, records, data_path)
+        eval_batches = held_out_batches(args, tokenizer, train, backend, pad_id, records, data_path, task.num_labels)
         freeze_prepared_data()  # the examples, before the model exists (apt_ds.training.heap)
 
         def check_model(fingerprint):  # the model the run was trained from; known before its weights are read
             if meta is not None:
                 resume.check_resumable_model(meta, args, fingerprint)
 
-        model, fingerprint = _model(args, tokenizer, train, apt.prune, backend, check_model)
+        model, fingerprint = _model(args, tokenizer, train, apt.prune, backend, check_model, task.num_labels)
         check_model_target(model, apt)  # before --out is written: else it fails at the first pruning event
         if Path(args.model).is_file():  # a GGUF's context length is known once it is read (the others': cli.train)
             note = check_max_seq_len(model.config.to_dict(), train.max_seq_len, args.model)
@@ -244,7 +246,7 @@ def _run_on(backend, args, apt: APTConfig | None, train: TrainConfig, configs_fo
                     "tokenizer": TOKENIZER_DIR, "method": args.method, "deepspeed": args.deepspeed,
                     "world_size": backend.world_size, "model_fingerprint": fingerprint, "truncation": truncation.to_dict(),
                     "data_resolved": data_location(data_path), "data_fingerprint": examples_digest,
-                    "base_dtype": dtype_name,
+                    "base_dtype": dtype_name, **({"num_labels": task.num_labels} if task.num_labels else {}),
                     "data_stats": epochs.data_stats(counts, train, backend.world_size, args.epochs),
                     **quantization_record(model, train)}  # a quantized base's layout, in run.json too
         backend.barrier()

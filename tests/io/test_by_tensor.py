@@ -68,3 +68,22 @@ def test_a_tensor_the_model_has_no_place_for_is_named(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="apt_ds.io.by_tensor"):
         load_model(tmp_path, mmap=False)
     assert "1 tensors the model has no place for are not loaded: ['model.extra.weight']" in caplog.text
+
+
+def test_an_encoder_base_without_its_head_gets_a_seeded_one(tmp_path):
+    """A BertModel checkpoint (no `bert.` prefix, no classifier) under a sequence classifier: the
+    encoder's tensors are its own, the classifier is made from the seed alone."""
+    from transformers import BertConfig, BertForSequenceClassification, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=48,
+                        max_position_embeddings=24)
+    BertModel(config).save_pretrained(tmp_path)
+    one, again, other = (load_model(tmp_path, num_labels=3, seed=seed) for seed in (1, 1, 2))
+    assert isinstance(one, BertForSequenceClassification) and one.classifier.out_features == 3
+    reference = BertModel.from_pretrained(str(tmp_path))
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(one.bert.state_dict()[name], tensor), name
+    assert torch.equal(one.classifier.weight, again.classifier.weight)
+    assert not torch.equal(one.classifier.weight, other.classifier.weight)
+    assert one.classifier.weight.std() > 0 and one.bert.embeddings.position_ids.tolist()[0] == list(range(24))

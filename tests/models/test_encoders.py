@@ -2,10 +2,15 @@
 apt_ds.models.bert / roberta): exact parameter counts with the task head outside the budget,
 and masked == shrunk logits (post-LayerNorm: each LayerNorm over the kept channels, biases
 sliced, the pooler and classifier sliced with the hidden channels) on tiny random models with
-random biases and LayerNorm weights, padded batches and token types. Training them is refused
-in one line until their data, loss and exports exist."""
+random biases and LayerNorm weights, padded batches and token types; APTrainer and
+launch/train.py train them on classification rows, prune and resume; what is not written yet
+(ZeRO, a quantized base, exports) is refused in one line."""
 
 from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +20,7 @@ from apt_ds.algorithm.adapters import add_adapters
 from apt_ds.algorithm.edits import Keep
 from apt_ds.algorithm.masks import UnitMasks
 from apt_ds.algorithm.units import ModelShape
-from apt_ds.io.modeling import check_model_path
-from apt_ds.models import ENCODERS, FAMILIES, UnsupportedModelError, family_for
+from apt_ds.models import ENCODERS, FAMILIES, family_for
 
 ENCODER_NAMES = list(ENCODERS)
 LABELS = 3
@@ -127,25 +131,6 @@ def test_a_partly_masked_layernorm_blends_toward_the_shrunk_one(model_type):
     assert 0 < distances[0] < distances[1] < distances[2]
 
 
-@pytest.mark.parametrize("model_type", ENCODER_NAMES)
-def test_training_an_encoder_is_refused_in_one_line(tmp_path, model_type):
-    tiny_encoder(model_type).save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedModelError, match=r"is an encoder, which apt-ds does not train yet; it trains decoders"):
-        check_model_path(tmp_path)
-
-
-def test_the_train_command_refuses_an_encoder_before_reading_weights(in_tmp, tmp_path, capsys):
-    from apt_ds.cli.train import main as train_main
-
-    tiny_encoder("bert").save_pretrained(tmp_path / "bert")
-    (tmp_path / "bert" / "model.safetensors").write_bytes(b"not safetensors")
-    capsys.readouterr()
-    assert train_main(["--model", str(tmp_path / "bert"), "--steps", "4", "--out", str(tmp_path / "run")]) == 2
-    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
-    assert len(errors) == 1 and "BERT (bert) is an encoder, which apt-ds does not train yet" in errors[0], errors
-    assert not (tmp_path / "run").exists()
-
-
 def classification_batches(model_type: str, seed: int = 0):
     """An endless stream of learnable micro-batches: the label is which third of the vocabulary
     the row's first real token falls in."""
@@ -180,3 +165,79 @@ def test_an_encoder_trains_prunes_to_its_density_and_learns_its_head(model_type)
     assert head_after.keys() == head_before.keys() and all(p.requires_grad for p in head_after.values())
     bias = "classifier.bias" if model_type == "bert" else "classifier.out_proj.bias"
     assert not torch.equal(head_after[bias], head_before[bias])  # trained, not only sliced
+
+
+def _encoder_dir(tmp_path, tokenizer, model_type: str):
+    """A tiny encoder checkpoint as BertModel-less base: its classifier is not in the files."""
+    directory = tmp_path / model_type
+    model = tiny_encoder(model_type, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(str(directory))
+    from safetensors.torch import load_file, save_file
+
+    tensors = {k: v for k, v in load_file(str(directory / "model.safetensors")).items() if not k.startswith("classifier")}
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
+def _sentiment_file(path, rows: int = 24):
+    words = ["good", "great", "fine", "bad", "awful", "poor"]
+    path.write_text("".join(json.dumps({"sentence": f"the film was {words[i % 6]}", "label": int(i % 6 < 3)}) + "\n"
+                            for i in range(rows)))
+    return str(path)
+
+
+ENCODER_TRAIN = ["--steps", "8", "--max-seq-len", "24", "--micro-batch-size", "4", "--warmup-steps", "1",
+                 "--target-density", "0.6", "--checkpoint-every", "4"]
+
+
+@pytest.mark.parametrize("model_type", ENCODER_NAMES)
+def test_the_train_command_trains_a_classifier_and_resumes_it(in_tmp, tmp_path, tokenizer, model_type, capsys,
+                                                              monkeypatch):
+    """launch/train.py on a BERT/RoBERTa directory whose files hold no classifier and SST-2-like
+    rows: a two-class head made from the seed, pruned to the density, eval_loss on held-out rows;
+    stopped after its step-4 checkpoint and resumed, it ends as the uninterrupted run."""
+    from conftest import interrupted_at
+    from safetensors.torch import load_file
+
+    from apt_ds.cli.export import main as export_main
+    from apt_ds.cli.train import main as train_main
+    from apt_ds.training.trainer import APTrainer
+
+    base, data = _encoder_dir(tmp_path, tokenizer, model_type), _sentiment_file(tmp_path / "sst.jsonl")
+    flags = [*ENCODER_TRAIN, "--model", str(base), "--data", data, "--eval-data", data, "--eval-examples", "8"]
+    assert train_main([*flags, "--out", "whole"]) == 0
+    final = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert abs(final["density"] - 0.6) < 0.05
+    assert json.loads(Path("whole/run.json").read_text())["num_labels"] == 2
+    metrics = [json.loads(line) for line in Path("whole/metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(m["loss"]) for m in metrics if "loss" in m) and any("eval_loss" in m for m in metrics)
+    real_step = APTrainer._train_step
+    monkeypatch.setattr(APTrainer, "_train_step", interrupted_at(5))
+    assert train_main([*flags, "--out", "cut"]) == 130
+    monkeypatch.setattr(APTrainer, "_train_step", real_step)
+    assert train_main([*flags, "--resume", "--out", "cut"]) == 0
+    whole, resumed = (load_file(f"{run}/checkpoint/trainable.safetensors") for run in ("whole", "cut"))
+    assert whole.keys() == resumed.keys() and any(name.startswith("classifier") for name in whole)
+    for name, tensor in whole.items():
+        torch.testing.assert_close(resumed[name], tensor, rtol=1e-4, atol=1e-5)
+    capsys.readouterr()
+    assert export_main(["whole", "--out", "hf"]) == 2  # not written yet: one line, nothing on disk
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "is an encoder, which apt-ds trains in one process but does not export" in errors[0]
+    assert not Path("hf").exists()
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--deepspeed", str(Path(__file__).resolve().parents[2] / "ds_configs" / "zero2.json")], "--deepspeed (ZeRO)"),
+    (["--base-quant", "nf4"], "--base-quant"),
+])
+def test_what_an_encoder_run_cannot_do_yet_is_refused_in_one_line(in_tmp, tmp_path, tokenizer, capsys, flags, named):
+    from apt_ds.cli.train import main as train_main
+
+    base, data = _encoder_dir(tmp_path, tokenizer, "bert"), _sentiment_file(tmp_path / "sst.jsonl")
+    capsys.readouterr()
+    assert train_main([*ENCODER_TRAIN, "--model", str(base), "--data", data, *flags, "--out", "run"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and named in errors[0] and "is an encoder" in errors[0], errors
+    assert not Path("run").exists()

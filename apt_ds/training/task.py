@@ -1,0 +1,65 @@
+"""What a run learns, from the model's family: a decoder the next tokens of its data
+(apt_ds.io.data), an encoder a class a sequence (apt_ds.io.classification, its classifier as
+large as the data has classes). Also what an encoder run cannot do yet, refused in one line
+before anything is written."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from apt_ds.config import ConfigError, TrainConfig
+from apt_ds.io.classification import tokenize_classification
+from apt_ds.io.data import TruncationStats, tokenize_dataset
+from apt_ds.io.modeling import TINY_MODELS
+from apt_ds.models import ENCODERS
+
+
+@dataclass(frozen=True)
+class TaskData:
+    """The training examples, whether text rows were packed, and an encoder's class count (None: a causal LM)."""
+
+    examples: list[dict]
+    packed: bool
+    num_labels: int | None = None
+
+
+def classifies(model: str) -> bool:
+    """`--model` is an encoder (a sequence classifier), from its config.json's model_type."""
+    if model in TINY_MODELS:
+        return TINY_MODELS[model][0] in ENCODERS
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        return False  # a GGUF file, or a path that load_model refuses in its own words
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return model_type in ENCODERS
+
+
+def check_encoder_options(args, train: TrainConfig) -> None:
+    """What a classifier run does not support yet, named before any work."""
+    unsupported = [(args.deepspeed, "--deepspeed (ZeRO)"), (train.base_quant != "none", "--base-quant"),
+                   (getattr(args, "save_eval_probe", False), "--save-eval-probe"), (args.epochs is not None, "--epochs")]
+    named = [flag for given, flag in unsupported if given]
+    if named:
+        raise ConfigError(f"--model {args.model} is an encoder (a sequence classifier), which trains in one process "
+                          f"without {', '.join(named)} so far")
+
+
+def tokenize_for_task(args, records, tokenizer, train: TrainConfig, data_path: str, truncation: TruncationStats,
+                      is_main: bool) -> TaskData:
+    """The run's examples: a classifier's rows (a label each), or tokenize_dataset's."""
+    if not classifies(args.model):
+        examples = tokenize_dataset(records, tokenizer, train.max_seq_len, pack=not args.no_pack, source=data_path,
+                                    stats=truncation, template=train.template, train_on_prompt=train.train_on_prompt,
+                                    tokenizer_name=f"of --model {args.model}")
+        return TaskData(examples, packed=not args.no_pack)
+    data = tokenize_classification(records, tokenizer, train.max_seq_len, source=data_path)
+    if data.cut and is_main:
+        print(f"warning: {data.cut} of the {len(records)} rows of {data_path} were cut to --max-seq-len "
+              f"{train.max_seq_len} tokens", file=sys.stderr)
+    return TaskData(data.examples, packed=False, num_labels=data.num_labels)
