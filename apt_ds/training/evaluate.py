@@ -19,7 +19,7 @@ from apt_ds.distributed.placement import move_batch
 from apt_ds.io.data import IGNORE_INDEX, collate, encode_prompt_response, prompt_and_answer
 from apt_ds.io.templates import check_template
 from apt_ds.training.attention_kernels import training_attention_kernels
-from apt_ds.training.forward import supervised_forward, supervised_positions
+from apt_ds.training.forward import classifies, supervised_forward, supervised_positions
 
 
 @torch.no_grad()
@@ -100,21 +100,32 @@ def directory_bytes(path: str | Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
-@torch.no_grad()
 def mean_token_loss(trainer, batches: list[dict]) -> float:
     """A trainer's mean token loss over `batches`, summed over ranks before dividing; with the
     training steps' attention kernels (the final evaluation runs after the loop) and salience off."""
-    totals = torch.zeros(2, dtype=torch.float64)
+    return eval_metrics(trainer, batches)["eval_loss"]
+
+
+@torch.no_grad()
+def eval_metrics(trainer, batches: list[dict]) -> dict[str, float]:
+    """`eval_loss` (mean_token_loss) and, for a classifier, `eval_accuracy`: the share of held-out
+    rows whose largest logit is their label, summed over ranks before dividing."""
+    totals = torch.zeros(3, dtype=torch.float64)  # loss sum, supervised count, correct rows
     salience = trainer.state.salience
     was_enabled, salience.enabled = salience.enabled, False
+    classifier = bool(batches) and classifies(batches[0]["labels"])
     with training_attention_kernels(trainer.train_config.cudnn_attention):
         for batch in batches:
             positions = supervised_positions(batch["labels"])
-            _, loss, supervised = supervised_forward(trainer.backend.forward_no_grad, move_batch(batch, trainer.device),
-                                                     positions, use_cache=False)
+            batch = move_batch(batch, trainer.device)
+            out, loss, supervised = supervised_forward(trainer.backend.forward_no_grad, batch, positions, use_cache=False)
             tokens = int(supervised.sum())
+            correct = int((out.logits.argmax(-1) == batch["labels"]).sum()) if classifier else 0
             if tokens:
-                totals += torch.tensor([float(loss) * tokens, float(tokens)], dtype=torch.float64)
+                totals += torch.tensor([float(loss) * tokens, float(tokens), correct], dtype=torch.float64)
     salience.enabled = was_enabled
     totals = trainer.backend.all_reduce_sum(totals)
-    return float(totals[0] / totals[1].clamp_min(1))
+    metrics = {"eval_loss": float(totals[0] / totals[1].clamp_min(1))}
+    if classifier:
+        metrics["eval_accuracy"] = float(totals[2] / totals[1].clamp_min(1))
+    return metrics

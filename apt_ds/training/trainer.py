@@ -32,7 +32,7 @@ from apt_ds.io.metrics import MetricsWriter, memory_mb
 from apt_ds.io.quantized import check_quant_layout, quantization_record
 from apt_ds.training.attention_kernels import training_attention_kernels
 from apt_ds.training.divergence import DivergenceGuard, is_bad_step, kept_checkpoint_note
-from apt_ds.training.evaluate import mean_token_loss
+from apt_ds.training.evaluate import eval_metrics, mean_token_loss
 from apt_ds.training.forward import (
     distilled_forward,
     enable_activation_checkpointing,
@@ -137,7 +137,7 @@ class APTrainer:
         if self.run_info.get("truncation"):  # what --max-seq-len cut from the training data
             final["truncation"] = self.run_info["truncation"]
         if self.eval_batches:
-            final["eval_loss"] = self.evaluate()
+            final.update(eval_metrics(self, self.eval_batches))  # a classifier's eval_accuracy too
             self.backend.log_metrics({"step": self.step, "eval_loss": final["eval_loss"]})  # the monitor's last point
         final["train_time_s"] = time.perf_counter() - started  # this invocation's loop (a resumed run: since resuming)
         self.metrics.write(final)
@@ -284,7 +284,7 @@ class APTrainer:
         part("heap_release")
         record.update({"event": True, "event_time_s": time.perf_counter() - started, "decision": decision.fingerprint()[:16]})
         if self.eval_batches:
-            record["eval_loss"] = self.evaluate()
+            record.update(eval_metrics(self, self.eval_batches))
         return record
 
     def _snapshot_teacher(self) -> None:

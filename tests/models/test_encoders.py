@@ -212,6 +212,7 @@ def test_the_train_command_trains_a_classifier_and_resumes_it(in_tmp, tmp_path, 
     assert json.loads(Path("whole/run.json").read_text())["num_labels"] == 2
     metrics = [json.loads(line) for line in Path("whole/metrics.jsonl").read_text().splitlines()]
     assert all(math.isfinite(m["loss"]) for m in metrics if "loss" in m) and any("eval_loss" in m for m in metrics)
+    assert 0 <= final["eval_accuracy"] <= 1 and all("eval_accuracy" in m for m in metrics if "eval_loss" in m)
     real_step = APTrainer._train_step
     monkeypatch.setattr(APTrainer, "_train_step", interrupted_at(5))
     assert train_main([*flags, "--out", "cut"]) == 130
@@ -241,3 +242,22 @@ def test_what_an_encoder_run_cannot_do_yet_is_refused_in_one_line(in_tmp, tmp_pa
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and named in errors[0] and "is an encoder" in errors[0], errors
     assert not Path("run").exists()
+
+
+def test_eval_accuracy_is_the_share_of_rows_whose_top_logit_is_their_label():
+    """Counted over ranks before dividing, as eval_loss: here one process, three batches."""
+    from apt_ds import APTConfig, APTrainer, TrainConfig
+    from apt_ds.training.evaluate import eval_metrics
+
+    model = tiny_encoder("bert")
+    trainer = APTrainer(model, APTConfig.for_steps(8), TrainConfig(steps=8), progress=False)
+    stream = classification_batches("bert", seed=77)
+    held_out = [next(stream) for _ in range(3)]
+    with torch.no_grad():
+        predicted = [model(**{k: v for k, v in b.items() if k != "labels"}).logits.argmax(-1) for b in held_out]
+        losses = [torch.nn.functional.cross_entropy(model(**{k: v for k, v in b.items() if k != "labels"}).logits,
+                                                    b["labels"], reduction="sum") for b in held_out]
+    correct = sum(int((p == b["labels"]).sum()) for p, b in zip(predicted, held_out))
+    metrics = eval_metrics(trainer, held_out)
+    assert metrics["eval_accuracy"] == pytest.approx(correct / 12)
+    assert metrics["eval_loss"] == pytest.approx(float(sum(losses)) / 12, rel=1e-5)
