@@ -68,8 +68,8 @@ def empty_model(path: str | Path, num_labels: int | None = None):
 
 def fill_by_tensor(model, weights, place: PlaceTensor, device: torch.device, seed: int = 0) -> None:
     """Give every parameter of `model` (from empty_model) its tensor from `weights` (a directory's
-    SafetensorsWeights), through `place`, under its own name or without the base model's prefix
-    (a `BertModel` checkpoint under a BertForSequenceClassification); a task head the checkpoint
+    SafetensorsWeights), through `place`, under its own name or as a base model's checkpoint
+    holds it (SafetensorsWeights.stored); a task head the checkpoint
     lacks (`modules_to_save`) is made new, seeded. Then tie the head again and make RoPE's
     tables or position ids on `device`. Fails on a missing tensor, a shape the config does not
     give, or a parameter or buffer left unset; says which checkpoint tensors the model has no
@@ -77,8 +77,7 @@ def fill_by_tensor(model, weights, place: PlaceTensor, device: torch.device, see
     path = weights.directory
     family = family_for(model.config.model_type)
     params = dict(model.named_parameters())  # a tied LM head once, under the embedding's name
-    prefix = f"{model.base_model_prefix}."
-    stored = {name: name if name in weights else name.removeprefix(prefix) for name in params}
+    stored = {name: weights.stored(name) for name in params}
     new = {name for name in params if stored[name] not in weights and _in_head(family, name)}
     missing = [name for name in params if stored[name] not in weights and name not in new]
     if missing:

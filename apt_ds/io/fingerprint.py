@@ -44,19 +44,20 @@ def file_fingerprint_part(directory: str | Path, part: int, parts: int) -> dict:
     config = AutoConfig.from_pretrained(str(directory))
     weights = SafetensorsWeights(directory)
     family = family_for(config.model_type)
-    if part == 0:
+    if part == 0 and family.output_embedding is not None:  # an encoder has no LM head
         check_output_head(directory, config, weights, family)
-    names = [n for n in weights.names() if not (config.tie_word_embeddings and n == family.output_embedding)]
+    names = [n for n in weights.names() if not (family.ties(config) and n == family.output_embedding)]
+    embedding_name = weights.stored(family.embedding)  # a BertModel checkpoint: without `bert.`
 
     def reader(name):
         return math.prod(weights.shape(name)), lambda start, length: weights.flat_range(name, start, length)
 
-    embedding_numel = reader(family.embedding)[0]
+    embedding_numel = reader(embedding_name)[0]
     work = [("tensor", name, reader(name)[0]) for name in names]
     work += [("chunk", start, min(FINGERPRINT_CHUNK, embedding_numel - start))
              for start in range(0, embedding_numel, FINGERPRINT_CHUNK)]
     mine = [item for item, owner in zip(work, _balanced_owners([size for _, _, size in work], parts)) if owner == part]
-    embedding = reader(family.embedding)[1]
+    embedding = reader(embedding_name)[1]
     return {"config_sha": _config_sha(config),
             "sums": {name: _sample_sum(reader(name)) for kind, name, _ in mine if kind == "tensor"},
             "embedding_chunks": {start: float(embedding(start, FINGERPRINT_CHUNK).double().abs().sum())

@@ -68,6 +68,15 @@ class SafetensorsWeights:
     def __contains__(self, name: str) -> bool:
         return name in self._file_of
 
+    def stored(self, name: str) -> str:
+        """`name` as the files hold it: itself, or without its first component when only that is
+        there (a base model's checkpoint read by its task class: BertModel's `embeddings.` for
+        BertForSequenceClassification's `bert.embeddings.`)."""
+        if name in self._file_of:
+            return name
+        short = name.partition(".")[2]
+        return short if short in self._file_of else name
+
     def _slice(self, name: str):
         if name not in self._file_of:
             raise WeightsError(f"{self.directory}: no tensor named {name}")

@@ -5,7 +5,7 @@ the hidden channels) and the classifier, a new head trained in full."""
 from __future__ import annotations
 
 from apt_ds.models.encoder_layer import ENCODER_FIELDS, embedding_tensors
-from apt_ds.models.family import Family, OuterTensor
+from apt_ds.models.family import Family, LeftOut, OuterTensor
 
 BERT = Family(
     model_type="bert",
@@ -21,5 +21,7 @@ BERT = Family(
         OuterTensor("classifier.bias", ("labels",), "head"),
     ),
     head_input="classifier",
+    left_out=(LeftOut(r"(bert\.)?embeddings\.position_ids", "an index buffer older transformers saved; rebuilt at load"),
+              LeftOut(r"cls\..*", "BERT's pretraining heads (masked LM, next sentence), which a classifier does not use")),
     **ENCODER_FIELDS,
 )

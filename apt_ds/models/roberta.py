@@ -5,7 +5,7 @@ with no pooler, trained in full."""
 from __future__ import annotations
 
 from apt_ds.models.encoder_layer import ENCODER_FIELDS, embedding_tensors
-from apt_ds.models.family import Family, OuterTensor
+from apt_ds.models.family import Family, LeftOut, OuterTensor
 
 ROBERTA = Family(
     model_type="roberta",
@@ -21,5 +21,8 @@ ROBERTA = Family(
         OuterTensor("classifier.out_proj.bias", ("labels",), "head"),
     ),
     head_input="classifier.out_proj",
+    left_out=(LeftOut(r"(roberta\.)?embeddings\.position_ids", "an index buffer older transformers saved; rebuilt at load"),
+              LeftOut(r"(roberta\.)?pooler\..*", "RoBERTa's pooler, which its sequence classifier does not have"),
+              LeftOut(r"lm_head\..*", "the masked-LM head of pretraining, which a classifier does not use")),
     **ENCODER_FIELDS,
 )

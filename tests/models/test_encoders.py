@@ -168,15 +168,19 @@ def test_an_encoder_trains_prunes_to_its_density_and_learns_its_head(model_type)
 
 
 def _encoder_dir(tmp_path, tokenizer, model_type: str):
-    """A tiny encoder checkpoint as BertModel-less base: its classifier is not in the files."""
-    directory = tmp_path / model_type
-    model = tiny_encoder(model_type, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(str(directory))
+    """A tiny encoder checkpoint without a classifier: BERT's as `BertModel` saves it (no `bert.`
+    prefix, as sentence-transformers' MiniLM ships), RoBERTa's with its prefix."""
     from safetensors.torch import load_file, save_file
 
-    tensors = {k: v for k, v in load_file(str(directory / "model.safetensors")).items() if not k.startswith("classifier")}
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    directory = tmp_path / model_type
+    model = tiny_encoder(model_type, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    if model_type == "bert":
+        model.bert.save_pretrained(directory)
+    else:
+        model.save_pretrained(directory)
+        tensors = {k: v for k, v in load_file(str(directory / "model.safetensors")).items() if not k.startswith("classifier")}
+        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(str(directory))
     return directory
 
 
