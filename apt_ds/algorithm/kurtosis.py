@@ -10,6 +10,7 @@ import torch
 # model's first salience step raised glibc's mmap threshold and stayed behind as ~150 MB of free
 # heap (SmolLM2-135M, one process: what put APT's peak above LoRA's, docs/BENCHMARKS.md).
 POWER_SUM_BLOCK = 2**18
+POWER_SUM_BLOCK_GPU = 2**24  # on a GPU the caching allocator keeps no heap, and each block costs kernel launches
 
 
 def column_power_sums(weight: torch.Tensor) -> torch.Tensor:
@@ -18,7 +19,8 @@ def column_power_sums(weight: torch.Tensor) -> torch.Tensor:
     are (4, channels) vectors computed once per shape, in blocks of rows (POWER_SUM_BLOCK)."""
     weight = weight.detach()
     sums = torch.zeros(4, weight.shape[1], dtype=torch.float64, device=weight.device)
-    for block in weight.split(max(1, POWER_SUM_BLOCK // max(1, weight.shape[1]))):
+    elements = POWER_SUM_BLOCK if weight.device.type == "cpu" else POWER_SUM_BLOCK_GPU
+    for block in weight.split(max(1, elements // max(1, weight.shape[1]))):
         w = block.double()
         w2 = w * w
         sums[0] += w.sum(0)

@@ -99,7 +99,8 @@ class ModelShape:
         return self.block_params() + self.embedding_params() + self.head_params()
 
     def budget_params(self, count_embeddings: bool) -> int:
-        return self.total_params() if count_embeddings else self.block_params()
+        """The density's denominator: blocks, and the embeddings where they count (a task head never)."""
+        return self.block_params() + (self.embedding_params() if count_embeddings else 0)
 
     def hidden_cost(self) -> int:
         """Parameters one hidden channel costs at the current shapes."""

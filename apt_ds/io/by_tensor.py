@@ -110,26 +110,31 @@ def fill_by_tensor(model, weights, place: PlaceTensor, device: torch.device, see
 
 
 def _in_head(family, name: str) -> bool:
-    return any(name.startswith(module + ".") for module in family.modules_to_save)
+    """A task head's tensor (a classifier, a pooler), which a base checkpoint may lack."""
+    return any(name == tensor.name for tensor in family.outer_tensors if tensor.part == "head")
 
 
 def _new_head(model, family, names: set[str], place: PlaceTensor, seed: int) -> None:
     """The task head's parameters `names`, initialised as transformers initialises them, from
     `seed` alone (every rank, and the resume's rebuild, make the same one)."""
+    modules: dict[str, list[str]] = {}
+    for name in sorted(names):
+        owner, _, leaf = name.rpartition(".")
+        modules.setdefault(owner, []).append(leaf)
+    trained = [module for module in family.modules_to_save]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        for path in family.modules_to_save:
-            head = model.get_submodule(path)
-            for module_name, module in head.named_modules(prefix=path):
-                fresh = [(leaf, p) for leaf, p in module.named_parameters(recurse=False) if f"{module_name}.{leaf}" in names]
-                for leaf, param in fresh:
-                    setattr(module, leaf, nn.Parameter(torch.empty(param.shape), requires_grad=param.requires_grad))
-                if fresh:
-                    model._init_weights(module)
-            for module_name, module in head.named_modules(prefix=path):
-                for leaf, param in list(module.named_parameters(recurse=False)):
-                    if f"{module_name}.{leaf}" in names:
-                        place(f"{module_name}.{leaf}", param.detach(), param)
+        for owner, leaves in modules.items():
+            module = model.get_submodule(owner)
+            for leaf in leaves:
+                param = getattr(module, leaf)
+                setattr(module, leaf, nn.Parameter(torch.empty(param.shape), requires_grad=param.requires_grad))
+            model._init_weights(module)
+            for leaf in leaves:
+                place(f"{owner}.{leaf}", getattr(module, leaf).detach(), getattr(module, leaf))
+            if not any(owner == path or owner.startswith(path + ".") for path in trained):
+                logger.warning("the checkpoint has no %s: it is made from the seed and stays frozen, as the base does "
+                               "(a checkpoint of the model's own pretraining has one)", owner)
 
 
 def _rebuild_position_ids(model, device: torch.device) -> None:

@@ -57,8 +57,6 @@ def tokenize_classification(ds, tokenizer, max_seq_len: int, source: str = "data
                             num_labels: int | None = None) -> ClassificationData:
     """The rows of `ds` as classifier examples. `num_labels`: the classes the model was made for
     (held-out data), which every label must be below; None: the data's own (largest + 1)."""
-    if max_seq_len < 3:
-        raise DataError(f"{source}: max_seq_len must be >= 3 for a classifier's framing, got {max_seq_len}")
     fields = text_fields(ds.column_names, source)
     labels = [class_of(row[LABEL_FIELD], number, source) for number, row in enumerate(ds, start=1)]
     classes = max(labels) + 1 if num_labels is None else num_labels
@@ -70,24 +68,39 @@ def tokenize_classification(ds, tokenizer, max_seq_len: int, source: str = "data
         raise DataError(f"{source}: every row has label 0: a classifier needs at least two classes")
     texts = [[str(row[name] or "") for name in fields] for row in ds]
     frames_itself = tokenizer.cls_token_id is not None and tokenizer.sep_token_id is not None
-    encode = _framed_by_tokenizer if frames_itself else _framed_here
-    examples, cut = [], 0
-    for row_texts, label in zip(texts, labels):
-        example, was_cut = encode(tokenizer, row_texts, max_seq_len)
-        cut += was_cut
-        examples.append({**example, "label": label})
+    shortest = (tokenizer.num_special_tokens_to_add(pair=len(fields) == 2) if frames_itself else 1 + len(fields)) + len(fields)
+    if max_seq_len < shortest:
+        raise DataError(f"{source}: --max-seq-len {max_seq_len} leaves no room for the text: the classifier's framing "
+                        f"takes {shortest - len(fields)} tokens; give at least {shortest}")
+    if frames_itself:
+        examples, cut = _framed_by_tokenizer(tokenizer, texts, max_seq_len)
+    else:
+        framed = [_framed_here(tokenizer, row_texts, max_seq_len) for row_texts in texts]
+        examples, cut = [example for example, _ in framed], sum(was_cut for _, was_cut in framed)
+    for example, label in zip(examples, labels):
+        example["label"] = label
     return ClassificationData(examples, classes, cut)
 
 
-def _framed_by_tokenizer(tokenizer, texts: list[str], max_seq_len: int) -> tuple[dict, bool]:
+TOKENIZE_ROWS = 10_000  # rows a tokenizer call takes at once (fast tokenizers work through a batch in parallel)
+
+
+def _framed_by_tokenizer(tokenizer, texts: list[list[str]], max_seq_len: int) -> tuple[list[dict], int]:
     """BERT's [CLS] A [SEP] B [SEP] with token types, RoBERTa's <s> A </s></s> B </s>: the
-    tokenizer's own framing, truncated longest-first as transformers' pipelines do."""
-    whole = tokenizer(*texts, truncation=False)
-    encoded = tokenizer(*texts, truncation=True, max_length=max_seq_len)
-    example = {"input_ids": list(encoded["input_ids"])}
-    if "token_type_ids" in encoded:
-        example["token_type_ids"] = list(encoded["token_type_ids"])
-    return example, len(whole["input_ids"]) > max_seq_len
+    tokenizer's own framing, truncated longest-first as transformers' pipelines do; and how
+    many rows were cut."""
+    examples, cut = [], 0
+    for start in range(0, len(texts), TOKENIZE_ROWS):
+        columns = list(zip(*texts[start:start + TOKENIZE_ROWS]))
+        encoded = tokenizer(*columns, truncation=True, max_length=max_seq_len)
+        lengths = tokenizer(*columns, truncation=False, return_length=True)["length"]
+        cut += sum(length > max_seq_len for length in lengths)
+        for row, ids in enumerate(encoded["input_ids"]):
+            example = {"input_ids": list(ids)}
+            if "token_type_ids" in encoded:
+                example["token_type_ids"] = list(encoded["token_type_ids"][row])
+            examples.append(example)
+    return examples, cut
 
 
 def _framed_here(tokenizer, texts: list[str], max_seq_len: int) -> tuple[dict, bool]:

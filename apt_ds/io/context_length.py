@@ -28,6 +28,10 @@ def known_positions(config: dict) -> tuple[int, str] | None:
         stretched = int(original * factor)
         if stretched > trained:
             return stretched, f"its rope_scaling ({kind}, factor {factor:g} of {original}) extends max_position_embeddings {trained} to {stretched}"
+    if config.get("model_type") == "roberta" and isinstance(config.get("pad_token_id"), int):
+        # RoBERTa numbers positions from padding_idx + 1 (transformers' create_position_ids_from_input_ids)
+        usable = trained - config["pad_token_id"] - 1
+        return usable, f"max_position_embeddings is {trained}, and RoBERTa's positions start after pad_token_id {config['pad_token_id']}"
     return trained, f"max_position_embeddings is {trained}"
 
 

@@ -152,7 +152,10 @@ def tokenize_dataset(ds, tokenizer, max_seq_len: int, pack: bool, source: str = 
         else:
             pairs.append(pair)
     if not pairs and not conversations:
-        raise DataError(f"{source} has no usable rows: need {USABLE_FIELDS}")
+        classifier_rows = "label" in ds.column_names and ({"sentence", "sentence1"} & set(ds.column_names))
+        hint = " (rows with 'sentence' and 'label' train an encoder's classifier: give a BERT or RoBERTa --model)" \
+            if classifier_rows else ""
+        raise DataError(f"{source} has no usable rows: need {USABLE_FIELDS}{hint}")
     texts = [pair.response for pair in pairs if pair.prompt is None]
     supervised = [pair for pair in pairs if pair.prompt is not None]
     text_streams = [_text_stream(tokenizer, ids) for ids in _encode(tokenizer, texts)]

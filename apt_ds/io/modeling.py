@@ -36,8 +36,6 @@ TINY_CONFIG = dict(
 )
 
 
-
-
 def tiny_config(variant: str) -> dict:
     """The built-in model's config values (as its config.json would hold them)."""
     model_type, overrides = TINY_MODELS[variant]

@@ -71,11 +71,13 @@ class SafetensorsWeights:
     def stored(self, name: str) -> str:
         """`name` as the files hold it: itself, or without its first component when only that is
         there (a base model's checkpoint read by its task class: BertModel's `embeddings.` for
-        BertForSequenceClassification's `bert.embeddings.`)."""
-        if name in self._file_of:
-            return name
-        short = name.partition(".")[2]
-        return short if short in self._file_of else name
+        BertForSequenceClassification's `bert.embeddings.`), in either with a LayerNorm's weight
+        and bias under their old names, gamma and beta (bert-base-uncased's files)."""
+        for candidate in (name, name.partition(".")[2]):
+            for form in (candidate, _legacy_norm_name(candidate)):
+                if form in self._file_of:
+                    return form
+        return name
 
     def _slice(self, name: str):
         if name not in self._file_of:
@@ -129,6 +131,12 @@ class SafetensorsWeights:
         rows = piece[first:last].reshape(-1)
         offset = start - first * row
         return rows[offset : offset + stop - start]
+
+
+def _legacy_norm_name(name: str) -> str:
+    """`...LayerNorm.weight` as TensorFlow-era BERT checkpoints name it (`...LayerNorm.gamma`; bias: beta)."""
+    stem, _, leaf = name.rpartition(".")
+    return f"{stem}.{ {'weight': 'gamma', 'bias': 'beta'}.get(leaf, leaf)}" if stem.endswith("LayerNorm") else name
 
 
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,

@@ -47,7 +47,7 @@ def family_for(model_type, where: str = "") -> Family:
     """The description of `model_type`; any other is refused in one line naming those supported."""
     family = FAMILIES.get(model_type) or ENCODERS.get(model_type)
     if family is None:
-        supported = ", ".join(f"{f.model_type} ({f.names})" for f in FAMILIES.values())
+        supported = ", ".join(f"{f.model_type} ({f.names})" for f in [*FAMILIES.values(), *ENCODERS.values()])
         prefix = f"{where}: " if where else ""
         raise UnsupportedModelError(f"{prefix}model_type {model_type!r} is not supported; apt-ds prunes {supported}")
     return family

@@ -84,11 +84,11 @@ class Family:
     head_input: str | None = None
     # Modules trained in full beside the adapters, as PEFT's modules_to_save (a new task head)
     modules_to_save: tuple[str, ...] = ()
-    # Where a layer's head geometry is read: the attention module below the layer (None: the
-    # parent of the output projection) and its head_dim and group size attributes (None: 1)
     # The roles whose outputs are a layer's two hidden-channel salience sites: what a block adds
     # to the residual stream (pre-norm), or the norm that follows the residual add (post-norm)
     hidden_sites: tuple[str, str] = ("attn_output", "ffn_down")
+    # Where a layer's head geometry is read: the attention module below the layer (None: the
+    # parent of the output projection) and its head_dim and group size attributes (None: 1)
     attention_path: str | None = None
     head_dim_attr: str = "head_dim"
     group_size_attr: str | None = "num_key_value_groups"
@@ -238,12 +238,18 @@ class Family:
         means the projection with the same role here (BERT's `attention.self.query`)."""
         from apt_ds.models.decoder_layer import DECODER_PROJECTION_ROLES
 
-        paths = []
+        paths, unknown = [], []
         for target in targets:
             if target in self.projections:
                 paths.append(self.projections[target].module)
             elif target in DECODER_PROJECTION_ROLES and self.layer_tensor(DECODER_PROJECTION_ROLES[target]) is not None:
                 paths.append(self.module_path(DECODER_PROJECTION_ROLES[target]))
+            else:
+                unknown.append(target)
+        if unknown:
+            known = [name for name, role in DECODER_PROJECTION_ROLES.items() if self.layer_tensor(role) is not None]
+            raise UnsupportedModelError(f"--adapter-targets {' '.join(unknown)}: {self.names} layers have no such projection "
+                                        f"(they have {', '.join(known)})")
         return list(dict.fromkeys(paths))
 
     def unit_costs(self, group_size: int, head_dim: int) -> UnitCosts:

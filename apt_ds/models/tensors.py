@@ -56,7 +56,7 @@ ROLES = {
 
 @dataclass(frozen=True)
 class LayerTensor:
-    """One tensor of a decoder layer: its name below the layer (`model.layers.{i}.`), the unit axis
+    """One tensor of a layer: its name below the layer (`model.layers.{i}.`), the unit axis
     of each dimension (rows first) and its role (ROLES)."""
 
     name: str

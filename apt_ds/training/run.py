@@ -182,7 +182,7 @@ def run_training(args, apt: APTConfig | None, train: TrainConfig, configs_for_st
     a stand-in until `configs_for_steps(steps)` (apt_ds.cli.recipe) makes both, once the data is read.
     `model_name`: the Hub name args.model was resolved from (apt_ds.io.hub), recorded beside it."""
     if classifies(args.model):  # before a backend (and DeepSpeed) starts
-        check_encoder_options(args, train)
+        check_encoder_options(args, train, apt)
     backend, train = make_backend(args, train)
     result = _run_on(backend, args, apt, train, configs_for_steps, model_name)
     backend.shutdown()  # only after success: a rank that failed has nobody to wait for

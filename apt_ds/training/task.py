@@ -10,11 +10,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from apt_ds.config import ConfigError, TrainConfig
+from apt_ds.config import APTConfig, ConfigError, TrainConfig
 from apt_ds.io.classification import tokenize_classification
 from apt_ds.io.data import TruncationStats, tokenize_dataset
 from apt_ds.io.modeling import TINY_MODELS
-from apt_ds.models import ENCODERS
+from apt_ds.models import ENCODERS, family_for
 
 
 @dataclass(frozen=True)
@@ -28,22 +28,27 @@ class TaskData:
 
 def classifies(model: str) -> bool:
     """`--model` is an encoder (a sequence classifier), from its config.json's model_type."""
-    if model in TINY_MODELS:
-        return TINY_MODELS[model][0] in ENCODERS
-    config = Path(model) / "config.json"
-    if not config.is_file():
-        return False  # a GGUF file, or a path that load_model refuses in its own words
+    return (TINY_MODELS[model][0] if model in TINY_MODELS else _model_type(model)) in ENCODERS
+
+
+def _model_type(model: str) -> str | None:
+    """config.json's model_type; None for a GGUF file, or a path that load_model refuses in its own words."""
     try:
-        model_type = json.loads(config.read_text()).get("model_type")
+        return json.loads((Path(model) / "config.json").read_text()).get("model_type")
     except (OSError, ValueError, AttributeError):
-        return False
-    return model_type in ENCODERS
+        return None
 
 
-def check_encoder_options(args, train: TrainConfig) -> None:
+def check_encoder_options(args, train: TrainConfig, apt: APTConfig | None) -> None:
     """What a classifier run does not support yet, named before any work."""
     unsupported = [(args.deepspeed, "--deepspeed (ZeRO)"), (train.base_quant != "none", "--base-quant"),
-                   (getattr(args, "save_eval_probe", False), "--save-eval-probe"), (args.epochs is not None, "--epochs")]
+                   (getattr(args, "save_eval_probe", False), "--save-eval-probe"), (args.epochs is not None, "--epochs"),
+                   # checkpointing puts the model in training mode: BERT's dropout would reach the teacher and eval
+                   (train.gradient_checkpointing, "--gradient-checkpointing"),
+                   (apt is not None and apt.uniform and apt.uniform_shape_metric == "kl", "--uniform-shape-metric kl")]
+    if apt is not None:  # `gate_proj` names nothing in BERT: refused before any work
+        family_for(TINY_MODELS[args.model][0] if args.model in TINY_MODELS else _model_type(args.model)).adapter_paths(
+            apt.adapter_targets)
     named = [flag for given, flag in unsupported if given]
     if named:
         raise ConfigError(f"--model {args.model} is an encoder (a sequence classifier), which trains in one process "

@@ -87,3 +87,21 @@ def test_an_encoder_base_without_its_head_gets_a_seeded_one(tmp_path):
     assert torch.equal(one.classifier.weight, again.classifier.weight)
     assert not torch.equal(one.classifier.weight, other.classifier.weight)
     assert one.classifier.weight.std() > 0 and one.bert.embeddings.position_ids.tolist()[0] == list(range(24))
+
+
+def test_old_layernorm_names_and_a_missing_pooler_load(tmp_path, caplog):
+    """bert-base-uncased's files name LayerNorms' parameters gamma and beta; a masked-LM
+    checkpoint has no pooler: both load, the pooler made from the seed with a warning."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=48)
+    BertModel(config, add_pooling_layer=False).save_pretrained(tmp_path)
+    _rewrite(tmp_path, lambda t: t.update({k.replace("LayerNorm.weight", "LayerNorm.gamma").replace(
+        "LayerNorm.bias", "LayerNorm.beta"): t.pop(k) for k in [k for k in t if "LayerNorm" in k]}))
+    assert any(k.endswith("LayerNorm.gamma") for k in load_file(str(tmp_path / "model.safetensors")))
+    with caplog.at_level(logging.WARNING, logger="apt_ds.io.by_tensor"):
+        model = load_model(tmp_path, num_labels=2, seed=0)
+    reference = BertModel.from_pretrained(str(tmp_path), add_pooling_layer=False)
+    assert torch.equal(model.bert.embeddings.LayerNorm.weight, reference.embeddings.LayerNorm.weight)
+    assert "the checkpoint has no bert.pooler.dense: it is made from the seed and stays frozen" in caplog.text

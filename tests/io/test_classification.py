@@ -116,3 +116,19 @@ def test_a_classification_batch_trains_an_encoder_through_the_supervised_forward
     _, loss, supervised = supervised_forward(model, batch)
     assert supervised.tolist() == [True] * 3 and supervised_token_count(batch) == 3
     torch.testing.assert_close(loss, model(**batch).loss)
+
+
+def test_a_max_seq_len_without_room_for_the_text_is_refused(tmp_path, bert_tokenizer):
+    ds = _records(tmp_path, [{"sentence1": "a", "sentence2": "b", "label": 1}, {"sentence1": "c", "sentence2": "d", "label": 0}])
+    with pytest.raises(DataError, match=r"--max-seq-len 4 leaves no room for the text: the classifier's framing takes 3 "
+                                        r"tokens; give at least 5"):
+        tokenize_classification(ds, bert_tokenizer, max_seq_len=4, source="pairs.jsonl")
+    assert len(tokenize_classification(ds, bert_tokenizer, max_seq_len=5).examples[0]["input_ids"]) == 5
+
+
+def test_classifier_rows_given_to_a_causal_lm_say_what_they_are_for(tmp_path, tokenizer):
+    from apt_ds.io.data import tokenize_dataset
+
+    ds = _records(tmp_path, [{"sentence": "a good film", "label": 1}])
+    with pytest.raises(DataError, match=r"rows with 'sentence' and 'label' train an encoder's classifier: give a BERT"):
+        tokenize_dataset(ds, tokenizer, 32, pack=False, source="sst.jsonl")
