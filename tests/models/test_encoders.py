@@ -267,3 +267,20 @@ def test_eval_accuracy_is_the_share_of_rows_whose_top_logit_is_their_label():
     metrics = eval_metrics(trainer, held_out)
     assert metrics["eval_accuracy"] == pytest.approx(correct / 12)
     assert metrics["eval_loss"] == pytest.approx(float(sum(losses)) / 12, rel=1e-5)
+
+
+def test_roberta_positions_start_after_the_padding_index():
+    from apt_ds.config import ConfigError
+    from apt_ds.io.context_length import check_max_seq_len
+
+    config = {"model_type": "roberta", "max_position_embeddings": 514, "pad_token_id": 1}
+    assert check_max_seq_len(config, 512, "roberta-base") is None
+    with pytest.raises(ConfigError, match=r"--max-seq-len 513 is longer than --model roberta-base knows "
+                                          r"\(max_position_embeddings is 514, and RoBERTa's positions start after"):
+        check_max_seq_len(config, 513, "roberta-base")
+
+
+def test_the_head_is_outside_the_budget_with_or_without_embeddings():
+    shape = ModelShape.from_model(tiny_encoder("bert"))
+    assert shape.budget_params(False) == shape.block_params()
+    assert shape.budget_params(True) == shape.block_params() + shape.embedding_params() == shape.total_params() - shape.head_params()
