@@ -31,6 +31,7 @@ from apt_ds.algorithm.blocks import (
 from apt_ds.algorithm.masks import UnitMasks
 from apt_ds.algorithm.units import ModelShape
 from apt_ds.config import APTConfig
+from apt_ds.models import family_for
 
 
 @dataclass
@@ -198,6 +199,8 @@ class AdaptivePruner:
             heads = G * g
             step = uniform_hidden_step(sizes.hidden, heads, sizes.original_hidden)
             d_options = [*range(step, D0, step), D0] if cfg.prune_hidden else [D0]
+            if not family_for(shape.family).config_head_dim:  # BERT's config: heads are hidden / heads wide
+                d_options = [D for D in (heads * first.head_dim,) if D <= D0 and (cfg.prune_hidden or D == D0)]
             for D in d_options:
                 if D % heads or (only is not None and (G, D) != tuple(only)):
                     continue

@@ -213,12 +213,13 @@ def build_lm(request: Request):
 
     from apt_ds.io.modeling import ModelLoadError, check_model_path, load_model, load_pretrained
     from apt_ds.io.tokenizer import load_tokenizer
-    from apt_ds.models import ENCODERS, check_trainable
+    from apt_ds.models import ENCODERS, UnsupportedModelError
 
     path = Path(request.model).resolve()
     config = check_model_path(path, flag="model")
     if config.get("model_type") in ENCODERS:  # lm-eval's HFLM runs causal LMs
-        check_trainable(ENCODERS[config["model_type"]], where=str(path))
+        raise UnsupportedModelError(f"{path}: a {config['model_type']} sequence classifier, which lm-eval does not "
+                                    f"evaluate; train it with --eval-data for its eval_accuracy")
     device = request.device or ("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = load_tokenizer(path)
     if path.is_dir() and not config.get("apt_layer_shapes"):

@@ -36,6 +36,17 @@ def check_every_base_tensor_written(base_names: Iterable[str], written_names: It
                                      f"{base} does not hold; is it the model this run was trained from?")
 
 
+def base_names_as_the_model_names_them(weights, model_names: Iterable[str], family: Family) -> list[str]:
+    """The base checkpoint's tensors under the names of the model the run built from it (a
+    `BertModel` checkpoint's `embeddings.` is `bert.embeddings.`, `LayerNorm.gamma` is
+    `LayerNorm.weight`: SafetensorsWeights.stored), with a task head the run made where the base
+    had none (its tensors are the run's, so an export writes them)."""
+    as_model = {weights.stored(name): name for name in model_names}
+    names = [as_model.get(name, name) for name in weights.names()]
+    made = [t.name for t in family.outer_tensors if t.part == "head" and weights.stored(t.name) not in weights]
+    return names + made
+
+
 def check_gguf_reads_every_tensor(exported_names: Iterable[str], read_names: Iterable[str],
                                   left_out: Iterable[str], family: Family, architecture: str) -> None:
     """The GGUF writer's plan reads every tensor the HF export holds, but those it leaves out for

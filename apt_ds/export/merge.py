@@ -22,7 +22,7 @@ from apt_ds.algorithm.quant import dequantize_linears
 from apt_ds.algorithm.state import APTModel
 from apt_ds.algorithm.units import ModelShape, UnsupportedModelError
 from apt_ds.config import APTConfig, ConfigError
-from apt_ds.export.accounting import check_every_base_tensor_written
+from apt_ds.export.accounting import base_names_as_the_model_names_them, check_every_base_tensor_written
 from apt_ds.export.out_dir import check_export_out
 from apt_ds.export.writer import DEFAULT_SHARD_SIZE, DTYPES, check_options, summary, write_export, write_export_dir
 from apt_ds.io.checkpoint import CheckpointError, read_meta
@@ -32,7 +32,7 @@ from apt_ds.io.modeling import TINY_MODELS, ModelLoadError, build_tiny_model, ch
 from apt_ds.io.pinned import pinned_directory, replaced
 from apt_ds.io.quantized import merge_quant, quantize_model
 from apt_ds.io.weights import SafetensorsWeights, WeightsError
-from apt_ds.models import ENCODERS, check_trainable, family_for, family_of
+from apt_ds.models import ENCODERS, family_for, family_of
 
 
 def rebuild_trained_model(run_dir: Path, model_path: str | Path | None = None, checkpoint: Path | None = None,
@@ -74,7 +74,7 @@ def _rebuild(run_dir: Path, checkpoint: Path, meta: dict, model_path, quant):
             base = resolve_model(info["model_name"], f"{run_dir}: its base model")  # snapshot moved: the name's, here
         if not Path(base).exists():
             raise CheckpointError(f"{run_dir}: its base model {base} does not exist here; pass --model PATH to the base model")
-        model = load_model(base)
+        model = load_model(base, num_labels=info.get("num_labels"), seed=meta["train_config"]["seed"])
     recorded = info.get("model_fingerprint")
     if recorded is not None:
         # As training computed it: a directory's files (a tensor transformers does not load counts), else the model.
@@ -171,8 +171,10 @@ def export_run(run_dir: Path, out: Path, dtype: str = "fp32", overwrite: bool = 
         check_model_path(model_path, flag="--model")
     recorded = read_meta(run_dir / "checkpoint")
     recorded_base = recorded.get("run_info", {}).get("model")
-    if isinstance(recorded.get("shape"), dict) and recorded["shape"].get("family") in ENCODERS:
-        check_trainable(family_for(recorded["shape"]["family"]))  # before any work
+    encoder = isinstance(recorded.get("shape"), dict) and recorded["shape"].get("family") in ENCODERS
+    if encoder and format == "gguf":  # before any work
+        raise UnsupportedModelError(f"{run_dir}: a {recorded['shape']['family']} sequence classifier has no GGUF export "
+                                    f"(llama.cpp runs decoders); export --format hf")
     if format == "gguf" and "shape" in recorded:  # before any work: a shape llama.cpp cannot run is refused in one line
         from apt_ds.export.gguf import gguf_architecture
 
@@ -184,7 +186,8 @@ def export_run(run_dir: Path, out: Path, dtype: str = "fp32", overwrite: bool = 
     bases = [Path(p) for p in (model_path, recorded_base) if p is not None and str(p) not in TINY_MODELS]
     check_export_out(out, overwrite, protected=[run_dir, *bases], run_dir=run_dir)
     base = str(model_path) if model_path is not None else recorded_base
-    stream = streaming is not False and base is not None and base not in TINY_MODELS and Path(base).is_dir()
+    # An encoder's export is rebuilt in memory (its task head is trained, not in the base's files)
+    stream = streaming is not False and not encoder and base is not None and base not in TINY_MODELS and Path(base).is_dir()
     quant = merge_quant(recorded, merge_into, run_dir)
     for attempt in range(CHECKPOINT_READS):
         with pinned_directory(run_dir / "checkpoint") as checkpoint:
@@ -207,8 +210,9 @@ def _export_in_memory(run_dir: Path, out: Path, model_path, dtype: str, max_shar
     model, state, meta = rebuild_trained_model(run_dir, model_path, checkpoint, quant)
     base = str(model_path) if model_path is not None else meta["run_info"]["model"]
     on_disk = base not in TINY_MODELS and Path(base).is_dir()  # the files count: a tensor transformers did not load too
-    base_names = SafetensorsWeights(base).names() if on_disk else None
     model = compact_model(model, state)
+    base_names = base_names_as_the_model_names_them(SafetensorsWeights(base), model.state_dict(), family_of(model)) \
+        if on_disk else None
     extra, tokenizer_dir = _run_report(run_dir, meta), run_dir / meta["run_info"].get("tokenizer", "tokenizer")
     if format == "gguf":
         from apt_ds.export.gguf import ModelTensors, write_gguf_export

@@ -34,18 +34,20 @@ def exported_config(model_config, shape: ModelShape) -> dict:
     config = model_config.to_dict()
     for key in ("apt_layer_shapes", "_name_or_path", "transformers_version", "quantization_config"):
         config.pop(key, None)
-    config["architectures"] = [family_for(config.get("model_type")).causal_lm_class]
+    family = family_for(config.get("model_type"))
+    config["architectures"] = [family.causal_lm_class]
     config["hidden_size"] = shape.hidden
     first = shape.layers[0]
-    config.update(head_dim=first.head_dim, num_attention_heads=first.num_q_heads,
-                  num_key_value_heads=first.num_kv_groups, intermediate_size=first.ffn)
+    config.update(num_attention_heads=first.num_q_heads, intermediate_size=first.ffn)
+    if family.config_head_dim:  # BERT's config has neither: its heads are hidden_size / heads wide
+        config.update(head_dim=first.head_dim, num_key_value_heads=first.num_kv_groups)
     for key, value in transformers4_rope(config).items():
         config.setdefault(key, value)
     if not stock_loadable(shape):
         config["apt_layer_shapes"] = [dict(layer.__dict__) for layer in shape.layers]
         if shape.hidden % first.num_q_heads:
             # The configs refuse hidden % heads != 0; per-layer shapes are authoritative anyway.
-            config.update(num_attention_heads=1, num_key_value_heads=1)
+            config.update(num_attention_heads=1, **({"num_key_value_heads": 1} if family.config_head_dim else {}))
     return config
 
 
@@ -63,8 +65,12 @@ def transformers4_rope(config: dict) -> dict:
 
 def stock_loadable(shape: ModelShape) -> bool:
     """The family's stock config describes the model: every layer alike and a hidden size that
-    transformers accepts for that head count (it requires hidden % num_attention_heads == 0)."""
-    return shape.uniform and shape.hidden % shape.layers[0].num_q_heads == 0
+    transformers accepts for that head count (it requires hidden % num_attention_heads == 0; a
+    config without head_dim, BERT's, also hidden == heads x head_dim)."""
+    first = shape.layers[0]
+    if not family_for(shape.family).config_head_dim and shape.hidden != first.num_q_heads * first.head_dim:
+        return False
+    return shape.uniform and shape.hidden % first.num_q_heads == 0
 
 
 def write_export(model, shape: ModelShape, out: Path, dtype: torch.dtype, tokenizer_dir: Path | None = None,
@@ -89,17 +95,19 @@ def write_export(model, shape: ModelShape, out: Path, dtype: torch.dtype, tokeni
         _save_shards(state_dict, directory, max_shard_size)
         return sum(v.numel() for v in state_dict.values())
 
-    generation = model.generation_config.to_diff_dict() if model.generation_config is not None else {}
+    generation = getattr(model, "generation_config", None)  # a sequence classifier has none
+    generation = generation.to_diff_dict() if generation is not None else None
     return write_export_dir(out, shape, save_weights, model.config, generation, dtype, tokenizer_dir, extra_report)
 
 
-def write_export_dir(out: Path, shape: ModelShape, save_weights, config, generation: dict, dtype: torch.dtype,
+def write_export_dir(out: Path, shape: ModelShape, save_weights, config, generation: dict | None, dtype: torch.dtype,
                      tokenizer_dir: Path | None = None, extra_report: dict | None = None) -> dict:
     """Atomically write an export: `save_weights(directory)` writes the weights and returns the
     parameter count; then generation config, tokenizer, report and config.json (last)."""
     def fill(tmp: Path) -> dict:
         exported_params = save_weights(tmp)
-        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=1))
+        if generation is not None:  # None: a model that does not generate (a sequence classifier)
+            (tmp / "generation_config.json").write_text(json.dumps(generation, indent=1))
         if tokenizer_dir is not None and tokenizer_dir.is_dir():
             for item in tokenizer_dir.iterdir():
                 if item.is_file() and is_tokenizer_file(item.name):

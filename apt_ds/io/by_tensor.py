@@ -55,7 +55,9 @@ def empty_model(path: str | Path, num_labels: int | None = None):
     from transformers.initialization import no_init_weights
 
     path = Path(path)
-    config = AutoConfig.from_pretrained(str(path), **({} if num_labels is None else {"num_labels": num_labels}))
+    config = AutoConfig.from_pretrained(str(path))
+    if num_labels is not None and config.num_labels != num_labels:
+        config.num_labels = num_labels  # the setter makes id2label and label2id of that length
     family = family_for(config.model_type)
     with torch.device("meta"), no_init_weights():
         model = family.classes()[1](config)
@@ -102,7 +104,7 @@ def fill_by_tensor(model, weights, place: PlaceTensor, device: torch.device, see
     if tied:
         family.output_module(model).weight = family.embedding_module(model).weight
     family.rebuild_rotary(model, device)
-    _rebuild_position_ids(model, device)
+    rebuild_position_ids(model, device)
     left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise ModelLoadError(f"loading {path} left {left[:3]} unset: this family's tensors are not all known")
@@ -137,7 +139,7 @@ def _new_head(model, family, names: set[str], place: PlaceTensor, seed: int) -> 
                                "(a checkpoint of the model's own pretraining has one)", owner)
 
 
-def _rebuild_position_ids(model, device: torch.device) -> None:
+def rebuild_position_ids(model, device: torch.device) -> None:
     """An encoder's non-persistent index buffers (`embeddings.position_ids`, `token_type_ids`),
     which a meta-device build leaves empty, as transformers makes them."""
     for name, buffer in list(model.named_buffers()):

@@ -229,8 +229,7 @@ def resize_layers(model, layer_shapes: list[LayerShape]) -> None:
             n_out, n_in = (sizes[axis] for axis in tensor.dims)
             setattr(owner, name, nn.Linear(n_in, n_out, bias=family.has_tensor(f"{tensor.module}.bias"),
                                            dtype=old.weight.dtype, device=old.weight.device))
-        attention = family.attention_block(layer)
-        attention.num_key_value_groups, attention.head_dim = shape.group_size, shape.head_dim
+        family.set_head_geometry(layer, shape.head_dim, shape.group_size, shape.num_q_heads)
         family.ffn_block(layer).intermediate_size = shape.ffn
 
 
@@ -272,20 +271,24 @@ def load_pretrained(directory: str | Path, dtype: torch.dtype | str | None = Non
             raise ModelLoadError(f"cannot read {shard}: {str(err).splitlines()[0]}") from None
     if not state:
         raise ModelLoadError(f"{directory}: no *.safetensors weights found")
-    if config.tie_word_embeddings:
+    tied = family.ties(config)
+    if tied:
         state.pop(family.output_embedding, None)
     try:
-        model.load_state_dict(state, strict=not config.tie_word_embeddings, assign=True)
+        model.load_state_dict(state, strict=not tied, assign=True)
     except RuntimeError as err:  # a tensor of the wrong shape or name: the weights are not this config's
         detail = next((line.strip() for line in str(err).splitlines()[1:] if line.strip()), str(err).splitlines()[0])
         raise ModelLoadError(f"{directory}: the weights do not fit config.json ({detail})") from None
-    if config.tie_word_embeddings:
+    if tied:
         model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if missing:
         raise ModelLoadError(f"{directory}: weights missing for {missing[:3]}")
-    # Buffers (rotary inv_freq) were created on meta: rebuild them on CPU.
+    # Buffers (rotary inv_freq, an encoder's position ids) were created on meta: rebuild them on CPU.
+    from apt_ds.io.by_tensor import rebuild_position_ids
+
     family.rebuild_rotary(model)
+    rebuild_position_ids(model, torch.device("cpu"))
     if dtype is not None:
         model = model.to(dtype)
     return model.eval()

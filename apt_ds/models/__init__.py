@@ -14,7 +14,7 @@ from __future__ import annotations
 from apt_ds.models.family import Family, LayerTensor, LeftOut, OuterTensor, UnitCosts, UnsupportedModelError
 
 __all__ = ["ADAPTER_TARGETS", "DEFAULT_ADAPTER_TARGETS", "ENCODERS", "FAMILIES", "Family", "LayerTensor", "LeftOut",
-           "OuterTensor", "UnitCosts", "UnsupportedModelError", "check_trainable", "family_for", "family_of"]
+           "OuterTensor", "UnitCosts", "UnsupportedModelError", "family_for", "family_of"]
 
 
 def _registry() -> dict[str, Family]:
@@ -34,8 +34,8 @@ _ALL = _registry()
 # The decoders, which train, prune and export end to end (what `tiny-<family>` models, the CLI and
 # the family tests go through)
 FAMILIES = {name: family for name, family in _ALL.items() if family.kind == "decoder"}
-# The encoders (BERT, RoBERTa sequence classifiers): they train in one process (classification
-# data); their ZeRO runs, exports and evaluation are not written yet, and are refused in one line
+# The encoders (BERT, RoBERTa sequence classifiers): they train in one process on classification
+# data and export as HF sequence classifiers; ZeRO runs are not written yet (refused in one line)
 ENCODERS = {name: family for name, family in _ALL.items() if family.kind == "encoder"}
 # The projections an adapter can wrap, by module name as PEFT's `target_modules` takes them
 ADAPTER_TARGETS = tuple(dict.fromkeys(name for family in FAMILIES.values() for name in family.projections))
@@ -51,16 +51,6 @@ def family_for(model_type, where: str = "") -> Family:
         prefix = f"{where}: " if where else ""
         raise UnsupportedModelError(f"{prefix}model_type {model_type!r} is not supported; apt-ds prunes {supported}")
     return family
-
-
-def check_trainable(family: Family, where: str = "") -> None:
-    """Refuse, in one line, a family apt-ds cannot yet export or evaluate (an encoder: it trains
-    in one process so far)."""
-    if family.kind != "decoder":
-        prefix = f"{where}: " if where else ""
-        decoders = ", ".join(f.names for f in FAMILIES.values())
-        raise UnsupportedModelError(f"{prefix}{family.names} ({family.model_type}) is an encoder, which apt-ds trains in "
-                                    f"one process but does not export or evaluate yet; it does both for decoders ({decoders})")
 
 
 def family_of(model) -> Family:

@@ -50,5 +50,6 @@ ENCODER_FIELDS = dict(
     attention_path="attention.self",
     head_dim_attr="attention_head_size",
     group_size_attr=None,
+    config_head_dim=False,
     modules_to_save=("classifier",),
 )

@@ -90,6 +90,7 @@ class Family:
     # Where a layer's head geometry is read: the attention module below the layer (None: the
     # parent of the output projection) and its head_dim and group size attributes (None: 1)
     attention_path: str | None = None
+    config_head_dim: bool = True  # False: the config has no head_dim; heads are hidden_size / heads wide (BERT)
     head_dim_attr: str = "head_dim"
     group_size_attr: str | None = "num_key_value_groups"
     # llama.cpp's architecture for a GGUF export with every layer alike, and for per-layer shapes
@@ -182,6 +183,19 @@ class Family:
     def attention_block(self, layer):
         """The layer's attention module: the one holding its head geometry."""
         return layer.get_submodule(self.attention_path or module_of(self.module_path("attn_output")))
+
+    def set_head_geometry(self, layer, head_dim: int, group_size: int, heads: int) -> None:
+        """Give a layer's attention module its own head geometry (a per-layer export built from a
+        config whose hidden size and head count say otherwise): head_dim and group size, and
+        where the module keeps them, its head count, their width and the score scale."""
+        attention = self.attention_block(layer)
+        setattr(attention, self.head_dim_attr, head_dim)
+        if self.group_size_attr:
+            setattr(attention, self.group_size_attr, group_size)
+        derived = {"num_attention_heads": heads, "all_head_size": heads * head_dim, "scaling": head_dim**-0.5}
+        for name, value in derived.items():
+            if hasattr(attention, name):
+                setattr(attention, name, value)
 
     def head_geometry(self, layer) -> tuple[int, int]:
         """(head_dim, query heads per KV head) of a layer module."""

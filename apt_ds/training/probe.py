@@ -19,9 +19,11 @@ def live_probe(trainer, batch: dict, new_tokens: int = 20) -> dict[str, torch.Te
     was_enabled = trainer.state.salience.enabled
     trainer.state.salience.enabled = False
     try:
-        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in batch}
         inputs = move_batch(inputs, trainer.device)
         logits = trainer.backend.forward_no_grad(**inputs, use_cache=False).logits.float()
+        if logits.dim() == 2:  # a sequence classifier's (batch, classes): nothing to continue
+            return {k: v.cpu().contiguous() for k, v in {**inputs, "logits": logits}.items()}
         ids = inputs["input_ids"][:1, : int(batch["attention_mask"][0].sum())]
         step_logits = []  # each greedy step's next-token logits: informative even when argmax repeats
         for _ in range(new_tokens):  # no KV cache: the plain forward the engine runs in training

@@ -227,10 +227,53 @@ def test_the_train_command_trains_a_classifier_and_resumes_it(in_tmp, tmp_path, 
     for name, tensor in whole.items():
         torch.testing.assert_close(resumed[name], tensor, rtol=1e-4, atol=1e-5)
     capsys.readouterr()
-    assert export_main(["whole", "--out", "hf"]) == 2  # not written yet: one line, nothing on disk
+    assert export_main(["whole", "--out", "gguf", "--format", "gguf"]) == 2  # llama.cpp runs decoders
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
-    assert len(errors) == 1 and "is an encoder, which apt-ds trains in one process but does not export" in errors[0]
-    assert not Path("hf").exists()
+    assert len(errors) == 1 and "sequence classifier has no GGUF export (llama.cpp runs decoders)" in errors[0]
+    assert not Path("gguf").exists()
+
+
+@pytest.mark.parametrize("uniform", [False, True], ids=["non-uniform", "uniform"])
+@pytest.mark.parametrize("model_type", ENCODER_NAMES)
+def test_an_exported_classifier_gives_the_live_runs_logits(in_tmp, tmp_path, tokenizer, model_type, uniform, capsys):
+    """The export, merged and physically smaller, loads as the family's own sequence classifier
+    (uniform: stock transformers, the pruner keeping hidden = heads x head_dim, as BERT's config
+    has no head_dim; per-layer shapes: apt_ds.load_pretrained) with the live run's logits on the
+    held-out probe, and no generation config."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSequenceClassification
+
+    from apt_ds.cli.export import main as export_main
+    from apt_ds.cli.train import main as train_main
+    from apt_ds.io.modeling import load_pretrained
+
+    base, data = _encoder_dir(tmp_path, tokenizer, model_type), _sentiment_file(tmp_path / "sst.jsonl")
+    flags = [*ENCODER_TRAIN, "--model", str(base), "--data", data, "--eval-data", data, "--eval-examples", "8",
+             "--save-eval-probe", *(["--uniform"] if uniform else [])]
+    assert train_main([*flags, "--out", "run"]) == 0
+    assert export_main(["run", "--out", "hf"]) == 0
+    probe = load_file("run/eval_probe.safetensors")
+    report = json.loads(Path("hf/apt_export.json").read_text())
+    exported = load_pretrained("hf")
+    assert type(exported).__name__ == family_for(model_type).causal_lm_class
+    assert sum(p.numel() for p in exported.parameters()) < sum(p.numel() for p in tiny_encoder(model_type).parameters())
+    inputs = {k: probe[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in probe}
+    with torch.no_grad():
+        torch.testing.assert_close(exported(**inputs).logits, probe["logits"], rtol=1e-4, atol=1e-4)
+        if report["stock_loadable"]:
+            stock = AutoModelForSequenceClassification.from_pretrained("hf").eval()
+            torch.testing.assert_close(stock(**inputs).logits, probe["logits"], rtol=1e-4, atol=1e-4)
+    assert not Path("hf/generation_config.json").exists()
+    assert report["stock_loadable"] == uniform  # uniform encoders keep hidden = heads x head_dim (the pruner's search)
+    if uniform:  # lm-eval scores causal LMs: a classifier is refused in one line
+        from apt_ds.cli.evaluate import main as evaluate_main
+
+        capsys.readouterr()
+        assert evaluate_main(["hf", "--tasks", "sst2", "--limit", "2", "--device", "cpu", "--out", "scores"]) == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
+        assert len(errors) == 1 and "sequence classifier, which lm-eval does not evaluate" in errors[0], errors
+    config = json.loads(Path("hf/config.json").read_text())
+    assert ("apt_layer_shapes" in config) != uniform and config["architectures"] == [type(exported).__name__]
 
 
 @pytest.mark.parametrize("flags, named", [
