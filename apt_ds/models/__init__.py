@@ -35,7 +35,7 @@ _ALL = _registry()
 # the family tests go through)
 FAMILIES = {name: family for name, family in _ALL.items() if family.kind == "decoder"}
 # The encoders (BERT, RoBERTa sequence classifiers): they train in one process on classification
-# data and export as HF sequence classifiers; ZeRO runs are not written yet (refused in one line)
+# data (one process or ZeRO-2) and export as HF sequence classifiers; ZeRO-3 is refused in one line
 ENCODERS = {name: family for name, family in _ALL.items() if family.kind == "encoder"}
 # The projections an adapter can wrap, by module name as PEFT's `target_modules` takes them
 ADAPTER_TARGETS = tuple(dict.fromkeys(name for family in FAMILIES.values() for name in family.projections))

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import masked_then_shrunk, random_kept, randomise_biases_and_norms
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 
 from apt_ds.algorithm.adapters import add_adapters
 from apt_ds.algorithm.edits import Keep
@@ -277,7 +280,7 @@ def test_an_exported_classifier_gives_the_live_runs_logits(in_tmp, tmp_path, tok
 
 
 @pytest.mark.parametrize("flags, named", [
-    (["--deepspeed", str(Path(__file__).resolve().parents[2] / "ds_configs" / "zero2.json")], "--deepspeed (ZeRO)"),
+    (["--deepspeed", str(Path(__file__).resolve().parents[2] / "ds_configs" / "zero3.json")], "--deepspeed with ZeRO-3"),
     (["--base-quant", "nf4"], "--base-quant"),
     (["--gradient-checkpointing"], "--gradient-checkpointing"),
     (["--adapter-targets", "q_proj", "gate_proj"], "--adapter-targets gate_proj: BERT layers have no such projection"),
@@ -327,3 +330,34 @@ def test_the_head_is_outside_the_budget_with_or_without_embeddings():
     shape = ModelShape.from_model(tiny_encoder("bert"))
     assert shape.budget_params(False) == shape.block_params()
     assert shape.budget_params(True) == shape.block_params() + shape.embedding_params() == shape.total_params() - shape.head_params()
+
+
+def test_a_two_rank_zero2_classifier_run_prunes_exports_and_resumes(tmp_path, tokenizer):
+    """BERT under ZeRO-2 on 2 ranks (CPU accelerator): both ranks take the same decisions, the
+    classifier trained in full beside the adapters (its fp32 partitions follow each shrink), the
+    export gives the live run's logits, and a run killed after a pruned checkpoint resumes to
+    the uninterrupted one. ZeRO-3 (a partitioned build with a new head) is refused in one line."""
+    from safetensors.torch import load_file
+    from test_distributed import COMMON, check_identical_and_pruned, ds_config, launch
+    from test_families_zero import _killed_then_resumed_as_uninterrupted
+
+    from apt_ds.cli.export import main as export_main
+    from apt_ds.io.modeling import load_pretrained
+
+    base, data = _encoder_dir(tmp_path, tokenizer, "bert"), _sentiment_file(tmp_path / "sst.jsonl", rows=48)
+    args = ["--deepspeed", ds_config(tmp_path, 2), *COMMON, "--micro-batch-size", "2", "--checkpoint-every", "6",
+            "--model", str(base), "--data", data]
+    out = tmp_path / "run"
+    result = launch(2, [*args, "--eval-data", data, "--eval-examples", "8", "--save-eval-probe", "--out", str(out)])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    check_identical_and_pruned(out, 2)
+    assert export_main([str(out), "--out", str(tmp_path / "hf")]) == 0
+    probe = load_file(str(out / "eval_probe.safetensors"))
+    inputs = {k: probe[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in probe}
+    with torch.no_grad():
+        torch.testing.assert_close(load_pretrained(tmp_path / "hf")(**inputs).logits, probe["logits"], rtol=1e-4, atol=1e-4)
+    _killed_then_resumed_as_uninterrupted(tmp_path / "killed", args, reference=out)
+    refused = launch(2, ["--deepspeed", ds_config(tmp_path, 3), *args[2:], "--out", str(tmp_path / "zero3")])
+    assert refused.returncode != 0 and "is an encoder (a sequence classifier), which trains in one process without " \
+        "--deepspeed with ZeRO-3 so far" in refused.stdout + refused.stderr
+    assert not (tmp_path / "zero3").exists()
