@@ -26,11 +26,13 @@ from apt_ds.io.modeling import ModelLoadError
 from apt_ds.models import family_for
 
 
-def build_partitioned_model(config, source, ds_config: dict, dtype: torch.dtype, device: torch.device, quant=None):
+def build_partitioned_model(config, source, ds_config: dict, dtype: torch.dtype, device: torch.device, quant=None,
+                            seed: int = 0):
     """The family's causal LM (LlamaForCausalLM, Qwen2ForCausalLM, ...) of `config` whose
     parameters are ZeRO-3 partitions filled from `source` (apt_ds.io.weights.SafetensorsWeights,
     or a name -> tensor dict), in `dtype`; `quant` (an enabled apt_ds.algorithm.quant.BaseQuant):
-    the frozen projections quantized as they are read (`quantize_partitioned`)."""
+    the frozen projections quantized as they are read (`quantize_partitioned`). An encoder's task
+    head the files lack is made from `seed` (apt_ds.io.by_tensor.new_head_values)."""
     import deepspeed
     from transformers.initialization import no_init_weights
 
@@ -50,7 +52,7 @@ def build_partitioned_model(config, source, ds_config: dict, dtype: torch.dtype,
     made = {private.model_partition_tensor(p).dtype for p in model.parameters() if hasattr(p, "ds_id")}
     if made != {dtype}:
         raise RuntimeError(f"deepspeed.zero.Init partitioned the model in {made}, not {dtype}")
-    if config.tie_word_embeddings:  # post_init's tying runs inside init_weights, skipped above
+    if family.ties(config):  # post_init's tying runs inside init_weights, skipped above
         family.output_module(model).weight = family.embedding_module(model).weight
     # zero.Init makes every tensor constructor produce `dtype`, RoPE's inverse frequencies too:
     # rebuild them outside it, in fp32 as transformers computes them.
@@ -58,7 +60,7 @@ def build_partitioned_model(config, source, ds_config: dict, dtype: torch.dtype,
     from apt_ds.io.quantized import projection_weights
 
     projections = projection_weights(model) if quant is not None else {}
-    load_partitions(model, source, skip=set(projections))
+    load_partitions(model, source, skip=set(projections), seed=seed)
     if quant is not None:
         quantize_partitioned(model, projections, source, quant, device)
     return model
@@ -107,30 +109,58 @@ def quantize_partitioned(model, projections: dict, source, quant, device: torch.
             partition_new_params(model, linear, quant.compute_dtype)
 
 
-def _read_flat(source, name: str, start: int, length: int) -> torch.Tensor:
-    if isinstance(source, dict):
-        return source[name].reshape(-1)[start : start + length]
-    return source.flat_range(name, start, length)
+class _PartitionSource:
+    """What load_partitions reads: a state dict, or the files by the names they hold
+    (SafetensorsWeights.stored), with new tensors (a task head the files lack) over them."""
+
+    def __init__(self, source, new: dict | None = None):
+        self.source, self.new = source, dict(new or {})
+
+    def _dict(self, name: str):
+        return self.new.get(name, self.source.get(name) if isinstance(self.source, dict) else None)
+
+    def __contains__(self, name: str) -> bool:
+        if self._dict(name) is not None:
+            return True
+        return not isinstance(self.source, dict) and self.source.stored(name) in self.source
+
+    def shape(self, name: str) -> list[int]:
+        tensor = self._dict(name)
+        return list(tensor.shape) if tensor is not None else self.source.shape(self.source.stored(name))
+
+    def flat(self, name: str, start: int, length: int) -> torch.Tensor:
+        tensor = self._dict(name)
+        if tensor is not None:
+            return tensor.reshape(-1)[start : start + length]
+        return self.source.flat_range(self.source.stored(name), start, length)
 
 
-def load_partitions(model, source, skip: set[str] = frozenset()) -> None:
+def load_partitions(model, source, skip: set[str] = frozenset(), seed: int = 0) -> None:
     """Fill every rank's partitions of `model` from `source`; tied parameters once; the names in
-    `skip` are left as zero.Init made them (they are replaced next)."""
-    missing = [name for name, _ in model.named_parameters() if name not in source]
+    `skip` are left as zero.Init made them (they are replaced next). A name is read as the files
+    hold it (SafetensorsWeights.stored); a task head they lack is made from `seed`, whole on
+    every rank (it is small), and each rank keeps its slice."""
+    from apt_ds.io.by_tensor import new_head_values
+
+    source = _PartitionSource(source)
+    absent = {name for name, _ in model.named_parameters() if name not in source}
+    heads = {t.name for t in family_for(model.config.model_type).outer_tensors if t.part == "head"}
+    missing = sorted(absent - heads)
     if missing:
         raise ModelLoadError(f"the checkpoint has no weights for {missing[:3]} ({len(missing)} parameters)")
+    source.new = new_head_values(model, absent, seed) if absent else {}
     with torch.no_grad():
         for name, param in model.named_parameters():
             if not hasattr(param, "ds_id"):
                 raise RuntimeError(f"{name} was not partitioned by zero.Init")
             expected = list(param.ds_shape)
-            stored = list(source[name].shape) if isinstance(source, dict) else source.shape(name)
+            stored = source.shape(name)
             if stored != expected:
                 raise ModelLoadError(f"weight {name} has shape {stored} in the checkpoint, the config says {expected}")
             if name in skip:
                 continue
             partition, size, rank = private.model_partition(param)
-            piece = _read_flat(source, name, size * rank, size)
+            piece = source.flat(name, size * rank, size)
             partition[: piece.numel()].copy_(piece.to(partition.dtype))
             partition[piece.numel():].zero_()  # DeepSpeed's padding of the last partition
 

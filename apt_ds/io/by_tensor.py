@@ -117,26 +117,37 @@ def _in_head(family, name: str) -> bool:
 
 
 def _new_head(model, family, names: set[str], place: PlaceTensor, seed: int) -> None:
-    """The task head's parameters `names`, initialised as transformers initialises them, from
-    `seed` alone (every rank, and the resume's rebuild, make the same one)."""
+    """Place the task head's parameters `names`, new (new_head_values), saying which are frozen."""
+    for name, value in new_head_values(model, names, seed).items():
+        place(name, value, model.get_parameter(name))
+    trained = family.modules_to_save
+    for owner in sorted({name.rpartition(".")[0] for name in names}):
+        if not any(owner == path or owner.startswith(path + ".") for path in trained):
+            logger.warning("the checkpoint has no %s: it is made from the seed and stays frozen, as the base does "
+                           "(a checkpoint of the model's own pretraining has one)", owner)
+
+
+def new_head_values(model, names: set[str], seed: int) -> dict[str, torch.Tensor]:
+    """Values for the task head's parameters `names` (Linear weights and biases) that a base
+    checkpoint lacks, initialised as transformers initialises the module, from `seed` alone:
+    every rank, a ZeRO-3 build (whose modules hold partitions) and a resume's rebuild make the
+    same ones. Module by module in name order, each a fresh copy of its Linear's logical shape."""
     modules: dict[str, list[str]] = {}
     for name in sorted(names):
         owner, _, leaf = name.rpartition(".")
         modules.setdefault(owner, []).append(leaf)
-    trained = [module for module in family.modules_to_save]
+    values = {}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for owner, leaves in modules.items():
             module = model.get_submodule(owner)
-            for leaf in leaves:
-                param = getattr(module, leaf)
-                setattr(module, leaf, nn.Parameter(torch.empty(param.shape), requires_grad=param.requires_grad))
-            model._init_weights(module)
-            for leaf in leaves:
-                place(f"{owner}.{leaf}", getattr(module, leaf).detach(), getattr(module, leaf))
-            if not any(owner == path or owner.startswith(path + ".") for path in trained):
-                logger.warning("the checkpoint has no %s: it is made from the seed and stays frozen, as the base does "
-                               "(a checkpoint of the model's own pretraining has one)", owner)
+            if not isinstance(module, nn.Linear):
+                raise ModelLoadError(f"the checkpoint has no {owner}, and a new {type(module).__name__} is not made here")
+            fresh = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+            fresh = fresh.to_empty(device="cpu")  # no initialisation of its own: the RNG is _init_weights' alone
+            model._init_weights(fresh)
+            values.update({f"{owner}.{leaf}": getattr(fresh, leaf).detach() for leaf in leaves})
+    return values
 
 
 def rebuild_position_ids(model, device: torch.device) -> None:

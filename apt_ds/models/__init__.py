@@ -31,11 +31,10 @@ def _registry() -> dict[str, Family]:
 
 
 _ALL = _registry()
-# The decoders, which train, prune and export end to end (what `tiny-<family>` models, the CLI and
-# the family tests go through)
+# The decoders (causal LMs: `tiny-<family>` built-in models, GGUF exports, lm-eval)
 FAMILIES = {name: family for name, family in _ALL.items() if family.kind == "decoder"}
-# The encoders (BERT, RoBERTa sequence classifiers): they train in one process on classification
-# data (one process or ZeRO-2) and export as HF sequence classifiers; ZeRO-3 is refused in one line
+# The encoders (BERT, RoBERTa sequence classifiers): trained on classification data (one process,
+# ZeRO-2 or ZeRO-3) and exported as HF sequence classifiers
 ENCODERS = {name: family for name, family in _ALL.items() if family.kind == "encoder"}
 # The projections an adapter can wrap, by module name as PEFT's `target_modules` takes them
 ADAPTER_TARGETS = tuple(dict.fromkeys(name for family in FAMILIES.values() for name in family.projections))

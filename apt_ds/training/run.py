@@ -130,6 +130,8 @@ def _model(args, tokenizer, train: TrainConfig, prunes: bool, backend, check_fin
             from transformers import AutoConfig
 
             config = AutoConfig.from_pretrained(str(path))
+            if num_labels is not None:
+                config.num_labels = num_labels  # an encoder's classifier: the data's classes
             return _partitioned(backend, config, SafetensorsWeights(path), dtype, train, quant), fingerprint
         if quant.enabled:  # quantized tensor by tensor as it loads (apt_ds.io.quantized)
             return load_quantized(path, quant, backend.device), fingerprint
@@ -173,7 +175,8 @@ def _partitioned(backend, config, source, dtype, train: TrainConfig, quant):
     from apt_ds.distributed.zero_init import build_partitioned_model
 
     ds_config = backend.resolved_config(config, train.grad_accum_steps, train.max_grad_norm)
-    return build_partitioned_model(config, source, ds_config, dtype, backend.device, quant if quant.enabled else None)
+    return build_partitioned_model(config, source, ds_config, dtype, backend.device, quant if quant.enabled else None,
+                                   seed=train.seed)
 
 
 def run_training(args, apt: APTConfig | None, train: TrainConfig, configs_for_steps=None,

@@ -41,7 +41,7 @@ def _model_type(model: str) -> str | None:
 
 def check_encoder_options(args, train: TrainConfig, apt: APTConfig | None) -> None:
     """What a classifier run does not support yet, named before any work."""
-    unsupported = [(_zero_stage(args.deepspeed) == 3, "--deepspeed with ZeRO-3"), (train.base_quant != "none", "--base-quant"),
+    unsupported = [(train.base_quant != "none", "--base-quant"),
                    (args.epochs is not None, "--epochs"),
                    # checkpointing puts the model in training mode: BERT's dropout would reach the teacher and eval
                    (train.gradient_checkpointing, "--gradient-checkpointing"),
@@ -53,16 +53,6 @@ def check_encoder_options(args, train: TrainConfig, apt: APTConfig | None) -> No
     if named:
         raise ConfigError(f"--model {args.model} is an encoder (a sequence classifier), which trains in one process "
                           f"without {', '.join(named)} so far")
-
-
-def _zero_stage(deepspeed: str | None) -> int | None:
-    """The ZeRO stage a --deepspeed JSON asks for (None: no DeepSpeed, or a file DeepSpeedBackend refuses in its own words)."""
-    if not deepspeed:
-        return None
-    try:
-        return json.loads(Path(deepspeed).read_text()).get("zero_optimization", {}).get("stage")
-    except (OSError, ValueError, AttributeError):
-        return None
 
 
 def tokenize_for_task(args, records, tokenizer, train: TrainConfig, data_path: str, truncation: TruncationStats,
