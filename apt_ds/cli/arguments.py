@@ -85,7 +85,8 @@ class RunArguments:
 
     _argument_group_name = "run"
 
-    model: str = help_field("local Hugging Face directory (LLaMA, Mistral, Qwen2/2.5, Qwen3), a .gguf file, a Hub name "
+    model: str = help_field("local Hugging Face directory (LLaMA, Mistral, Qwen2/2.5, Qwen3; BERT, RoBERTa sequence "
+                            "classifiers), a .gguf file, a Hub name "
                             "org/name or org/name@revision already in the local Hugging Face cache (HF_HOME; nothing is "
                             "downloaded: docs/HUB_NAMES.md), or a built-in random small model: 'tiny' (LLaMA with GQA), "
                             "'tiny-mha' (one KV head per query head), 'tiny-mistral', 'tiny-qwen2', 'tiny-qwen3'",
@@ -98,8 +99,8 @@ class RunArguments:
                                      "(default: the shipped demo data)", default=None)
     data_split: str = help_field("the split of --data to train on, where it has splits (a Hub data set, a saved "
                                  "DatasetDict)", default="train")
-    eval_data: Optional[str] = help_field("held-out data (same formats); eval_loss is logged at each pruning event and "
-                                          "at the end", default=None)
+    eval_data: Optional[str] = help_field("held-out data (same formats); eval_loss (and a classifier's eval_accuracy) "
+                                          "is logged at each pruning event and at the end", default=None)
     eval_data_split: Optional[str] = help_field("the split of --eval-data, where it has splits, e.g. validation "
                                                 "(default: --data-split's)", default=None)
     out: str = help_field("run directory: metrics.jsonl, checkpoint/, tokenizer/", default="runs/demo")
@@ -107,6 +108,9 @@ class RunArguments:
                                           "without DeepSpeed", default=None)
     method: str = help_field("apt, or lora: the same adapters with no pruning, no rank growth, no distillation",
                              choices=("apt", "lora"), default="apt")
+    task: str = help_field("what the model learns: lm (next tokens: a causal LM's), classification (a class a row of "
+                           "'sentence' or 'sentence1'/'sentence2' with an integer 'label': a BERT or RoBERTa model's), or "
+                           "auto: the model's", choices=("auto", "lm", "classification"), default="auto")
     config: Optional[str] = help_field("recipe: a YAML (or JSON) file of any of these flags' fields, e.g. "
                                        "configs/llama2_7b_alpaca.yaml; flags given on the command line override it",
                                        default=None)

@@ -39,6 +39,19 @@ def _model_type(model: str) -> str | None:
         return None
 
 
+def check_task(args) -> None:
+    """--task, where given, is the model's: a causal LM has no classifier, an encoder no LM head."""
+    wanted = getattr(args, "task", "auto")
+    if wanted == "auto":
+        return
+    if wanted == "classification" and not classifies(args.model):
+        raise ConfigError(f"--task classification needs a sequence classifier: --model {args.model} is a causal LM; "
+                          f"give a BERT or RoBERTa model")
+    if wanted == "lm" and classifies(args.model):
+        raise ConfigError(f"--task lm needs a causal LM: --model {args.model} is an encoder (a sequence classifier); "
+                          f"give a LLaMA, Mistral or Qwen model")
+
+
 def check_encoder_options(args, train: TrainConfig, apt: APTConfig | None) -> None:
     """What a classifier run does not support yet, named before any work."""
     unsupported = [(train.base_quant != "none", "--base-quant"),

@@ -213,7 +213,8 @@ def test_the_train_command_trains_a_classifier_and_resumes_it(in_tmp, tmp_path, 
     from apt_ds.training.trainer import APTrainer
 
     base, data = _encoder_dir(tmp_path, tokenizer, model_type), _sentiment_file(tmp_path / "sst.jsonl")
-    flags = [*ENCODER_TRAIN, "--model", str(base), "--data", data, "--eval-data", data, "--eval-examples", "8"]
+    flags = [*ENCODER_TRAIN, "--model", str(base), "--data", data, "--eval-data", data, "--eval-examples", "8",
+             "--task", "classification"]
     assert train_main([*flags, "--out", "whole"]) == 0
     final = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert abs(final["density"] - 0.6) < 0.05
@@ -284,6 +285,7 @@ def test_an_exported_classifier_gives_the_live_runs_logits(in_tmp, tmp_path, tok
     (["--base-quant", "nf4"], "--base-quant"),
     (["--gradient-checkpointing"], "--gradient-checkpointing"),
     (["--adapter-targets", "q_proj", "gate_proj"], "--adapter-targets gate_proj: BERT layers have no such projection"),
+    (["--task", "lm"], "--task lm needs a causal LM: --model"),
 ])
 def test_what_an_encoder_run_cannot_do_yet_is_refused_in_one_line(in_tmp, tmp_path, tokenizer, capsys, flags, named):
     from apt_ds.cli.train import main as train_main
@@ -361,3 +363,14 @@ def test_a_two_rank_zero_classifier_run_prunes_exports_and_resumes(tmp_path, tok
         torch.testing.assert_close(load_pretrained(tmp_path / "hf")(**inputs).logits, probe["logits"], rtol=1e-4, atol=1e-4)
     assert ("apt_layer_shapes" in json.loads((tmp_path / "hf" / "config.json").read_text())) != bool(flags)
     _killed_then_resumed_as_uninterrupted(tmp_path / "killed", args, reference=out)
+
+
+def test_a_causal_lm_asked_to_classify_is_refused_in_one_line(in_tmp, tmp_path, capsys):
+    from apt_ds.cli.train import main as train_main
+
+    data = _sentiment_file(tmp_path / "sst.jsonl")
+    capsys.readouterr()
+    assert train_main([*ENCODER_TRAIN, "--model", "tiny", "--data", data, "--task", "classification", "--out", "run"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "--task classification needs a sequence classifier: --model tiny is a causal LM" in errors[0]
+    assert not Path("run").exists()
