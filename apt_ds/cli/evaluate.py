@@ -43,6 +43,10 @@ class EvaluateArguments:
     dtype: str = help_field("dtype of the weights during evaluation; auto: as saved", choices=("auto", "fp32", "bf16", "fp16"),
                             default="auto")
     overwrite: bool = help_field("replace an --out that holds previous results (never another file)", default=False)
+    data: Optional[str] = help_field("a sequence classifier's (BERT, RoBERTa) labelled rows ('sentence' or "
+                                     "'sentence1'/'sentence2' with an integer 'label'): its accuracy on them, instead of "
+                                     "lm-eval's tasks, which score causal LMs", default=None)
+    data_split: Optional[str] = help_field("the split of --data, where it has splits (e.g. validation)", default=None)
 
 
 def build_evaluate_parser() -> ArgumentParser:
@@ -69,9 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     from apt_ds.evaluation.errors import EvaluationError
 
     try:
+        from apt_ds.evaluation.classifier import is_classifier
         from apt_ds.evaluation.report import check_out_path, format_table, one_answer_notes, table_rows, write_results
 
         check_out_path(args.out, args.overwrite)
+        if args.data or is_classifier(args.model):
+            return _classifier(args)
         from apt_ds.evaluation.harness import Request, evaluate
 
         tasks = list(dict.fromkeys(name.strip() for name in args.tasks.split(",") if name.strip()))  # each once
@@ -88,5 +95,26 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(table_rows(results, tasks)))
     for note in one_answer_notes(results, tasks):
         print(note, file=sys.stderr)
+    print(f"results: {args.out}", file=sys.stderr)
+    return 0
+
+
+def _classifier(args) -> int:
+    """A sequence classifier's accuracy on --data (apt_ds.evaluation.classifier), written as a results file."""
+    from apt_ds.evaluation.classifier import ClassifierRequest, classifier_accuracy, is_classifier
+    from apt_ds.evaluation.errors import EvaluationError
+    from apt_ds.evaluation.report import write_results
+
+    if not is_classifier(args.model):
+        raise EvaluationError(f"--data scores a sequence classifier (BERT, RoBERTa); {args.model} is not one: give "
+                              f"--tasks for a causal LM")
+    if not args.data:
+        raise EvaluationError(f"{args.model} is a sequence classifier: give its labelled rows with --data FILE "
+                              f"(lm-eval's --tasks score causal LMs)")
+    scores = classifier_accuracy(ClassifierRequest(model=args.model, data=args.data, data_split=args.data_split,
+                                                   limit=args.limit, device=args.device,
+                                                   batch_size=int(args.batch_size) if args.batch_size.isdigit() else 32))
+    write_results({"results": {"classification": scores}, "apt_ds": {"kind": "classifier accuracy"}}, args.out)
+    print(f"| data | rows | accuracy |\n|---|---|---|\n| {args.data} | {scores['rows']} | {scores['accuracy']:.4f} |")
     print(f"results: {args.out}", file=sys.stderr)
     return 0

@@ -219,7 +219,7 @@ def build_lm(request: Request):
     config = check_model_path(path, flag="model")
     if config.get("model_type") in ENCODERS:  # lm-eval's HFLM runs causal LMs
         raise UnsupportedModelError(f"{path}: a {config['model_type']} sequence classifier, which lm-eval does not "
-                                    f"evaluate; train it with --eval-data for its eval_accuracy")
+                                    f"evaluate; give its labelled rows with --data for its accuracy")
     device = request.device or ("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = load_tokenizer(path)
     if path.is_dir() and not config.get("apt_layer_shapes"):

@@ -270,13 +270,18 @@ def test_an_exported_classifier_gives_the_live_runs_logits(in_tmp, tmp_path, tok
             torch.testing.assert_close(stock(**inputs).logits, probe["logits"], rtol=1e-4, atol=1e-4)
     assert not Path("hf/generation_config.json").exists()
     assert report["stock_loadable"] == uniform  # uniform encoders keep hidden = heads x head_dim (the pruner's search)
-    if uniform:  # lm-eval scores causal LMs: a classifier is refused in one line
-        from apt_ds.cli.evaluate import main as evaluate_main
+    # launch/evaluate.py scores the export's accuracy on labelled rows: the run's own eval_accuracy
+    # on the same 8 rows (lm-eval's --tasks score causal LMs: without --data, one line)
+    from apt_ds.cli.evaluate import main as evaluate_main
 
-        capsys.readouterr()
-        assert evaluate_main(["hf", "--tasks", "sst2", "--limit", "2", "--device", "cpu", "--out", "scores"]) == 2
-        errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
-        assert len(errors) == 1 and "sequence classifier, which lm-eval does not evaluate" in errors[0], errors
+    capsys.readouterr()
+    assert evaluate_main(["hf", "--tasks", "sst2", "--device", "cpu", "--out", "scores.json"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "is a sequence classifier: give its labelled rows with --data FILE" in errors[0], errors
+    assert evaluate_main(["hf", "--data", data, "--limit", "8", "--device", "cpu", "--out", "scores.json"]) == 0
+    scores = json.loads(Path("scores.json").read_text())["results"]["classification"]
+    final = [json.loads(line) for line in Path("run/metrics.jsonl").read_text().splitlines()][-1]
+    assert scores["rows"] == 8 and scores["accuracy"] == pytest.approx(final["eval_accuracy"])
     config = json.loads(Path("hf/config.json").read_text())
     assert ("apt_layer_shapes" in config) != uniform and config["architectures"] == [type(exported).__name__]
 
@@ -374,3 +379,14 @@ def test_a_causal_lm_asked_to_classify_is_refused_in_one_line(in_tmp, tmp_path, 
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and "--task classification needs a sequence classifier: --model tiny is a causal LM" in errors[0]
     assert not Path("run").exists()
+
+
+def test_classifier_data_for_a_causal_lm_is_refused_in_one_line(in_tmp, tmp_path, capsys):
+    from apt_ds.cli.evaluate import main as evaluate_main
+
+    data = _sentiment_file(tmp_path / "sst.jsonl")
+    capsys.readouterr()
+    assert evaluate_main(["tiny", "--data", data, "--out", "scores.json"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "--data scores a sequence classifier (BERT, RoBERTa); tiny is not one" in errors[0]
+    assert not Path("scores.json").exists()
