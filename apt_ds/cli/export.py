@@ -137,6 +137,12 @@ def _plain_model_and_kept(model_path: str, kept_path: str):
             widths = None
     if Path(model_path).is_dir():  # a head that contradicts config.json: before any weight is read
         from apt_ds.io.fingerprint import check_base_head
+        from apt_ds.io.modeling import check_model_path
+        from apt_ds.models import ENCODERS, UnsupportedModelError
+
+        if check_model_path(model_path, flag="--model").get("model_type") in ENCODERS:
+            raise UnsupportedModelError(f"--model {model_path} is a sequence classifier: --kept exports a causal LM; a "
+                                        f"classifier's head is trained by a run: export the run (launch/export.py RUN)")
 
         check_base_head(model_path)
     model = load_model(model_path)

@@ -28,7 +28,7 @@ from apt_ds.models import family_for
 
 def build_partitioned_model(config, source, ds_config: dict, dtype: torch.dtype, device: torch.device, quant=None,
                             seed: int = 0):
-    """The family's causal LM (LlamaForCausalLM, Qwen2ForCausalLM, ...) of `config` whose
+    """The family's model (LlamaForCausalLM, ..., BertForSequenceClassification) of `config` whose
     parameters are ZeRO-3 partitions filled from `source` (apt_ds.io.weights.SafetensorsWeights,
     or a name -> tensor dict), in `dtype`; `quant` (an enabled apt_ds.algorithm.quant.BaseQuant):
     the frozen projections quantized as they are read (`quantize_partitioned`). An encoder's task
@@ -63,7 +63,7 @@ def build_partitioned_model(config, source, ds_config: dict, dtype: torch.dtype,
     load_partitions(model, source, skip=set(projections), seed=seed)
     if quant is not None:
         quantize_partitioned(model, projections, source, quant, device)
-    return model
+    return model.eval()  # as from_pretrained returns it: an encoder's dropout off (apt-ds trains without it)
 
 
 @contextlib.contextmanager

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from apt_ds.algorithm.units import ModelShape
+from apt_ds.algorithm.units import ModelShape, UnsupportedModelError
 from apt_ds.export.kept import read_kept_record
 from apt_ds.export.out_dir import check_export_out
 from apt_ds.export.writer import DEFAULT_SHARD_SIZE, DTYPES, check_options, summary, write_export
 from apt_ds.io.checkpoint import CheckpointError
+from apt_ds.models import family_of
 
 
 def export_pruned(model, kept: dict, out: Path, dtype: str = "fp32", tokenizer_dir: Path | None = None,
@@ -35,6 +36,9 @@ def export_pruned(model, kept: dict, out: Path, dtype: str = "fp32", tokenizer_d
     from apt_ds.io.weights import SafetensorsWeights
 
     check_supported_model(model)
+    if family_of(model).kind == "encoder":  # its classifier is a run's, never in a base checkpoint
+        raise UnsupportedModelError(f"{type(model).__name__}: --model with --kept exports a causal LM; a sequence "
+                                    f"classifier's head is trained by a run: export the run (launch/export.py RUN)")
     base_names = None
     if base is not None and Path(base).is_dir():
         check_base_head(base)  # a head transformers loaded otherwise than config.json says

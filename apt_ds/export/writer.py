@@ -39,8 +39,11 @@ def exported_config(model_config, shape: ModelShape) -> dict:
     config["hidden_size"] = shape.hidden
     first = shape.layers[0]
     config.update(num_attention_heads=first.num_q_heads, intermediate_size=first.ffn)
-    if family.config_head_dim:  # BERT's config has neither: its heads are hidden_size / heads wide
+    if family.config_head_dim:
         config.update(head_dim=first.head_dim, num_key_value_heads=first.num_kv_groups)
+    else:  # BERT's config has neither (its heads are hidden_size / heads wide): the shrink's notes go
+        config.pop("head_dim", None)
+        config.pop("num_key_value_heads", None)
     for key, value in transformers4_rope(config).items():
         config.setdefault(key, value)
     if not stock_loadable(shape):

@@ -214,8 +214,8 @@ def axis_sizes(shape: LayerShape, hidden: int) -> dict[str, int]:
 
 
 def resize_layers(model, layer_shapes: list[LayerShape]) -> None:
-    """Give every decoder layer its own (empty) Linear sizes before weights are loaded: each
-    projection of the family's description, with a bias where the description lists one."""
+    """Give every layer its own (empty) Linear sizes and head geometry before weights are loaded:
+    each projection of the family's description, with a bias where the description lists one."""
     family = family_for(model.config.model_type)
     hidden = model.config.hidden_size
     for layer, shape in zip(family.decoder_layers(model), layer_shapes):
@@ -234,8 +234,8 @@ def resize_layers(model, layer_shapes: list[LayerShape]) -> None:
 
 
 def load_pretrained(directory: str | Path, dtype: torch.dtype | str | None = None):
-    """Load an apt_ds export (uniform or not) as its family's own causal LM (LlamaForCausalLM,
-    Qwen2ForCausalLM, ...) with per-layer shapes; `dtype`: a torch.dtype or its name (fp32,
+    """Load an apt_ds export (uniform or not) as its family's own model (LlamaForCausalLM,
+    Qwen2ForCausalLM, ..., BertForSequenceClassification) with per-layer shapes; `dtype`: a torch.dtype or its name (fp32,
     bf16, fp16, float32, ...)."""
     from safetensors.torch import load_file
 

@@ -58,7 +58,10 @@ def check_encoder_options(args, train: TrainConfig, apt: APTConfig | None) -> No
                    (args.epochs is not None, "--epochs"),
                    # checkpointing puts the model in training mode: BERT's dropout would reach the teacher and eval
                    (train.gradient_checkpointing, "--gradient-checkpointing"),
-                   (apt is not None and apt.uniform and apt.uniform_shape_metric == "kl", "--uniform-shape-metric kl")]
+                   (apt is not None and apt.uniform and apt.uniform_shape_metric == "kl", "--uniform-shape-metric kl"),
+                   # a uniform encoder keeps hidden = heads x head_dim (its config has no head_dim): both or neither
+                   (apt is not None and apt.uniform and apt.prune_heads != apt.prune_hidden,
+                    "--uniform with only one of heads and hidden channels pruned")]
     if apt is not None:  # `gate_proj` names nothing in BERT: refused before any work
         family_for(TINY_MODELS[args.model][0] if args.model in TINY_MODELS else _model_type(args.model)).adapter_paths(
             apt.adapter_targets)

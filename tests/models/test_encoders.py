@@ -173,11 +173,13 @@ def test_an_encoder_trains_prunes_to_its_density_and_learns_its_head(model_type)
 
 def _encoder_dir(tmp_path, tokenizer, model_type: str):
     """A tiny encoder checkpoint without a classifier: BERT's as `BertModel` saves it (no `bert.`
-    prefix, as sentence-transformers' MiniLM ships), RoBERTa's with its prefix."""
+    prefix, as sentence-transformers' MiniLM ships), RoBERTa's with its prefix; BERT's dropout of
+    0.1 in its config, which every run path must leave off (equal resumes and probes say so)."""
     from safetensors.torch import load_file, save_file
 
     directory = tmp_path / model_type
-    model = tiny_encoder(model_type, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    model = tiny_encoder(model_type, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                         hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
     if model_type == "bert":
         model.bert.save_pretrained(directory)
     else:
@@ -235,7 +237,10 @@ def test_the_train_command_trains_a_classifier_and_resumes_it(in_tmp, tmp_path, 
     assert export_main(["whole", "--out", "gguf", "--format", "gguf"]) == 2  # llama.cpp runs decoders
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and "sequence classifier has no GGUF export (llama.cpp runs decoders)" in errors[0]
-    assert not Path("gguf").exists()
+    assert export_main(["--model", str(base), "--kept", "whole/checkpoint/apt_state.json", "--out", "kept"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "is a sequence classifier: --kept exports a causal LM" in errors[0], errors
+    assert not Path("gguf").exists() and not Path("kept").exists()
 
 
 @pytest.mark.parametrize("uniform", [False, True], ids=["non-uniform", "uniform"])
@@ -284,6 +289,7 @@ def test_an_exported_classifier_gives_the_live_runs_logits(in_tmp, tmp_path, tok
     assert scores["rows"] == 8 and scores["accuracy"] == pytest.approx(final["eval_accuracy"])
     config = json.loads(Path("hf/config.json").read_text())
     assert ("apt_layer_shapes" in config) != uniform and config["architectures"] == [type(exported).__name__]
+    assert "head_dim" not in config and "num_key_value_heads" not in config  # BERT's config has neither
 
 
 @pytest.mark.parametrize("flags, named", [
@@ -291,6 +297,7 @@ def test_an_exported_classifier_gives_the_live_runs_logits(in_tmp, tmp_path, tok
     (["--gradient-checkpointing"], "--gradient-checkpointing"),
     (["--adapter-targets", "q_proj", "gate_proj"], "--adapter-targets gate_proj: BERT layers have no such projection"),
     (["--task", "lm"], "--task lm needs a causal LM: --model"),
+    (["--uniform", "--prune-hidden", "false"], "--uniform with only one of heads and hidden channels pruned"),
 ])
 def test_what_an_encoder_run_cannot_do_yet_is_refused_in_one_line(in_tmp, tmp_path, tokenizer, capsys, flags, named):
     from apt_ds.cli.train import main as train_main
@@ -339,8 +346,8 @@ def test_the_head_is_outside_the_budget_with_or_without_embeddings():
     assert shape.budget_params(True) == shape.block_params() + shape.embedding_params() == shape.total_params() - shape.head_params()
 
 
-@pytest.mark.parametrize(("model_type", "stage", "flags"), [("bert", 2, []), ("roberta", 3, ["--uniform"])],
-                         ids=["bert-zero2", "roberta-zero3-uniform"])
+@pytest.mark.parametrize(("model_type", "stage", "flags"), [("bert", 2, []), ("bert", 3, []), ("roberta", 3, ["--uniform"])],
+                         ids=["bert-zero2", "bert-zero3", "roberta-zero3-uniform"])
 def test_a_two_rank_zero_classifier_run_prunes_exports_and_resumes(tmp_path, tokenizer, model_type, stage, flags):
     """An encoder under ZeRO-2 and ZeRO-3 on 2 ranks (CPU accelerator): both ranks take the same
     decisions; the classifier, trained in full beside the adapters, follows each shrink (ZeRO-2:
