@@ -329,7 +329,7 @@ def test_resume_with_changed_settings_fails_before_the_data_is_read(home, change
 
     monkeypatch.chdir(home)
     monkeypatch.setattr(run_module, "load_records", must_not_run)
-    monkeypatch.setattr(run_module, "tokenize_dataset", must_not_run)
+    monkeypatch.setattr(run_module, "tokenize_for_task", must_not_run)
     before = tree_digest(home)
     capsys.readouterr()
     assert train_main([*BASE, *change, "--out", "torn_masks", "--resume"]) == 2  # argparse: the last value wins
