@@ -178,7 +178,7 @@ def _shrink_outer(family: Family, model, hid: torch.Tensor, access: ParamAccess,
             by_module.setdefault(tensor.module, []).append(tensor)
     for path, tensors in by_module.items():
         module = model.get_submodule(path)
-        if isinstance(module, nn.LayerNorm) or tensors[0].dims == ("hidden",) and tensors[0].part == "block":
+        if all(t.part == "block" and t.dims == ("hidden",) for t in tensors):  # a norm outside the layers
             replace_module_params(access, module, lambda: _slice_norm(module, hid))
             continue
         trainable = any(p.requires_grad for p in module.parameters(recurse=False))

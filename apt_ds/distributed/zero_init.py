@@ -144,8 +144,7 @@ def load_partitions(model, source, skip: set[str] = frozenset(), seed: int = 0) 
 
     source = _PartitionSource(source)
     absent = {name for name, _ in model.named_parameters() if name not in source}
-    heads = {t.name for t in family_for(model.config.model_type).outer_tensors if t.part == "head"}
-    missing = sorted(absent - heads)
+    missing = sorted(absent - family_for(model.config.model_type).head_names)
     if missing:
         raise ModelLoadError(f"the checkpoint has no weights for {missing[:3]} ({len(missing)} parameters)")
     source.new = new_head_values(model, absent, seed) if absent else {}

@@ -26,20 +26,16 @@ class ClassifierRequest:
 
 def is_classifier(model: str) -> bool:
     """`model` is a directory whose config names an encoder family (BERT, RoBERTa)."""
-    import json
+    from apt_ds.io.classification import classifier_family
 
-    from apt_ds.models import ENCODERS
-
-    try:
-        return json.loads((Path(model) / "config.json").read_text()).get("model_type") in ENCODERS
-    except (OSError, ValueError, AttributeError):
-        return False
+    return classifier_family(model) is not None
 
 
 @torch.no_grad()
 def classifier_accuracy(request: ClassifierRequest) -> dict:
     """{"accuracy", "rows", "classes", "model", "data"} of `request`'s model on its data."""
     from apt_ds.io.classification import tokenize_classification
+    from apt_ds.io.context_length import known_positions
     from apt_ds.io.data import collate, load_records
     from apt_ds.io.modeling import load_pretrained
     from apt_ds.io.tokenizer import load_tokenizer
@@ -50,10 +46,9 @@ def classifier_accuracy(request: ClassifierRequest) -> dict:
     classes = model.config.num_labels
     records = load_records(request.data, split=request.data_split, flag="--data")
     tokenizer = load_tokenizer(request.model)
-    positions = getattr(model.config, "max_position_embeddings", request.max_seq_len)
-    if model.config.model_type == "roberta":  # its positions start after the padding index
-        positions -= (model.config.pad_token_id or 0) + 1
-    examples = tokenize_classification(records, tokenizer, min(request.max_seq_len, positions), request.data, classes).examples
+    known = known_positions(model.config.to_dict())  # RoBERTa's start after its padding index
+    max_seq_len = min(request.max_seq_len, known[0]) if known else request.max_seq_len
+    examples = tokenize_classification(records, tokenizer, max_seq_len, request.data, classes).examples
     examples = examples[: request.limit] if request.limit else examples
     if not examples:
         raise EvaluationError(f"--data {request.data}: no rows to score")

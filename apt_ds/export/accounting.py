@@ -43,7 +43,7 @@ def base_names_as_the_model_names_them(weights, model_names: Iterable[str], fami
     had none (its tensors are the run's, so an export writes them)."""
     as_model = {weights.stored(name): name for name in model_names}
     names = [as_model.get(name, name) for name in weights.names()]
-    made = [t.name for t in family.outer_tensors if t.part == "head" and weights.stored(t.name) not in weights]
+    made = [name for name in sorted(family.head_names) if weights.stored(name) not in weights]
     return names + made
 
 

@@ -80,7 +80,7 @@ def fill_by_tensor(model, weights, place: PlaceTensor, device: torch.device, see
     family = family_for(model.config.model_type)
     params = dict(model.named_parameters())  # a tied LM head once, under the embedding's name
     stored = {name: weights.stored(name) for name in params}
-    new = {name for name in params if stored[name] not in weights and _in_head(family, name)}
+    new = {name for name in params if stored[name] not in weights and name in family.head_names}
     missing = [name for name in params if stored[name] not in weights and name not in new]
     if missing:
         raise ModelLoadError(f"the checkpoint {path} has no weights for {missing[:3]} ({len(missing)} tensors)")
@@ -109,11 +109,6 @@ def fill_by_tensor(model, weights, place: PlaceTensor, device: torch.device, see
     if left:
         raise ModelLoadError(f"loading {path} left {left[:3]} unset: this family's tensors are not all known")
     model.eval()
-
-
-def _in_head(family, name: str) -> bool:
-    """A task head's tensor (a classifier, a pooler), which a base checkpoint may lack."""
-    return any(name == tensor.name for tensor in family.outer_tensors if tensor.part == "head")
 
 
 def _new_head(model, family, names: set[str], place: PlaceTensor, seed: int) -> None:

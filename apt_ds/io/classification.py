@@ -29,6 +29,24 @@ class ClassificationData:
     cut: int
 
 
+def classifier_family(model: str):
+    """The encoder family (apt_ds.models.ENCODERS) of `--model`, a built-in name or a directory,
+    from its config.json's model_type; None for a causal LM, a GGUF file, or a path load_model
+    refuses in its own words."""
+    import json
+    from pathlib import Path
+
+    from apt_ds.io.modeling import TINY_MODELS
+    from apt_ds.models import ENCODERS
+
+    if model in TINY_MODELS:
+        return ENCODERS.get(TINY_MODELS[model][0])
+    try:
+        return ENCODERS.get(json.loads((Path(model) / "config.json").read_text()).get("model_type"))
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def text_fields(columns, source: str) -> tuple[str, ...]:
     """The fields a classification row's text is read from: a pair, or one text."""
     columns = set(columns)

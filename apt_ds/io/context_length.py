@@ -11,6 +11,7 @@ where given, as transformers reads it); Llama 3's `llama3` scaling is already co
 from __future__ import annotations
 
 from apt_ds.config import ConfigError
+from apt_ds.models import ENCODERS, FAMILIES
 
 STRETCHING_ROPE_TYPES = ("linear", "dynamic", "yarn", "longrope")
 
@@ -28,10 +29,11 @@ def known_positions(config: dict) -> tuple[int, str] | None:
         stretched = int(original * factor)
         if stretched > trained:
             return stretched, f"its rope_scaling ({kind}, factor {factor:g} of {original}) extends max_position_embeddings {trained} to {stretched}"
-    if config.get("model_type") == "roberta" and isinstance(config.get("pad_token_id"), int):
-        # RoBERTa numbers positions from padding_idx + 1 (transformers' create_position_ids_from_input_ids)
+    family = FAMILIES.get(config.get("model_type")) or ENCODERS.get(config.get("model_type"))
+    if family is not None and family.positions_after_padding and isinstance(config.get("pad_token_id"), int):
         usable = trained - config["pad_token_id"] - 1
-        return usable, f"max_position_embeddings is {trained}, and RoBERTa's positions start after pad_token_id {config['pad_token_id']}"
+        return usable, (f"max_position_embeddings is {trained}, and {family.names}'s positions start after pad_token_id "
+                        f"{config['pad_token_id']}")
     return trained, f"max_position_embeddings is {trained}"
 
 

@@ -91,6 +91,7 @@ class Family:
     # parent of the output projection) and its head_dim and group size attributes (None: 1)
     attention_path: str | None = None
     config_head_dim: bool = True  # False: the config has no head_dim; heads are hidden_size / heads wide (BERT)
+    positions_after_padding: bool = False  # position ids start at pad_token_id + 1 (RoBERTa): fewer usable positions
     head_dim_attr: str = "head_dim"
     group_size_attr: str | None = "num_key_value_groups"
     # llama.cpp's architecture for a GGUF export with every layer alike, and for per-layer shapes
@@ -118,12 +119,9 @@ class Family:
         if self.kind not in ("decoder", "encoder") or self.norm not in ("rms", "layer") \
                 or self.norm_placement not in ("pre", "post"):
             raise ValueError(f"{self.model_type}: kind, norm or norm_placement is not one of the known values")
-        outer_names = [t.name for t in self.outer_tensors]
-        if len(set(outer_names)) != len(outer_names):
-            raise ValueError(f"{self.model_type}: an outer tensor is listed twice")
-        names = [t.name for t in self.layer_tensors]
-        if len(set(names)) != len(names):
-            raise ValueError(f"{self.model_type}: a layer tensor is listed twice")
+        for what, names in (("an outer", [t.name for t in self.outer_tensors]), ("a layer", [t.name for t in self.layer_tensors])):
+            if len(set(names)) != len(names):
+                raise ValueError(f"{self.model_type}: {what} tensor is listed twice")
         roles = [(t.role, t.kind) for t in self.layer_tensors]
         if len(set(roles)) != len(roles):
             raise ValueError(f"{self.model_type}: two layer tensors have the same role")
@@ -136,6 +134,11 @@ class Family:
         return (OuterTensor(self.embedding, ("vocab", "hidden"), "embedding"),
                 OuterTensor(self.final_norm, ("hidden",), "block"),
                 OuterTensor(self.output_embedding, ("vocab", "hidden"), "embedding"))
+
+    @property
+    def head_names(self) -> frozenset[str]:
+        """The task head's tensors (a classifier, a pooler): a base checkpoint may lack them."""
+        return frozenset(t.name for t in self.outer_tensors if t.part == "head")
 
     def ties(self, config) -> bool:
         """The config ties an LM head to the input embedding (an encoder has no LM head to tie:
@@ -192,8 +195,7 @@ class Family:
         setattr(attention, self.head_dim_attr, head_dim)
         if self.group_size_attr:
             setattr(attention, self.group_size_attr, group_size)
-        derived = {"num_attention_heads": heads, "all_head_size": heads * head_dim, "scaling": head_dim**-0.5}
-        for name, value in derived.items():
+        for name, value in {"num_attention_heads": heads, "all_head_size": heads * head_dim, "scaling": head_dim**-0.5}.items():
             if hasattr(attention, name):
                 setattr(attention, name, value)
 

@@ -21,6 +21,7 @@ ROBERTA = Family(
         OuterTensor("classifier.out_proj.bias", ("labels",), "head"),
     ),
     head_input="classifier.out_proj",
+    positions_after_padding=True,  # transformers' create_position_ids_from_input_ids
     left_out=(LeftOut(r"(roberta\.)?embeddings\.position_ids", "an index buffer older transformers saved; rebuilt at load"),
               LeftOut(r"(roberta\.)?pooler\..*", "RoBERTa's pooler, which its sequence classifier does not have"),
               LeftOut(r"lm_head\..*", "the masked-LM head of pretraining, which a classifier does not use")),

@@ -5,16 +5,12 @@ before anything is written."""
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from apt_ds.config import APTConfig, ConfigError, TrainConfig
-from apt_ds.io.classification import tokenize_classification
+from apt_ds.io.classification import classifier_family, tokenize_classification
 from apt_ds.io.data import TruncationStats, tokenize_dataset
-from apt_ds.io.modeling import TINY_MODELS
-from apt_ds.models import ENCODERS, family_for
 
 
 @dataclass(frozen=True)
@@ -28,15 +24,7 @@ class TaskData:
 
 def classifies(model: str) -> bool:
     """`--model` is an encoder (a sequence classifier), from its config.json's model_type."""
-    return (TINY_MODELS[model][0] if model in TINY_MODELS else _model_type(model)) in ENCODERS
-
-
-def _model_type(model: str) -> str | None:
-    """config.json's model_type; None for a GGUF file, or a path that load_model refuses in its own words."""
-    try:
-        return json.loads((Path(model) / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return None
+    return classifier_family(model) is not None
 
 
 def check_task(args) -> None:
@@ -63,12 +51,11 @@ def check_encoder_options(args, train: TrainConfig, apt: APTConfig | None) -> No
                    (apt is not None and apt.uniform and apt.prune_heads != apt.prune_hidden,
                     "--uniform with only one of heads and hidden channels pruned")]
     if apt is not None:  # `gate_proj` names nothing in BERT: refused before any work
-        family_for(TINY_MODELS[args.model][0] if args.model in TINY_MODELS else _model_type(args.model)).adapter_paths(
-            apt.adapter_targets)
+        classifier_family(args.model).adapter_paths(apt.adapter_targets)
     named = [flag for given, flag in unsupported if given]
     if named:
-        raise ConfigError(f"--model {args.model} is an encoder (a sequence classifier), which trains in one process "
-                          f"without {', '.join(named)} so far")
+        raise ConfigError(f"--model {args.model} is an encoder (a sequence classifier), which trains without "
+                          f"{', '.join(named)} so far")
 
 
 def tokenize_for_task(args, records, tokenizer, train: TrainConfig, data_path: str, truncation: TruncationStats,
