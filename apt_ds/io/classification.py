@@ -1,7 +1,8 @@
 """Sequence-classification data (GLUE's shape): rows -> token ids and a class, for an encoder.
 
-A row holds one text (`sentence`, as SST-2, or `text`) or a pair (`sentence1` / `sentence2`, as
-MNLI and the GLUE pair tasks), and an integer `label` in 0..K-1; K, the classifier's size, is the
+A row holds one text (`sentence`, as SST-2, or `text`) or a pair (`sentence1` / `sentence2`, or
+GLUE's own column names: MNLI's `premise` / `hypothesis`, QQP's `question1` / `question2`, QNLI's
+`question` / `sentence`), and an integer `label` in 0..K-1; K, the classifier's size, is the
 largest label + 1. The sequence starts with the token a classifier reads (BERT's [CLS],
 RoBERTa's <s>): a tokenizer that frames pairs itself (cls and sep tokens) does, with its token
 types; any other is framed here as BOS A EOS (B EOS). Rows cut to max_seq_len are counted.
@@ -14,9 +15,11 @@ from dataclasses import dataclass
 from apt_ds.io.errors import DataError
 
 SINGLE_FIELDS = ("sentence", "text")
-PAIR_FIELDS = ("sentence1", "sentence2")
+# Pairs first: QNLI's `question` / `sentence` is a pair, not SST-2's single `sentence`
+PAIR_FIELDS = (("sentence1", "sentence2"), ("premise", "hypothesis"), ("question1", "question2"), ("question", "sentence"))
 LABEL_FIELD = "label"
-CLASSIFICATION_FIELDS = ("a 'sentence' or 'text' field, or 'sentence1'/'sentence2', with an integer 'label'")
+CLASSIFICATION_FIELDS = ("a 'sentence' or 'text' field, or a pair ('sentence1'/'sentence2', 'premise'/'hypothesis', "
+                         "'question1'/'question2' or 'question'/'sentence'), with an integer 'label'")
 
 
 @dataclass(frozen=True)
@@ -53,8 +56,9 @@ def text_fields(columns, source: str) -> tuple[str, ...]:
     if LABEL_FIELD not in columns:
         raise DataError(f"{source} has no {LABEL_FIELD!r} field: a classifier needs {CLASSIFICATION_FIELDS}; found "
                         f"fields {sorted(columns)}")
-    if set(PAIR_FIELDS) <= columns:
-        return PAIR_FIELDS
+    pair = next((pair for pair in PAIR_FIELDS if set(pair) <= columns), None)
+    if pair is not None:
+        return pair
     single = next((name for name in SINGLE_FIELDS if name in columns), None)
     if single is None:
         raise DataError(f"{source} has no text to classify: need {CLASSIFICATION_FIELDS}; found fields {sorted(columns)}")

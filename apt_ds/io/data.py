@@ -152,7 +152,7 @@ def tokenize_dataset(ds, tokenizer, max_seq_len: int, pack: bool, source: str = 
         else:
             pairs.append(pair)
     if not pairs and not conversations:
-        classifier_rows = "label" in ds.column_names and ({"sentence", "sentence1"} & set(ds.column_names))
+        classifier_rows = "label" in ds.column_names and ({"sentence", "sentence1", "premise", "question1"} & set(ds.column_names))
         hint = " (rows with 'sentence' and 'label' train an encoder's classifier: give a BERT or RoBERTa --model)" \
             if classifier_rows else ""
         raise DataError(f"{source} has no usable rows: need {USABLE_FIELDS}{hint}")

@@ -15,16 +15,17 @@ from pathlib import Path
 import datasets
 
 from apt_ds.io.errors import DataError
+from apt_ds.io.classification import LABEL_FIELD, PAIR_FIELDS, SINGLE_FIELDS
 from apt_ds.io.hub import find_dataset, load_hub_dataset
 
 SCAN_CHUNK_BYTES = 1 << 20  # the UTF-8 check reads a data file in pieces of this size
 USABLE_FIELDS = ("a 'text' field, 'instruction'/'output' fields, 'prompt'/'completion' (text or message lists), a "
                  "conversation in 'messages' (role/content) or 'conversations' (ShareGPT from/value), or, for a "
-                 "classifier, 'sentence' (or 'sentence1'/'sentence2') with an integer 'label'")
+                 "classifier, 'sentence' (or a pair: 'sentence1'/'sentence2', GLUE's 'premise'/'hypothesis', ...) with an integer 'label'")
 # fields that hold a list of messages (apt_ds.io.conversations); prompt/completion may hold either
 MESSAGE_FIELDS = ("messages", "conversations")
 ROW_FIELDS = ("text", "instruction", "input", "output", "prompt", "completion", *MESSAGE_FIELDS,  # what training reads
-              "sentence", "sentence1", "sentence2")  # a classifier's (apt_ds.io.classification)
+              *dict.fromkeys(name for names in (SINGLE_FIELDS, *PAIR_FIELDS) for name in names))  # a classifier's
 
 
 def demo_data_path() -> Path:
@@ -54,7 +55,8 @@ def load_records(path: str | Path, split: str | None = None, flag: str = "--data
         raise DataError(f"{label} has no rows")
     columns = set(ds.column_names)
     if not ({"text"} <= columns or {"instruction", "output"} <= columns or {"prompt", "completion"} <= columns
-            or columns & set(MESSAGE_FIELDS) or {"label", "sentence"} <= columns or {"label", "sentence1", "sentence2"} <= columns):
+            or columns & set(MESSAGE_FIELDS)
+            or any({LABEL_FIELD, *names} <= columns for names in (*((name,) for name in SINGLE_FIELDS), *PAIR_FIELDS))):
         raise DataError(f"{label} has no usable rows: need {USABLE_FIELDS}; found fields {sorted(columns)}")
     _check_text_fields(ds, path, label)
     return ds

@@ -43,7 +43,6 @@ def check_task(args) -> None:
 def check_encoder_options(args, train: TrainConfig, apt: APTConfig | None) -> None:
     """What a classifier run does not support yet, named before any work."""
     unsupported = [(train.base_quant != "none", "--base-quant"),
-                   (args.epochs is not None, "--epochs"),
                    # checkpointing puts the model in training mode: BERT's dropout would reach the teacher and eval
                    (train.gradient_checkpointing, "--gradient-checkpointing"),
                    (apt is not None and apt.uniform and apt.uniform_shape_metric == "kl", "--uniform-shape-metric kl"),

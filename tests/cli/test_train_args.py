@@ -90,12 +90,35 @@ def test_reference_recipes_hold_the_papers_settings(name, density, tmp_path):
     assert "deepspeed --num_gpus 8 launch/train.py" in (CONFIGS / name).read_text()  # the 8-GPU command it documents
 
 
+@pytest.mark.parametrize("name, end", [("roberta_base_sst2.yaml", 6314), ("roberta_base_mnli.yaml", 36816)])
+def test_the_encoder_recipes_hold_the_references_settings(name, end):
+    """RoBERTa-base on GLUE as the reference's scripts run it: 40% density, 40 epochs of 32 rows,
+    lr 2e-4 with 6% warm-up, weight decay 0.1, 128 tokens, LoRA r 8 / alpha 16 on q, v and the FFN's
+    up projection growing to 64, 10 events from step 200 to the end of epoch 3."""
+    run, apt, train = resolved("--config", str(CONFIGS / name), "--model", "/models/roberta-base", "--data", "d",
+                               "--eval-data", "e")
+    assert (run.task, run.epochs, run.global_batch_size, run.deepspeed) == ("classification", 40, 32, "ds_configs/zero2.json")
+    assert (train.lr, train.weight_decay, train.max_seq_len) == (2e-4, 0.1, 128)
+    assert apt is None  # --epochs: the APT schedule is made once the data gives the steps; the recipe's values
+    recipe = load_recipe(CONFIGS / name)
+    assert [recipe[key] for key in ("target_density", "num_pruning_events", "pruning_start_step", "pruning_end_step")] \
+        == [0.4, 10, 200, end]
+    assert [recipe[key] for key in ("adapter_targets", "adapter_rank", "adapter_alpha", "rank_cap")] \
+        == [["q_proj", "v_proj", "up_proj"], 8, 16.0, 64]
+    assert "deepspeed --num_gpus 8 launch/train.py" in (CONFIGS / name).read_text()
+
+
 def test_every_shipped_recipe_resolves():
     for path in sorted(CONFIGS.glob("*.yaml")):
         values = load_recipe(path)
         required = [f"--{k.replace('_', '-')}" for k, v in values.items() if v is None]
         argv = ["--config", str(path)] + [a for flag in required for a in (flag, "x")]
         resolved_configs = resolved(*argv)
+        if resolved_configs[1] is None:  # an --epochs recipe: its APT values, at a length the data would give
+            apt_keys = {f.name for f in dataclasses.fields(APTConfig)}
+            apt = APTConfig.for_steps(100_000, **{k: tuple(v) if isinstance(v, list) else v
+                                                  for k, v in values.items() if k in apt_keys})
+            resolved_configs = (resolved_configs[0], apt, resolved_configs[2])
         for key, value in values.items():
             owner = next(c for c, cls in zip(resolved_configs, (RunArguments, APTConfig, TrainConfig))
                          if key in {f.name for f in dataclasses.fields(cls)})

