@@ -156,8 +156,8 @@ def run_worker(spec_path: Path) -> None:
                             run_info={"model": spec["model"], "method": spec["method"], "num_labels": data.num_labels})
         trainer.train(stream)
         history = [r for r in trainer.history if "loss" in r]
+        result["total_rank"] = trainer.state.total_rank()  # before the merge folds the adapters away
         compact, shape = merge_and_compact(trainer), trainer.state.shape
-        result["total_rank"] = trainer.state.total_rank()
         del trainer
     result["train_time_s"] = time.perf_counter() - started  # prune-then-tune: its calibration included
     result["train_cpu_s"] = time.process_time() - cpu_started

@@ -35,6 +35,8 @@ sys.path.insert(0, str(HERE))
 
 from _common import command_line, git_commit, hardware, read_json, write_json  # noqa: E402
 
+from apt_ds.models import DEFAULT_ADAPTER_TARGETS  # noqa: E402
+
 METHODS = ["full", "lora", "apt_0.6", "apt_0.4", "ptt_0.6", "ptt_0.4"]
 # The settings that make two results comparable (a result with other values is run again)
 SETTINGS = ("model", "steps", "micro_batch_size", "max_seq_len", "lr", "lr_full", "rank", "adapter_targets",
@@ -123,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=1e-3, help="adapters' (and the head's) peak LR")
     parser.add_argument("--lr-full", type=float, default=5e-5, help="full fine-tuning's peak LR")
     parser.add_argument("--rank", type=int, default=8)
-    parser.add_argument("--adapter-targets", nargs="+", default=["q_proj", "v_proj"])
+    parser.add_argument("--adapter-targets", nargs="+", default=list(DEFAULT_ADAPTER_TARGETS))
     parser.add_argument("--calibration-batches", type=int, default=16, help="prune-then-tune's scoring batches")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--inference-repeats", type=int, default=5)

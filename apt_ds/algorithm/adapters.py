@@ -164,11 +164,12 @@ def add_adapters(model, targets, rank: int, alpha: float, seed: int = 0,
         param.requires_grad_(False)
     generator = torch.Generator().manual_seed(seed)
     family = family_of(model)
-    paths = set(family.adapter_paths(targets))  # `q_proj` is BERT's attention.self.query too
+    family.adapter_paths(targets, family.kinds[0])  # a target no layer has is refused in one line
+    # `q_proj` is BERT's attention.self.query too, and each of T5's attentions' q
+    wrapped = {f"{unit.prefix}.{path}" for unit in family.unit_layers(model) for path in unit.kind.adapter_paths(targets)}
     adapters = {}
-    for name, module in model.named_modules():
-        below_layer = name[len(family.layers) + 1:].partition(".")[2] if name.startswith(f"{family.layers}.") else None
-        if below_layer in paths and isinstance(module, nn.Linear):
+    for name, module in model.named_modules():  # in module order: the generator's draws as they always were
+        if name in wrapped and isinstance(module, nn.Linear):
             adapters[name] = APTAdapter.wrap(module, rank, alpha, generator, device=device)
     if not adapters:
         raise ValueError(f"no Linear named {list(targets)} found inside model layers")

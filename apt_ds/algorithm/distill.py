@@ -39,6 +39,13 @@ def attach_transform(model, hidden: int, rank: int, alpha: float, seed: int,
     return transform
 
 
+def distilled_blocks(model):
+    """The blocks whose outputs the hidden-state loss compares: the layers (a T5 model's decoder
+    blocks, which run over the target positions the loss is taken on)."""
+    family = family_of(model)
+    return model.get_submodule(family.layer_paths[-1])
+
+
 def relative_squared_error(student_h: torch.Tensor, teacher_h: torch.Tensor) -> torch.Tensor:
     """Per-token mean squared error divided by the teacher token's mean square: (batch, seq).
 
@@ -80,7 +87,7 @@ class SelfDistiller:
         does not keep is an error, not a stale tensor; on failure whatever was kept goes too."""
         kept = self._kept[role]
         kept.clear()
-        hooks, layers_of = [], family_of(model).decoder_layers(model)
+        hooks, layers_of = [], distilled_blocks(model)
         try:
             for index in sorted(set(layers)):
                 hooks.append(layers_of[index].register_forward_hook(self._keep(kept, index)))

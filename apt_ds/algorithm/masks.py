@@ -91,18 +91,22 @@ class UnitMasks:
         self.remove()
         family, hidden_out = family_of(model), self._hidden_output_hook
         pre_norm = family.norm_placement == "pre"  # the residual stream is what the blocks add
-        if pre_norm:
-            self._handles.append(family.embedding_module(model).register_forward_hook(hidden_out))
-        for index, layer in enumerate(family.decoder_layers(model)):
-            head_dim, group_size = family.head_geometry(layer)
-            attn_output, ffn_down = family.layer_module(layer, "attn_output"), family.layer_module(layer, "ffn_down")
-            self._handles += [
-                attn_output.register_forward_pre_hook(self._group_input_hook(index, head_dim, group_size)),
-                ffn_down.register_forward_pre_hook(self._neuron_input_hook(index)),
-            ]
+        if pre_norm:  # what the embedding puts in the residual stream (through T5's stacks' own views of it)
+            embeddings = [family.embedding_module(model), *(model.get_submodule(a) for a in family.embedding_aliases)]
+            self._handles += [module.register_forward_hook(hidden_out) for module in embeddings]
+        for index, unit in enumerate(family.unit_layers(model)):
+            kind, layer = unit.kind, unit.module
+            head_dim, group_size = kind.head_geometry(layer)
+            attn_output = kind.layer_module(layer, "attn_output")
+            self._handles.append(attn_output.register_forward_pre_hook(self._group_input_hook(index, head_dim, group_size)))
+            outputs = [attn_output]
+            if kind.has_ffn:  # a T5 decoder block's self-attention unit layer has none
+                ffn_down = kind.layer_module(layer, "ffn_down")
+                self._handles.append(ffn_down.register_forward_pre_hook(self._neuron_input_hook(index)))
+                outputs.append(ffn_down)
             if pre_norm:
-                self._handles += [attn_output.register_forward_hook(hidden_out), ffn_down.register_forward_hook(hidden_out)]
-            for norm in family.hidden_norms(layer):
+                self._handles += [module.register_forward_hook(hidden_out) for module in outputs]
+            for norm in kind.hidden_norms(layer):
                 self._mask_norm(norm)
         for norm in family.outer_norms(model):
             self._mask_norm(norm)

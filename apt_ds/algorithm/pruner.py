@@ -158,7 +158,7 @@ class AdaptivePruner:
         emb = embedding_columns(shape, cfg.count_embeddings)
         vectors = []  # in slot order: groups and neurons of each layer, then hidden channels
         # the norms outside the layers (and the embedding columns when they count)
-        per_channel, constant = shape.outer_columns("block") + emb, 0
+        per_channel, constant = shape.outer_columns("block") + emb, shape.outer_constant("block")
         for layer, groups, neurons, neuron_block in zip(shape.layers, group_scores, neuron_scores, sizes.ffn):
             c = shape.costs(layer)
             vectors.append(Vector(0, groups, shape.group_cost(layer), c.group_per_channel, cfg.prune_heads, 1,
@@ -205,7 +205,7 @@ class AdaptivePruner:
                 if D % heads or (only is not None and (G, D) != tuple(only)):
                     continue
                 fixed = (D * (c.group_per_channel * G * L + c.per_channel * L + shape.outer_columns("block") + emb)
-                         + L * (c.group_constant * G + c.constant))
+                         + L * (c.group_constant * G + c.constant) + shape.outer_constant("block"))
                 if cfg.prune_neurons:
                     N = min(N0, int((target - fixed) // per_neuron(D))) if target >= fixed else 0
                     N = N if N == N0 else N - N % neuron_block

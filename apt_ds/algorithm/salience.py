@@ -13,7 +13,8 @@ product, so scores do not depend on how the global batch is split. Sites:
 - KV groups: input of o_proj (channels of the group's query heads, summed);
 - FFN neurons: input of down_proj;
 - hidden channels: outputs of o_proj and down_proj (a post-LayerNorm encoder's: of the norm after
-  each residual add, `Family.hidden_sites`), the product taken per site and summed over the 2L sites.
+  each residual add, `LayerKind.hidden_sites`), the product taken per site and summed over the sites.
+Each site counts the tokens of the sequence it runs over (a T5 decoder's: the target; salience_tokens).
 Outlier term (groups, neurons): k = sqrt(max(kurtosis(O), 0)) with O = mean_{b,t}(X) * W over
 the unit's own entries of W (o_proj columns of a group, the down_proj column of a neuron), added
 as w * mean_layer(S) * k / mean_layer(k) (w = APTConfig.kurtosis_weight). The spec adds k itself:
@@ -37,9 +38,10 @@ import torch
 from apt_ds.algorithm.finite import require_finite
 from apt_ds.algorithm.kurtosis import column_power_sums, unit_kurtosis
 from apt_ds.algorithm.salience_site import SiteSums, effective_weight
+from apt_ds.algorithm.salience_tokens import SIDES, SiteTokens
 from apt_ds.algorithm.shrink import group_channels
 from apt_ds.algorithm.units import ModelShape
-from apt_ds.models import family_of
+from apt_ds.models import family_for, family_of
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -55,11 +57,9 @@ class SalienceCollector:
         self.world_size = world_size
         self.enabled = True
         self._handles: list = []
-        self._token_mask: torch.Tensor | None = None  # the current forward's attention_mask
         # False when the caller knows from the host batch that no position is padding: the sites
         # then skip the token weights (a multiply over every activation, at no change in the sums).
         self.batch_has_padding = True
-        self._token_weights: dict[tuple, torch.Tensor] = {}  # that mask as (batch, seq, 1) weights, per dtype and device
         self.reset(shape)
 
     def reset(self, shape: ModelShape) -> None:
@@ -71,26 +71,33 @@ class SalienceCollector:
         instead of a few per site: on a GPU nearly every one is a kernel launch paid on the host
         (32 layers: about 580 operations dispatched per step, 4,743 when each site was scored alone)."""
         self.shape = shape
-        layers = shape.layers
+        layers, kinds = shape.layers, family_for(shape.family).kinds
         attn = [l.num_q_heads * l.head_dim for l in layers]
         ffn = [l.ffn for l in layers]
-        hidden = [shape.hidden] * (2 * len(layers))
+        # each unit layer's hidden sites (what its blocks add to the residual stream; two, or a T5
+        # decoder self-attention's one), and the tokens each reads (a T5 decoder's: the target)
+        sites_per_layer = [len(kinds[l.kind].hidden_sites) for l in layers]
+        self._tokens = SiteTokens([SIDES.index(kinds[l.kind].side) for l in layers], sites_per_layer)
+        self._hidden_first = [sum(sites_per_layer[:i]) for i in range(len(layers))]
+        hidden = [shape.hidden] * sum(sites_per_layer)
         per_kind = sum(attn) + sum(ffn) + sum(hidden)
+        self._channel_side = self._tokens.channel_sides(attn, ffn, hidden, self.device)
         self._sizes = {"attn": attn, "ffn": ffn, "hidden": hidden}
         self._spans = (sum(attn), sum(ffn), per_kind)  # the buffer's layout, read by end_step
         # each unit's layer, per kind, made once per shape: indexing with it spreads per-layer
         # means over the units without a host sync (repeat_interleave by counts would sync)
         self._unit_layer = {kind: torch.repeat_interleave(torch.arange(len(units)), torch.tensor(units)).to(self.device)
                             for kind, units in (("attn", [l.num_kv_groups for l in layers]), ("ffn", ffn))}
-        self._buffer = torch.zeros(3 * per_kind - sum(hidden) + 1, dtype=torch.float32, device=self.device)
+        slots = self._tokens.slots
+        self._buffer = torch.zeros(3 * per_kind - sum(hidden) + slots, dtype=torch.float32, device=self.device)
         act, grad = self._buffer[:per_kind], self._buffer[per_kind : 2 * per_kind]
-        sums = self._buffer[2 * per_kind : -1]
+        sums = self._buffer[2 * per_kind : -slots]
         act_parts, grad_parts = act.split(attn + ffn + hidden), grad.split(attn + ffn + hidden)
         sum_parts = sums.split(attn + ffn)
         self.attn_sites = [SiteSums(act_parts[i], grad_parts[i], sum_parts[i]) for i in range(len(layers))]
         self.ffn_sites = [SiteSums(act_parts[i], grad_parts[i], sum_parts[i]) for i in range(len(layers), 2 * len(layers))]
         self.hidden_sites = [SiteSums(a, g) for a, g in zip(act_parts[2 * len(layers):], grad_parts[2 * len(layers):])]
-        self.tokens = self._buffer[-1:]  # exact up to 2**24 tokens per step
+        self.tokens = self._buffer[-slots:]  # each side's, exact up to 2**24 tokens per step
         if not hasattr(self, "group_scores") or self.group_scores is None:
             self.group_scores = self.neuron_scores = self.hidden_scores = None
 
@@ -99,15 +106,17 @@ class SalienceCollector:
         """Register before deepspeed.initialize (see docs/DEEPSPEED_NOTES.md: weights gathered then)."""
         self.remove()
         self._handles.append(model.register_forward_pre_hook(self._mask_hook, with_kwargs=True, prepend=True))
-        family = family_of(model)
-        for index, layer in enumerate(family.decoder_layers(model)):
-            attn_output, ffn_down = family.layer_module(layer, "attn_output"), family.layer_module(layer, "ffn_down")
-            hidden = [family.layer_module(layer, role) for role in family.hidden_sites]
-            for module, inner, outer, site in ((attn_output, "attn_sites", 2 * index, hidden[0]),
-                                               (ffn_down, "ffn_sites", 2 * index + 1, hidden[1])):
-                self._handles.append(module.register_forward_pre_hook(self._input_hook(inner, index), prepend=True))
+        for index, unit in enumerate(family_of(model).unit_layers(model)):
+            kind, layer, side = unit.kind, unit.module, self._tokens.layer_sides[index]
+            inputs = [("attn_sites", "attn_output"), *([("ffn_sites", "ffn_down")] if kind.has_ffn else [])]
+            for inner, role in inputs:
+                module = kind.layer_module(layer, role)
+                self._handles.append(module.register_forward_pre_hook(self._input_hook(inner, index, side), prepend=True))
                 self._handles.append(module.register_forward_hook(self._weight_hook(inner, index), prepend=True))
-                self._handles.append(site.register_forward_hook(self._hidden_hook(outer), prepend=True))
+            for number, role in enumerate(kind.hidden_sites):
+                site = kind.layer_module(layer, role)
+                self._handles.append(site.register_forward_hook(self._hidden_hook(self._hidden_first[index] + number, side),
+                                                                prepend=True))
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -120,40 +129,27 @@ class SalienceCollector:
         return self.enabled and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
 
     def _mask_hook(self, module, args, kwargs):
-        """Keep the forward's attention_mask (batch, seq), so padding is not counted."""
-        mask = kwargs.get("attention_mask") if self.batch_has_padding else None
-        self._token_mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
-        self._token_weights = {}
+        """Keep the forward's token masks (batch, seq), so padding is not counted."""
+        self._tokens.read_masks(kwargs, self.batch_has_padding)
         return None
 
-    def _weights_for(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The forward's token weights for activation `x`, converted once per forward, dtype and
-        device; None when there is no mask or it does not match x (batch, seq)."""
-        mask = self._token_mask
-        if mask is None or mask.shape != x.shape[:-1]:
-            return None
-        key = (x.dtype, x.device)
-        if key not in self._token_weights:
-            self._token_weights[key] = mask.unsqueeze(-1).to(device=x.device, dtype=x.dtype)
-        return self._token_weights[key]
-
     # Hooks look their site up at call time: a shrink replaces the site lists.
-    def _input_hook(self, kind: str, index: int):
+    def _input_hook(self, kind: str, index: int, side: int):
         def hook(module, args):
             if self._collecting():
                 x = args[0]
-                weights = self._weights_for(x)
+                weights = self._tokens.weights_for(x, side)
                 getattr(self, kind)[index].capture(x, weights)
-                if kind == "attn_sites" and index == 0:  # count tokens once per forward
-                    self.tokens += self._token_mask.sum() if weights is not None else x.numel() // x.shape[-1]
+                if kind == "attn_sites" and index == self._tokens.counting[side]:  # each side's tokens once a forward
+                    self.tokens[side : side + 1] += self._tokens.count(x, side, weights)
             return None
 
         return hook
 
-    def _hidden_hook(self, hidden_index: int):
+    def _hidden_hook(self, hidden_index: int, side: int):
         def hook(module, args, output):
             if self._collecting():
-                self.hidden_sites[hidden_index].capture(output, self._weights_for(output))
+                self.hidden_sites[hidden_index].capture(output, self._tokens.weights_for(output, side))
             return None
 
         return hook
@@ -177,14 +173,20 @@ class SalienceCollector:
         flat = self.reduce_sum(self._buffer)  # everything in one collective, identical on every rank
         sizes = self._sizes
         a, f, per_kind = self._spans
+        slots = self._tokens.slots
         act, grad = flat[:per_kind], flat[per_kind : 2 * per_kind]
-        sums, tokens = flat[2 * per_kind : -1], flat[-1:]
+        sums, tokens = flat[2 * per_kind : -slots], flat[-slots:]
+        if self._channel_side is not None:  # each channel divided by its own side's tokens
+            tokens = tokens[self._channel_side]
+        attn_tokens, ffn_tokens, hidden_tokens = ((tokens, tokens, tokens) if tokens.numel() == 1
+                                                  else (tokens[:a], tokens[a : a + f], tokens[a + f :]))
         layers = self.shape.layers
-        groups = self._kind_scores(act[:a], grad[:a], sums[:a], tokens, self.attn_sites, [l.num_kv_groups for l in layers],
-                                   [l.group_size * l.head_dim for l in layers], self._unit_layer["attn"])
-        neurons = self._kind_scores(act[a : a + f], grad[a : a + f], sums[a : a + f], tokens, self.ffn_sites,
+        groups = self._kind_scores(act[:a], grad[:a], sums[:a], attn_tokens, self.attn_sites,
+                                   [l.num_kv_groups for l in layers], [l.group_size * l.head_dim for l in layers],
+                                   self._unit_layer["attn"])
+        neurons = self._kind_scores(act[a : a + f], grad[a : a + f], sums[a : a + f], ffn_tokens, self.ffn_sites,
                                     sizes["ffn"], [1] * len(layers), self._unit_layer["ffn"])
-        hidden_channels = self._channel_scores(act[a + f :], grad[a + f :], tokens).view(len(sizes["hidden"]), -1)
+        hidden_channels = self._channel_scores(act[a + f :], grad[a + f :], hidden_tokens).view(len(sizes["hidden"]), -1)
         hidden = sum(hidden_channels.unbind(0))  # site by site, in the order the hooks number them
         self._update_ema(groups, neurons, hidden)
         self._buffer.zero_()
@@ -230,11 +232,12 @@ class SalienceCollector:
             return list(score.split(units))
         bounds = [n * w for n, w in zip(units, widths)]
         scores = []
-        for c, m, site, n, w in zip(channel.split(bounds), act_sum.split(bounds), sites, units, widths):
+        per_layer_tokens = tokens.split(bounds) if tokens.numel() > 1 else [tokens] * len(bounds)
+        for c, m, t, site, n, w in zip(channel.split(bounds), act_sum.split(bounds), per_layer_tokens, sites, units, widths):
             score = c.reshape(-1, w).sum(-1)
             if outliers and site.power_sums is not None:
                 one_layer = torch.zeros(n, dtype=torch.long, device=score.device)
-                score = self._with_outliers(score, m, tokens, site.power_sums, w, [n], one_layer)
+                score = self._with_outliers(score, m, t, site.power_sums, w, [n], one_layer)
             scores.append(score)
         return scores
 

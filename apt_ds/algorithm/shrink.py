@@ -20,8 +20,8 @@ from apt_ds.algorithm.adapters import APTAdapter
 from apt_ds.algorithm.edits import Keep, ShapeChange, full_or_index
 from apt_ds.algorithm.quant import is_quantized, logical_shape
 from apt_ds.algorithm.quant_shrink import keep_quantized
-from apt_ds.algorithm.units import ModelShape
-from apt_ds.models import Family, family_of
+from apt_ds.algorithm.units import BIAS_HEADS, ModelShape
+from apt_ds.models import Family, family_for, family_of
 
 
 @dataclass(frozen=True)
@@ -137,15 +137,18 @@ def shrink_model(model, shape: ModelShape, group_index, neuron_index, hidden_ind
     hid = full_or_index(hidden_index, shape.hidden)
     change: ShapeChange = {}
     family = family_of(model)
-    for l, (layer, layer_shape) in enumerate(zip(family.decoder_layers(model), shape.layers)):
+    for l, (unit, layer_shape) in enumerate(zip(family.unit_layers(model), shape.layers)):
+        kind, layer = unit.kind, unit.module
         q_ch, kv_ch = group_channels(group_index[l], layer_shape.group_size, layer_shape.head_dim)
         kept = {"q": q_ch, "kv": kv_ch, "ffn": neuron_index[l], "hidden": hid}
-        for tensor in family.linears:  # a bias is sliced with its Linear's rows
-            linear, name = family.layer_module(layer, tensor.role), f"{family.layer_prefix(l)}.{tensor.module}"
+        for tensor in kind.linears:  # a bias is sliced with its Linear's rows
+            linear, name = kind.layer_module(layer, tensor.role), f"{unit.prefix}.{tensor.module}"
             out_i, in_i = (kept[axis] for axis in tensor.dims)
             change.update(replace_module_params(access, linear, lambda: slice_linear(linear, out_i, in_i, name)))
-        for norm in family.hidden_norms(layer):
+        for norm in kind.hidden_norms(layer):
             replace_module_params(access, norm, lambda: _slice_norm(norm, hid))
+        # the attention's own head count (T5 makes a zero bias of n_heads; BERT keeps all_head_size)
+        kind.set_head_geometry(layer, layer_shape.head_dim, layer_shape.group_size, len(group_index[l]) * layer_shape.group_size)
     if hid is not None:
         change.update(_shrink_outer(family, model, hid, access, shape.tied_embeddings))
     new_shape = _kept_shape(shape, group_index, neuron_index, hidden_index)
@@ -201,6 +204,9 @@ def _shrink_outer(family: Family, model, hid: torch.Tensor, access: ParamAccess,
     if tied:
         output.weight = family.embedding_module(model).weight
         output.in_features = len(hid)
+    for alias in family.embedding_aliases:  # views of the embedding (T5's stacks' embed_tokens)
+        module = model.get_submodule(alias)
+        module.weight, module.embedding_dim = family.embedding_module(model).weight, len(hid)
     return change
 
 
@@ -213,14 +219,18 @@ def write_shape_to_config(config, shape: ModelShape) -> None:
     """Record the shapes in the HF config: global fields when uniform, per layer otherwise.
 
     `head_dim` is written explicitly: it no longer equals hidden_size / heads."""
+    family = family_for(shape.family)
     first = shape.layers[0]
-    config.hidden_size = shape.hidden
+    config.hidden_size = shape.hidden  # T5's config maps these names to d_model, num_heads and d_kv
     config.head_dim = first.head_dim
     config.num_attention_heads = first.num_q_heads
-    config.num_key_value_heads = first.num_kv_groups
-    config.intermediate_size = first.ffn
+    if family.kind != "seq2seq":  # T5's heads are never grouped: its config has no KV head count
+        config.num_key_value_heads = first.num_kv_groups
+    elif any(layer.num_q_heads != shape.heads for layer in shape.layers):  # its bias tables keep every head
+        setattr(config, BIAS_HEADS, shape.heads)
+    setattr(config, family.ffn_config, next((l.ffn for l in shape.layers if family.kinds[l.kind].has_ffn), 0))
     if shape.uniform:
         if hasattr(config, "apt_layer_shapes"):
             del config.apt_layer_shapes
     else:
-        config.apt_layer_shapes = [dict(layer.__dict__) for layer in shape.layers]
+        config.apt_layer_shapes = [layer.to_dict() for layer in shape.layers]

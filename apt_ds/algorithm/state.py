@@ -16,6 +16,7 @@ from apt_ds.algorithm.adapters import add_adapters, find_adapters
 from apt_ds.algorithm.distill import TRANSFORM_ATTR, attach_transform, student_adapters
 from apt_ds.algorithm.edits import ShapeChange
 from apt_ds.algorithm.masks import UnitMasks
+from apt_ds.algorithm.position_bias import HeadBias, uses_head_bias
 from apt_ds.algorithm.pruner import KeepDecision
 from apt_ds.algorithm.salience import SalienceCollector
 from apt_ds.algorithm.shrink import LOCAL_ACCESS, ParamAccess, replace_module_params, shrink_model, slice_linear
@@ -48,6 +49,8 @@ class APTModel:
                                           device=self.device, kurtosis_weight=config.kurtosis_weight)
         self.salience.install(model)
         self.salience.enabled = False
+        # T5: each attention reads its own heads' columns of its stack's position bias (shared otherwise)
+        self.head_bias = HeadBias(model, lambda: self.kept_groups) if uses_head_bias(model) else None
 
     @property
     def adapters(self):

@@ -24,6 +24,11 @@ from apt_ds.algorithm.quant import is_quantized, logical_shape
 from apt_ds.models import UnitCosts, family_for
 from apt_ds.models import UnsupportedModelError as UnsupportedModelError  # where callers have always imported it
 
+# A pruned T5 config's record of its relative position bias tables' columns (its original heads)
+BIAS_HEADS = "apt_bias_heads"
+# ModelShape's sizes of tensors outside the layers besides hidden and vocab (recorded when nonzero)
+OUTER_SIZES = ("positions", "types", "labels", "buckets", "heads")
+
 
 @dataclass(frozen=True)
 class LayerShape:
@@ -31,6 +36,7 @@ class LayerShape:
     group_size: int  # query heads per KV head (constant within a layer)
     head_dim: int
     ffn: int  # kept FFN neurons (intermediate size)
+    kind: int = 0  # which of its family's kinds of layer (T5: encoder, decoder self-attention, ...)
 
     @property
     def num_q_heads(self) -> int:
@@ -38,6 +44,10 @@ class LayerShape:
 
     def kept(self, groups: int, ffn: int) -> "LayerShape":
         return replace(self, num_kv_groups=groups, ffn=ffn)
+
+    def to_dict(self) -> dict:
+        """Its record (`kind` only where it is not the family's first: a decoder's is as it always was)."""
+        return {key: value for key, value in asdict(self).items() if key != "kind" or value}
 
 
 @dataclass(frozen=True)
@@ -47,14 +57,17 @@ class ModelShape:
     vocab: int
     tied_embeddings: bool
     family: str = "llama"  # the model_type whose tensor table counts the parameters
-    # An encoder's position and token-type tables and its classifier's labels (0 for decoders)
+    # An encoder's position and token-type tables and its classifier's labels (0 for decoders);
+    # T5's relative position buckets and the heads its bias tables hold (every original head)
     positions: int = 0
     types: int = 0
     labels: int = 0
+    buckets: int = 0
+    heads: int = 0
 
     # ---- counts -------------------------------------------------------------------------
     def costs(self, layer: LayerShape) -> UnitCosts:
-        return family_for(self.family).unit_costs(layer.group_size, layer.head_dim)
+        return family_for(self.family).unit_costs(layer.group_size, layer.head_dim, layer.kind)
 
     def layer_params(self, layer: LayerShape, hidden: int | None = None) -> int:
         hidden = self.hidden if hidden is None else hidden
@@ -74,7 +87,7 @@ class ModelShape:
 
     def _outer_params(self, part: str, hidden: int | None = None) -> int:
         sizes = {"hidden": self.hidden if hidden is None else hidden, "vocab": self.vocab, "positions": self.positions,
-                 "types": self.types, "labels": self.labels}
+                 "types": self.types, "labels": self.labels, "buckets": self.buckets, "heads": self.heads}
         family = family_for(self.family)
         return sum(t.numel(sizes) for t in family.outer_tensors
                    if t.part == part and not (self.tied_embeddings and t.name == family.output_embedding))
@@ -83,6 +96,10 @@ class ModelShape:
         """Parameters one hidden channel costs outside the layers in `part` ("block": the norms;
         "embedding": the tables' columns)."""
         return self._outer_params(part, 1) - self._outer_params(part, 0)
+
+    def outer_constant(self, part: str) -> int:
+        """Parameters outside the layers in `part` that no hidden channel changes (T5's bias tables)."""
+        return self._outer_params(part, 0)
 
     def block_params(self) -> int:
         """Attention + MLP + all norms (incl. those outside the layers): the density denominator."""
@@ -109,18 +126,22 @@ class ModelShape:
 
     @property
     def uniform(self) -> bool:
-        return len({(l.num_kv_groups, l.ffn) for l in self.layers}) == 1
+        """Every layer alike, as one config describes them: one head count, and one FFN width over
+        the layers that have an FFN (a T5 decoder block's self-attention unit layer has none)."""
+        kinds = family_for(self.family).kinds
+        return (len({l.num_kv_groups for l in self.layers}) == 1
+                and len({l.ffn for l in self.layers if kinds[l.kind].has_ffn}) <= 1)
 
     # ---- (de)serialisation ---------------------------------------------------------------
     def to_dict(self) -> dict:
-        encoder = {key: getattr(self, key) for key in ("positions", "types", "labels") if getattr(self, key)}
+        encoder = {key: getattr(self, key) for key in OUTER_SIZES if getattr(self, key)}
         return {
             "hidden": self.hidden,
             "vocab": self.vocab,
             "tied_embeddings": self.tied_embeddings,
             "family": self.family,
             **encoder,  # a decoder's record is as it always was
-            "layers": [asdict(layer) for layer in self.layers],
+            "layers": [layer.to_dict() for layer in self.layers],
         }
 
     @classmethod
@@ -131,7 +152,7 @@ class ModelShape:
             vocab=int(data["vocab"]),
             tied_embeddings=bool(data["tied_embeddings"]),
             family=str(data.get("family", "llama")),  # runs before families were recorded were LLaMA's
-            **{key: int(data.get(key, 0)) for key in ("positions", "types", "labels")},
+            **{key: int(data.get(key, 0)) for key in OUTER_SIZES},
         )
 
     @classmethod
@@ -145,10 +166,11 @@ class ModelShape:
         if per_layer:
             layers = tuple(LayerShape(**layer) for layer in per_layer)
         else:
-            layers = tuple(
-                LayerShape(num_kv_groups=kv, group_size=heads // kv, head_dim=head_dim, ffn=config.intermediate_size)
-                for _ in range(config.num_hidden_layers)
-            )
+            family = family_for(config.model_type)
+            ffn = getattr(config, family.ffn_config)
+            layers = tuple(LayerShape(num_kv_groups=kv, group_size=heads // kv, head_dim=head_dim,
+                                      ffn=ffn if family.kinds[kind].has_ffn else 0, kind=kind)
+                           for kind in family.unit_kinds(config))
         return cls(hidden=config.hidden_size, layers=layers, vocab=config.vocab_size, **_outer_sizes(config))
 
     @classmethod
@@ -157,18 +179,13 @@ class ModelShape:
         check_supported_model(model)
         config = model.config
         layers, family = [], family_for(config.model_type)
-        ffn_role = next(t.role for t in family.layer_tensors if t.dims[0] == "ffn")  # gate or up: rows are neurons
-        for layer in family.decoder_layers(model):
-            head_dim, group_size = family.head_geometry(layer)
-            kv_rows = _full_shape(family.layer_module(layer, "attn_k").weight)[0]
-            layers.append(
-                LayerShape(
-                    num_kv_groups=kv_rows // head_dim,
-                    group_size=group_size,
-                    head_dim=head_dim,
-                    ffn=_full_shape(family.layer_module(layer, ffn_role).weight)[0],
-                )
-            )
+        for unit in family.unit_layers(model):
+            kind = unit.kind
+            head_dim, group_size = kind.head_geometry(unit.module)
+            kv_rows = _full_shape(kind.layer_module(unit.module, "attn_k").weight)[0]
+            neurons = _full_shape(kind.layer_module(unit.module, kind.ffn_rows_role).weight)[0] if kind.has_ffn else 0
+            layers.append(LayerShape(num_kv_groups=kv_rows // head_dim, group_size=group_size, head_dim=head_dim,
+                                     ffn=neurons, kind=unit.kind_index))
         vocab, hidden = _full_shape(family.embedding_module(model).weight)
         return cls(hidden=hidden, layers=tuple(layers), vocab=vocab, **_outer_sizes(config))
 
@@ -176,10 +193,13 @@ class ModelShape:
 def _outer_sizes(config) -> dict:
     """ModelShape's fields besides the layers, hidden size and vocabulary, from a config."""
     family = family_for(config.model_type)
-    encoder = family.kind == "encoder"
+    encoder, seq2seq = family.kind == "encoder", family.kind == "seq2seq"
     return dict(tied_embeddings=family.ties(config), family=config.model_type,
                 positions=config.max_position_embeddings if encoder else 0,
-                types=config.type_vocab_size if encoder else 0, labels=config.num_labels if encoder else 0)
+                types=config.type_vocab_size if encoder else 0, labels=config.num_labels if encoder else 0,
+                buckets=config.relative_attention_num_buckets if seq2seq else 0,
+                # the bias tables' columns: every original head (num_heads says the kept ones once pruned)
+                heads=(getattr(config, BIAS_HEADS, None) or config.num_heads) if seq2seq else 0)
 
 
 def _full_shape(param: torch.Tensor) -> tuple[int, ...]:
@@ -195,9 +215,10 @@ ADAPTER_PARAMETERS = ("lora_A", "lora_B")  # APTAdapter's own (algorithm/adapter
 def check_supported_config(config) -> None:
     """Raise UnsupportedModelError with one line naming what this family's description does not cover."""
     family = family_for(getattr(config, "model_type", None))
-    for name in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
+    counts = dict.fromkeys(stack.count for stack in family.stacks_for(config))
+    for name in ("hidden_size", "num_attention_heads", *counts, family.ffn_config, "vocab_size"):
         if not isinstance(getattr(config, name, None), int):
-            raise UnsupportedModelError(f"config has no integer {name}: not a decoder model apt-ds can prune")
+            raise UnsupportedModelError(f"config has no integer {name}: not a {family.names} model apt-ds can prune")
     kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     if config.num_attention_heads % kv:
         raise UnsupportedModelError(
@@ -215,17 +236,23 @@ def check_supported_model(model) -> None:
     check_supported_config(config)
     family = family_for(config.model_type)
     try:
-        layers = family.decoder_layers(model)
+        units = family.unit_layers(model)
         for tensor in family.outer_tensors:
             model.get_submodule(tensor.module)
     except AttributeError as error:
-        raise UnsupportedModelError(f"{type(model).__name__} is not the {family.model_type} causal LM its config "
+        raise UnsupportedModelError(f"{type(model).__name__} is not the {family.model_type} model its config "
                                     f"names ({error})") from None
-    expected = {tensor.name for tensor in family.layer_tensors}
-    for i, layer in enumerate(layers):
-        held = {name for name, _ in layer.named_parameters() if name.rsplit(".", 1)[-1] not in ADAPTER_PARAMETERS}
-        if held != expected:
-            extra, missing = sorted(held - expected), sorted(expected - held)
+    expected, blocks = {}, {}  # by block prefix: what its unit layers list, and the block
+    for unit in units:
+        expected.setdefault(unit.prefix, set()).update(t.name for t in unit.kind.tensors)
+        blocks[unit.prefix] = unit.module
+    for prefix, names in expected.items():  # an outer tensor kept below a block (T5's relative bias)
+        names.update(name[len(prefix) + 1:] for name in family.outer_names if name.startswith(prefix + "."))
+    for prefix, block in blocks.items():
+        held = {name for name, _ in block.named_parameters() if name.rsplit(".", 1)[-1] not in ADAPTER_PARAMETERS}
+        if held != expected[prefix]:
+            extra, missing = sorted(held - expected[prefix]), sorted(expected[prefix] - held)
             what = f"has {extra[0]}" if extra else f"lacks {missing[0]}"
-            raise UnsupportedModelError(f"layer {i} {what}, which the {family.model_type} description "
+            where = prefix if family.stacks else f"layer {prefix.rsplit('.', 1)[1]}"
+            raise UnsupportedModelError(f"{where} {what}, which the {family.model_type} description "
                                         f"(apt_ds/models/{family.model_type}.py) does not list")

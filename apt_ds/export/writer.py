@@ -47,7 +47,7 @@ def exported_config(model_config, shape: ModelShape) -> dict:
     for key, value in transformers4_rope(config).items():
         config.setdefault(key, value)
     if not stock_loadable(shape):
-        config["apt_layer_shapes"] = [dict(layer.__dict__) for layer in shape.layers]
+        config["apt_layer_shapes"] = [layer.to_dict() for layer in shape.layers]
         if shape.hidden % first.num_q_heads:
             # The configs refuse hidden % heads != 0; per-layer shapes are authoritative anyway.
             config.update(num_attention_heads=1, **({"num_key_value_heads": 1} if family.config_head_dim else {}))
@@ -221,6 +221,6 @@ def weight_files(export_dir: Path) -> list[Path]:
 
 def summary(shape: ModelShape) -> dict:
     return {"hidden": shape.hidden, "block_params": shape.block_params(), "total_params": shape.total_params(),
-            "layers": [dict(layer.__dict__) for layer in shape.layers]}
+            "layers": [layer.to_dict() for layer in shape.layers]}
 
 

@@ -26,6 +26,7 @@ import torch
 from apt_ds.io.conversations import ChatRenderer, encode_conversation, messages_of
 from apt_ds.io.errors import DataError
 from apt_ds.io.records import USABLE_FIELDS, demo_data_path, load_records  # noqa: F401 - importable from here too
+from apt_ds.io.seq2seq import seq2seq_pair
 from apt_ds.io.templates import PromptResponse, check_template, format_prompt, instruction_prompt_response  # noqa: F401
 from apt_ds.io.truncation import TruncationStats, rows_phrase  # noqa: F401 - TruncationStats importable from here too
 
@@ -155,6 +156,9 @@ def tokenize_dataset(ds, tokenizer, max_seq_len: int, pack: bool, source: str = 
         classifier_rows = "label" in ds.column_names and ({"sentence", "sentence1", "premise", "question1"} & set(ds.column_names))
         hint = " (rows with 'sentence' and 'label' train an encoder's classifier: give a BERT or RoBERTa --model)" \
             if classifier_rows else ""
+        if not hint and seq2seq_pair(ds.column_names):  # load_records takes them: launch/evaluate.py scores them
+            hint = f" (rows with {'/'.join(seq2seq_pair(ds.column_names))} are seq2seq rows, which launch/evaluate.py " \
+                "scores with ROUGE; training does not read them yet)"
         raise DataError(f"{source} has no usable rows: need {USABLE_FIELDS}{hint}")
     texts = [pair.response for pair in pairs if pair.prompt is None]
     supervised = [pair for pair in pairs if pair.prompt is not None]
@@ -196,10 +200,13 @@ def tokenize_dataset(ds, tokenizer, max_seq_len: int, pack: bool, source: str = 
 def collate(examples: list[dict], pad_id: int, pad_to: int | None = None) -> dict[str, torch.Tensor]:
     """Right-padded LongTensors; labels are -100 at padding by position (pad may equal EOS). A
     classifier's examples (apt_ds.io.classification: a `label` each) give labels of shape
-    (batch,), and their token types padded with 0."""
+    (batch,), and their token types padded with 0. Seq2seq examples (apt_ds.io.seq2seq: their
+    `target_ids`) give labels of their own length, padded with -100 to the longest target: an
+    encoder-decoder shifts them right into its decoder inputs, so they need no input positions."""
     length = max(len(example["input_ids"]) for example in examples)
     length = max(length, pad_to or 0)
     classifies = "label" in examples[0]
+    targets = "target_ids" in examples[0]
     input_ids = torch.full((len(examples), length), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(examples), length), dtype=torch.long)
     labels = torch.full((len(examples), length), IGNORE_INDEX, dtype=torch.long)
@@ -210,10 +217,15 @@ def collate(examples: list[dict], pad_id: int, pad_to: int | None = None) -> dic
         attention_mask[row, :n] = 1
         if types is not None:
             types[row, :n] = torch.tensor(example["token_type_ids"], dtype=torch.long)
-        if not classifies:
+        if not classifies and not targets:
             labels[row, :n] = torch.tensor(example["labels"], dtype=torch.long)
     if classifies:
         labels = torch.tensor([example["label"] for example in examples], dtype=torch.long)
+    if targets:
+        labels = torch.full((len(examples), max(len(example["target_ids"]) for example in examples)), IGNORE_INDEX,
+                            dtype=torch.long)
+        for row, example in enumerate(examples):
+            labels[row, : len(example["target_ids"])] = torch.tensor(example["target_ids"], dtype=torch.long)
     batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
     return batch if types is None else {**batch, "token_type_ids": types}
 

@@ -260,7 +260,7 @@ def load_pretrained(directory: str | Path, dtype: torch.dtype | str | None = Non
         if len(shapes) != config.num_hidden_layers:
             raise ModelLoadError(f"{directory}: apt_layer_shapes has {len(shapes)} layers, config says {config.num_hidden_layers}")
         resize_layers(model, shapes)
-        model.config.apt_layer_shapes = [s.__dict__ for s in shapes]
+        model.config.apt_layer_shapes = [s.to_dict() for s in shapes]
     from safetensors import SafetensorError
 
     state = {}

@@ -14,18 +14,21 @@ from pathlib import Path
 
 import datasets
 
-from apt_ds.io.errors import DataError
 from apt_ds.io.classification import LABEL_FIELD, PAIR_FIELDS, SINGLE_FIELDS
+from apt_ds.io.errors import DataError
 from apt_ds.io.hub import find_dataset, load_hub_dataset
+from apt_ds.io.seq2seq import SEQ2SEQ_PAIRS
 
 SCAN_CHUNK_BYTES = 1 << 20  # the UTF-8 check reads a data file in pieces of this size
 USABLE_FIELDS = ("a 'text' field, 'instruction'/'output' fields, 'prompt'/'completion' (text or message lists), a "
                  "conversation in 'messages' (role/content) or 'conversations' (ShareGPT from/value), or, for a "
-                 "classifier, 'sentence' (or a pair: 'sentence1'/'sentence2', GLUE's 'premise'/'hypothesis', ...) with an integer 'label'")
+                 "classifier, 'sentence' (or a pair: 'sentence1'/'sentence2', GLUE's 'premise'/'hypothesis', ...) with an integer 'label', "
+                 "or, for ROUGE, 'input'/'target' (CNN/DailyMail's 'article'/'highlights', XSum's 'document'/'summary')")
 # fields that hold a list of messages (apt_ds.io.conversations); prompt/completion may hold either
 MESSAGE_FIELDS = ("messages", "conversations")
 ROW_FIELDS = ("text", "instruction", "input", "output", "prompt", "completion", *MESSAGE_FIELDS,  # what training reads
-              *dict.fromkeys(name for names in (SINGLE_FIELDS, *PAIR_FIELDS) for name in names))  # a classifier's
+              *dict.fromkeys(name for names in (SINGLE_FIELDS, *PAIR_FIELDS) for name in names),  # a classifier's
+              *(name for pair in SEQ2SEQ_PAIRS for name in pair if name != "input"))  # seq2seq's (input: already read)
 
 
 def demo_data_path() -> Path:
@@ -56,7 +59,8 @@ def load_records(path: str | Path, split: str | None = None, flag: str = "--data
     columns = set(ds.column_names)
     if not ({"text"} <= columns or {"instruction", "output"} <= columns or {"prompt", "completion"} <= columns
             or columns & set(MESSAGE_FIELDS)
-            or any({LABEL_FIELD, *names} <= columns for names in (*((name,) for name in SINGLE_FIELDS), *PAIR_FIELDS))):
+            or any({LABEL_FIELD, *names} <= columns for names in (*((name,) for name in SINGLE_FIELDS), *PAIR_FIELDS))
+            or any(set(pair) <= columns for pair in SEQ2SEQ_PAIRS)):
         raise DataError(f"{label} has no usable rows: need {USABLE_FIELDS}; found fields {sorted(columns)}")
     _check_text_fields(ds, path, label)
     return ds

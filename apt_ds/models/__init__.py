@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from apt_ds.models.family import Family, LayerTensor, LeftOut, OuterTensor, UnitCosts, UnsupportedModelError
 
-__all__ = ["ADAPTER_TARGETS", "DEFAULT_ADAPTER_TARGETS", "ENCODERS", "FAMILIES", "Family", "LayerTensor", "LeftOut",
+__all__ = ["ADAPTER_TARGETS", "DEFAULT_ADAPTER_TARGETS", "ENCODERS", "FAMILIES", "SEQ2SEQ", "Family", "LayerTensor", "LeftOut",
            "OuterTensor", "UnitCosts", "UnsupportedModelError", "family_for", "family_of"]
 
 
@@ -36,6 +36,8 @@ FAMILIES = {name: family for name, family in _ALL.items() if family.kind == "dec
 # The encoders (BERT, RoBERTa sequence classifiers): trained on classification data (one process,
 # ZeRO-2 or ZeRO-3) and exported as HF sequence classifiers
 ENCODERS = {name: family for name, family in _ALL.items() if family.kind == "encoder"}
+# The encoder-decoders (T5): trained on input/target rows, exported as HF seq2seq models
+SEQ2SEQ = {name: family for name, family in _ALL.items() if family.kind == "seq2seq"}
 # The projections an adapter can wrap, by module name as PEFT's `target_modules` takes them
 ADAPTER_TARGETS = tuple(dict.fromkeys(name for family in FAMILIES.values() for name in family.projections))
 # The paper's (and LoRA's) default: adapters on the query and value projections
@@ -44,9 +46,9 @@ DEFAULT_ADAPTER_TARGETS = tuple(FAMILIES["llama"].module_path(role).rsplit(".", 
 
 def family_for(model_type, where: str = "") -> Family:
     """The description of `model_type`; any other is refused in one line naming those supported."""
-    family = FAMILIES.get(model_type) or ENCODERS.get(model_type)
+    family = FAMILIES.get(model_type) or ENCODERS.get(model_type) or SEQ2SEQ.get(model_type)
     if family is None:
-        supported = ", ".join(f"{f.model_type} ({f.names})" for f in [*FAMILIES.values(), *ENCODERS.values()])
+        supported = ", ".join(f"{f.model_type} ({f.names})" for f in [*FAMILIES.values(), *ENCODERS.values(), *SEQ2SEQ.values()])
         prefix = f"{where}: " if where else ""
         raise UnsupportedModelError(f"{prefix}model_type {model_type!r} is not supported; apt-ds prunes {supported}")
     return family

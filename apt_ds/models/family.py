@@ -20,8 +20,10 @@ norms sit and what lies outside the layers, which `norm`, `norm_placement` and `
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
+from apt_ds.models.layer_kind import LayerKind, Stack, UnitCosts, UnitLayer  # noqa: F401  (UnitCosts re-exported)
 from apt_ds.models.tensors import (  # noqa: F401  (re-exported: where callers import them)
     AXES,
     OUTER_AXES,
@@ -36,24 +38,6 @@ from apt_ds.models.tensors import (  # noqa: F401  (re-exported: where callers i
 
 
 @dataclass(frozen=True)
-class UnitCosts:
-    """A layer's parameters as the pruner counts them, at one (group_size, head_dim):
-    D * (G * group_per_channel + N * neuron_per_channel + per_channel)
-      + G * group_constant + N * neuron_constant + constant."""
-
-    group_per_channel: int
-    group_constant: int
-    neuron_per_channel: int
-    neuron_constant: int
-    per_channel: int
-    constant: int
-
-    def layer_params(self, groups: int, neurons: int, hidden: int) -> int:
-        return (hidden * (groups * self.group_per_channel + neurons * self.neuron_per_channel + self.per_channel)
-                + groups * self.group_constant + neurons * self.neuron_constant + self.constant)
-
-
-@dataclass(frozen=True)
 class Family:
     """One model family (a transformers `model_type`)."""
 
@@ -64,14 +48,21 @@ class Family:
     layer_tensors: tuple[LayerTensor, ...]  # in the order of the layer's state_dict
     refused_config: tuple[tuple[str, str], ...] = ()  # (config attribute, why) refused when truthy
     left_out: tuple[LeftOut, ...] = ()
+    # Modules whose weight is the embedding's, tied by transformers (T5's stacks' embed_tokens): a
+    # shrink gives them the embedding's new weight
+    embedding_aliases: tuple[str, ...] = ()
+    # Several kinds of layers (T5's encoder and decoder): the stacks, in unit-layer order; empty:
+    # one stack `layers` of `layer_tensors` (apt_ds.models.layer_kind)
+    stacks: tuple[Stack, ...] = ()
     # The tensors outside the decoder layers (HF names) and where the layers are
     embedding: str = "model.embed_tokens.weight"
     final_norm: str | None = "model.norm.weight"
     output_embedding: str | None = "lm_head.weight"  # not written when the config ties it to the input embedding
     layers: str = "model.layers"
     rotary: str | None = "model.rotary_emb"  # RoPE's module: its tables are buffers made from the config, never saved
-    # "decoder" (a causal LM) or "encoder" (a sequence classifier)
+    # "decoder" (a causal LM), "encoder" (a sequence classifier) or "seq2seq" (T5)
     kind: str = "decoder"
+    ffn_config: str = "intermediate_size"  # the config's FFN width (T5's d_ff)
     # "rms": RMSNorm; "layer": LayerNorm with a bias. "pre": each block's norm before it, the
     # residual stream unnormalised; "post": a norm after each residual add (BERT).
     norm: str = "rms"
@@ -116,7 +107,7 @@ class Family:
         return arch
 
     def __post_init__(self):
-        if self.kind not in ("decoder", "encoder") or self.norm not in ("rms", "layer") \
+        if self.kind not in ("decoder", "encoder", "seq2seq") or self.norm not in ("rms", "layer") \
                 or self.norm_placement not in ("pre", "post"):
             raise ValueError(f"{self.model_type}: kind, norm or norm_placement is not one of the known values")
         for what, names in (("an outer", [t.name for t in self.outer_tensors]), ("a layer", [t.name for t in self.layer_tensors])):
@@ -150,27 +141,108 @@ class Family:
             return True
         return any(rule.matches(name) for rule in self.left_out)
 
+    # ---- the layers: unit layers of one or more kinds (apt_ds.models.layer_kind) -------------
+    @functools.cached_property
+    def kinds(self) -> tuple[LayerKind, ...]:
+        """Every kind of unit layer this family has (one, unless `stacks` lists several)."""
+        if self.stacks:
+            return tuple(dict.fromkeys(stack.kind for stack in self.stacks))
+        return (LayerKind(self.layer_tensors, name=self.names, hidden_sites=self.hidden_sites,
+                          attention_path=self.attention_path, head_dim_attr=self.head_dim_attr,
+                          group_size_attr=self.group_size_attr),)
+
+    @property
+    def main_kind(self) -> LayerKind:
+        """The one kind of a family whose layers are all alike (asking it of T5 is a bug: its
+        encoder and decoder layers differ, so ask a unit layer's kind)."""
+        if len(self.kinds) != 1:
+            raise TypeError(f"{self.model_type} has {len(self.kinds)} kinds of layers: ask each unit layer's kind")
+        return self.kinds[0]
+
+    def stacks_for(self, config) -> tuple[Stack, ...]:
+        """The stacks a config's model has, in unit-layer order."""
+        if not self.stacks:
+            return (Stack(self.layers, self.kinds[0]),)
+        return tuple(stack for stack in self.stacks if stack.applies_to(config))
+
+    def unit_kinds(self, config) -> list[int]:
+        """The kind (an index into `kinds`) of each unit layer of a config's model, in order."""
+        return [self.kinds.index(stack.kind) for stack in self.stacks_for(config) for _ in range(getattr(config, stack.count))]
+
+    def unit_prefixes(self, config) -> list[str]:
+        """The checkpoint name prefix of each unit layer (`model.layers.3`; a T5 decoder block twice)."""
+        return [f"{stack.path}.{i}" for stack in self.stacks_for(config) for i in range(getattr(config, stack.count))]
+
+    def unit_layers(self, model) -> list[UnitLayer]:
+        """The model's unit layers in order: each block of each stack, with its kind."""
+        return [UnitLayer(block, f"{stack.path}.{i}", stack.kind, self.kinds.index(stack.kind))
+                for stack in self.stacks_for(model.config) for i, block in enumerate(model.get_submodule(stack.path))]
+
+    @property
+    def layer_paths(self) -> tuple[str, ...]:
+        """The ModuleLists that hold the layers (`model.layers`; T5's encoder.block and decoder.block)."""
+        return tuple(dict.fromkeys(stack.path for stack in self.stacks)) if self.stacks else (self.layers,)
+
+    def is_layer_tensor(self, name: str) -> bool:
+        """A tensor of a unit layer's table (not an outer tensor kept below a block, as T5's relative bias)."""
+        return any(name.startswith(path + ".") for path in self.layer_paths) and name not in self.outer_names
+
+    @functools.cached_property
+    def outer_names(self) -> frozenset[str]:
+        return frozenset(t.name for t in self.outer_tensors)
+
+    # A family whose layers are all alike answers its kind's questions itself
     def has_tensor(self, name: str) -> bool:
-        return any(t.name == name for t in self.layer_tensors)
+        return any(kind.has_tensor(name) for kind in self.kinds)
 
     def layer_tensor(self, role: str, kind: str = "weight") -> LayerTensor | None:
-        """The layer's tensor with `role` (None: this family has none, e.g. LLaMA's attn_q_norm)."""
-        return next((t for t in self.layer_tensors if t.role == role and t.kind == kind), None)
+        return self.main_kind.layer_tensor(role, kind)
 
     def module_path(self, role: str) -> str:
-        """The path below a layer of the module with `role` (`self_attn.o_proj` for attn_output)."""
-        tensor = self.layer_tensor(role)
-        if tensor is None:
-            raise KeyError(f"{self.model_type} layers have no {role} ({ROLES.get(role, 'unknown role')})")
-        return tensor.module
+        return self.main_kind.module_path(role)
 
     def layer_module(self, layer, role: str):
-        """The module with `role` in a decoder layer module."""
-        return layer.get_submodule(self.module_path(role))
+        return self.main_kind.layer_module(layer, role)
+
+    def attention_block(self, layer):
+        return self.main_kind.attention_block(layer)
+
+    def set_head_geometry(self, layer, head_dim: int, group_size: int, heads: int) -> None:
+        self.main_kind.set_head_geometry(layer, head_dim, group_size, heads)
+
+    def head_geometry(self, layer) -> tuple[int, int]:
+        return self.main_kind.head_geometry(layer)
+
+    def ffn_block(self, layer):
+        return self.main_kind.ffn_block(layer)
+
+    def hidden_norms(self, layer) -> list:
+        return self.main_kind.hidden_norms(layer)
+
+    @property
+    def linears(self) -> tuple[LayerTensor, ...]:
+        return self.main_kind.linears
+
+    @property
+    def projections(self) -> dict[str, LayerTensor]:
+        return self.main_kind.projections
+
+    def unit_costs(self, group_size: int, head_dim: int, kind: int = 0) -> UnitCosts:
+        return self.kinds[kind].unit_costs(group_size, head_dim)
+
+    def adapter_paths(self, targets, kind: LayerKind | None = None) -> list[str]:
+        """The module paths below a layer of `kind` that adapters `targets` wrap (an unknown target,
+        one no kind of this family has, is refused in one line)."""
+        unknown = [target for target in targets if not any(k.adapter_paths([target]) for k in self.kinds)]
+        if unknown:
+            known = dict.fromkeys(name for k in self.kinds for name in k.adapter_names)
+            raise UnsupportedModelError(f"--adapter-targets {' '.join(unknown)}: {self.names} layers have no such projection "
+                                        f"(they have {', '.join(known)})")
+        return (kind or self.main_kind).adapter_paths(targets)
 
     # ---- where things are in a model (transformers' module tree) -----------------------------
     def decoder_layers(self, model):
-        """The causal LM's decoder layers (a ModuleList)."""
+        """The layers of a family whose layers are all alike (a ModuleList)."""
         return model.get_submodule(self.layers)
 
     def embedding_module(self, model):
@@ -182,37 +254,6 @@ class Family:
     def output_module(self, model):
         """The LM head (its weight is the embedding's when the config ties them)."""
         return model.get_submodule(module_of(self.output_embedding))
-
-    def attention_block(self, layer):
-        """The layer's attention module: the one holding its head geometry."""
-        return layer.get_submodule(self.attention_path or module_of(self.module_path("attn_output")))
-
-    def set_head_geometry(self, layer, head_dim: int, group_size: int, heads: int) -> None:
-        """Give a layer's attention module its own head geometry (a per-layer export built from a
-        config whose hidden size and head count say otherwise): head_dim and group size, and
-        where the module keeps them, its head count, their width and the score scale."""
-        attention = self.attention_block(layer)
-        setattr(attention, self.head_dim_attr, head_dim)
-        if self.group_size_attr:
-            setattr(attention, self.group_size_attr, group_size)
-        for name, value in {"num_attention_heads": heads, "all_head_size": heads * head_dim, "scaling": head_dim**-0.5}.items():
-            if hasattr(attention, name):
-                setattr(attention, name, value)
-
-    def head_geometry(self, layer) -> tuple[int, int]:
-        """(head_dim, query heads per KV head) of a layer module."""
-        attention = self.attention_block(layer)
-        group_size = getattr(attention, self.group_size_attr) if self.group_size_attr else 1
-        return getattr(attention, self.head_dim_attr), group_size
-
-    def ffn_block(self, layer):
-        """The layer's FFN module (the parent of its down projection)."""
-        return layer.get_submodule(module_of(self.module_path("ffn_down")))
-
-    def hidden_norms(self, layer) -> list:
-        """The layer's norms over the hidden channels (sliced and masked with them), once each."""
-        roles = dict.fromkeys(t.role for t in self.layer_tensors if t.dims == ("hidden",) and t.role.endswith("_norm"))
-        return [self.layer_module(layer, role) for role in roles]
 
     def outer_norms(self, model) -> list:
         """The norms over the hidden channels outside the layers (a decoder's final norm, an
@@ -230,59 +271,9 @@ class Family:
         setattr(model.get_submodule(owner), name, rotary if device is None else rotary.to(device))
 
     def layer_prefix(self, index: int) -> str:
-        """The checkpoint name prefix of layer `index` (`model.layers.3`)."""
+        """The checkpoint name prefix of layer `index` (`model.layers.3`) of a family whose layers are alike."""
+        self.main_kind  # noqa: B018  (T5's unit layers have their own prefixes: unit_prefixes)
         return f"{self.layers}.{index}"
-
-    def is_layer_tensor(self, name: str) -> bool:
-        return name.startswith(self.layers + ".")
-
-    @property
-    def linears(self) -> tuple[LayerTensor, ...]:
-        """Every Linear weight of the layer (what a shrink slices)."""
-        return tuple(t for t in self.layer_tensors if t.kind == "weight" and len(t.dims) == 2)
-
-    @property
-    def projections(self) -> dict[str, LayerTensor]:
-        """The layer's Linear weights by module name (`q_proj`: PEFT's `target_modules` names);
-        a name two Linears share (BERT's `dense`) names neither."""
-        leaves = [t.module.rsplit(".", 1)[-1] for t in self.linears]
-        return {leaf: t for leaf, t in zip(leaves, self.linears) if leaves.count(leaf) == 1}
-
-    def adapter_paths(self, targets) -> list[str]:
-        """The module paths below a layer that adapters `targets` wrap: a name of this family's
-        projections (`query`), or of LLaMA's (`q_proj`, `v_proj`: PEFT's usual names), which
-        means the projection with the same role here (BERT's `attention.self.query`)."""
-        from apt_ds.models.decoder_layer import DECODER_PROJECTION_ROLES
-
-        paths, unknown = [], []
-        for target in targets:
-            if target in self.projections:
-                paths.append(self.projections[target].module)
-            elif target in DECODER_PROJECTION_ROLES and self.layer_tensor(DECODER_PROJECTION_ROLES[target]) is not None:
-                paths.append(self.module_path(DECODER_PROJECTION_ROLES[target]))
-            else:
-                unknown.append(target)
-        if unknown:
-            known = [name for name, role in DECODER_PROJECTION_ROLES.items() if self.layer_tensor(role) is not None]
-            raise UnsupportedModelError(f"--adapter-targets {' '.join(unknown)}: {self.names} layers have no such projection "
-                                        f"(they have {', '.join(known)})")
-        return list(dict.fromkeys(paths))
-
-    def unit_costs(self, group_size: int, head_dim: int) -> UnitCosts:
-        """The pruner's terms, summed over the layer's tensors: a unit axis contributes its
-        channels per unit (q: group_size * head_dim, kv: head_dim, ffn: 1), `hidden` makes the
-        term per hidden channel, `head` multiplies by head_dim."""
-        terms = {key: 0 for key in ("group_per_channel", "group_constant", "neuron_per_channel", "neuron_constant",
-                                    "per_channel", "constant")}
-        per_unit = {"q": group_size * head_dim, "kv": head_dim, "ffn": 1, "head": head_dim, "hidden": 1}
-        for tensor in self.layer_tensors:
-            size = 1
-            for axis in tensor.dims:
-                size *= per_unit[axis]
-            unit = "group" if {"q", "kv"} & set(tensor.dims) else "neuron" if "ffn" in tensor.dims else None
-            key = (f"{unit}_" if unit else "") + ("per_channel" if "hidden" in tensor.dims else "constant")
-            terms[key] += size
-        return UnitCosts(**terms)
 
     @staticmethod
     def sliding_window(config) -> int | None:

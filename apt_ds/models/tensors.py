@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 AXES = ("q", "kv", "ffn", "hidden", "head")
 # The axes of a tensor outside the layers: the hidden channels, and sizes pruning never changes
-OUTER_AXES = ("hidden", "vocab", "positions", "types", "labels")
+# (`heads`: T5's relative position bias columns, one per original head, read by every layer)
+OUTER_AXES = ("hidden", "vocab", "positions", "types", "labels", "buckets", "heads")
 # Where an outside tensor counts: `embedding` (in the density budget with --count-embeddings),
 # `block` (always in it: a norm over the hidden channels), `head` (a task head: outside it)
 OUTER_PARTS = ("embedding", "block", "head")

@@ -116,7 +116,7 @@ def eval_metrics(trainer, batches: list[dict]) -> dict[str, float]:
     classifier = bool(batches) and classifies(batches[0]["labels"])
     with training_attention_kernels(trainer.train_config.cudnn_attention):
         for batch in batches:
-            positions = supervised_positions(batch["labels"])
+            positions = supervised_positions(batch)
             batch = move_batch(batch, trainer.device)
             out, loss, supervised = supervised_forward(trainer.backend.forward_no_grad, batch, positions, use_cache=False)
             tokens = int(supervised.sum())

@@ -2,9 +2,11 @@
 distillation step's teacher and student passes, and activation checkpointing. Shared by
 `APTrainer` and the baselines.
 
-Two tasks, told apart by the labels' shape: a causal LM's are (batch, seq), a label per token
+Three tasks, told apart by the batch: a causal LM's labels are (batch, seq), a label per token
 (-100 where none is learned); a sequence classifier's (an encoder's) are (batch,), one class a
-row, whose logits are (batch, classes) and whose loss is the cross-entropy over the rows.
+row, whose logits are (batch, classes) and whose loss is the cross-entropy over the rows; a
+seq2seq model's (T5's) batch holds `decoder_input_ids` (the target shifted right), and its labels
+(batch, target) are the target itself, each position predicting its own label.
 """
 
 from __future__ import annotations
@@ -17,16 +19,25 @@ def classifies(labels: torch.Tensor) -> bool:
     return labels.dim() == 1
 
 
+def is_seq2seq(batch: dict) -> bool:
+    """An encoder-decoder's batch: its decoder reads the target shifted right."""
+    return "decoder_input_ids" in batch
+
+
 def supervised_token_count(batch: dict) -> int:
-    """Tokens the causal-LM loss averages over (labels are shifted by one); rows, for a classifier."""
+    """Tokens the causal-LM loss averages over (labels are shifted by one); rows, for a classifier;
+    target tokens, for a seq2seq model."""
     labels = batch["labels"]
-    return int((labels != -100).sum()) if classifies(labels) else int((labels[:, 1:] != -100).sum())
+    unshifted = classifies(labels) or is_seq2seq(batch)
+    return int((labels != -100).sum()) if unshifted else int((labels[:, 1:] != -100).sum())
 
 
-def supervised_positions(labels: torch.Tensor) -> torch.Tensor | None:
+def supervised_positions(batch: dict) -> torch.Tensor | None:
     """Positions whose next token is supervised in some row of the batch (read them on the host:
-    on a GPU `nonzero` waits for the device); None for a classifier (one logit row a sequence)."""
-    if classifies(labels):
+    on a GPU `nonzero` waits for the device); None for a classifier (one logit row a sequence) and
+    a seq2seq model (its logits are the target's)."""
+    labels = batch["labels"]
+    if classifies(labels) or is_seq2seq(batch):
         return None
     return (labels[:, 1:] != -100).any(0).nonzero().squeeze(1)
 
@@ -43,13 +54,14 @@ def supervised_forward(forward, batch: dict, positions: torch.Tensor | None = No
     (batch, kept) mask of the supervised entries).
     """
     labels = batch["labels"]
-    if classifies(labels):
+    if classifies(labels) or is_seq2seq(batch):
         out = positions_forward(forward, batch, None, **kwargs)
-        loss = torch.nn.functional.cross_entropy(out.logits.float(), labels, ignore_index=-100)
+        logits = out.logits.float()
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
         return out, loss, labels != -100
     targets = labels[:, 1:]  # position i predicts token i + 1
     if positions is None:
-        positions = supervised_positions(labels)
+        positions = supervised_positions(batch)
     positions = positions.to(labels.device, non_blocking=True)
     out = positions_forward(forward, batch, positions, **kwargs)
     kept_targets = targets[:, positions]
@@ -78,7 +90,7 @@ def distilled_forward(backend, distiller, model, switches, batch: dict, position
         teacher = positions_forward(backend.forward_no_grad, batch, positions)
     with distiller.student_mode(model, layers):
         student, loss, supervised = supervised_forward(backend.forward, batch, positions)
-    valid = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()
+    valid = valid_positions(batch)
     # The logit KL is taken where the task loss is: positions that predict a supervised label
     # (the response of instruction data; every real token of text data).
     kl_sum, mse_sum = distiller.loss_sums(model, student, teacher, layers, valid, supervised)
@@ -95,6 +107,21 @@ def enable_activation_checkpointing(model) -> None:
     model.train()  # transformers checkpoints only in training mode (LLaMA has no dropout to switch on)
 
 
+def valid_positions(batch: dict) -> torch.Tensor:
+    """The real positions of the sequence the distilled blocks run over (a seq2seq model's: the target)."""
+    if is_seq2seq(batch):
+        return batch.get("decoder_attention_mask", torch.ones_like(batch["decoder_input_ids"])).bool()
+    return batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()
+
+
 def valid_token_count(batch: dict) -> int:
-    mask = batch.get("attention_mask")
-    return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+    """The real tokens of `valid_positions`."""
+    key = ("decoder_attention_mask", "decoder_input_ids") if is_seq2seq(batch) else ("attention_mask", "input_ids")
+    mask = batch.get(key[0])
+    return int(mask.sum()) if mask is not None else batch[key[1]].numel()
+
+
+def has_padding(batch: dict) -> bool:
+    """A padded position on either side of the batch (host numbers: the salience then weighs tokens)."""
+    return any(batch[mask].numel() > int(batch[mask].sum()) for mask in ("attention_mask", "decoder_attention_mask")
+               if mask in batch)

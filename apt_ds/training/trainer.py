@@ -16,7 +16,7 @@ from typing import Iterable
 import torch
 from tqdm.auto import tqdm
 
-from apt_ds.algorithm.distill import SelfDistiller
+from apt_ds.algorithm.distill import SelfDistiller, distilled_blocks
 from apt_ds.algorithm.edits import merge_changes
 from apt_ds.algorithm.pruner import AdaptivePruner, GradualMasker
 from apt_ds.algorithm.quant import follow_codes
@@ -36,6 +36,7 @@ from apt_ds.training.evaluate import eval_metrics, mean_token_loss
 from apt_ds.training.forward import (
     distilled_forward,
     enable_activation_checkpointing,
+    has_padding,
     supervised_forward,
     supervised_positions,
     supervised_token_count,
@@ -84,7 +85,7 @@ class APTrainer:
         self.pruner = AdaptivePruner(apt)
         self.masker = GradualMasker(apt.mask_decay_step)
         self.tuner = AdaptiveTuner(apt)
-        self.distiller = SelfDistiller(apt, len(self.state.shape.layers), seed=train.seed)
+        self.distiller = SelfDistiller(apt, len(distilled_blocks(model)), seed=train.seed)
         self.growth_generator = torch.Generator().manual_seed(train.seed + 1)
         self.consumed_micro_batches = 0
         self.teacher_ready = False
@@ -175,10 +176,10 @@ class APTrainer:
         # besides the logged metrics is this 2-number all-reduce, needed to scale the losses.
         counts = torch.tensor([[supervised_token_count(b), valid_token_count(b)] for b in micro_batches], dtype=torch.float64)
         totals = self.backend.all_reduce_sum(counts.sum(0).clone()).clamp_min(1.0)
-        positions = [supervised_positions(b["labels"]) for b in micro_batches]
+        positions = [supervised_positions(b) for b in micro_batches]
         sums = torch.zeros(3, dtype=torch.float32, device=self.device)  # token sums: task loss, distill KL, distill MSE
         for batch, batch_positions, (n_task, n_valid) in zip(micro_batches, positions, counts):
-            self.state.salience.batch_has_padding = bool(n_valid < batch["input_ids"].numel())  # host numbers
+            self.state.salience.batch_has_padding = has_padding(batch)  # host numbers
             try:
                 task_loss, kl_sum, mse_sum = self._losses(move_batch(batch, self.device), batch_positions, mu)
             finally:  # unknown again: any other forward's padding is left out

@@ -1,0 +1,60 @@
+"""T5's relative position bias with heads pruned per layer.
+
+transformers' T5 computes a stack's bias once, in its first self-attention (the only one holding
+a `relative_attention_bias` table), as (1, heads, q, k), and hands that tensor to every later
+layer of the stack; its cross-attentions add zeros, made by the first with its own head count.
+Once a layer keeps other heads than the first, or fewer, that sharing is wrong. `HeadBias` gives
+every attention its own: a self-attention the columns of the stack's table (kept whole) of the
+original heads it still has, a cross-attention zeros of its own head count. A forward pre-hook
+on each attention module passes them as its `position_bias`, so the modules' own code runs as is.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from apt_ds.models import family_of
+
+ZERO_BIAS = "zeros"  # a LayerKind's position_bias: its attention adds a zero bias (T5's cross-attention)
+
+
+def uses_head_bias(model) -> bool:
+    """The model's attentions read a shared position bias (T5): HeadBias must route it."""
+    return any(kind.position_bias for kind in family_of(model).kinds)
+
+
+class HeadBias:
+    """The hooks that give each attention of `model` its heads' bias. `kept_heads()` returns each
+    unit layer's original head indices (its KV groups: T5's groups are single heads), read at
+    every forward, so a shrink needs no re-install."""
+
+    def __init__(self, model, kept_heads: Callable[[], Sequence[torch.Tensor]]):
+        self.kept_heads = kept_heads
+        self._handles: list = []
+        for index, unit in enumerate(family_of(model).unit_layers(model)):
+            source = unit.kind.position_bias
+            if not source:
+                continue
+            attention = unit.kind.attention_block(unit.module)
+            owner = None if source == ZERO_BIAS else model.get_submodule(source)
+            self._handles.append(attention.register_forward_pre_hook(self._hook(index, owner), with_kwargs=True))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _hook(self, index: int, owner):
+        def hook(module, args, kwargs):
+            if owner is None:  # the module makes zeros of its own head count
+                return args, {**kwargs, "position_bias": None}
+            hidden_states, cache = args[0] if args else kwargs["hidden_states"], kwargs.get("cache")
+            past = cache.get_seq_length(module.layer_idx) if cache is not None else 0
+            query = hidden_states.shape[1]
+            full = owner.compute_bias(query, query + past, device=hidden_states.device, past_seen_tokens=past)
+            heads = self.kept_heads()[index].to(full.device)
+            return args, {**kwargs, "position_bias": full.index_select(1, heads)}
+
+        return hook

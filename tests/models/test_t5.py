@@ -1,0 +1,155 @@
+"""T5 (v1.0 ReLU and v1.1 gated FFN) through its description (apt_ds.models.t5): an encoder
+stack and a decoder stack, each decoder block two unit layers (self-attention; cross-attention
+with the FFN). Exact parameter counts; masked == shrunk logits with heads (the relative position
+bias of each stack read per kept head: apt_ds.algorithm.position_bias), FFN neurons and hidden
+channels pruned per layer, on padded batches; salience counting each side's own tokens; APTrainer
+training a seq2seq batch stream to its density."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from apt_ds.algorithm.pruner import AdaptivePruner, GradualMasker, KeepDecision
+from apt_ds.algorithm.state import APTModel
+from apt_ds.algorithm.units import ModelShape
+from apt_ds.config import APTConfig, TrainConfig
+from apt_ds.models import FAMILIES, SEQ2SEQ, family_for
+
+VARIANTS = {"v1.0": "relu", "v1.1": "gated-gelu"}
+
+
+def tiny_t5(variant: str, seed: int = 0, **overrides):
+    """A random T5ForConditionalGeneration with random norm weights and bias tables (ones and zeros
+    would hide a norm or bias taken from the wrong channels or heads)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    config = T5Config(**{**dict(vocab_size=96, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=3,
+                                num_heads=4, feed_forward_proj=VARIANTS[variant], dropout_rate=0.0,
+                                relative_attention_num_buckets=8, relative_attention_max_distance=16), **overrides})
+    model = T5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "layer_norm" in name:
+                param.uniform_(0.5, 1.5)
+            elif "relative_attention_bias" in name:
+                param.normal_()
+    return model
+
+
+def seq2seq_batch(batch: int = 3, source: int = 9, target: int = 6, seed: int = 1) -> dict:
+    """Inputs and targets padded at the end (pad 0 = T5's decoder start), labels -100 there."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(2, 96, (batch, source), generator=generator)
+    labels = torch.randint(2, 96, (batch, target), generator=generator)
+    attention_mask, decoder_mask = torch.ones_like(input_ids), torch.ones_like(labels)
+    attention_mask[1, source - 3:], decoder_mask[2, target - 2:] = 0, 0
+    input_ids[attention_mask == 0] = 0
+    labels[decoder_mask == 0] = -100
+    decoder_input_ids = torch.cat([torch.zeros(batch, 1, dtype=torch.long), labels[:, :-1].clamp_min(0)], dim=1)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "decoder_input_ids": decoder_input_ids,
+            "decoder_attention_mask": decoder_mask, "labels": labels}
+
+
+def _logits(model, batch):
+    with torch.no_grad():
+        return model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+
+
+def test_t5_is_a_seq2seq_family_of_its_own():
+    family = family_for("t5")
+    assert "t5" in SEQ2SEQ and "t5" not in FAMILIES  # no tiny-t5 built-in, GGUF or lm-eval as a causal LM
+    assert [kind.side for kind in family.kinds] == ["input", "input", "target", "target", "target"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_parameter_count_is_exact(variant):
+    model = tiny_t5(variant)
+    shape = ModelShape.from_model(model)
+    assert shape == ModelShape.from_config(model.config)
+    assert shape.total_params() == sum(p.numel() for p in model.parameters())  # the LM head is `shared`
+    kinds = [layer.kind for layer in shape.layers]
+    assert len(kinds) == 2 + 3 + 3 and [layer.ffn for layer in shape.layers][2:5] == [0, 0, 0]  # decoder self-attentions
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_shrink_matches_masked_model_with_heads_neurons_and_hidden_pruned(variant):
+    """Every unit layer keeps its own heads (the first layer of each stack loses some too, so the
+    bias table's columns must follow the heads, not the first layer), neurons and hidden channels."""
+    model = tiny_t5(variant)
+    batch = seq2seq_batch()
+    stock = _logits(model, batch)
+    state = APTModel(model, APTConfig.for_steps(100, target_density=0.5), seed=0)
+    torch.testing.assert_close(_logits(model, batch), stock)  # the head-bias hooks read every head: as stock
+    generator = torch.Generator().manual_seed(3)
+    groups = [torch.rand(layer.num_kv_groups, generator=generator) > 0.4 for layer in state.shape.layers]
+    for index, kept in enumerate(groups):
+        kept[index % 4] = True  # at least one head, not always the same
+        kept[(index + 1) % 4] = False  # and a different one gone in each layer
+    neurons = [torch.rand(layer.ffn, generator=generator) > 0.4 for layer in state.shape.layers]
+    decision = KeepDecision(groups, neurons, torch.rand(state.shape.hidden, generator=generator) > 0.3, 0)
+    GradualMasker.snap(state.masks, decision)
+    masked = _logits(model, batch)
+    state.shrink(decision)
+    shrunk = _logits(model, batch)
+    assert (masked - stock).abs().max() > 0.1  # the pruning changed the function
+    torch.testing.assert_close(shrunk, masked, rtol=1e-5, atol=1e-5)
+    assert ModelShape.from_model(model) == state.shape and state.density() < 0.8
+    assert sum(p.numel() for p in model.parameters() if not p.requires_grad) < state.original_shape.total_params()
+
+
+def test_salience_counts_each_sides_own_tokens():
+    """Encoder sites average over the input's real tokens, decoder sites over the target's."""
+    model = tiny_t5("v1.1")
+    state = APTModel(model, APTConfig.for_steps(100, target_density=0.5), seed=0)
+    batch = seq2seq_batch()
+    state.salience.enabled = True
+    out = model(**{k: v for k, v in batch.items() if k != "labels"})
+    torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100).backward()
+    counted = state.salience.tokens.tolist()
+    assert counted == [int(batch["attention_mask"].sum()), int(batch["decoder_attention_mask"].sum())]
+    state.salience.end_step()
+    scores = [*state.salience.group_scores, *state.salience.neuron_scores, state.salience.hidden_scores]
+    assert all(torch.isfinite(s).all() for s in scores) and all(float(s.sum()) > 0 for s in state.salience.group_scores)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_non_uniform_decision_reaches_its_density(variant):
+    model = tiny_t5(variant)
+    state = APTModel(model, APTConfig.for_steps(100, target_density=0.4), seed=0)
+    generator = torch.Generator().manual_seed(5)
+    scores = lambda n: torch.rand(n, generator=generator)  # noqa: E731
+    decision = AdaptivePruner(APTConfig.for_steps(100, target_density=0.4)).decide(
+        state.shape, [scores(l.num_kv_groups) for l in state.shape.layers], [scores(l.ffn) for l in state.shape.layers],
+        scores(state.shape.hidden), 0.4 * state.original_shape.block_params(), state.original_shape)
+    state.shrink(decision)
+    assert 0.3 < state.density() <= 0.4
+    assert torch.isfinite(_logits(model, seq2seq_batch())).all()
+
+
+def test_apt_trains_a_seq2seq_stream_to_its_density():
+    """One process: the task loss on the target, salience, events, rank growth and distillation
+    on the decoder blocks; the run ends at its density with finite losses."""
+    from apt_ds.training.trainer import APTrainer
+
+    model = tiny_t5("v1.1")
+    steps = 12
+    apt = APTConfig.for_steps(steps, target_density=0.5, adapter_rank=4)
+    trainer = APTrainer(model, apt, TrainConfig(steps=steps, micro_batch_size=3, lr=1e-2, warmup_steps=1, log_every=1))
+
+    def stream():
+        seed = 0
+        while True:
+            seed += 1
+            yield seq2seq_batch(seed=seed)
+
+    trainer.train(stream())
+    losses = [r["loss"] for r in trainer.history if "loss" in r]
+    assert len(losses) == steps and all(math.isfinite(loss) for loss in losses)
+    assert abs(trainer.state.density() - 0.5) < 0.05
+    adapted = {name.split(".")[0] for name in trainer.state.adapters}
+    assert adapted == {"encoder", "decoder"}  # q/v adapters in both stacks, the cross-attention's included
+    assert any("EncDecAttention" in name for name in trainer.state.adapters)
