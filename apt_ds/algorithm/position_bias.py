@@ -17,6 +17,8 @@ import torch
 
 from apt_ds.models import family_of
 
+# A pruned T5 config's record of the original heads each unit layer keeps (what HeadBias reads)
+BIAS_HEAD_INDEX = "apt_bias_head_index"
 ZERO_BIAS = "zeros"  # a LayerKind's position_bias: its attention adds a zero bias (T5's cross-attention)
 
 
@@ -58,3 +60,19 @@ class HeadBias:
             return args, {**kwargs, "position_bias": full.index_select(1, heads)}
 
         return hook
+
+
+def route_recorded_head_bias(model) -> None:
+    """Route the bias of a model whose config records the heads each layer keeps (a pruned T5
+    loaded from its export): HeadBias over those heads, kept on the model."""
+    heads = getattr(model.config, BIAS_HEAD_INDEX, None)
+    if heads:
+        kept = [torch.tensor(index, dtype=torch.long) for index in heads]
+        model.apt_head_bias = HeadBias(model, lambda: kept)
+
+
+def record_head_bias(config, kept_groups: Sequence[torch.Tensor], heads: int) -> None:
+    """Record in `config` the original heads each unit layer keeps, once any layer lost one of its
+    `heads` (until then the stock sharing of the bias is right)."""
+    if any(kept.tolist() != list(range(heads)) for kept in kept_groups):
+        setattr(config, BIAS_HEAD_INDEX, [kept.tolist() for kept in kept_groups])

@@ -16,7 +16,7 @@ from apt_ds.algorithm.adapters import add_adapters, find_adapters
 from apt_ds.algorithm.distill import TRANSFORM_ATTR, attach_transform, student_adapters
 from apt_ds.algorithm.edits import ShapeChange
 from apt_ds.algorithm.masks import UnitMasks
-from apt_ds.algorithm.position_bias import HeadBias, uses_head_bias
+from apt_ds.algorithm.position_bias import HeadBias, record_head_bias, uses_head_bias
 from apt_ds.algorithm.pruner import KeepDecision
 from apt_ds.algorithm.salience import SalienceCollector
 from apt_ds.algorithm.shrink import LOCAL_ACCESS, ParamAccess, replace_module_params, shrink_model, slice_linear
@@ -84,6 +84,8 @@ class APTModel:
         self.kept_neurons = [k[i] for k, i in zip(self.kept_neurons, neurons)]
         self.kept_hidden = self.kept_hidden[hidden]
         self.salience.keep(new_shape, groups, neurons, hidden)
+        if self.head_bias is not None:  # what a per-layer export's load_pretrained routes again
+            record_head_bias(self.model.config, self.kept_groups, self.original_shape.heads)
         self.masks.reset(new_shape)
         self.shape = new_shape
         return change

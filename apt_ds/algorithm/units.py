@@ -45,6 +45,11 @@ class LayerShape:
     def kept(self, groups: int, ffn: int) -> "LayerShape":
         return replace(self, num_kv_groups=groups, ffn=ffn)
 
+    def axis_sizes(self, hidden: int) -> dict[str, int]:
+        """The length of each unit axis of the layer (apt_ds.models.tensors.AXES) at `hidden`."""
+        return {"q": self.num_q_heads * self.head_dim, "kv": self.num_kv_groups * self.head_dim, "ffn": self.ffn,
+                "hidden": hidden, "head": self.head_dim}
+
     def to_dict(self) -> dict:
         """Its record (`kind` only where it is not the family's first: a decoder's is as it always was)."""
         return {key: value for key, value in asdict(self).items() if key != "kind" or value}
@@ -225,6 +230,27 @@ def check_supported_config(config) -> None:
             f"num_attention_heads ({config.num_attention_heads}) is not a multiple of num_key_value_heads ({kv})"
         )
     family.check_config(config)
+
+
+def check_supported_config_file(config: dict) -> None:
+    """`check_supported_config` of a config.json's values, before any weight is read: its own keys
+    (a default the config class would fill in hides a missing one), under the names the family's
+    config class maps them to (T5's d_model is hidden_size); a family whose stacks read what its
+    config class derives (T5's is_gated_act) is checked on that class's config."""
+    from types import SimpleNamespace
+
+    family = family_for(config.get("model_type"))
+    config_class = family.classes()[0]
+    if family.stacks:
+        try:
+            check_supported_config(config_class.from_dict(config))
+        except (TypeError, ValueError) as err:
+            raise UnsupportedModelError(f"config.json is not a valid {family.model_type} config "
+                                        f"({str(err).splitlines()[0]})") from None
+        return
+    aliases = {name: config[source] for name, source in getattr(config_class, "attribute_map", {}).items()
+               if source in config and name not in config}
+    check_supported_config(SimpleNamespace(**config, **aliases))
 
 
 def check_supported_model(model) -> None:

@@ -110,7 +110,10 @@ class RunArguments:
                              choices=("apt", "lora"), default="apt")
     task: str = help_field("what the model learns: lm (next tokens: a causal LM's), classification (a class a row of "
                            "'sentence' or a pair ('sentence1'/'sentence2', GLUE's 'premise'/'hypothesis', ...) with an integer 'label': a BERT or RoBERTa model's), or "
-                           "auto: the model's", choices=("auto", "lm", "classification"), default="auto")
+                           "seq2seq (a summary a row of 'input'/'target', CNN/DailyMail's 'article'/'highlights' or XSum's "
+                           "'document'/'summary': a T5 model's), or auto: the model's",
+                           choices=("auto", "lm", "classification", "seq2seq"), default="auto")
+    max_target_len: int = help_field("seq2seq: target tokens a row keeps (its input keeps --max-seq-len)", default=128)
     config: Optional[str] = help_field("recipe: a YAML (or JSON) file of any of these flags' fields, e.g. "
                                        "configs/llama2_7b_alpaca.yaml; flags given on the command line override it",
                                        default=None)

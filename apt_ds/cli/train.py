@@ -89,11 +89,9 @@ def check_inputs_early(run: RunArguments, train: TrainConfig, given: dict | None
     config = tiny_config(run.model) if run.model in TINY_MODELS else \
         check_model_path(run.model, flag=flag_of("model", given))
     if run.model not in TINY_MODELS and config and not config.get("apt_layer_shapes"):  # before any weight is read
-        from types import SimpleNamespace
+        from apt_ds.algorithm.units import check_supported_config_file
 
-        from apt_ds.algorithm.units import check_supported_config
-
-        check_supported_config(SimpleNamespace(**config))
+        check_supported_config_file(config)
     note = check_max_seq_len(config, train.max_seq_len, run.model)
     if note and launcher_rank(bool(run.deepspeed)) == "0":
         print(note, file=sys.stderr)

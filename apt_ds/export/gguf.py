@@ -40,7 +40,7 @@ from apt_ds.config import ConfigError
 from apt_ds.export.accounting import check_every_base_tensor_written, check_gguf_reads_every_tensor
 from apt_ds.export.checks import check_export_tensor
 from apt_ds.export.gguf_hparams import add_hparams, rope_freqs
-from apt_ds.models import Family, family_for
+from apt_ds.models import family_for
 
 GGUF_DTYPES = ("fp32", "fp16", "bf16", "q8_0")
 BLOCK = {"q8_0": 32}  # row block of the quantized dtypes: hidden and FFN widths are padded to it
@@ -70,7 +70,7 @@ def llama_cpp_differences(config, arch: str) -> list[str]:
     """Where llama.cpp runs the file otherwise than transformers runs the HF export: none of the
     architectures written here applies a sliding attention window (Mistral v0.1's 4096), so past
     that many tokens of context the outputs differ."""
-    window = Family.sliding_window(config)
+    window = sliding_window(config)
     if window is None or window >= int(config.max_position_embeddings):
         return []
     return [f"llama.cpp's {arch} attends to the whole context, not to this model's {window}-token sliding window: "
@@ -267,3 +267,16 @@ def write_gguf_export(out: Path, shape: ModelShape, tensors, config, dtype: str,
         return report
 
     return write_atomically(out, fill, export_bytes(shape, dtype))
+
+
+def sliding_window(config) -> int | None:
+    """The attention window a config applies in transformers (None: full attention everywhere).
+    transformers 5 names each layer's kind in `layer_types` (Qwen2's window is off unless
+    use_sliding_window); Mistral's configs apply `sliding_window` whenever it is set."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    if layer_types is None and not getattr(config, "use_sliding_window", True):
+        return None
+    return int(window) if window else None

@@ -24,6 +24,7 @@ from apt_ds.algorithm.units import ModelShape, UnsupportedModelError
 from apt_ds.config import APTConfig, ConfigError
 from apt_ds.export.accounting import base_names_as_the_model_names_them, check_every_base_tensor_written
 from apt_ds.export.out_dir import check_export_out
+from apt_ds.export.output_scale import fold_output_scale
 from apt_ds.export.writer import DEFAULT_SHARD_SIZE, DTYPES, check_options, summary, write_export, write_export_dir
 from apt_ds.io.checkpoint import CheckpointError, read_meta
 from apt_ds.io.fingerprint import file_fingerprint, model_fingerprint, same_model
@@ -32,7 +33,7 @@ from apt_ds.io.modeling import TINY_MODELS, ModelLoadError, build_tiny_model, ch
 from apt_ds.io.pinned import pinned_directory, replaced
 from apt_ds.io.quantized import merge_quant, quantize_model
 from apt_ds.io.weights import SafetensorsWeights, WeightsError
-from apt_ds.models import ENCODERS, family_for, family_of
+from apt_ds.models import ENCODERS, SEQ2SEQ, family_for, family_of
 
 
 def rebuild_trained_model(run_dir: Path, model_path: str | Path | None = None, checkpoint: Path | None = None,
@@ -139,6 +140,7 @@ def compact_model(model, state: APTModel):
     merge_adapters(model)  # first: a mask on o_proj/down_proj inputs scales the adapter path too
     dequantize_linears(model)  # a quantized base's projections without an adapter (--base-quant)
     fold_masks(model, state)
+    fold_output_scale(model)  # T5 v1.0's output scale, at the pruned hidden size
     for param in model.parameters():
         param.requires_grad_(False)
     return model.eval()
@@ -173,10 +175,12 @@ def export_run(run_dir: Path, out: Path, dtype: str = "fp32", overwrite: bool = 
         check_model_path(model_path, flag="--model")
     recorded = read_meta(run_dir / "checkpoint")
     recorded_base = recorded.get("run_info", {}).get("model")
-    encoder = isinstance(recorded.get("shape"), dict) and recorded["shape"].get("family") in ENCODERS
+    family_name = recorded["shape"].get("family") if isinstance(recorded.get("shape"), dict) else None
+    encoder = family_name in ENCODERS or family_name in SEQ2SEQ  # not a causal LM
     if encoder and format == "gguf":  # before any work
-        raise UnsupportedModelError(f"{run_dir}: a {recorded['shape']['family']} sequence classifier has no GGUF export "
-                                    f"(llama.cpp runs decoders); export --format hf")
+        what = "sequence classifier" if family_name in ENCODERS else "encoder-decoder"
+        raise UnsupportedModelError(f"{run_dir}: a {family_name} {what} has no GGUF export (llama.cpp runs decoders); "
+                                    f"export --format hf")
     if format == "gguf" and "shape" in recorded:  # before any work: a shape llama.cpp cannot run is refused in one line
         from apt_ds.export.gguf import gguf_architecture
 
@@ -188,7 +192,7 @@ def export_run(run_dir: Path, out: Path, dtype: str = "fp32", overwrite: bool = 
     bases = [Path(p) for p in (model_path, recorded_base) if p is not None and str(p) not in TINY_MODELS]
     check_export_out(out, overwrite, protected=[run_dir, *bases], run_dir=run_dir)
     base = str(model_path) if model_path is not None else recorded_base
-    # An encoder's export is rebuilt in memory (its task head is trained, not in the base's files)
+    # An encoder's export is rebuilt in memory (its task head is trained, not in the base's files), and T5's
     stream = streaming is not False and not encoder and base is not None and base not in TINY_MODELS and Path(base).is_dir()
     quant = merge_quant(recorded, merge_into, run_dir)
     for attempt in range(CHECKPOINT_READS):

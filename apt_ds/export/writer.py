@@ -13,7 +13,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from apt_ds.algorithm.units import ModelShape
+from apt_ds.algorithm.position_bias import BIAS_HEAD_INDEX
+from apt_ds.algorithm.units import BIAS_HEADS, ModelShape
 from apt_ds.config import ConfigError
 from apt_ds.export.accounting import check_every_base_tensor_written
 from apt_ds.export.checks import check_export_tensor, dtype_name
@@ -35,22 +36,31 @@ def exported_config(model_config, shape: ModelShape) -> dict:
     for key in ("apt_layer_shapes", "_name_or_path", "transformers_version", "quantization_config"):
         config.pop(key, None)
     family = family_for(config.get("model_type"))
+    names = getattr(family.classes()[0], "attribute_map", {})  # T5's config calls hidden_size d_model, ...
     config["architectures"] = [family.causal_lm_class]
-    config["hidden_size"] = shape.hidden
     first = shape.layers[0]
-    config.update(num_attention_heads=first.num_q_heads, intermediate_size=first.ffn)
+    config.update({names.get("hidden_size", "hidden_size"): shape.hidden,
+                   names.get("num_attention_heads", "num_attention_heads"): first.num_q_heads,
+                   family.ffn_config: next((l.ffn for l in shape.layers if family.kinds[l.kind].has_ffn), 0)})
     if family.config_head_dim:
-        config.update(head_dim=first.head_dim, num_key_value_heads=first.num_kv_groups)
+        config[names.get("head_dim", "head_dim")] = first.head_dim
+        if family.kind != "seq2seq":  # T5's heads are never grouped
+            config["num_key_value_heads"] = first.num_kv_groups
     else:  # BERT's config has neither (its heads are hidden_size / heads wide): the shrink's notes go
         config.pop("head_dim", None)
         config.pop("num_key_value_heads", None)
     for key, value in transformers4_rope(config).items():
         config.setdefault(key, value)
-    if not stock_loadable(shape):
+    if stock_loadable(shape):
+        for key in (BIAS_HEAD_INDEX, BIAS_HEADS):  # every head kept: the stock bias sharing is right
+            config.pop(key, None)
+    else:
         config["apt_layer_shapes"] = [layer.to_dict() for layer in shape.layers]
         if shape.hidden % first.num_q_heads:
             # The configs refuse hidden % heads != 0; per-layer shapes are authoritative anyway.
-            config.update(num_attention_heads=1, **({"num_key_value_heads": 1} if family.config_head_dim else {}))
+            config[names.get("num_attention_heads", "num_attention_heads")] = 1
+            if family.config_head_dim and family.kind != "seq2seq":
+                config["num_key_value_heads"] = 1
     return config
 
 
@@ -72,6 +82,8 @@ def stock_loadable(shape: ModelShape) -> bool:
     config without head_dim, BERT's, also hidden == heads x head_dim)."""
     first = shape.layers[0]
     if not family_for(shape.family).config_head_dim and shape.hidden != first.num_q_heads * first.head_dim:
+        return False
+    if shape.heads and first.num_q_heads != shape.heads:  # T5: a stack's layers share its bias table's heads
         return False
     return shape.uniform and shape.hidden % first.num_q_heads == 0
 

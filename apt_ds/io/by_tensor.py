@@ -61,8 +61,7 @@ def empty_model(path: str | Path, num_labels: int | None = None):
     family = family_for(config.model_type)
     with torch.device("meta"), no_init_weights():
         model = family.classes()[1](config)
-    if family.ties(config):  # tied before the parameters are listed: the head is the embedding's
-        family.output_module(model).weight = family.embedding_module(model).weight
+    family.tie_embedding(model)  # tied before the parameters are listed: the head (and T5's views) are the embedding's
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(path))
     return model
@@ -101,8 +100,7 @@ def fill_by_tensor(model, weights, place: PlaceTensor, device: torch.device, see
             del tensor
     if new:
         _new_head(model, family, new, place, seed)
-    if tied:
-        family.output_module(model).weight = family.embedding_module(model).weight
+    family.tie_embedding(model)
     family.rebuild_rotary(model, device)
     rebuild_position_ids(model, device)
     left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]

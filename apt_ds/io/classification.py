@@ -36,16 +36,23 @@ def classifier_family(model: str):
     """The encoder family (apt_ds.models.ENCODERS) of `--model`, a built-in name or a directory,
     from its config.json's model_type; None for a causal LM, a GGUF file, or a path load_model
     refuses in its own words."""
+    from apt_ds.models import ENCODERS
+
+    return family_among(model, ENCODERS)
+
+
+def family_among(model: str, families: dict):
+    """The family of `--model` (a built-in name or a directory: its config.json's model_type) if it
+    is one of `families`, else None."""
     import json
     from pathlib import Path
 
     from apt_ds.io.modeling import TINY_MODELS
-    from apt_ds.models import ENCODERS
 
     if model in TINY_MODELS:
-        return ENCODERS.get(TINY_MODELS[model][0])
+        return families.get(TINY_MODELS[model][0])
     try:
-        return ENCODERS.get(json.loads((Path(model) / "config.json").read_text()).get("model_type"))
+        return families.get(json.loads((Path(model) / "config.json").read_text()).get("model_type"))
     except (OSError, ValueError, AttributeError):
         return None
 

@@ -197,12 +197,28 @@ def tokenize_dataset(ds, tokenizer, max_seq_len: int, pack: bool, source: str = 
 # ---------------------------------------------------------------- batching
 
 
+def _seq2seq_targets(targets: list[list[int]], pad_id: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Labels padded with -100 to the longest target, and the decoder's inputs: each target shifted
+    right behind the decoder start, which is the pad token in every T5 (apt_ds.training.task checks
+    the config says so), and their mask."""
+    length = max(len(target) for target in targets)
+    labels = torch.full((len(targets), length), IGNORE_INDEX, dtype=torch.long)
+    decoder_input_ids = torch.full((len(targets), length), pad_id, dtype=torch.long)
+    decoder_attention_mask = torch.zeros((len(targets), length), dtype=torch.long)
+    for row, target in enumerate(targets):
+        ids = torch.tensor(target, dtype=torch.long)
+        labels[row, : len(target)] = ids
+        decoder_input_ids[row, 1 : len(target)] = ids[:-1]
+        decoder_attention_mask[row, : len(target)] = 1
+    return labels, {"decoder_input_ids": decoder_input_ids, "decoder_attention_mask": decoder_attention_mask}
+
+
 def collate(examples: list[dict], pad_id: int, pad_to: int | None = None) -> dict[str, torch.Tensor]:
     """Right-padded LongTensors; labels are -100 at padding by position (pad may equal EOS). A
     classifier's examples (apt_ds.io.classification: a `label` each) give labels of shape
     (batch,), and their token types padded with 0. Seq2seq examples (apt_ds.io.seq2seq: their
-    `target_ids`) give labels of their own length, padded with -100 to the longest target: an
-    encoder-decoder shifts them right into its decoder inputs, so they need no input positions."""
+    `target_ids`) give labels of their own length, padded with -100 to the longest target, and the
+    decoder's inputs (the targets shifted right) with their mask."""
     length = max(len(example["input_ids"]) for example in examples)
     length = max(length, pad_to or 0)
     classifies = "label" in examples[0]
@@ -221,12 +237,10 @@ def collate(examples: list[dict], pad_id: int, pad_to: int | None = None) -> dic
             labels[row, :n] = torch.tensor(example["labels"], dtype=torch.long)
     if classifies:
         labels = torch.tensor([example["label"] for example in examples], dtype=torch.long)
+    decoder = {}
     if targets:
-        labels = torch.full((len(examples), max(len(example["target_ids"]) for example in examples)), IGNORE_INDEX,
-                            dtype=torch.long)
-        for row, example in enumerate(examples):
-            labels[row, : len(example["target_ids"])] = torch.tensor(example["target_ids"], dtype=torch.long)
-    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        labels, decoder = _seq2seq_targets([example["target_ids"] for example in examples], pad_id)
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, **decoder, "labels": labels}
     return batch if types is None else {**batch, "token_type_ids": types}
 
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from apt_ds.algorithm.units import LayerShape, UnsupportedModelError
+from apt_ds.algorithm.position_bias import route_recorded_head_bias
+from apt_ds.algorithm.units import BIAS_HEADS, LayerShape, UnsupportedModelError
 from apt_ds.io.errors import ModelLoadError
 from apt_ds.models import FAMILIES, family_for
 
@@ -198,7 +199,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, mmap: bool 
         return load_pretrained(path, dtype=dtype)
     try:
         AutoConfig.from_pretrained(str(path))
-        if not mmap or family_for(config.get("model_type")).kind == "encoder":
+        if not mmap or family_for(config.get("model_type")).kind != "decoder":  # an encoder's or T5's: its own class
             from apt_ds.io.by_tensor import load_by_tensor
 
             return load_by_tensor(path, dtype, num_labels=num_labels, seed=seed)
@@ -207,30 +208,29 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, mmap: bool 
         raise ModelLoadError(f"cannot load model from {path}: {str(err).splitlines()[0]}") from None
 
 
-def axis_sizes(shape: LayerShape, hidden: int) -> dict[str, int]:
-    """The length of each unit axis of a layer (apt_ds.models.family) at `shape`."""
-    return {"q": shape.num_q_heads * shape.head_dim, "kv": shape.num_kv_groups * shape.head_dim, "ffn": shape.ffn,
-            "hidden": hidden, "head": shape.head_dim}
-
-
 def resize_layers(model, layer_shapes: list[LayerShape]) -> None:
     """Give every layer its own (empty) Linear sizes and head geometry before weights are loaded:
     each projection of the family's description, with a bias where the description lists one."""
     family = family_for(model.config.model_type)
     hidden = model.config.hidden_size
-    for layer, shape in zip(family.decoder_layers(model), layer_shapes):
-        sizes = axis_sizes(shape, hidden)
-        for tensor in family.layer_tensors:
-            if len(tensor.dims) != 2:  # norms and biases come with their module
-                continue
+    for unit, shape in zip(family.unit_layers(model), layer_shapes):
+        kind, layer, sizes = unit.kind, unit.module, shape.axis_sizes(hidden)
+        for tensor in kind.linears:  # norms and biases come with their module
             owner_path, name = tensor.module.rsplit(".", 1)
             owner = layer.get_submodule(owner_path)
             old = getattr(owner, name)
             n_out, n_in = (sizes[axis] for axis in tensor.dims)
-            setattr(owner, name, nn.Linear(n_in, n_out, bias=family.has_tensor(f"{tensor.module}.bias"),
+            setattr(owner, name, nn.Linear(n_in, n_out, bias=kind.has_tensor(f"{tensor.module}.bias"),
                                            dtype=old.weight.dtype, device=old.weight.device))
-        family.set_head_geometry(layer, shape.head_dim, shape.group_size, shape.num_q_heads)
-        family.ffn_block(layer).intermediate_size = shape.ffn
+        kind.set_head_geometry(layer, shape.head_dim, shape.group_size, shape.num_q_heads)
+        if kind.has_ffn:
+            kind.ffn_block(layer).intermediate_size = shape.ffn
+    bias_heads = getattr(model.config, BIAS_HEADS, None)  # a pruned T5's bias tables keep every original head
+    for tensor in (t for t in family.outer_tensors if bias_heads and "heads" in t.dims):
+        owner, name = tensor.module.rsplit(".", 1)
+        old = model.get_submodule(tensor.module)
+        setattr(model.get_submodule(owner), name, nn.Embedding(old.num_embeddings, bias_heads, dtype=old.weight.dtype,
+                                                              device=old.weight.device))
 
 
 def load_pretrained(directory: str | Path, dtype: torch.dtype | str | None = None):
@@ -257,8 +257,9 @@ def load_pretrained(directory: str | Path, dtype: torch.dtype | str | None = Non
     with torch.device("meta"):
         model = model_class(config)
     if shapes:
-        if len(shapes) != config.num_hidden_layers:
-            raise ModelLoadError(f"{directory}: apt_layer_shapes has {len(shapes)} layers, config says {config.num_hidden_layers}")
+        if len(shapes) != len(family.unit_kinds(config)):
+            raise ModelLoadError(f"{directory}: apt_layer_shapes has {len(shapes)} layers, config says "
+                                 f"{len(family.unit_kinds(config))}")
         resize_layers(model, shapes)
         model.config.apt_layer_shapes = [s.to_dict() for s in shapes]
     from safetensors import SafetensorError
@@ -289,6 +290,7 @@ def load_pretrained(directory: str | Path, dtype: torch.dtype | str | None = Non
 
     family.rebuild_rotary(model)
     rebuild_position_ids(model, torch.device("cpu"))
+    route_recorded_head_bias(model)  # a pruned T5's heads read their own bias columns
     if dtype is not None:
         model = model.to(dtype)
     return model.eval()
@@ -303,3 +305,4 @@ def _torch_dtype(dtype):
     if found is None:
         raise ModelLoadError(f"dtype {dtype!r} is not a floating-point torch.dtype nor one of {', '.join(names)}")
     return found
+

@@ -125,12 +125,11 @@ def check_partitionable_widths(model_dir: Path, quant: BaseQuant) -> None:
     from transformers import AutoConfig
 
     from apt_ds.algorithm.units import ModelShape
-    from apt_ds.io.modeling import axis_sizes
 
     config = AutoConfig.from_pretrained(str(model_dir))
     family, shape = family_for(config.model_type), ModelShape.from_config(config)
     for index, layer in enumerate(shape.layers):
-        sizes = axis_sizes(layer, shape.hidden)
+        sizes = layer.axis_sizes(shape.hidden)
         for name, tensor in family.projections.items():
             out_size, in_size = (sizes[axis] for axis in tensor.dims)
             width = quant.stored_width(tensor.dims, out_size, in_size)

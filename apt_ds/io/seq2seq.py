@@ -33,6 +33,14 @@ class Seq2SeqData:
     cut_targets: int
 
 
+def seq2seq_family(model: str):
+    """The encoder-decoder family (apt_ds.models.SEQ2SEQ: T5) of `--model`, else None."""
+    from apt_ds.io.classification import family_among
+    from apt_ds.models import SEQ2SEQ
+
+    return family_among(model, SEQ2SEQ)
+
+
 def seq2seq_pair(columns) -> tuple[str, str] | None:
     """The (input, target) fields of a data set with these columns; None where it has no pair."""
     columns = set(columns)

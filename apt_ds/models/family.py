@@ -48,6 +48,10 @@ class Family:
     layer_tensors: tuple[LayerTensor, ...]  # in the order of the layer's state_dict
     refused_config: tuple[tuple[str, str], ...] = ()  # (config attribute, why) refused when truthy
     left_out: tuple[LeftOut, ...] = ()
+    # (config flag, norm, model attribute): the config scales the decoder's output by d_model ** -0.5
+    # before the LM head (T5 v1.0), the model keeping d_model in the attribute; a smaller hidden size
+    # folds the old scale into the norm before it (export)
+    output_scale: tuple[str, str, str] | None = None
     # Modules whose weight is the embedding's, tied by transformers (T5's stacks' embed_tokens): a
     # shrink gives them the embedding's new weight
     embedding_aliases: tuple[str, ...] = ()
@@ -113,9 +117,7 @@ class Family:
         for what, names in (("an outer", [t.name for t in self.outer_tensors]), ("a layer", [t.name for t in self.layer_tensors])):
             if len(set(names)) != len(names):
                 raise ValueError(f"{self.model_type}: {what} tensor is listed twice")
-        roles = [(t.role, t.kind) for t in self.layer_tensors]
-        if len(set(roles)) != len(roles):
-            raise ValueError(f"{self.model_type}: two layer tensors have the same role")
+        self.kinds  # noqa: B018  (each kind checks its own table: roles, hidden sites)
 
     @property
     def outer_tensors(self) -> tuple[OuterTensor, ...]:
@@ -230,12 +232,13 @@ class Family:
     def unit_costs(self, group_size: int, head_dim: int, kind: int = 0) -> UnitCosts:
         return self.kinds[kind].unit_costs(group_size, head_dim)
 
-    def adapter_paths(self, targets, kind: LayerKind | None = None) -> list[str]:
-        """The module paths below a layer of `kind` that adapters `targets` wrap (an unknown target,
-        one no kind of this family has, is refused in one line)."""
-        unknown = [target for target in targets if not any(k.adapter_paths([target]) for k in self.kinds)]
+    def adapter_paths(self, targets, kind: LayerKind | None = None, config=None) -> list[str]:
+        """The module paths below a layer of `kind` that adapters `targets` wrap (a target no layer
+        of the family, or of `config`'s model, has is refused in one line)."""
+        kinds = [stack.kind for stack in self.stacks_for(config)] if config is not None else self.kinds
+        unknown = [target for target in targets if not any(k.adapter_paths([target]) for k in kinds)]
         if unknown:
-            known = dict.fromkeys(name for k in self.kinds for name in k.adapter_names)
+            known = dict.fromkeys(name for k in kinds for name in k.adapter_names)
             raise UnsupportedModelError(f"--adapter-targets {' '.join(unknown)}: {self.names} layers have no such projection "
                                         f"(they have {', '.join(known)})")
         return (kind or self.main_kind).adapter_paths(targets)
@@ -254,6 +257,15 @@ class Family:
     def output_module(self, model):
         """The LM head (its weight is the embedding's when the config ties them)."""
         return model.get_submodule(module_of(self.output_embedding))
+
+    def tie_embedding(self, model) -> None:
+        """Give the LM head (where the config ties it) and the embedding's views (T5's stacks'
+        embed_tokens) the embedding's weight, as transformers ties them."""
+        weight = self.embedding_module(model).weight
+        if self.ties(model.config):
+            self.output_module(model).weight = weight
+        for alias in self.embedding_aliases:
+            model.get_submodule(alias).weight = weight
 
     def outer_norms(self, model) -> list:
         """The norms over the hidden channels outside the layers (a decoder's final norm, an
@@ -274,19 +286,6 @@ class Family:
         """The checkpoint name prefix of layer `index` (`model.layers.3`) of a family whose layers are alike."""
         self.main_kind  # noqa: B018  (T5's unit layers have their own prefixes: unit_prefixes)
         return f"{self.layers}.{index}"
-
-    @staticmethod
-    def sliding_window(config) -> int | None:
-        """The attention window a config applies in transformers (None: full attention everywhere).
-        transformers 5 names each layer's kind in `layer_types` (Qwen2's window is off unless
-        use_sliding_window); Mistral's configs apply `sliding_window` whenever it is set."""
-        window = getattr(config, "sliding_window", None)
-        layer_types = getattr(config, "layer_types", None)
-        if layer_types is not None and "sliding_attention" not in layer_types:
-            return None
-        if layer_types is None and not getattr(config, "use_sliding_window", True):
-            return None
-        return int(window) if window else None
 
     def check_config(self, config) -> None:
         for attribute, why in self.refused_config:

@@ -88,4 +88,5 @@ T5 = Family(
     left_out=(LeftOut(r"(encoder|decoder)\.embed_tokens\.weight", "the stacks' views of `shared`, written once as "
                                                                   "shared.weight"),),
     ffn_config="d_ff",
+    output_scale=("scale_decoder_outputs", "decoder.final_layer_norm", "model_dim"),
 )

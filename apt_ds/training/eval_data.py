@@ -17,6 +17,7 @@ from apt_ds.io.classification import tokenize_classification
 from apt_ds.io.data import TruncationStats, collate, load_records, tokenize_dataset
 from apt_ds.io.hub import data_location
 from apt_ds.io.records import ROW_FIELDS
+from apt_ds.io.seq2seq import seq2seq_family, tokenize_seq2seq
 
 _HASH_BATCH = 10_000
 
@@ -35,6 +36,8 @@ def held_out_batches(args, tokenizer, train: TrainConfig, backend, pad_id: int, 
     truncation = TruncationStats()
     if num_labels is not None:
         examples = tokenize_classification(records, tokenizer, train.max_seq_len, args.eval_data, num_labels).examples
+    elif seq2seq_family(args.model) is not None:
+        examples = tokenize_seq2seq(records, tokenizer, train.max_seq_len, args.max_target_len, args.eval_data).examples
     else:
         examples = tokenize_dataset(records, tokenizer, train.max_seq_len, pack=False, source=args.eval_data,
                                     stats=truncation, template=train.template, train_on_prompt=train.train_on_prompt)

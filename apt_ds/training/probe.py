@@ -11,6 +11,9 @@ from safetensors.torch import save_file
 from apt_ds.distributed.placement import move_batch
 from apt_ds.io.permissions import make_readable
 
+# What a probe keeps of its batch: a causal LM's or classifier's inputs, and a seq2seq model's decoder inputs
+PROBE_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "decoder_input_ids", "decoder_attention_mask")
+
 
 def live_probe(trainer, batch: dict, new_tokens: int = 20) -> dict[str, torch.Tensor]:
     """The live (masked, possibly sharded) model's logits on `batch` and its greedy
@@ -19,10 +22,10 @@ def live_probe(trainer, batch: dict, new_tokens: int = 20) -> dict[str, torch.Te
     was_enabled = trainer.state.salience.enabled
     trainer.state.salience.enabled = False
     try:
-        inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in batch}
+        inputs = {k: batch[k] for k in PROBE_INPUTS if k in batch}
         inputs = move_batch(inputs, trainer.device)
         logits = trainer.backend.forward_no_grad(**inputs, use_cache=False).logits.float()
-        if logits.dim() == 2:  # a sequence classifier's (batch, classes): nothing to continue
+        if logits.dim() == 2 or "decoder_input_ids" in inputs:  # a classifier's (batch, classes); a T5's targets
             return {k: v.cpu().contiguous() for k, v in {**inputs, "logits": logits}.items()}
         ids = inputs["input_ids"][:1, : int(batch["attention_mask"][0].sum())]
         step_logits = []  # each greedy step's next-token logits: informative even when argmax repeats

@@ -50,7 +50,7 @@ from apt_ds.training.eval_data import held_out_batches
 from apt_ds.training.heap import freeze_prepared_data, large_allocations_returned, release_free_heap
 from apt_ds.training.probe import live_probe, save_probe
 from apt_ds.training.run_tokenizer import TOKENIZER_DIR, prepare_tokenizer, texts_for_tokenizer
-from apt_ds.training.task import check_encoder_options, check_task, classifies, tokenize_for_task
+from apt_ds.training.task import check_task, tokenize_for_task
 from apt_ds.training.trainer import APTrainer
 
 logger = logging.getLogger(__name__)
@@ -184,9 +184,7 @@ def run_training(args, apt: APTConfig | None, train: TrainConfig, configs_for_st
     """With --epochs (`args.epochs`) the steps come from the data: `apt` is None and `train`'s length
     a stand-in until `configs_for_steps(steps)` (apt_ds.cli.recipe) makes both, once the data is read.
     `model_name`: the Hub name args.model was resolved from (apt_ds.io.hub), recorded beside it."""
-    check_task(args)  # before a backend (and DeepSpeed) starts
-    if classifies(args.model):
-        check_encoder_options(args, train, apt)
+    check_task(args, train, apt)  # before a backend (and DeepSpeed) starts
     backend, train = make_backend(args, train)
     result = _run_on(backend, args, apt, train, configs_for_steps, model_name)
     backend.shutdown()  # only after success: a rank that failed has nobody to wait for

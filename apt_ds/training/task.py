@@ -1,7 +1,8 @@
 """What a run learns, from the model's family: a decoder the next tokens of its data
 (apt_ds.io.data), an encoder a class a sequence (apt_ds.io.classification, its classifier as
-large as the data has classes). Also what an encoder run cannot do yet, refused in one line
-before anything is written."""
+large as the data has classes), an encoder-decoder (T5) a target a row (apt_ds.io.seq2seq).
+Also what an encoder or encoder-decoder run cannot do yet, refused in one line before anything
+is written."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from apt_ds.config import APTConfig, ConfigError, TrainConfig
 from apt_ds.io.classification import classifier_family, tokenize_classification
 from apt_ds.io.data import TruncationStats, tokenize_dataset
+from apt_ds.io.seq2seq import seq2seq_family, tokenize_seq2seq
 
 
 @dataclass(frozen=True)
@@ -27,17 +29,25 @@ def classifies(model: str) -> bool:
     return classifier_family(model) is not None
 
 
-def check_task(args) -> None:
-    """--task, where given, is the model's: a causal LM has no classifier, an encoder no LM head."""
-    wanted = getattr(args, "task", "auto")
-    if wanted == "auto":
-        return
-    if wanted == "classification" and not classifies(args.model):
-        raise ConfigError(f"--task classification needs a sequence classifier: --model {args.model} is a causal LM; "
-                          f"give a BERT or RoBERTa model")
-    if wanted == "lm" and classifies(args.model):
-        raise ConfigError(f"--task lm needs a causal LM: --model {args.model} is an encoder (a sequence classifier); "
-                          f"give a LLaMA, Mistral or Qwen model")
+def task_of(model: str) -> str:
+    """What `--model` learns: lm, classification or seq2seq, from its config.json's model_type."""
+    return "classification" if classifies(model) else "seq2seq" if seq2seq_family(model) is not None else "lm"
+
+
+MODELS_OF = {"lm": "a causal LM (LLaMA, Mistral, Qwen)", "classification": "an encoder (BERT, RoBERTa)",
+             "seq2seq": "an encoder-decoder (T5)"}
+
+
+def check_task(args, train: TrainConfig | None = None, apt: APTConfig | None = None) -> None:
+    """--task, where given, is the model's (a causal LM has no classifier, an encoder no LM head),
+    and what the model's task does not support yet is refused."""
+    wanted, task = getattr(args, "task", "auto"), task_of(args.model)
+    if wanted not in ("auto", task):
+        raise ConfigError(f"--task {wanted} needs {MODELS_OF[wanted]}: --model {args.model} is {MODELS_OF[task]}")
+    if train is not None and task == "classification":
+        check_encoder_options(args, train, apt)
+    elif train is not None and task == "seq2seq":
+        check_seq2seq_options(args, train, apt)
 
 
 def check_encoder_options(args, train: TrainConfig, apt: APTConfig | None) -> None:
@@ -57,9 +67,44 @@ def check_encoder_options(args, train: TrainConfig, apt: APTConfig | None) -> No
                           f"{', '.join(named)} so far")
 
 
+def check_seq2seq_options(args, train: TrainConfig, apt: APTConfig | None) -> None:
+    """What a T5 run does not support yet, named before any work."""
+    unsupported = [(train.base_quant != "none", "--base-quant"), (bool(args.deepspeed), "--deepspeed"),
+                   (train.gradient_checkpointing, "--gradient-checkpointing"),
+                   (apt is not None and apt.uniform, "--uniform")]
+    if apt is not None:  # a target the model's layers lack (v1.0's FFN has no gate_proj) is refused now
+        from transformers import AutoConfig
+
+        family = seq2seq_family(args.model)
+        family.adapter_paths(apt.adapter_targets, family.kinds[0], AutoConfig.from_pretrained(args.model))
+    named = [flag for given, flag in unsupported if given]
+    if named:
+        raise ConfigError(f"--model {args.model} is an encoder-decoder (T5), which trains without {', '.join(named)} so far")
+
+
+def check_decoder_start(model: str, tokenizer) -> None:
+    """The batches start the decoder at the pad token (apt_ds.io.data.collate), as every T5 does."""
+    import json
+    from pathlib import Path
+
+    start = json.loads((Path(model) / "config.json").read_text()).get("decoder_start_token_id")
+    if start != tokenizer.pad_token_id:
+        raise ConfigError(f"--model {model}: config.json's decoder_start_token_id ({start}) is not the tokenizer's pad "
+                          f"token ({tokenizer.pad_token_id}); apt-ds starts a T5 decoder at its pad token, as T5 does")
+
+
 def tokenize_for_task(args, records, tokenizer, train: TrainConfig, data_path: str, truncation: TruncationStats,
                       is_main: bool) -> TaskData:
-    """The run's examples: a classifier's rows (a label each), or tokenize_dataset's."""
+    """The run's examples: a classifier's rows (a label each), a seq2seq model's (a target each), or
+    tokenize_dataset's."""
+    if task_of(args.model) == "seq2seq":
+        check_decoder_start(args.model, tokenizer)
+        data = tokenize_seq2seq(records, tokenizer, train.max_seq_len, args.max_target_len, source=data_path)
+        if (data.cut_inputs or data.cut_targets) and is_main:
+            print(f"warning: of the {len(records)} rows of {data_path}, {data.cut_inputs} inputs were cut to --max-seq-len "
+                  f"{train.max_seq_len} tokens and {data.cut_targets} targets to --max-target-len {args.max_target_len}",
+                  file=sys.stderr)
+        return TaskData(data.examples, packed=False)
     if not classifies(args.model):
         examples = tokenize_dataset(records, tokenizer, train.max_seq_len, pack=not args.no_pack, source=data_path,
                                     stats=truncation, template=train.template, train_on_prompt=train.train_on_prompt,

@@ -160,8 +160,11 @@ def test_seq2seq_rows_given_to_training_say_what_they_are_for(tmp_path, tokenize
 def test_seq2seq_batches_pad_labels_to_the_longest_target_with_minus_100():
     examples = [{"input_ids": [5, 6, 7, 1], "target_ids": [8, 1]}, {"input_ids": [5, 1], "target_ids": [9, 10, 11, 1]}]
     batch = collate(examples, pad_id=0)
-    assert set(batch) == {"input_ids", "attention_mask", "labels"}
+    assert set(batch) == {"input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask", "labels"}
     assert batch["input_ids"].tolist() == [[5, 6, 7, 1], [5, 1, 0, 0]]
+    # the decoder reads each target shifted right behind the decoder start (T5's pad), as T5's _shift_right makes it
+    assert batch["decoder_input_ids"].tolist() == [[0, 8, 0, 0], [0, 9, 10, 11]]
+    assert batch["decoder_attention_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
     assert batch["labels"].tolist() == [[8, 1, IGNORE_INDEX, IGNORE_INDEX], [9, 10, 11, 1]]
     assert collate(examples, pad_id=0, pad_to=6)["labels"].shape == (2, 4)  # pad_to is the inputs' length
@@ -185,7 +188,10 @@ def test_a_seq2seq_batch_gives_t5_its_loss_over_the_targets(tmp_path, t5_tokeniz
     torch.manual_seed(0)
     model = T5ForConditionalGeneration(T5Config(vocab_size=len(t5_tokenizer), d_model=32, num_layers=2, num_heads=2, d_kv=8,
                                                 d_ff=64, decoder_start_token_id=t5_tokenizer.pad_token_id)).eval()
+    batch = collate(examples, pad_id=t5_tokenizer.pad_token_id)
+    real = batch["decoder_attention_mask"].bool()  # as T5 makes them, where the target is (past it: never read)
+    torch.testing.assert_close(batch["decoder_input_ids"][real], model._shift_right(batch["labels"])[real])
     with torch.no_grad():
-        loss = model(**collate(examples, pad_id=t5_tokenizer.pad_token_id)).loss
+        loss = model(**batch).loss
         one_by_one = [model(**collate([example], pad_id=0)).loss * len(example["target_ids"]) for example in examples]
     torch.testing.assert_close(loss, sum(one_by_one) / sum(len(e["target_ids"]) for e in examples))

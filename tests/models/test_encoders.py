@@ -296,7 +296,7 @@ def test_an_exported_classifier_gives_the_live_runs_logits(in_tmp, tmp_path, tok
     (["--base-quant", "nf4"], "--base-quant"),
     (["--gradient-checkpointing"], "--gradient-checkpointing"),
     (["--adapter-targets", "q_proj", "gate_proj"], "--adapter-targets gate_proj: BERT layers have no such projection"),
-    (["--task", "lm"], "--task lm needs a causal LM: --model"),
+    (["--task", "lm"], "--task lm needs a causal LM (LLaMA, Mistral, Qwen): --model"),
     (["--uniform", "--prune-hidden", "false"], "--uniform with only one of heads and hidden channels pruned"),
 ])
 def test_what_an_encoder_run_cannot_do_yet_is_refused_in_one_line(in_tmp, tmp_path, tokenizer, capsys, flags, named):
@@ -411,7 +411,7 @@ def test_a_causal_lm_asked_to_classify_is_refused_in_one_line(in_tmp, tmp_path, 
     capsys.readouterr()
     assert train_main([*ENCODER_TRAIN, "--model", "tiny", "--data", data, "--task", "classification", "--out", "run"]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
-    assert len(errors) == 1 and "--task classification needs a sequence classifier: --model tiny is a causal LM" in errors[0]
+    assert len(errors) == 1 and "--task classification needs an encoder (BERT, RoBERTa): --model tiny is a causal LM" in errors[0]
     assert not Path("run").exists()
 
 

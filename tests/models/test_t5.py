@@ -18,7 +18,9 @@ from apt_ds.algorithm.units import ModelShape
 from apt_ds.config import APTConfig, TrainConfig
 from apt_ds.models import FAMILIES, SEQ2SEQ, family_for
 
-VARIANTS = {"v1.0": "relu", "v1.1": "gated-gelu"}
+# v1.0: a ReLU FFN, the decoder output scaled by d_model ** -0.5; v1.1: a gated-GELU FFN, unscaled (its
+# config.json says tie_word_embeddings false, which transformers 5 reads as "do not scale")
+VARIANTS = {"v1.0": dict(feed_forward_proj="relu"), "v1.1": dict(feed_forward_proj="gated-gelu", tie_word_embeddings=False)}
 
 
 def tiny_t5(variant: str, seed: int = 0, **overrides):
@@ -28,7 +30,7 @@ def tiny_t5(variant: str, seed: int = 0, **overrides):
 
     torch.manual_seed(seed)
     config = T5Config(**{**dict(vocab_size=96, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=3,
-                                num_heads=4, feed_forward_proj=VARIANTS[variant], dropout_rate=0.0,
+                                num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, **VARIANTS[variant],
                                 relative_attention_num_buckets=8, relative_attention_max_distance=16), **overrides})
     model = T5ForConditionalGeneration(config).eval()
     with torch.no_grad():

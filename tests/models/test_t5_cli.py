@@ -1,0 +1,107 @@
+"""T5 through the commands: launch/train.py on a T5 directory and input/target rows (one process),
+stopped and resumed to the uninterrupted run; the export, merged and physically smaller, loads
+through apt_ds.load_pretrained with the live run's logits (each layer's heads reading their own
+columns of the stacks' relative position bias; v1.0's output scale folded at the pruned hidden
+size); launch/evaluate.py gives its ROUGE; what a T5 run cannot do yet is refused in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_t5 import VARIANTS, tiny_t5
+from transformers import T5Tokenizer
+
+WORDS = "summarize: the a cat dog sat ran on to mat park".split()
+
+
+@pytest.fixture(scope="module")
+def t5_tokenizer():
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [("\u2581" + w, -1.0 - i / 100) for i, w in enumerate(WORDS)]
+    return T5Tokenizer(vocab=vocab + [(c, -5.0) for c in "\u2581abcdefghijklmnopqrstuvwxyz.,:"], extra_ids=0)
+
+
+def _t5_dir(tmp_path, tokenizer, variant: str) -> Path:
+    directory = tmp_path / f"t5-{variant}"
+    # as many decoder as encoder layers: transformers 5.25's generate fails on T5s with other counts
+    # (its cache is made for num_layers), with or without apt-ds
+    tiny_t5(variant, vocab_size=len(tokenizer), num_decoder_layers=2).save_pretrained(directory)
+    tokenizer.save_pretrained(str(directory))
+    return directory
+
+
+def _summaries(path: Path) -> str:
+    rows = [{"input": f"summarize: the {a} {b} on the {c}", "target": f"{a} {b}"}
+            for a in ("cat", "dog") for b in ("sat", "ran") for c in ("mat", "park")] * 3
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+T5_TRAIN = ["--steps", "10", "--micro-batch-size", "4", "--max-seq-len", "24", "--max-target-len", "8", "--lr", "1e-2",
+            "--warmup-steps", "1", "--target-density", "0.5", "--checkpoint-every", "4", "--eval-examples", "8"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_t5_run_trains_resumes_and_exports_the_live_model(in_tmp, tmp_path, t5_tokenizer, variant, capsys, monkeypatch):
+    from conftest import interrupted_at
+    from safetensors.torch import load_file
+
+    from apt_ds.cli.evaluate import main as evaluate_main
+    from apt_ds.cli.export import main as export_main
+    from apt_ds.cli.train import main as train_main
+    from apt_ds.io.modeling import load_pretrained
+    from apt_ds.training.trainer import APTrainer
+
+    base, data = _t5_dir(tmp_path, t5_tokenizer, variant), _summaries(tmp_path / "sum.jsonl")
+    flags = [*T5_TRAIN, "--model", str(base), "--data", data, "--eval-data", data]
+    assert train_main([*flags, "--out", "whole", "--save-eval-probe"]) == 0
+    final = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert abs(final["density"] - 0.5) < 0.05 and final["eval_loss"] > 0
+    real_step = APTrainer._train_step
+    monkeypatch.setattr(APTrainer, "_train_step", interrupted_at(6))
+    assert train_main([*flags, "--out", "cut"]) == 130
+    monkeypatch.setattr(APTrainer, "_train_step", real_step)
+    assert train_main([*flags, "--resume", "--out", "cut"]) == 0
+    whole, resumed = (load_file(f"{run}/checkpoint/trainable.safetensors") for run in ("whole", "cut"))
+    assert whole.keys() == resumed.keys() and any("EncDecAttention" in name for name in whole)
+    for name, tensor in whole.items():
+        torch.testing.assert_close(resumed[name], tensor, rtol=1e-4, atol=1e-5)
+
+    assert export_main(["whole", "--out", "hf"]) == 0
+    config = json.loads(Path("hf/config.json").read_text())
+    assert config["architectures"] == ["T5ForConditionalGeneration"] and "apt_layer_shapes" in config
+    assert config["d_model"] < 32 or config["d_ff"] < 48  # physically smaller, in T5's own config names
+    assert not {"hidden_size", "intermediate_size", "num_key_value_heads"} & set(config)
+    probe = load_file("whole/eval_probe.safetensors")
+    exported = load_pretrained("hf")
+    assert sum(p.numel() for p in exported.parameters()) < sum(p.numel() for p in tiny_t5(variant).parameters())
+    with torch.no_grad():
+        logits = exported(**{k: v for k, v in probe.items() if k != "logits"}).logits
+    torch.testing.assert_close(logits, probe["logits"], rtol=1e-4, atol=1e-4)
+    assert not Path("gguf").exists()
+    assert export_main(["whole", "--out", "gguf", "--format", "gguf"]) == 2  # llama.cpp runs decoders here
+    assert "t5 encoder-decoder has no GGUF export" in capsys.readouterr().err
+
+    assert evaluate_main(["hf", "--data", data, "--limit", "4", "--max-new-tokens", "6", "--device", "cpu",
+                          "--out", "rouge.json"]) == 0
+    rouge = json.loads(Path("rouge.json").read_text())["results"]["rouge"]
+    assert rouge["rows"] == 4 and all(0 <= rouge[k] <= 100 for k in ("rouge1", "rouge2", "rougeL", "rougeLsum"))
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--uniform"], "--uniform"),
+    (["--base-quant", "nf4"], "--base-quant"),
+    (["--task", "classification"], "--task classification needs an encoder (BERT, RoBERTa)"),
+    (["--adapter-targets", "q_proj", "gate_proj"], "--adapter-targets gate_proj: T5 (v1.0, v1.1) layers have no such"),
+])
+def test_what_a_t5_run_cannot_do_yet_is_refused_in_one_line(in_tmp, tmp_path, t5_tokenizer, capsys, flags, named):
+    from apt_ds.cli.train import main as train_main
+
+    base, data = _t5_dir(tmp_path, t5_tokenizer, "v1.0"), _summaries(tmp_path / "sum.jsonl")
+    capsys.readouterr()
+    assert train_main([*T5_TRAIN, "--model", str(base), "--data", data, *flags, "--out", "run"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and named in errors[0], errors
+    assert not Path("run").exists()
