@@ -52,8 +52,7 @@ def build_partitioned_model(config, source, ds_config: dict, dtype: torch.dtype,
     made = {private.model_partition_tensor(p).dtype for p in model.parameters() if hasattr(p, "ds_id")}
     if made != {dtype}:
         raise RuntimeError(f"deepspeed.zero.Init partitioned the model in {made}, not {dtype}")
-    if family.ties(config):  # post_init's tying runs inside init_weights, skipped above
-        family.output_module(model).weight = family.embedding_module(model).weight
+    family.tie_embedding(model)  # post_init's tying runs inside init_weights, skipped above
     # zero.Init makes every tensor constructor produce `dtype`, RoPE's inverse frequencies too:
     # rebuild them outside it, in fp32 as transformers computes them.
     family.rebuild_rotary(model, device)

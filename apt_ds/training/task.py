@@ -69,7 +69,7 @@ def check_encoder_options(args, train: TrainConfig, apt: APTConfig | None) -> No
 
 def check_seq2seq_options(args, train: TrainConfig, apt: APTConfig | None) -> None:
     """What a T5 run does not support yet, named before any work."""
-    unsupported = [(train.base_quant != "none", "--base-quant"), (bool(args.deepspeed), "--deepspeed"),
+    unsupported = [(train.base_quant != "none", "--base-quant"),
                    (train.gradient_checkpointing, "--gradient-checkpointing"),
                    (apt is not None and apt.uniform, "--uniform")]
     if apt is not None:  # a target the model's layers lack (v1.0's FFN has no gate_proj) is refused now
@@ -80,6 +80,13 @@ def check_seq2seq_options(args, train: TrainConfig, apt: APTConfig | None) -> No
     named = [flag for given, flag in unsupported if given]
     if named:
         raise ConfigError(f"--model {args.model} is an encoder-decoder (T5), which trains without {', '.join(named)} so far")
+
+
+def check_zero_stage(args, stage: int | None) -> None:
+    """ZeRO-3 is not written for T5 yet (its partitioned FFN fetch fails after the first shrink)."""
+    if stage == 3 and task_of(args.model) == "seq2seq":
+        raise ConfigError(f"--model {args.model} is an encoder-decoder (T5), which trains without ZeRO-3 so far: "
+                          f"use a ZeRO-2 config (ds_configs/zero2.json) or one process")
 
 
 def check_decoder_start(model: str, tokenizer) -> None:
