@@ -57,13 +57,12 @@ SHARD_BYTES = 2 * 10**9
 def tensor_shapes(config: dict, model_type: str = "llama") -> dict[str, tuple[int, ...]]:
     """Every checkpoint tensor's shape, from the family's description (biases, q/k norms included)."""
     from apt_ds.algorithm.units import LayerShape
-    from apt_ds.io.modeling import axis_sizes
     from apt_ds.models import family_for
 
     family, h = family_for(model_type), config["hidden_size"]
     heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
     layer = LayerShape(num_kv_groups=kv, group_size=heads // kv, head_dim=config["head_dim"], ffn=config["intermediate_size"])
-    sizes = axis_sizes(layer, h)
+    sizes = layer.axis_sizes(h)
     shapes = {family.embedding: (config["vocab_size"], h)}
     for l in range(config["num_hidden_layers"]):
         shapes.update({f"{family.layer_prefix(l)}.{t.name}": tuple(sizes[axis] for axis in t.dims) for t in family.layer_tensors})
