@@ -31,6 +31,9 @@ class APTModel:
         """`device`: where adapters, masks and salience live (default: the model's; give it for
         a ZeRO-3 partitioned model)."""
         check_supported_model(model)
+        if getattr(model, "apt_head_bias", None) is not None:  # its kept heads would index the export's, not the table's
+            raise ValueError("this T5 was loaded from an export with heads pruned per layer: apt-ds does not train from "
+                             "one yet; train from the model it was pruned from")
         self.model, self.config = model, config
         self.device = torch.device(device) if device is not None else model.get_input_embeddings().weight.device
         self.original_shape = ModelShape.from_model(model)

@@ -39,6 +39,9 @@ def export_pruned(model, kept: dict, out: Path, dtype: str = "fp32", tokenizer_d
     if family_of(model).kind == "encoder":  # its classifier is a run's, never in a base checkpoint
         raise UnsupportedModelError(f"{type(model).__name__}: --model with --kept exports a causal LM; a sequence "
                                     f"classifier's head is trained by a run: export the run (launch/export.py RUN)")
+    if family_of(model).kind == "seq2seq":  # its bias routing and output scale are a run's export's
+        raise UnsupportedModelError(f"{type(model).__name__}: --model with --kept exports a causal LM; export a T5 "
+                                    f"run itself (launch/export.py RUN)")
     base_names = None
     if base is not None and Path(base).is_dir():
         check_base_head(base)  # a head transformers loaded otherwise than config.json says

@@ -56,10 +56,12 @@ def exported_config(model_config, shape: ModelShape) -> dict:
             config.pop(key, None)
     else:
         config["apt_layer_shapes"] = [layer.to_dict() for layer in shape.layers]
-        if shape.hidden % first.num_q_heads:
+        if shape.heads:  # T5: its bias tables keep every original head, whatever num_heads says
+            config[BIAS_HEADS] = shape.heads
+        if shape.hidden % first.num_q_heads and family.kind != "seq2seq":  # T5's d_kv is its own
             # The configs refuse hidden % heads != 0; per-layer shapes are authoritative anyway.
-            config[names.get("num_attention_heads", "num_attention_heads")] = 1
-            if family.config_head_dim and family.kind != "seq2seq":
+            config["num_attention_heads"] = 1
+            if family.config_head_dim:
                 config["num_key_value_heads"] = 1
     return config
 
@@ -83,8 +85,8 @@ def stock_loadable(shape: ModelShape) -> bool:
     first = shape.layers[0]
     if not family_for(shape.family).config_head_dim and shape.hidden != first.num_q_heads * first.head_dim:
         return False
-    if shape.heads and first.num_q_heads != shape.heads:  # T5: a stack's layers share its bias table's heads
-        return False
+    if shape.heads:  # T5: a stack's layers share its bias table's heads; its d_kv is not hidden / heads
+        return shape.uniform and first.num_q_heads == shape.heads
     return shape.uniform and shape.hidden % first.num_q_heads == 0
 
 

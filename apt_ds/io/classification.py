@@ -95,7 +95,11 @@ def tokenize_classification(ds, tokenizer, max_seq_len: int, source: str = "data
                         f"(labels 0..{classes - 1})")
     if num_labels is None and classes < 2:
         raise DataError(f"{source}: every row has label 0: a classifier needs at least two classes")
-    texts = [[str(row[name] or "") for name in fields] for row in ds]
+    wrong = next(((n, name, row[name]) for n, row in enumerate(ds, start=1) for name in fields
+                  if row[name] is not None and not isinstance(row[name], str)), None)
+    if wrong is not None:  # GLUE's pair names are not type-checked at load (an LM data set may hold them)
+        raise DataError(f"{source}: row {wrong[0]}'s {wrong[1]!r} is {wrong[2]!r}, not text")
+    texts = [[row[name] or "" for name in fields] for row in ds]
     frames_itself = tokenizer.cls_token_id is not None and tokenizer.sep_token_id is not None
     shortest = (tokenizer.num_special_tokens_to_add(pair=len(fields) == 2) if frames_itself else 1 + len(fields)) + len(fields)
     if max_seq_len < shortest:

@@ -100,10 +100,11 @@ def check_output_head(directory, config, weights, family) -> None:
     from apt_ds.io.modeling import ModelLoadError
 
     head, embedding = family.output_embedding, family.embedding
-    if not config.tie_word_embeddings and head not in weights:
+    tied = family.ties(config)  # T5's config keeps config.json's word as scale_decoder_outputs
+    if not tied and head not in weights:
         raise ModelLoadError(f"{directory}: config.json does not tie the LM head to the embedding (tie_word_embeddings "
                              f"false) but its weights hold no {head}: set tie_word_embeddings true, or add the head")
-    if config.tie_word_embeddings and head in weights:
+    if tied and head in weights:
         numel = math.prod(weights.shape(embedding))
         same = weights.shape(head) == weights.shape(embedding) and all(
             torch.equal(weights.flat_range(head, start, FINGERPRINT_CHUNK).to(chunk.dtype), chunk)

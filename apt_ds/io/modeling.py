@@ -275,13 +275,13 @@ def load_pretrained(directory: str | Path, dtype: torch.dtype | str | None = Non
     tied = family.ties(config)
     if tied:
         state.pop(family.output_embedding, None)
-    try:
-        model.load_state_dict(state, strict=not tied, assign=True)
+    family.tie_embedding(model)  # a class that ties what the config does not (T5 v1.1): its own head first
+    try:  # tied views (the LM head, T5's stacks' embed_tokens) are not in the files
+        model.load_state_dict(state, strict=not tied and not family.embedding_aliases, assign=True)
     except RuntimeError as err:  # a tensor of the wrong shape or name: the weights are not this config's
         detail = next((line.strip() for line in str(err).splitlines()[1:] if line.strip()), str(err).splitlines()[0])
         raise ModelLoadError(f"{directory}: the weights do not fit config.json ({detail})") from None
-    if tied:
-        model.tie_weights()
+    family.tie_embedding(model)
     missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if missing:
         raise ModelLoadError(f"{directory}: weights missing for {missing[:3]}")

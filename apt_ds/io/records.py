@@ -26,9 +26,15 @@ USABLE_FIELDS = ("a 'text' field, 'instruction'/'output' fields, 'prompt'/'compl
                  "or, for ROUGE, 'input'/'target' (CNN/DailyMail's 'article'/'highlights', XSum's 'document'/'summary')")
 # fields that hold a list of messages (apt_ds.io.conversations); prompt/completion may hold either
 MESSAGE_FIELDS = ("messages", "conversations")
-ROW_FIELDS = ("text", "instruction", "input", "output", "prompt", "completion", *MESSAGE_FIELDS,  # what training reads
-              *dict.fromkeys(name for names in (SINGLE_FIELDS, *PAIR_FIELDS) for name in names),  # a classifier's
-              *(name for pair in SEQ2SEQ_PAIRS for name in pair if name != "input"))  # seq2seq's (input: already read)
+# What a causal LM's rows are read from, and a classifier's single text: each must hold text wherever
+# it appears (checked at load: {"text": 5} would otherwise train on "5")
+TEXT_FIELDS = ("text", "instruction", "input", "output", "prompt", "completion", *MESSAGE_FIELDS, "sentence",
+               "sentence1", "sentence2")
+# Every field some task reads (the overlap check and the built-in tokenizer's text): GLUE's pair and the
+# seq2seq names are checked by the task that reads them (an LM data set may hold a `target` of numbers)
+ROW_FIELDS = (*TEXT_FIELDS, *dict.fromkeys(name for names in (SINGLE_FIELDS, *PAIR_FIELDS) for name in names
+                                           if name not in TEXT_FIELDS),
+              *(name for pair in SEQ2SEQ_PAIRS for name in pair if name != "input"))
 
 
 def demo_data_path() -> Path:
@@ -85,7 +91,7 @@ def _one_split(loaded: datasets.Dataset | datasets.DatasetDict, split: str | Non
 def _check_text_fields(ds: datasets.Dataset, path: Path, label: str) -> None:
     """The fields that are read must hold text: {"text": 5} would otherwise train on "5"; message
     fields hold lists of messages (prompt/completion either)."""
-    for name in ROW_FIELDS:
+    for name in TEXT_FIELDS:
         feature = ds.features.get(name)
         if feature is None or _is_text(feature) and name not in MESSAGE_FIELDS:
             continue

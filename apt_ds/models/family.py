@@ -67,6 +67,7 @@ class Family:
     # "decoder" (a causal LM), "encoder" (a sequence classifier) or "seq2seq" (T5)
     kind: str = "decoder"
     ffn_config: str = "intermediate_size"  # the config's FFN width (T5's d_ff)
+    tie_flag: str = "tie_word_embeddings"  # the config attribute saying the LM head is the embedding
     # "rms": RMSNorm; "layer": LayerNorm with a bias. "pre": each block's norm before it, the
     # residual stream unnormalised; "post": a norm after each residual add (BERT).
     norm: str = "rms"
@@ -136,7 +137,7 @@ class Family:
     def ties(self, config) -> bool:
         """The config ties an LM head to the input embedding (an encoder has no LM head to tie:
         BERT's config says tie_word_embeddings=True all the same)."""
-        return self.output_embedding is not None and bool(getattr(config, "tie_word_embeddings", False))
+        return self.output_embedding is not None and bool(getattr(config, self.tie_flag, False))
 
     def left_out_on_purpose(self, name: str, tied_embeddings: bool) -> bool:
         if tied_embeddings and name == self.output_embedding:
@@ -264,6 +265,10 @@ class Family:
         weight = self.embedding_module(model).weight
         if self.ties(model.config):
             self.output_module(model).weight = weight
+        elif self.output_embedding is not None and self.output_module(model).weight is weight:  # T5's class ties
+            from torch import nn  # whatever its config.json said: a checkpoint's own head needs its own parameter
+
+            self.output_module(model).weight = nn.Parameter(weight.new_empty(weight.shape), requires_grad=weight.requires_grad)
         for alias in self.embedding_aliases:
             model.get_submodule(alias).weight = weight
 

@@ -75,7 +75,10 @@ T5 = Family(
     kind="seq2seq",
     embedding="shared.weight",
     final_norm=None,
-    output_embedding="lm_head.weight",  # transformers 5 ties it to `shared` in every T5 config
+    output_embedding="lm_head.weight",
+    # transformers 5's T5Config sets tie_word_embeddings true whatever config.json says, and keeps
+    # what it said as scale_decoder_outputs: v1.0 ties and scales; v1.1 / FLAN-T5 have their own head
+    tie_flag="scale_decoder_outputs",
     layers="encoder.block",
     rotary=None,
     outer=(OuterTensor("shared.weight", ("vocab", "hidden"), "embedding"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+from apt_ds.algorithm.position_bias import BIAS_HEAD_INDEX
 from apt_ds.config import APTConfig, ConfigError, TrainConfig
 from apt_ds.io.classification import classifier_family, tokenize_classification
 from apt_ds.io.data import TruncationStats, tokenize_dataset
@@ -72,11 +73,14 @@ def check_seq2seq_options(args, train: TrainConfig, apt: APTConfig | None) -> No
     unsupported = [(train.base_quant != "none", "--base-quant"),
                    (train.gradient_checkpointing, "--gradient-checkpointing"),
                    (apt is not None and apt.uniform, "--uniform")]
-    if apt is not None:  # a target the model's layers lack (v1.0's FFN has no gate_proj) is refused now
-        from transformers import AutoConfig
+    from transformers import AutoConfig
 
-        family = seq2seq_family(args.model)
-        family.adapter_paths(apt.adapter_targets, family.kinds[0], AutoConfig.from_pretrained(args.model))
+    config, family = AutoConfig.from_pretrained(args.model), seq2seq_family(args.model)
+    if apt is not None:  # a target the model's layers lack (v1.0's FFN has no gate_proj) is refused now
+        family.adapter_paths(apt.adapter_targets, family.kinds[0], config)
+    if getattr(config, BIAS_HEAD_INDEX, None):  # its heads index its tables, not the run's original heads
+        raise ConfigError(f"--model {args.model} is a T5 export with heads pruned per layer, which apt-ds does not "
+                          f"train from yet: train from the model it was pruned from")
     named = [flag for given, flag in unsupported if given]
     if named:
         raise ConfigError(f"--model {args.model} is an encoder-decoder (T5), which trains without {', '.join(named)} so far")

@@ -63,6 +63,13 @@ def test_glues_own_pair_columns_read_as_sentence1_and_sentence2(tmp_path, bert_t
     assert named.examples == plain.examples and 1 in named.examples[0]["token_type_ids"]
 
 
+def test_a_pair_field_that_is_not_text_is_refused_naming_its_row(tmp_path, bert_tokenizer):
+    rows = [{"premise": "a cat", "hypothesis": "a dog", "label": 0}, {"premise": "a cat", "hypothesis": 5, "label": 1}]
+    with pytest.raises(DataError, match=r"^pairs.jsonl: row 2's 'hypothesis' is 5, not text$"):
+        tokenize_classification(_records(tmp_path, [{**r, "hypothesis": str(r["hypothesis"])} if r["label"] == 0 else r
+                                                    for r in rows], "mixed.jsonl"), bert_tokenizer, 16, source="pairs.jsonl")
+
+
 def test_a_tokenizer_without_cls_frames_with_bos_and_eos(tmp_path, tokenizer):
     rows = [{"sentence1": "the quick brown fox", "sentence2": "jumps", "label": 1}, {"text": "x", "label": 0}]
     ds = _records(tmp_path, [{"sentence1": r.get("sentence1", "x"), "sentence2": r.get("sentence2", "y"),

@@ -33,6 +33,8 @@ def tiny_t5(variant: str, seed: int = 0, **overrides):
                                 num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, **VARIANTS[variant],
                                 relative_attention_num_buckets=8, relative_attention_max_distance=16), **overrides})
     model = T5ForConditionalGeneration(config).eval()
+    if not config.scale_decoder_outputs:  # v1.1's own LM head (transformers 5 ties it at construction)
+        model.lm_head.weight = torch.nn.Parameter(torch.randn(config.vocab_size, config.d_model) * 0.05)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "layer_norm" in name:
@@ -72,7 +74,8 @@ def test_parameter_count_is_exact(variant):
     model = tiny_t5(variant)
     shape = ModelShape.from_model(model)
     assert shape == ModelShape.from_config(model.config)
-    assert shape.total_params() == sum(p.numel() for p in model.parameters())  # the LM head is `shared`
+    assert shape.total_params() == sum(p.numel() for p in model.parameters())  # v1.0's LM head is `shared`
+    assert shape.tied_embeddings == (variant == "v1.0")
     kinds = [layer.kind for layer in shape.layers]
     assert len(kinds) == 2 + 3 + 3 and [layer.ffn for layer in shape.layers][2:5] == [0, 0, 0]  # decoder self-attentions
 
@@ -155,3 +158,61 @@ def test_apt_trains_a_seq2seq_stream_to_its_density():
     adapted = {name.split(".")[0] for name in trainer.state.adapters}
     assert adapted == {"encoder", "decoder"}  # q/v adapters in both stacks, the cross-attention's included
     assert any("EncDecAttention" in name for name in trainer.state.adapters)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_base_loads_as_transformers_loads_it(tmp_path, variant):
+    """Read tensor by tensor (as a pruning run reads its base): v1.1's own LM head kept (transformers
+    5 ties every T5 config, and unties a checkpoint whose head differs), v1.0's tied to `shared`."""
+    from transformers import T5ForConditionalGeneration
+
+    from apt_ds.io.fingerprint import check_base_head
+    from apt_ds.io.modeling import load_model
+
+    tiny_t5(variant).save_pretrained(tmp_path / "base")
+    check_base_head(tmp_path / "base")
+    ours, stock = load_model(tmp_path / "base", mmap=False), T5ForConditionalGeneration.from_pretrained(tmp_path / "base")
+    torch.testing.assert_close(_logits(ours, seq2seq_batch()), _logits(stock.eval(), seq2seq_batch()))
+    assert (ours.lm_head.weight is ours.shared.weight) == (variant == "v1.0")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_an_export_with_every_head_kept_loads_and_gives_the_live_logits(tmp_path, variant):
+    """Neurons and hidden channels pruned (27 of 32: not a multiple of the 4 heads, which T5's d_kv
+    does not need), every head kept: the bias tables keep their width and no routing is recorded."""
+    import json
+
+    from apt_ds.export.merge import compact_model
+    from apt_ds.export.writer import write_export
+    from apt_ds.io.modeling import load_pretrained
+
+    model = tiny_t5(variant)
+    state = APTModel(model, APTConfig.for_steps(100, target_density=0.5), seed=0)
+    generator = torch.Generator().manual_seed(7)
+    hidden = torch.zeros(32, dtype=torch.bool)
+    hidden[torch.randperm(32, generator=generator)[:27]] = True
+    decision = KeepDecision([torch.ones(l.num_kv_groups, dtype=torch.bool) for l in state.shape.layers],
+                            [torch.rand(l.ffn, generator=generator) > 0.3 for l in state.shape.layers], hidden, 0)
+    state.shrink(decision)
+    live = _logits(model, seq2seq_batch())
+    write_export(compact_model(model, state), state.shape, tmp_path / "hf", torch.float32)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["d_model"] == 27 and config["num_heads"] == 4 and "apt_bias_head_index" not in config
+    torch.testing.assert_close(_logits(load_pretrained(tmp_path / "hf"), seq2seq_batch()), live, rtol=1e-5, atol=1e-5)
+
+
+def test_training_from_an_export_with_heads_pruned_is_refused(tmp_path):
+    """Its recorded heads index the original tables, not the export's: an APTModel over it would
+    read the wrong columns, so it is refused (launch/train.py says so in one line too)."""
+    from apt_ds.export.merge import compact_model
+    from apt_ds.export.writer import write_export
+    from apt_ds.io.modeling import load_pretrained
+
+    model = tiny_t5("v1.1")
+    state = APTModel(model, APTConfig.for_steps(100, target_density=0.5), seed=0)
+    groups = [torch.tensor([True, False, True, True]) for _ in state.shape.layers]
+    state.shrink(KeepDecision(groups, [torch.ones(l.ffn, dtype=torch.bool) for l in state.shape.layers],
+                              torch.ones(32, dtype=torch.bool), 0))
+    write_export(compact_model(model, state), state.shape, tmp_path / "hf", torch.float32)
+    with pytest.raises(ValueError, match="loaded from an export with heads pruned per layer"):
+        APTModel(load_pretrained(tmp_path / "hf"), APTConfig.for_steps(100, target_density=0.5))

@@ -83,6 +83,10 @@ def test_a_t5_run_trains_resumes_and_exports_the_live_model(in_tmp, tmp_path, t5
     assert not Path("gguf").exists()
     assert export_main(["whole", "--out", "gguf", "--format", "gguf"]) == 2  # llama.cpp runs decoders here
     assert "t5 encoder-decoder has no GGUF export" in capsys.readouterr().err
+    assert "apt_bias_head_index" in config  # heads pruned per layer: not a base to train from yet
+    assert train_main([*T5_TRAIN, "--model", "hf", "--data", data, "--out", "again"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "is a T5 export with heads pruned per layer" in errors[0], errors
 
     assert evaluate_main(["hf", "--data", data, "--limit", "4", "--max-new-tokens", "6", "--device", "cpu",
                           "--out", "rouge.json"]) == 0
