@@ -108,6 +108,19 @@ def test_the_encoder_recipes_hold_the_references_settings(name, end):
     assert "deepspeed --num_gpus 8 launch/train.py" in (CONFIGS / name).read_text()
 
 
+def test_the_t5_recipe_holds_the_references_settings():
+    """T5-base (LM-adapted) on CNN/DailyMail as the reference's script runs it, under ZeRO-2."""
+    run, apt, train = resolved("--config", str(CONFIGS / "t5_base_cnndm.yaml"), "--model", "/models/t5", "--data", "d",
+                               "--eval-data", "e")
+    assert (run.task, run.epochs, run.global_batch_size, run.max_target_len) == ("seq2seq", 12, 16, 128)
+    assert (train.lr, train.weight_decay, train.max_seq_len, run.deepspeed) == (1e-4, 0.1, 512, "ds_configs/zero2.json")
+    recipe = load_recipe(CONFIGS / "t5_base_cnndm.yaml")
+    assert [recipe[key] for key in ("target_density", "num_pruning_events", "pruning_start_step", "pruning_end_step",
+                                    "adapter_targets", "adapter_rank", "adapter_alpha")] \
+        == [0.4, 10, 200, 53834, ["q_proj", "v_proj", "gate_proj"], 8, 16.0]
+    assert "deepspeed --num_gpus 8 launch/train.py" in (CONFIGS / "t5_base_cnndm.yaml").read_text()
+
+
 def test_every_shipped_recipe_resolves():
     for path in sorted(CONFIGS.glob("*.yaml")):
         values = load_recipe(path)
