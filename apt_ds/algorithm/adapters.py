@@ -164,7 +164,7 @@ def add_adapters(model, targets, rank: int, alpha: float, seed: int = 0,
         param.requires_grad_(False)
     generator = torch.Generator().manual_seed(seed)
     family = family_of(model)
-    family.adapter_paths(targets, family.kinds[0], model.config)  # a target no layer has is refused in one line
+    family.check_adapter_targets(targets, model.config)
     # `q_proj` is BERT's attention.self.query too, and each of T5's attentions' q
     wrapped = {f"{unit.prefix}.{path}" for unit in family.unit_layers(model) for path in unit.kind.adapter_paths(targets)}
     adapters = {}

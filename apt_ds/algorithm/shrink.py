@@ -228,7 +228,7 @@ def write_shape_to_config(config, shape: ModelShape) -> None:
         config.num_key_value_heads = first.num_kv_groups
     elif any(layer.num_q_heads != shape.heads for layer in shape.layers):  # its bias tables keep every head
         setattr(config, BIAS_HEADS, shape.heads)
-    setattr(config, family.ffn_config, next((l.ffn for l in shape.layers if family.kinds[l.kind].has_ffn), 0))
+    setattr(config, family.ffn_config, shape.config_ffn)
     if shape.uniform:
         if hasattr(config, "apt_layer_shapes"):
             del config.apt_layer_shapes

@@ -137,6 +137,13 @@ class ModelShape:
         return (len({l.num_kv_groups for l in self.layers}) == 1
                 and len({l.ffn for l in self.layers if kinds[l.kind].has_ffn}) <= 1)
 
+    @property
+    def config_ffn(self) -> int:
+        """The FFN width a config states: the first layer's that has an FFN (not T5's decoder
+        self-attention unit layers)."""
+        kinds = family_for(self.family).kinds
+        return next((l.ffn for l in self.layers if kinds[l.kind].has_ffn), 0)
+
     # ---- (de)serialisation ---------------------------------------------------------------
     def to_dict(self) -> dict:
         encoder = {key: getattr(self, key) for key in OUTER_SIZES if getattr(self, key)}

@@ -176,8 +176,8 @@ def export_run(run_dir: Path, out: Path, dtype: str = "fp32", overwrite: bool = 
     recorded = read_meta(run_dir / "checkpoint")
     recorded_base = recorded.get("run_info", {}).get("model")
     family_name = recorded["shape"].get("family") if isinstance(recorded.get("shape"), dict) else None
-    encoder = family_name in ENCODERS or family_name in SEQ2SEQ  # not a causal LM
-    if encoder and format == "gguf":  # before any work
+    not_causal = family_name in ENCODERS or family_name in SEQ2SEQ
+    if not_causal and format == "gguf":  # before any work
         what = "sequence classifier" if family_name in ENCODERS else "encoder-decoder"
         raise UnsupportedModelError(f"{run_dir}: a {family_name} {what} has no GGUF export (llama.cpp runs decoders); "
                                     f"export --format hf")
@@ -193,7 +193,7 @@ def export_run(run_dir: Path, out: Path, dtype: str = "fp32", overwrite: bool = 
     check_export_out(out, overwrite, protected=[run_dir, *bases], run_dir=run_dir)
     base = str(model_path) if model_path is not None else recorded_base
     # An encoder's export is rebuilt in memory (its task head is trained, not in the base's files), and T5's
-    stream = streaming is not False and not encoder and base is not None and base not in TINY_MODELS and Path(base).is_dir()
+    stream = streaming is not False and not not_causal and base is not None and base not in TINY_MODELS and Path(base).is_dir()
     quant = merge_quant(recorded, merge_into, run_dir)
     for attempt in range(CHECKPOINT_READS):
         with pinned_directory(run_dir / "checkpoint") as checkpoint:

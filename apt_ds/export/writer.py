@@ -41,7 +41,7 @@ def exported_config(model_config, shape: ModelShape) -> dict:
     first = shape.layers[0]
     config.update({names.get("hidden_size", "hidden_size"): shape.hidden,
                    names.get("num_attention_heads", "num_attention_heads"): first.num_q_heads,
-                   family.ffn_config: next((l.ffn for l in shape.layers if family.kinds[l.kind].has_ffn), 0)})
+                   family.ffn_config: shape.config_ffn})
     if family.config_head_dim:
         config[names.get("head_dim", "head_dim")] = first.head_dim
         if family.kind != "seq2seq":  # T5's heads are never grouped

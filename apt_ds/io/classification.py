@@ -63,13 +63,17 @@ def text_fields(columns, source: str) -> tuple[str, ...]:
     if LABEL_FIELD not in columns:
         raise DataError(f"{source} has no {LABEL_FIELD!r} field: a classifier needs {CLASSIFICATION_FIELDS}; found "
                         f"fields {sorted(columns)}")
-    pair = next((pair for pair in PAIR_FIELDS if set(pair) <= columns), None)
-    if pair is not None:
-        return pair
-    single = next((name for name in SINGLE_FIELDS if name in columns), None)
-    if single is None:
+    fields = text_fields_or_none(columns)
+    if fields is None:
         raise DataError(f"{source} has no text to classify: need {CLASSIFICATION_FIELDS}; found fields {sorted(columns)}")
-    return (single,)
+    return fields
+
+
+def text_fields_or_none(columns) -> tuple[str, ...] | None:
+    """The fields a classification row would be read from (a pair, or one text), else None."""
+    columns = set(columns)
+    pair = next((pair for pair in PAIR_FIELDS if set(pair) <= columns), None)
+    return pair or next(((name,) for name in SINGLE_FIELDS if name in columns), None)
 
 
 def class_of(value, number: int, source: str) -> int:

@@ -23,6 +23,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from apt_ds.io.classification import text_fields_or_none
 from apt_ds.io.conversations import ChatRenderer, encode_conversation, messages_of
 from apt_ds.io.errors import DataError
 from apt_ds.io.records import USABLE_FIELDS, demo_data_path, load_records  # noqa: F401 - importable from here too
@@ -153,7 +154,7 @@ def tokenize_dataset(ds, tokenizer, max_seq_len: int, pack: bool, source: str = 
         else:
             pairs.append(pair)
     if not pairs and not conversations:
-        classifier_rows = "label" in ds.column_names and ({"sentence", "sentence1", "premise", "question1"} & set(ds.column_names))
+        classifier_rows = "label" in ds.column_names and text_fields_or_none(ds.column_names) is not None
         hint = " (rows with 'sentence' and 'label' train an encoder's classifier: give a BERT or RoBERTa --model)" \
             if classifier_rows else ""
         if not hint and seq2seq_pair(ds.column_names):  # load_records takes them: launch/evaluate.py scores them

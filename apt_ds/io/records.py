@@ -14,7 +14,7 @@ from pathlib import Path
 
 import datasets
 
-from apt_ds.io.classification import LABEL_FIELD, PAIR_FIELDS, SINGLE_FIELDS
+from apt_ds.io.classification import LABEL_FIELD, PAIR_FIELDS, SINGLE_FIELDS, text_fields_or_none
 from apt_ds.io.errors import DataError
 from apt_ds.io.hub import find_dataset, load_hub_dataset
 from apt_ds.io.seq2seq import SEQ2SEQ_PAIRS
@@ -65,7 +65,7 @@ def load_records(path: str | Path, split: str | None = None, flag: str = "--data
     columns = set(ds.column_names)
     if not ({"text"} <= columns or {"instruction", "output"} <= columns or {"prompt", "completion"} <= columns
             or columns & set(MESSAGE_FIELDS)
-            or any({LABEL_FIELD, *names} <= columns for names in (*((name,) for name in SINGLE_FIELDS), *PAIR_FIELDS))
+            or LABEL_FIELD in columns and text_fields_or_none(columns) is not None
             or any(set(pair) <= columns for pair in SEQ2SEQ_PAIRS)):
         raise DataError(f"{label} has no usable rows: need {USABLE_FIELDS}; found fields {sorted(columns)}")
     _check_text_fields(ds, path, label)

@@ -172,10 +172,6 @@ class Family:
         """The kind (an index into `kinds`) of each unit layer of a config's model, in order."""
         return [self.kinds.index(stack.kind) for stack in self.stacks_for(config) for _ in range(getattr(config, stack.count))]
 
-    def unit_prefixes(self, config) -> list[str]:
-        """The checkpoint name prefix of each unit layer (`model.layers.3`; a T5 decoder block twice)."""
-        return [f"{stack.path}.{i}" for stack in self.stacks_for(config) for i in range(getattr(config, stack.count))]
-
     def unit_layers(self, model) -> list[UnitLayer]:
         """The model's unit layers in order: each block of each stack, with its kind."""
         return [UnitLayer(block, f"{stack.path}.{i}", stack.kind, self.kinds.index(stack.kind))
@@ -195,9 +191,6 @@ class Family:
         return frozenset(t.name for t in self.outer_tensors)
 
     # A family whose layers are all alike answers its kind's questions itself
-    def has_tensor(self, name: str) -> bool:
-        return any(kind.has_tensor(name) for kind in self.kinds)
-
     def layer_tensor(self, role: str, kind: str = "weight") -> LayerTensor | None:
         return self.main_kind.layer_tensor(role, kind)
 
@@ -210,22 +203,6 @@ class Family:
     def attention_block(self, layer):
         return self.main_kind.attention_block(layer)
 
-    def set_head_geometry(self, layer, head_dim: int, group_size: int, heads: int) -> None:
-        self.main_kind.set_head_geometry(layer, head_dim, group_size, heads)
-
-    def head_geometry(self, layer) -> tuple[int, int]:
-        return self.main_kind.head_geometry(layer)
-
-    def ffn_block(self, layer):
-        return self.main_kind.ffn_block(layer)
-
-    def hidden_norms(self, layer) -> list:
-        return self.main_kind.hidden_norms(layer)
-
-    @property
-    def linears(self) -> tuple[LayerTensor, ...]:
-        return self.main_kind.linears
-
     @property
     def projections(self) -> dict[str, LayerTensor]:
         return self.main_kind.projections
@@ -233,16 +210,15 @@ class Family:
     def unit_costs(self, group_size: int, head_dim: int, kind: int = 0) -> UnitCosts:
         return self.kinds[kind].unit_costs(group_size, head_dim)
 
-    def adapter_paths(self, targets, kind: LayerKind | None = None, config=None) -> list[str]:
-        """The module paths below a layer of `kind` that adapters `targets` wrap (a target no layer
-        of the family, or of `config`'s model, has is refused in one line)."""
+    def check_adapter_targets(self, targets, config=None) -> None:
+        """Refuse in one line a target that no layer of the family, or of `config`'s model, has
+        (each unit layer wraps what its own kind has: LayerKind.adapter_paths)."""
         kinds = [stack.kind for stack in self.stacks_for(config)] if config is not None else self.kinds
         unknown = [target for target in targets if not any(k.adapter_paths([target]) for k in kinds)]
         if unknown:
             known = dict.fromkeys(name for k in kinds for name in k.adapter_names)
             raise UnsupportedModelError(f"--adapter-targets {' '.join(unknown)}: {self.names} layers have no such projection "
                                         f"(they have {', '.join(known)})")
-        return (kind or self.main_kind).adapter_paths(targets)
 
     # ---- where things are in a model (transformers' module tree) -----------------------------
     def decoder_layers(self, model):
@@ -289,7 +265,7 @@ class Family:
 
     def layer_prefix(self, index: int) -> str:
         """The checkpoint name prefix of layer `index` (`model.layers.3`) of a family whose layers are alike."""
-        self.main_kind  # noqa: B018  (T5's unit layers have their own prefixes: unit_prefixes)
+        self.main_kind  # noqa: B018  (T5's unit layers have their own prefixes: UnitLayer.prefix)
         return f"{self.layers}.{index}"
 
     def check_config(self, config) -> None:

@@ -61,11 +61,15 @@ def check_encoder_options(args, train: TrainConfig, apt: APTConfig | None) -> No
                    (apt is not None and apt.uniform and apt.prune_heads != apt.prune_hidden,
                     "--uniform with only one of heads and hidden channels pruned")]
     if apt is not None:  # `gate_proj` names nothing in BERT: refused before any work
-        classifier_family(args.model).adapter_paths(apt.adapter_targets)
+        classifier_family(args.model).check_adapter_targets(apt.adapter_targets)
+    _refuse(args, "an encoder (a sequence classifier)", unsupported)
+
+
+def _refuse(args, what: str, unsupported: list[tuple[bool, str]]) -> None:
+    """One line naming every flag given that `what` does not train with yet."""
     named = [flag for given, flag in unsupported if given]
     if named:
-        raise ConfigError(f"--model {args.model} is an encoder (a sequence classifier), which trains without "
-                          f"{', '.join(named)} so far")
+        raise ConfigError(f"--model {args.model} is {what}, which trains without {', '.join(named)} so far")
 
 
 def check_seq2seq_options(args, train: TrainConfig, apt: APTConfig | None) -> None:
@@ -77,13 +81,11 @@ def check_seq2seq_options(args, train: TrainConfig, apt: APTConfig | None) -> No
 
     config, family = AutoConfig.from_pretrained(args.model), seq2seq_family(args.model)
     if apt is not None:  # a target the model's layers lack (v1.0's FFN has no gate_proj) is refused now
-        family.adapter_paths(apt.adapter_targets, family.kinds[0], config)
+        family.check_adapter_targets(apt.adapter_targets, config)
     if getattr(config, BIAS_HEAD_INDEX, None):  # its heads index its tables, not the run's original heads
         raise ConfigError(f"--model {args.model} is a T5 export with heads pruned per layer, which apt-ds does not "
                           f"train from yet: train from the model it was pruned from")
-    named = [flag for given, flag in unsupported if given]
-    if named:
-        raise ConfigError(f"--model {args.model} is an encoder-decoder (T5), which trains without {', '.join(named)} so far")
+    _refuse(args, "an encoder-decoder (T5)", unsupported)
 
 
 def check_zero_stage(args, stage: int | None) -> None:
@@ -108,7 +110,8 @@ def tokenize_for_task(args, records, tokenizer, train: TrainConfig, data_path: s
                       is_main: bool) -> TaskData:
     """The run's examples: a classifier's rows (a label each), a seq2seq model's (a target each), or
     tokenize_dataset's."""
-    if task_of(args.model) == "seq2seq":
+    task = task_of(args.model)
+    if task == "seq2seq":
         check_decoder_start(args.model, tokenizer)
         data = tokenize_seq2seq(records, tokenizer, train.max_seq_len, args.max_target_len, source=data_path)
         if (data.cut_inputs or data.cut_targets) and is_main:
@@ -116,7 +119,7 @@ def tokenize_for_task(args, records, tokenizer, train: TrainConfig, data_path: s
                   f"{train.max_seq_len} tokens and {data.cut_targets} targets to --max-target-len {args.max_target_len}",
                   file=sys.stderr)
         return TaskData(data.examples, packed=False)
-    if not classifies(args.model):
+    if task == "lm":
         examples = tokenize_dataset(records, tokenizer, train.max_seq_len, pack=not args.no_pack, source=data_path,
                                     stats=truncation, template=train.template, train_on_prompt=train.train_on_prompt,
                                     tokenizer_name=f"of --model {args.model}")
