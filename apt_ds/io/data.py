@@ -158,8 +158,8 @@ def tokenize_dataset(ds, tokenizer, max_seq_len: int, pack: bool, source: str = 
         hint = " (rows with 'sentence' and 'label' train an encoder's classifier: give a BERT or RoBERTa --model)" \
             if classifier_rows else ""
         if not hint and seq2seq_pair(ds.column_names):  # load_records takes them: launch/evaluate.py scores them
-            hint = f" (rows with {'/'.join(seq2seq_pair(ds.column_names))} are seq2seq rows, which launch/evaluate.py " \
-                "scores with ROUGE; training does not read them yet)"
+            hint = f" (rows with {'/'.join(seq2seq_pair(ds.column_names))} are seq2seq rows: they train a T5 --model, " \
+                "and launch/evaluate.py scores them with ROUGE)"
         raise DataError(f"{source} has no usable rows: need {USABLE_FIELDS}{hint}")
     texts = [pair.response for pair in pairs if pair.prompt is None]
     supervised = [pair for pair in pairs if pair.prompt is not None]

@@ -150,8 +150,8 @@ def test_load_records_takes_seq2seq_rows_and_says_so_when_none_fit(tmp_path):
 def test_seq2seq_rows_given_to_training_say_what_they_are_for(tmp_path, tokenizer):
     from apt_ds.io.data import tokenize_dataset
 
-    with pytest.raises(DataError, match=r"rows with article/highlights are seq2seq rows, which launch/evaluate.py scores "
-                                        r"with ROUGE; training does not read them yet\)$"):
+    with pytest.raises(DataError, match=r"rows with article/highlights are seq2seq rows: they train a T5 --model, and "
+                                        r"launch/evaluate.py scores them with ROUGE\)$"):
         tokenize_dataset(_records(tmp_path, [{"article": "a", "highlights": "b"}]), tokenizer, 32, pack=False, source="cnn")
 
 
