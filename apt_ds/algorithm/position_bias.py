@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import torch
 
 from apt_ds.models import family_of
+from apt_ds.models.tensors import module_of
 
 # A pruned T5 config's record of the original heads each unit layer keeps (what HeadBias reads)
 BIAS_HEAD_INDEX = "apt_bias_head_index"
@@ -35,16 +36,16 @@ class HeadBias:
     def __init__(self, model, kept_heads: Callable[[], Sequence[torch.Tensor]]):
         self.kept_heads = kept_heads
         self._handles: list = []
-        self._readers: dict[int, tuple] = {}  # a table's owner (by id) -> (owner, the layers reading its columns)
+        self._readers: dict[int, tuple] = {}  # a table's owner (by id) -> (the table, the layers reading its columns)
         self._routed: tuple = (None, {})  # (the kept-heads list last seen, {owner id: its stack needs routing})
         for index, unit in enumerate(family_of(model).unit_layers(model)):
             source = unit.kind.position_bias
             if not source:
                 continue
             attention = unit.kind.attention_block(unit.module)
-            owner = None if source == ZERO_BIAS else model.get_submodule(source)
+            owner = None if source == ZERO_BIAS else model.get_submodule(module_of(source))  # it computes the bias
             if owner is not None:
-                self._readers.setdefault(id(owner), (owner, []))[1].append(index)
+                self._readers.setdefault(id(owner), (model.get_submodule(source), []))[1].append(index)
             self._handles.append(attention.register_forward_pre_hook(self._hook(index, owner), with_kwargs=True))
 
     def remove(self) -> None:
@@ -58,7 +59,7 @@ class HeadBias:
         right. Worked out once per kept-heads list: a shrink makes a new one."""
         seen, routed = self._routed
         if seen is not kept:
-            routed = {key: any(kept[i].tolist() != list(range(table.relative_attention_bias.embedding_dim)) for i in layers)
+            routed = {key: any(kept[i].tolist() != list(range(table.embedding_dim)) for i in layers)
                       for key, (table, layers) in self._readers.items()}
             self._routed = (kept, routed)
         return routed[id(owner)]

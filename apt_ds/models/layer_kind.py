@@ -55,8 +55,9 @@ class LayerKind:
     head_attributes: tuple[tuple[str, str], ...] = field(default=BERT_AND_LLAMA_HEAD_ATTRIBUTES)
     # The sequence its activations run over: the model's input, or (a T5 decoder's) the target
     side: str = "input"
-    # A position bias its attention adds that its stack shares (T5): the model path of the attention
-    # holding the table whose columns its heads read, or "zeros" (a zero bias of its own head count)
+    # A position bias its attention adds that its stack shares (T5): the model path of the table (an
+    # Embedding of buckets x heads, inside the attention that computes the bias from it) whose columns
+    # its heads read, or "zeros" (a zero bias of its own head count)
     position_bias: str | None = None
 
     def __post_init__(self):

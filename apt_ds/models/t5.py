@@ -37,8 +37,8 @@ def _ffn(sublayer: str, gated: bool) -> tuple[LayerTensor, ...]:
 
 
 # Each stack's first self-attention holds the relative position bias table every layer of the stack reads
-BIAS_OWNER = {stack: f"{stack}.block.0.layer.0.SelfAttention" for stack in ("encoder", "decoder")}
-RELATIVE_BIAS = {stack: f"{owner}.relative_attention_bias.weight" for stack, owner in BIAS_OWNER.items()}
+BIAS_TABLE = {stack: f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias" for stack in ("encoder", "decoder")}
+RELATIVE_BIAS = {stack: f"{table}.weight" for stack, table in BIAS_TABLE.items()}
 
 # T5Attention keeps its head geometry as key_value_proj_dim, n_heads and inner_dim; its scores are never scaled
 _T5_HEADS = dict(head_dim_attr="key_value_proj_dim", group_size_attr=None,
@@ -47,7 +47,7 @@ _T5_HEADS = dict(head_dim_attr="key_value_proj_dim", group_size_attr=None,
 
 def _encoder_layer(gated: bool) -> LayerKind:
     return LayerKind(_attention("0", "SelfAttention") + _ffn("1", gated), name=f"T5 encoder ({'gated' if gated else 'ReLU'} FFN)",
-                     attention_path="layer.0.SelfAttention", position_bias=BIAS_OWNER["encoder"], **_T5_HEADS)
+                     attention_path="layer.0.SelfAttention", position_bias=BIAS_TABLE["encoder"], **_T5_HEADS)
 
 
 def _decoder_cross_layer(gated: bool) -> LayerKind:
@@ -59,7 +59,7 @@ def _decoder_cross_layer(gated: bool) -> LayerKind:
 
 DECODER_SELF_ATTENTION = LayerKind(_attention("0", "SelfAttention"), name="T5 decoder self-attention",
                                    hidden_sites=("attn_output",), attention_path="layer.0.SelfAttention", side="target",
-                                   position_bias=BIAS_OWNER["decoder"], **_T5_HEADS)
+                                   position_bias=BIAS_TABLE["decoder"], **_T5_HEADS)
 
 T5 = Family(
     model_type="t5",
