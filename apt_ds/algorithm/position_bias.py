@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from apt_ds.models import family_of
+from apt_ds.models import family_for, family_of
 from apt_ds.models.tensors import module_of
 
 # A pruned T5 config's record of the original heads each unit layer keeps (what HeadBias reads)
@@ -26,6 +26,18 @@ ZERO_BIAS = "zeros"  # a LayerKind's position_bias: its attention adds a zero bi
 def uses_head_bias(model) -> bool:
     """The model's attentions read a shared position bias (T5): HeadBias must route it."""
     return any(kind.position_bias for kind in family_of(model).kinds)
+
+
+def shared_table_layers(shape) -> list[list[int]]:
+    """The unit layers (indices into a ModelShape's layers) reading each shared bias table: T5's
+    self-attentions of a stack. A uniform run keeps the same heads in all of them, so that stock
+    T5's sharing of the first layer's bias holds in its export (`slice_shared_tables`)."""
+    kinds, readers = family_for(shape.family).kinds, {}
+    for index, layer in enumerate(shape.layers):
+        source = kinds[layer.kind].position_bias
+        if source and source != ZERO_BIAS:
+            readers.setdefault(source, []).append(index)
+    return list(readers.values())
 
 
 class HeadBias:

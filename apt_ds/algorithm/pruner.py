@@ -29,9 +29,10 @@ from apt_ds.algorithm.blocks import (
     uniform_hidden_step,
 )
 from apt_ds.algorithm.masks import UnitMasks
+from apt_ds.algorithm.position_bias import shared_table_layers
 from apt_ds.algorithm.units import ModelShape
 from apt_ds.config import APTConfig
-from apt_ds.models import family_for
+from apt_ds.models import UnitCosts, family_for
 
 
 @dataclass
@@ -178,34 +179,40 @@ class AdaptivePruner:
     # ---- uniform: one shape for every layer ---------------------------------------------------
     def _decide_uniform(self, shape, group_scores, neuron_scores, hidden_scores, target, sizes, count=1,
                         only: tuple[int, int] | None = None) -> list[KeepDecision]:
-        cfg, L = self.config, len(shape.layers)
-        first = shape.layers[0]
+        cfg, layers, family = self.config, shape.layers, family_for(shape.family)
+        first = layers[0]
         if not shape.uniform:
             raise PruningError("uniform mode needs a model whose layers all have the same shape")
-        g, G0, N0, D0 = first.group_size, first.num_kv_groups, first.ffn, shape.hidden
+        g, G0, N0, D0 = first.group_size, first.num_kv_groups, shape.config_ffn, shape.hidden
         emb = embedding_columns(shape, cfg.count_embeddings)
-        c = shape.costs(first)
-        per_neuron = lambda D: L * (c.neuron_per_channel * D + c.neuron_constant)  # noqa: E731 (every layer's)
+        c = UnitCosts.total(shape.costs(layer) for layer in layers)  # every layer's terms (T5: three kinds)
+        per_neuron = lambda D: c.neuron_per_channel * D + c.neuron_constant  # noqa: E731 (every layer's)
 
         def prefix(scores_per_layer):  # best total salience of keeping k units in every layer
             stacked = torch.stack([s.double().sort(descending=True).values for s in scores_per_layer])
             return torch.cat([torch.zeros(1, dtype=torch.float64), stacked.sum(0).cumsum(0)])
 
-        group_prefix, neuron_prefix = prefix(group_scores), prefix(neuron_scores)
+        # Layers reading one shared bias table (T5's self-attentions of a stack) keep the same heads:
+        # chosen once by their summed salience. Every other layer chooses its own.
+        tied = shared_table_layers(shape)
+        choosers = [(members, torch.stack([group_scores[i] for i in members]).sum(0)) for members in tied]
+        choosers += [([i], s) for i, s in enumerate(group_scores) if not any(i in members for members in tied)]
+        with_ffn = [i for i, layer in enumerate(layers) if family.kinds[layer.kind].has_ffn]
+        group_prefix, neuron_prefix = prefix([s for _, s in choosers]), prefix([neuron_scores[i] for i in with_ffn])
         hidden_prefix = torch.cat([torch.zeros(1, dtype=torch.float64), hidden_scores.double().sort(descending=True).values.cumsum(0)])
-        neuron_block = sizes.ffn[0]
+        neuron_block = sizes.ffn[with_ffn[0]]
         shapes = []  # (kept salience, params, G, N, D): one per (G, D), its N the most the budget allows
         for G in (range(1, G0 + 1) if cfg.prune_heads else [G0]):
             heads = G * g
             step = uniform_hidden_step(sizes.hidden, heads, sizes.original_hidden)
             d_options = [*range(step, D0, step), D0] if cfg.prune_hidden else [D0]
-            if not family_for(shape.family).config_head_dim:  # BERT's config: heads are hidden / heads wide
+            if not family.config_head_dim:  # BERT's config: heads are hidden / heads wide
                 d_options = [D for D in (heads * first.head_dim,) if D <= D0 and (cfg.prune_hidden or D == D0)]
             for D in d_options:
                 if D % heads or (only is not None and (G, D) != tuple(only)):
                     continue
-                fixed = (D * (c.group_per_channel * G * L + c.per_channel * L + shape.outer_columns("block") + emb)
-                         + L * (c.group_constant * G + c.constant) + shape.outer_constant("block"))
+                fixed = (D * (c.group_per_channel * G + c.per_channel + shape.outer_columns("block") + emb)
+                         + c.group_constant * G + c.constant + shape.outer_constant("block"))
                 if cfg.prune_neurons:
                     N = min(N0, int((target - fixed) // per_neuron(D))) if target >= fixed else 0
                     N = N if N == N0 else N - N % neuron_block
@@ -233,10 +240,10 @@ class AdaptivePruner:
         # group frees (a trial kept 2 groups and 608 neurons, density 0.464 for a target of 0.5).
         slack = target - shapes[0][1]
         shapes = shapes[:1] + [e for e in shapes[1:] if target - e[1] <= slack + per_neuron(e[4]) * neuron_block]
-        return [
-            KeepDecision([top(s, G) for s in group_scores], [top(s, N) for s in neuron_scores], top(hidden_scores, D), int(params))
-            for _, params, G, N, D in shapes[:count]
-        ]
+        chooser_of = {i: scores for members, scores in choosers for i in members}
+        return [KeepDecision([top(chooser_of[i], G) for i in range(len(layers))], [top(s, N) for s in neuron_scores],
+                             top(hidden_scores, D), int(params))
+                for _, params, G, N, D in shapes[:count]]
 
 
 def undominated(shapes: list[tuple]) -> list[tuple]:

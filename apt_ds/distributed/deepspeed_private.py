@@ -76,6 +76,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("zero3_param", "ds_process_group", "model_partition"),
     PrivateName("zero3_param", "convert_to_zero_parameters", "partition_like"),
     PrivateName("zero3_param", "ds_tensor", "release_partition"),
+    PrivateName("zero3_module", "ds_external_parameters", "forget_external_parameters"),
     PrivateName("engine", "basic_optimizer", "release_engine"),
     PrivateName("engine", "module_forward_pre_hook", "release_engine"),
     PrivateName("engine", "module_forward_post_hook", "release_engine"),
@@ -201,6 +202,21 @@ def release_partition(param) -> None:
     becomes empty; its shape attributes stay). zero.Init allocates a partition for every
     parameter it sees and has no public way to build a module without one."""
     param.ds_tensor.data = torch.empty(0, dtype=param.ds_tensor.dtype, device=param.ds_tensor.device)
+
+
+def forget_external_parameters(module: torch.nn.Module, keep) -> None:
+    """Unregister the parameters of other modules that ZeRO-3 gathers with `module` unless
+    `keep(param)`. DeepSpeed registers one when a forward reads another module's weight outside
+    that module's forward (T5's FFN reads `wo.weight.dtype`), keyed by the parameter object; only
+    `deepspeed.zero.register_external_parameter` is exported and nothing public lists them
+    (`ds_external_parameters` is put on every submodule by parameter_offload.py), so a parameter
+    a shape change replaced would stay registered and be gathered from its released partition."""
+    from deepspeed.runtime.zero.partition_parameters import unregister_external_parameter
+
+    listing = getattr(module, "ds_external_parameters", None)
+    for _, param in list(listing()) if listing is not None else []:
+        if not keep(param):
+            unregister_external_parameter(module, param)
 
 
 def partition_like(anchor, params: list[torch.nn.Parameter]) -> None:

@@ -1,7 +1,6 @@
 """The DeepSpeed seam: `DeepSpeedBackend` runs the `TrainingBackend` contract on a ZeRO engine.
 
-This is the only apt_ds module that imports deepspeed, and it does so lazily, so that
-`import apt_ds` works without it.
+The only apt_ds module that imports deepspeed, lazily, so that `import apt_ds` works without it.
 
 Decisions (measured with deepspeed 0.19.8, torch 2.13 CPU, gloo):
 - The optimizer is always a client `torch.optim.AdamW` over the trainable parameters and the
@@ -19,7 +18,8 @@ Shape changes (`apply_shape_change`), the sequence that works on ZeRO-2 and ZeRO
 3. run `change_fn`. ZeRO-3's unchanged parameters stay partitioned after destroy and can still be
    gathered; `param_access()` gives a read-only gather and partitions each module's NEW
    parameters right after they are made, so one module at a time is ever held in full
-   (`zero_params`). Remaining plain float32 parameters are cast to bf16/fp16 when that is on;
+   (`zero_params`). Plain float32 parameters are cast to bf16/fp16 when that is on; replaced
+   ones DeepSpeed registered as another module's external parameters are unregistered;
 4. check every rank has the same shapes (a mismatch would hang DeepSpeed), re-run
    `deepspeed.initialize` (it broadcasts new parameters from rank 0), write back masters (grown
    entries take the new parameter's values) and moments (`backend.carry_adam_moment`) with
@@ -223,9 +223,8 @@ class DeepSpeedBackend(TrainingBackend):
         return safe_get_full_grad(param)
 
     def full_param(self, name: str, param: torch.nn.Parameter) -> torch.Tensor:
-        """Full value of `param`, identical on every rank (collective: every rank must call it for
-        the same params). Trainable params give their fp32 master (more precise than the bf16
-        model copy); frozen ones a gathered copy in their own dtype."""
+        """Full value of `param`, identical on every rank (collective, as full_grad). Trainable params
+        give their fp32 master (more precise than the bf16 model copy); frozen ones a gathered copy."""
         from deepspeed.utils import safe_get_full_fp32_param
 
         if param.requires_grad and self.engine is not None:
@@ -277,6 +276,7 @@ class DeepSpeedBackend(TrainingBackend):
         snap, adam_step = zero_state.snapshot(self.engine, self._trainable()) if carry_state else ({}, None)
         self.close()
         change = change_fn() or {}
+        zero_params.forget_replaced_external(self.module)
         zero_params.check_shapes_agree(self.module)
         zero_params.cast_plain_params(self.module, self.param_dtype)
         self._build_engine(step=self._steps)

@@ -66,6 +66,15 @@ def release_replaced(param) -> None:
         private.release_partition(param)
 
 
+def forget_replaced_external(model: torch.nn.Module) -> None:
+    """Unregister, from every module, the external parameters (deepspeed_private.
+    forget_external_parameters) a shape change replaced: they are no longer `model`'s and their
+    partitions were released. The new ones are registered again on their first forward."""
+    live = {id(p) for p in model.parameters()}
+    for module in model.modules():
+        private.forget_external_parameters(module, keep=lambda param: id(param) in live)
+
+
 def check_shapes_agree(model: torch.nn.Module) -> None:
     """RuntimeError unless every rank has the same parameter shapes and trainable set (after a
     shape change; a mismatch would hang DeepSpeed's next collective). Collective."""

@@ -25,6 +25,7 @@ from apt_ds.config import APTConfig, ConfigError
 from apt_ds.export.accounting import base_names_as_the_model_names_them, check_every_base_tensor_written
 from apt_ds.export.out_dir import check_export_out
 from apt_ds.export.output_scale import fold_output_scale
+from apt_ds.export.shared_bias import share_bias_tables
 from apt_ds.export.writer import DEFAULT_SHARD_SIZE, DTYPES, check_options, summary, write_export, write_export_dir
 from apt_ds.io.checkpoint import CheckpointError, read_meta
 from apt_ds.io.fingerprint import file_fingerprint, model_fingerprint, same_model
@@ -141,17 +142,17 @@ def compact_model(model, state: APTModel):
     dequantize_linears(model)  # a quantized base's projections without an adapter (--base-quant)
     fold_masks(model, state)
     fold_output_scale(model)  # T5 v1.0's output scale, at the pruned hidden size
+    share_bias_tables(model, state)  # a uniform T5: its bias tables cut to the kept heads, as stock T5 shares them
     for param in model.parameters():
         param.requires_grad_(False)
     return model.eval()
 
 
 def merge_and_compact(trainer):
-    """The model of a trained `APTrainer` with its adapters merged and its pruned units removed: its
-    family's causal LM (LlamaForCausalLM, Qwen2ForCausalLM, ...) in eval mode without masks, hooks
-    or distillation parts (per-layer widths after a non-uniform run), in the dtype it trained in (export_run merges in fp32 and writes
-    `dtype`). The trainer cannot train on afterwards. One process or ZeRO-1/2: a ZeRO-3 model is
-    partitioned across ranks, so export its run instead (`apt_ds.export_run`, which writes files)."""
+    """A trained `APTrainer`'s model, adapters merged, pruned units removed: its family's model
+    (LlamaForCausalLM, ...) in eval mode without masks, hooks or distillation parts (per-layer widths
+    after a non-uniform run), in the dtype it trained in (export_run merges in fp32, writes `dtype`).
+    The trainer cannot train on afterwards. One process or ZeRO-1/2 (ZeRO-3: `apt_ds.export_run`)."""
     if any(hasattr(p, "ds_id") for p in trainer.model.parameters()):  # ZeRO-3's mark (export knows no DeepSpeed)
         raise ValueError("a ZeRO-3 model is partitioned across ranks: export the run from its out_dir "
                          "(apt_ds.export_run or launch/export.py)")

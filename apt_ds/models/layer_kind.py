@@ -33,6 +33,12 @@ class UnitCosts:
     per_channel: int
     constant: int
 
+    @classmethod
+    def total(cls, costs) -> "UnitCosts":
+        """The terms of several layers together (a uniform shape's, every layer at once)."""
+        costs = list(costs)
+        return cls(*(sum(getattr(c, name) for c in costs) for name in cls.__dataclass_fields__))
+
     def layer_params(self, groups: int, neurons: int, hidden: int) -> int:
         return (hidden * (groups * self.group_per_channel + neurons * self.neuron_per_channel + self.per_channel)
                 + groups * self.group_constant + neurons * self.neuron_constant + self.constant)

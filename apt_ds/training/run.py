@@ -50,7 +50,7 @@ from apt_ds.training.eval_data import held_out_batches
 from apt_ds.training.heap import freeze_prepared_data, large_allocations_returned, release_free_heap
 from apt_ds.training.probe import live_probe, save_probe
 from apt_ds.training.run_tokenizer import TOKENIZER_DIR, prepare_tokenizer, texts_for_tokenizer
-from apt_ds.training.task import check_task, check_zero_stage, tokenize_for_task
+from apt_ds.training.task import check_task, tokenize_for_task
 from apt_ds.training.trainer import APTrainer
 
 logger = logging.getLogger(__name__)
@@ -196,7 +196,6 @@ def _run_on(backend, args, apt: APTConfig | None, train: TrainConfig, configs_fo
     out = Path(args.out)
     check_out_dir(out, args.resume, args.overwrite)  # fail early; nothing is touched yet
     zero_stage = getattr(backend, "zero_stage_requested", None) if args.deepspeed else None
-    check_zero_stage(args, zero_stage)
     prunes = apt.prune if apt is not None else args.method != "lora"  # apt is None until --epochs sets the steps
     dtype = base_dtype_of(backend, train)  # --epochs changes the run's length later, never its dtype
     dtype_name = str(dtype).removeprefix("torch.")

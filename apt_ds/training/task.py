@@ -76,7 +76,8 @@ def check_seq2seq_options(args, train: TrainConfig, apt: APTConfig | None) -> No
     """What a T5 run does not support yet, named before any work."""
     unsupported = [(train.base_quant != "none", "--base-quant"),
                    (train.gradient_checkpointing, "--gradient-checkpointing"),
-                   (apt is not None and apt.uniform, "--uniform")]
+                   # the divergence trial reads next-token logits of a causal LM (logits_to_keep)
+                   (apt is not None and apt.uniform and apt.uniform_shape_metric == "kl", "--uniform-shape-metric kl")]
     from transformers import AutoConfig
 
     config, family = AutoConfig.from_pretrained(args.model), seq2seq_family(args.model)
@@ -86,13 +87,6 @@ def check_seq2seq_options(args, train: TrainConfig, apt: APTConfig | None) -> No
         raise ConfigError(f"--model {args.model} is a T5 export with heads pruned per layer, which apt-ds does not "
                           f"train from yet: train from the model it was pruned from")
     _refuse(args, "an encoder-decoder (T5)", unsupported)
-
-
-def check_zero_stage(args, stage: int | None) -> None:
-    """ZeRO-3 is not written for T5 yet (its partitioned FFN fetch fails after the first shrink)."""
-    if stage == 3 and task_of(args.model) == "seq2seq":
-        raise ConfigError(f"--model {args.model} is an encoder-decoder (T5), which trains without ZeRO-3 so far: "
-                          f"use a ZeRO-2 config (ds_configs/zero2.json) or one process")
 
 
 def check_decoder_start(model: str, tokenizer) -> None:

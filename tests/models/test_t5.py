@@ -7,6 +7,7 @@ training a seq2seq batch stream to its density."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -135,6 +136,45 @@ def test_a_non_uniform_decision_reaches_its_density(variant):
     assert torch.isfinite(_logits(model, seq2seq_batch())).all()
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_uniform_decision_ties_each_stacks_self_attention_heads(tmp_path, variant):
+    """Uniform mode: every attention keeps as many heads and every FFN as many neurons (one T5Config
+    says them), the self-attentions of a stack the SAME heads (stock T5 adds its first layer's bias
+    to all of them); the count is exact. Compacted, the bias tables are cut to those heads and a
+    stock T5ForConditionalGeneration loads the export with the shrunk model's logits (its bias routed)."""
+    from transformers import T5ForConditionalGeneration
+
+    from apt_ds.algorithm.position_bias import shared_table_layers
+    from apt_ds.export.merge import compact_model
+    from apt_ds.export.writer import stock_loadable, write_export
+
+    model = tiny_t5(variant, num_decoder_layers=2)
+    config = APTConfig.for_steps(100, target_density=0.5, uniform=True)
+    state = APTModel(model, config, seed=0)
+    generator = torch.Generator().manual_seed(7)
+    scores = lambda n: torch.rand(n, generator=generator, dtype=torch.float64)  # noqa: E731
+    decision = AdaptivePruner(config).decide(
+        state.shape, [scores(l.num_kv_groups) for l in state.shape.layers], [scores(l.ffn) for l in state.shape.layers],
+        scores(state.shape.hidden), 0.5 * state.original_shape.block_params(), state.original_shape)
+    kept = decision.kept_shape(state.shape)
+    assert kept.uniform and len({l.num_q_heads for l in kept.layers}) == 1 and kept.layers[0].num_q_heads < 4
+    assert decision.params == kept.block_params() <= 0.5 * state.original_shape.block_params()
+    readers = shared_table_layers(state.shape)
+    assert [len(members) for members in readers] == [2, 2]  # the encoder's, the decoder's self-attentions
+    for members in readers:
+        assert all(torch.equal(decision.groups[i], decision.groups[members[0]]) for i in members)
+    state.shrink(decision)
+    batch = seq2seq_batch()
+    live = _logits(model, batch)
+    compact = compact_model(model, state)
+    assert stock_loadable(state.shape) and state.shape.heads == kept.layers[0].num_q_heads
+    write_export(compact, state.shape, tmp_path / "hf", torch.float32)
+    stock = T5ForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
+    saved = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert not {"apt_layer_shapes", "apt_bias_heads", "apt_bias_head_index"} & set(saved)
+    torch.testing.assert_close(_logits(stock, batch), live, rtol=1e-4, atol=1e-4)
+
+
 def test_apt_trains_a_seq2seq_stream_to_its_density():
     """One process: the task loss on the target, salience, events, rank growth and distillation
     on the decoder blocks; the run ends at its density with finite losses."""
@@ -210,7 +250,8 @@ def test_training_from_an_export_with_heads_pruned_is_refused(tmp_path):
 
     model = tiny_t5("v1.1")
     state = APTModel(model, APTConfig.for_steps(100, target_density=0.5), seed=0)
-    groups = [torch.tensor([True, False, True, True]) for _ in state.shape.layers]
+    # each layer keeps other heads than the one before: the bias stays routed (the same ones would be cut)
+    groups = [torch.tensor([True, False, True, True]).roll(i) for i in range(len(state.shape.layers))]
     state.shrink(KeepDecision(groups, [torch.ones(l.ffn, dtype=torch.bool) for l in state.shape.layers],
                               torch.ones(32, dtype=torch.bool), 0))
     write_export(compact_model(model, state), state.shape, tmp_path / "hf", torch.float32)
