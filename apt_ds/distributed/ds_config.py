@@ -224,7 +224,7 @@ def _resolve_batch_sizes(cfg: dict, gas: int, world_size: int, micro_batch_size:
 # stays for its reuse in the backward, up to 1e9 parameters (2 GB per rank in bf16), which saves
 # gathering the last layers twice. On the CPU accelerator: 0, every gathered weight is released
 # after use: host memory is the limit there, and 1e9 kept fp32 parameters (4 GB per rank) killed
-# a 2-rank 3B run on a 24 GB machine (docs/BENCHMARKS.md, "LLaMA scale").
+# a 2-rank 3B run on a 24 GB machine (docs/BENCHMARKS_HISTORY.md, "LLaMA scale").
 GATHERED_KEPT = {"gpu": 1_000_000_000, "cpu": 0}
 
 

@@ -66,9 +66,11 @@ def scoring_state(model, config: APTConfig):
     """An `APTModel` over `model` for scoring and cutting it once; afterwards `model` is a plain
     frozen causal LM of its family again, at whatever shape the block left it: hooks removed, the
     temporary adapters merged (B = 0: the frozen weights exactly), no gradients, its training
-    mode restored."""
+    mode restored. It scores in eval mode: dropout off, as apt-ds trains every model (a BERT
+    checkpoint's dropout of 0.1 made the calibration's scores, and so prune-then-tune's choice,
+    differ from process to process)."""
     was_training = model.training
-    model.train()
+    model.eval()
     state = APTModel(model, config, seed=0)
     try:
         yield state

@@ -4,7 +4,7 @@ as it is freed on CPU runs under ZeRO-3 (`large_allocations_returned`).
 PyTorch's CPU allocator sits on malloc. A shape change frees the old, larger weight and
 optimizer tensors, but glibc keeps most of those pages in the process (they count in RSS)
 until the heap is trimmed, so physical pruning would not lower the memory a job holds.
-Measured on SmolLM2-135M/BoolQ (docs/BENCHMARKS.md): untrimmed, APT 0.7's RSS after its last
+Measured on SmolLM2-135M/BoolQ (docs/BENCHMARKS_HISTORY.md): untrimmed, APT 0.7's RSS after its last
 pruning event was 1.05x dense LoRA's (1,715 vs 1,634 MB); trimmed after each event, 0.90x.
 
 The full garbage collection before the trim finds what a shape change leaves in reference

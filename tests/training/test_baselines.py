@@ -124,3 +124,28 @@ def test_prune_then_tune_trains_at_target(tmp_path):
     assert losses[-1] < losses[0] - 0.4, losses  # ln(97) = 4.57 at the start
     assert (tmp_path / "run" / "metrics.jsonl").is_file()
     assert trainer.state.total_rank() == 8 * 2 * len(original.layers)  # no rank growth in the baseline
+
+
+def test_one_shot_scores_with_dropout_off_whatever_the_random_state():
+    """A BERT checkpoint keeps its config's dropout (0.1); scoring with it on made the calibration
+    loss, the scores and so prune-then-tune's cut differ from one process to the next (measured on
+    MiniLM SST-2). Scoring runs in eval mode, as apt-ds trains: the same cut whatever the RNG says,
+    and the model's own mode is given back."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    from test_encoders import encoder_batch, tiny_encoder
+
+    batches = [{**encoder_batch("bert", seed=s), "labels": torch.tensor([0, 1, 1, 0])} for s in (1, 2)]
+    results = []
+    for rng_seed in (0, 1):
+        model = tiny_encoder("bert", hidden_dropout_prob=0.5, attention_probs_dropout_prob=0.5).train()
+        torch.manual_seed(rng_seed)
+        results.append(one_shot_prune(model, batches, 0.6))
+        assert model.training  # given back as it came
+    (first, second) = results
+    assert first.calibration_loss == second.calibration_loss
+    assert [g.tolist() for g in first.decision.groups] == [g.tolist() for g in second.decision.groups]
+    assert [n.tolist() for n in first.decision.neurons] == [n.tolist() for n in second.decision.neurons]
+    assert first.decision.hidden.tolist() == second.decision.hidden.tolist()
