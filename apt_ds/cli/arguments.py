@@ -218,7 +218,7 @@ most used:
   RUN                     the run directory launch/train.py wrote
   --out DIR               where the export goes (must not exist unless --overwrite)
   --format gguf           one .gguf file for llama.cpp, llama-cpp-python, Ollama (decoders)
-  --dtype bf16            the saved weights' dtype (q8_0 with --format gguf)
+  --dtype DTYPE           the saved weights' dtype: fp32 (default), bf16, fp16; q8_0 with --format gguf
 Guide: docs/EXPORT.md. Every flag:""",
     )
     parser.add_argument("run_dir_positional", nargs="?", metavar="RUN", help="same as --run-dir")

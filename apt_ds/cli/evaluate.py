@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 from apt_ds.cli.arguments import ArgumentParser, parse_with_positional
@@ -90,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--num-beams", args.num_beams)):
         if value < 1:
             parser.error(f"{flag} must be at least 1, got {value}")
+    from apt_ds.io.run_record import is_run_dir
+
+    if is_run_dir(Path(args.model)):  # its checkpoint holds adapters and kept units, not a model
+        parser.error(f"{args.model} is a training run: export it first (python launch/export.py {args.model} --out "
+                     f"DIR) and evaluate DIR")
     from apt_ds.evaluation.errors import EvaluationError
 
     try:

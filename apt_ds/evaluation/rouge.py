@@ -141,6 +141,9 @@ def _is_encoder_decoder(directory: str) -> bool:
 def generate(model, tokenizer, inputs: list[list[int]], request: RougeRequest, device: torch.device) -> list[str]:
     """The model's text for each input, `request.batch_size` at a time."""
     encoder_decoder = model.config.is_encoder_decoder
+    # transformers 5.25 sizes T5's cache for num_layers (an IndexError for a deeper decoder): such a
+    # T5 generates without it, the same tokens at more compute
+    use_cache = getattr(model.config, "num_decoder_layers", None) in (None, getattr(model.config, "num_layers", None))
     pad_id = tokenizer.pad_token_id
     texts = []
     progress = tqdm(total=len(inputs), desc="generating", unit="row", leave=False, disable=None)  # None: off unless a terminal
@@ -148,7 +151,8 @@ def generate(model, tokenizer, inputs: list[list[int]], request: RougeRequest, d
         ids, mask = _padded(inputs[start:start + request.batch_size], pad_id, left=not encoder_decoder)
         # do_sample=False: a checkpoint's generation_config.json may ask for sampling
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
-                             num_beams=request.num_beams, max_new_tokens=request.max_new_tokens, pad_token_id=pad_id)
+                             num_beams=request.num_beams, max_new_tokens=request.max_new_tokens, pad_token_id=pad_id,
+                             use_cache=use_cache)
         if not encoder_decoder:
             out = out[:, ids.shape[1]:]  # the continuation only: the input is not the model's summary
         texts += tokenizer.batch_decode(out, skip_special_tokens=True)

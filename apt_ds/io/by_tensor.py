@@ -94,8 +94,8 @@ def fill_by_tensor(model, weights, place: PlaceTensor, device: torch.device, see
                 continue
             tensor = weights.read(stored[name])  # a mapping of its own: nothing else holds the file's pages
             if list(tensor.shape) != list(param.shape):
-                raise ModelLoadError(f"weight {name} has shape {list(tensor.shape)} in {path}, the config says "
-                                     f"{list(param.shape)}")
+                raise ModelLoadError(f"weight {name} has shape {list(tensor.shape)} in {path}, the model built from "
+                                     f"config.json and this run's settings (e.g. a classifier's labels) has {list(param.shape)}")
             place(name, tensor, param)
             del tensor
     if new:

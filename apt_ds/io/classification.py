@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from apt_ds.io.errors import DataError
+from apt_ds.io.errors import DataError, row_text
 
 SINGLE_FIELDS = ("sentence", "text")
 # Pairs first: QNLI's `question` / `sentence` is a pair, not SST-2's single `sentence`
@@ -78,6 +78,9 @@ def text_fields_or_none(columns) -> tuple[str, ...] | None:
 
 def class_of(value, number: int, source: str) -> int:
     """A row's label as an int >= 0; anything else named with its row."""
+    if isinstance(value, float) and value.is_integer():  # datasets reads a column mixing 1 and 0.0 as floats
+        raise DataError(f"{source}: row {number} has label {value!r}: labels must be integers 0..K-1 (a column with "
+                        f"any decimal label, e.g. 0.0, is read as decimals from its first row on)")
     if isinstance(value, bool) or not isinstance(value, int):
         raise DataError(f"{source}: row {number} has label {value!r}: labels must be integers 0..K-1")
     if value < 0:
@@ -99,11 +102,10 @@ def tokenize_classification(ds, tokenizer, max_seq_len: int, source: str = "data
                         f"(labels 0..{classes - 1})")
     if num_labels is None and classes < 2:
         raise DataError(f"{source}: every row has label 0: a classifier needs at least two classes")
-    wrong = next(((n, name, row[name]) for n, row in enumerate(ds, start=1) for name in fields
-                  if row[name] is not None and not isinstance(row[name], str)), None)
-    if wrong is not None:  # GLUE's pair names are not type-checked at load (an LM data set may hold them)
-        raise DataError(f"{source}: row {wrong[0]}'s {wrong[1]!r} is {wrong[2]!r}, not text")
-    texts = [[row[name] or "" for name in fields] for row in ds]
+    # a row without its text (or with a blank one) would train and score on nothing but the framing
+    needs = f"every row needs {' and '.join(repr(f) for f in fields)}"
+    texts = [[row_text(row, name, number, source, needs, "nothing to classify") for name in fields]
+             for number, row in enumerate(ds, start=1)]
     frames_itself = tokenizer.cls_token_id is not None and tokenizer.sep_token_id is not None
     shortest = (tokenizer.num_special_tokens_to_add(pair=len(fields) == 2) if frames_itself else 1 + len(fields)) + len(fields)
     if max_seq_len < shortest:

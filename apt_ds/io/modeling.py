@@ -18,7 +18,7 @@ from torch import nn
 
 from apt_ds.algorithm.position_bias import route_recorded_head_bias
 from apt_ds.algorithm.units import BIAS_HEADS, LayerShape, UnsupportedModelError
-from apt_ds.io.errors import ModelLoadError
+from apt_ds.io.errors import ModelLoadError, weights_misfit
 from apt_ds.models import FAMILIES, family_for
 
 logger = logging.getLogger(__name__)
@@ -279,8 +279,8 @@ def load_pretrained(directory: str | Path, dtype: torch.dtype | str | None = Non
     try:  # tied views (the LM head, T5's stacks' embed_tokens) are not in the files
         model.load_state_dict(state, strict=not tied and not family.embedding_aliases, assign=True)
     except RuntimeError as err:  # a tensor of the wrong shape or name: the weights are not this config's
-        detail = next((line.strip() for line in str(err).splitlines()[1:] if line.strip()), str(err).splitlines()[0])
-        raise ModelLoadError(f"{directory}: the weights do not fit config.json ({detail})") from None
+        heads = [t.name for t in family.outer_tensors if t.part == "head"]
+        raise ModelLoadError(f"{directory}: {weights_misfit(err, model.state_dict(), state, heads)}") from None
     family.tie_embedding(model)
     missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if missing:

@@ -11,11 +11,10 @@ in the row. A missing, blank or non-text field is refused in one line naming its
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from apt_ds.io.classification import TOKENIZE_ROWS
-from apt_ds.io.errors import DataError
+from apt_ds.io.errors import DataError, row_text
 
 # Checked in this order, as classification.PAIR_FIELDS: a data set holding two pairs reads the first
 SEQ2SEQ_PAIRS = (("input", "target"), ("article", "highlights"), ("document", "summary"))
@@ -67,17 +66,8 @@ def seq2seq_texts(ds, source: str = "data") -> tuple[list[str], list[str]]:
 
 
 def _text(row: dict, name: str, number: int, source: str) -> str:
-    value = row.get(name)
-    if value is None:  # a key one row lacks reads as None (datasets fills the column)
-        raise DataError(f"{source}: row {number} has no {name!r}: every seq2seq row needs both texts")
-    if not isinstance(value, str):
-        shown = json.dumps(value, ensure_ascii=False, default=str)
-        shown = shown if len(shown) <= 40 else shown[:37] + "..."
-        raise DataError(f"{source}: row {number} has {name!r} {shown}, which is not text")
-    if not value.strip():
-        what = "nothing to learn or to score a generation against" if name in _TARGETS else "nothing for the model to read"
-        raise DataError(f"{source}: row {number} has an empty {name!r}: {what}")
-    return value
+    what = "nothing to learn or to score a generation against" if name in _TARGETS else "nothing for the model to read"
+    return row_text(row, name, number, source, "every seq2seq row needs both texts", what)
 
 
 def tokenize_seq2seq(ds, tokenizer, max_input_len: int, max_target_len: int, source: str = "data") -> Seq2SeqData:
@@ -90,7 +80,7 @@ def tokenize_seq2seq(ds, tokenizer, max_input_len: int, max_target_len: int, sou
     if not appends_eos and tokenizer.eos_token_id is None:
         raise DataError("the tokenizer has no eos token to end a seq2seq target with")
     target_frame = specials + (0 if appends_eos else 1)
-    for name, limit, frame in (("max_input_len", max_input_len, specials), ("max_target_len", max_target_len, target_frame)):
+    for name, limit, frame in (("--max-seq-len", max_input_len, specials), ("--max-target-len", max_target_len, target_frame)):
         if limit < frame + 1:
             raise DataError(f"{source}: {name} {limit} leaves no room for text: the tokenizer's framing takes {frame} "
                             f"tokens; give at least {frame + 1}")

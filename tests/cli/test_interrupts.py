@@ -80,7 +80,7 @@ def test_ctrl_c_inside_main_never_asks_for_the_error_classes(command, trained_ru
         import apt_ds.evaluation.report as report
 
         monkeypatch.setattr(report, "check_out_path", ctrl_c)
-        argv = [run, "--out", str(tmp_path / "r.json")]
+        argv = ["a-model", "--out", str(tmp_path / "r.json")]  # interrupted before the model is read (a run is refused)
     else:
         import apt_ds.cli.plot as cli
 

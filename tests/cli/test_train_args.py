@@ -36,11 +36,17 @@ def test_every_field_is_a_flag_with_its_help_and_default(capsys):
     assert "APT knobs" in text and "training loop" in text
 
 
-def test_usage_shows_dashed_flags_and_booleans_as_switches(capsys):
-    build_train_parser().print_usage()
-    usage = " ".join(capsys.readouterr().out.split())
-    assert "[--max-seq-len MAX_SEQ_LEN]" in usage and "--max_seq_len" not in usage
-    assert "[--resume [true|false]]" in usage and "[RESUME]" not in usage
+def test_help_starts_short_and_lists_dashed_flags_and_booleans_as_switches(capsys):
+    """--help says first what the command does and its most used flags (a short usage, not 80
+    flags); the full list below spells flags with dashes first and booleans as switches."""
+    build_train_parser().print_help()
+    text = capsys.readouterr().out
+    head = text.split("\n\n")[0]
+    assert head.startswith("usage: python launch/train.py") and len(head.splitlines()) <= 3
+    assert "most used:" in text.split("options:")[0] and "Fine-tune a model with APT" in text.split("options:")[0]
+    listing = " ".join(text.split("options:")[1].split())
+    assert "--max-seq-len MAX_SEQ_LEN, --max_seq_len MAX_SEQ_LEN" in listing
+    assert "--resume [true|false]" in listing and "[RESUME]" not in listing
     assert explicit_values(build_train_parser, ["--max_seq_len", "16", "--resume"]) == {"max_seq_len": 16, "resume": True}
 
 

@@ -71,7 +71,7 @@ def check_identical_and_pruned(out: Path, ranks: int, since_step: int = 0, densi
     for record in records[1:]:
         assert record["shape_fingerprint"] == records[0]["shape_fingerprint"] and record["ranks"] == records[0]["ranks"]
     final = metrics(out)[-1]
-    assert final["final"] and final["density"] <= density + 1e-9
+    assert final["final"] and density - 0.1 <= final["density"] <= density + 1e-9  # reached, not overshot
     steps = [m for m in metrics(out) if not m.get("final")]
     assert all(m["world_size"] == ranks for m in steps if m["step"] > since_step)
     assert all(m["loss"] == m["loss"] and m["loss"] < 100 for m in steps)  # finite

@@ -153,3 +153,42 @@ def test_a_bad_seq2seq_row_is_one_line(saved, tmp_path, capsys):
     assert main([saved["t5"], "--data", str(bad), "--device", "cpu", "--out", str(tmp_path / "r.json")]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
     assert errors == [f"error: {bad}: row 2 has an empty 'target': nothing to learn or to score a generation against"]
+
+
+def test_a_t5_with_a_deeper_decoder_generates_without_the_cache():
+    """transformers 5.25 sizes T5's cache for num_layers: generating with it fails (an IndexError)
+    for a decoder of another depth, which apt-ds trains and exports; ROUGE's generation then runs
+    without the cache, the same tokens as step-by-step greedy decoding."""
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    from test_t5 import tiny_t5
+
+    from apt_ds.evaluation.rouge import RougeRequest, generate
+
+    model = tiny_t5("v1.1", num_layers=2, num_decoder_layers=3)
+    decoded = []
+    tokenizer = SimpleNamespace(pad_token_id=0, batch_decode=lambda out, skip_special_tokens: decoded.append(out) or [""] * len(out))
+    inputs = [[5, 6, 7, 8, 1], [9, 10, 1]]
+    generate(model, tokenizer, inputs, RougeRequest(model="t5", data="rows", max_new_tokens=4), torch.device("cpu"))
+    with torch.no_grad():  # greedy, one token at a time, for the first row
+        ids, tokens = torch.tensor([inputs[0]]), torch.zeros(1, 1, dtype=torch.long)
+        for _ in range(4):
+            logits = model(input_ids=ids, decoder_input_ids=tokens, use_cache=False).logits
+            tokens = torch.cat([tokens, logits[:, -1:].argmax(-1)], dim=1)
+    generated = decoded[0][0]
+    assert generated[: tokens.shape[1]].tolist() == tokens[0, : generated.shape[0]].tolist()
+
+
+def test_a_run_directory_given_to_evaluate_is_told_to_export_first(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({"apt_config": {}, "train_config": {}}))
+    with pytest.raises(SystemExit) as exit_:  # an argument error, as argparse exits on them
+        main([str(run), "--data", "rows.jsonl", "--out", str(tmp_path / "r.json")])
+    assert exit_.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(errors) == 1 and "is a training run: export it first (python launch/export.py" in errors[0], errors
+    assert not (tmp_path / "r.json").exists()

@@ -65,9 +65,21 @@ def test_glues_own_pair_columns_read_as_sentence1_and_sentence2(tmp_path, bert_t
 
 def test_a_pair_field_that_is_not_text_is_refused_naming_its_row(tmp_path, bert_tokenizer):
     rows = [{"premise": "a cat", "hypothesis": "a dog", "label": 0}, {"premise": "a cat", "hypothesis": 5, "label": 1}]
-    with pytest.raises(DataError, match=r"^pairs.jsonl: row 2's 'hypothesis' is 5, not text$"):
+    with pytest.raises(DataError, match=r"^pairs.jsonl: row 2 has 'hypothesis' 5, which is not text$"):
         tokenize_classification(_records(tmp_path, [{**r, "hypothesis": str(r["hypothesis"])} if r["label"] == 0 else r
                                                     for r in rows], "mixed.jsonl"), bert_tokenizer, 16, source="pairs.jsonl")
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([{"sentence": "a good film", "label": 1}, {"sentence": "  ", "label": 0}], "row 2 has an empty 'sentence': nothing to classify"),
+    ([{"sentence": "a good film", "label": 1}, {"label": 0}], "row 2 has no 'sentence': every row needs 'sentence'"),
+    ([{"sentence1": "a", "sentence2": "b", "label": 1}, {"sentence1": "c", "label": 0}],
+     "row 2 has no 'sentence2': every row needs 'sentence1' and 'sentence2'"),
+])
+def test_a_row_without_its_text_is_refused_naming_it(tmp_path, bert_tokenizer, rows, message):
+    """Trained or scored, it would be the framing alone with a label (accuracy 1.0 was seen on one)."""
+    with pytest.raises(DataError, match=f"^data.jsonl: {message}"):
+        tokenize_classification(_records(tmp_path, rows), bert_tokenizer, max_seq_len=16, source="data.jsonl")
 
 
 def test_a_tokenizer_without_cls_frames_with_bos_and_eos(tmp_path, tokenizer):
@@ -96,6 +108,8 @@ def test_micro_batches_carry_one_label_a_row(tmp_path, bert_tokenizer):
 @pytest.mark.parametrize("rows, message", [
     ([{"sentence": "a", "label": -1}, {"sentence": "b", "label": 0}], "row 1 has label -1: a negative label marks an unlabelled row"),
     ([{"sentence": "a", "label": 1.5}, {"sentence": "b", "label": 0}], "row 1 has label 1.5: labels must be integers"),
+    # datasets reads the column as decimals because of row 2: the message says why row 1 shows 1.0
+    ([{"sentence": "a", "label": 1}, {"sentence": "b", "label": 0.0}], r"row 1 has label 1.0: .* any decimal label, e.g. 0.0"),
     ([{"sentence": "a", "label": 0}, {"sentence": "b", "label": 0}], "every row has label 0"),
 ])
 def test_bad_labels_are_refused_naming_the_row(tmp_path, bert_tokenizer, rows, message):

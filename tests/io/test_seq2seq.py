@@ -130,10 +130,10 @@ def test_a_target_the_tokenizer_drops_whole_is_refused(tmp_path, t5_tokenizer, m
 
 def test_limits_without_room_for_text_are_refused(tmp_path, t5_tokenizer, tokenizer):
     ds = _records(tmp_path, [{"input": "a cat", "target": "a"}])
-    with pytest.raises(DataError, match=r"max_input_len 1 leaves no room for text: the tokenizer's framing takes 1 tokens; "
+    with pytest.raises(DataError, match=r"--max-seq-len 1 leaves no room for text: the tokenizer's framing takes 1 tokens; "
                                         r"give at least 2$"):
         tokenize_seq2seq(ds, t5_tokenizer, max_input_len=1, max_target_len=16, source="d")
-    with pytest.raises(DataError, match=r"max_target_len 2 leaves no room for text: the tokenizer's framing takes 2 tokens"):
+    with pytest.raises(DataError, match=r"--max-target-len 2 leaves no room for text: the tokenizer's framing takes 2 tokens"):
         tokenize_seq2seq(ds, tokenizer, max_input_len=16, max_target_len=2, source="d")  # BOS and the EOS added here
     assert tokenize_seq2seq(ds, tokenizer, max_input_len=2, max_target_len=3).examples[0]["target_ids"][-1] == 2
 

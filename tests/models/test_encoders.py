@@ -424,3 +424,16 @@ def test_classifier_data_for_a_causal_lm_is_refused_in_one_line(in_tmp, tmp_path
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and "--data scores a sequence classifier (BERT, RoBERTa); tiny is not one" in errors[0]
     assert not Path("scores.json").exists()
+
+
+@pytest.mark.parametrize("model_type", ["bert", "roberta"])
+def test_a_base_without_its_classifier_head_is_not_loaded_as_a_classifier(tmp_path, tokenizer, model_type):
+    """load_pretrained (and so launch/evaluate.py) on a base encoder says what it lacks in one short
+    line, not load_state_dict's list of every tensor."""
+    from apt_ds.io.errors import ModelLoadError
+    from apt_ds.io.modeling import load_pretrained
+
+    directory = _encoder_dir(tmp_path, tokenizer, model_type)
+    with pytest.raises(ModelLoadError, match="no classifier head in the files") as err:
+        load_pretrained(directory)
+    assert len(str(err.value)) < 300

@@ -141,13 +141,15 @@ def test_what_a_t5_run_cannot_do_yet_is_refused_in_one_line(in_tmp, tmp_path, t5
     assert not Path("run").exists()
 
 
-@pytest.mark.parametrize("stage, variant", [(2, "v1.1"), (3, "v1.0")], ids=["zero2-v1.1", "zero3-v1.0"])
-def test_a_two_rank_zero_t5_run_prunes_exports_and_resumes(tmp_path, t5_tokenizer, stage, variant):
+@pytest.mark.parametrize("stage, variant, uniform", [(2, "v1.1", False), (3, "v1.0", False), (3, "v1.1", True)],
+                         ids=["zero2-v1.1", "zero3-v1.0", "zero3-v1.1-uniform"])
+def test_a_two_rank_zero_t5_run_prunes_exports_and_resumes(tmp_path, t5_tokenizer, stage, variant, uniform):
     """T5 under ZeRO-2 and ZeRO-3 on 2 ranks (CPU accelerator): the same decisions on both ranks,
     the density reached, the export equal to the live run, and a run killed after a pruned
     checkpoint resumes to the uninterrupted one. Under ZeRO-3 T5's FFN reads `wo.weight` outside
     `wo`, which DeepSpeed registers as an external parameter of the FFN: a shrink must unregister
-    the replaced one (zero_params.forget_replaced_external) or the next fetch gathers it."""
+    the replaced one (zero_params.forget_replaced_external) or the next fetch gathers it. Uniform
+    (FFN kept, so heads go): the export is a stock T5ForConditionalGeneration."""
     import sys
 
     from safetensors.torch import load_file
@@ -161,14 +163,20 @@ def test_a_two_rank_zero_t5_run_prunes_exports_and_resumes(tmp_path, t5_tokenize
 
     base, data = _t5_dir(tmp_path, t5_tokenizer, variant), _summaries(tmp_path / "sum.jsonl")
     args = ["--deepspeed", ds_config(tmp_path, stage), *COMMON, "--micro-batch-size", "2", "--checkpoint-every", "6",
-            "--max-target-len", "8", "--model", str(base), "--data", data]
+            "--max-target-len", "8", "--model", str(base), "--data", data, *(["--uniform", "--no-prune-neurons"] * uniform)]
     out = tmp_path / "run"
     result = launch(2, [*args, "--eval-data", data, "--eval-examples", "8", "--save-eval-probe", "--out", str(out)])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     check_identical_and_pruned(out, 2)
     assert export_main([str(out), "--out", str(tmp_path / "hf")]) == 0
     probe = load_file(str(out / "eval_probe.safetensors"))
+    if uniform:
+        from transformers import T5ForConditionalGeneration
+        exported = T5ForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
+        assert exported.config.num_heads < 4
+    else:
+        exported = load_pretrained(tmp_path / "hf")
     with torch.no_grad():
-        logits = load_pretrained(tmp_path / "hf")(**{k: v for k, v in probe.items() if k != "logits"}).logits
+        logits = exported(**{k: v for k, v in probe.items() if k != "logits"}).logits
     torch.testing.assert_close(logits, probe["logits"], rtol=1e-4, atol=1e-4)
     _killed_then_resumed_as_uninterrupted(tmp_path / "killed", args, reference=out)
