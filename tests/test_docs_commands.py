@@ -121,3 +121,27 @@ def test_a_quick_block_runs(entry, scratch):
                             text=True, timeout=300)
     assert result.returncode == 0, f"{_id(entry)} failed:\n{script}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
     ran.update(lines)
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to dashes."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_between_the_pages_resolves():
+    """A link to a file of the checkout, or to a heading of a page, that a move broke fails here."""
+    broken = []
+    for page in PAGES:
+        text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S)  # links in code are not links
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):  # http(s), mailto: not checked offline
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+            elif anchor and file.suffix == ".md":
+                headings = {_anchor(h) for h in re.findall(r"^#+ (.+)$", file.read_text(), flags=re.M)}
+                if anchor not in headings:
+                    broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, broken

@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     from apt_ds.io.run_record import is_run_dir
 
     if is_run_dir(Path(args.model)):  # its checkpoint holds adapters and kept units, not a model
-        parser.error(f"{args.model} is a training run: export it first (python launch/export.py {args.model} --out "
+        parser.error(f"{args.model} is an apt-ds run, not a model: export it first (launch/export.py {args.model} --out "
                      f"DIR) and evaluate DIR")
     from apt_ds.evaluation.errors import EvaluationError
 

@@ -190,5 +190,5 @@ def test_a_run_directory_given_to_evaluate_is_told_to_export_first(tmp_path, cap
         main([str(run), "--data", "rows.jsonl", "--out", str(tmp_path / "r.json")])
     assert exit_.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(errors) == 1 and "is a training run: export it first (python launch/export.py" in errors[0], errors
+    assert len(errors) == 1 and "is an apt-ds run, not a model: export it first (launch/export.py" in errors[0], errors
     assert not (tmp_path / "r.json").exists()
