@@ -31,7 +31,7 @@ def uses_head_bias(model) -> bool:
 def shared_table_layers(shape) -> list[list[int]]:
     """The unit layers (indices into a ModelShape's layers) reading each shared bias table: T5's
     self-attentions of a stack. A uniform run keeps the same heads in all of them, so that stock
-    T5's sharing of the first layer's bias holds in its export (`slice_shared_tables`)."""
+    T5's sharing of the first layer's bias holds in its export (export/shared_bias.py)."""
     kinds, readers = family_for(shape.family).kinds, {}
     for index, layer in enumerate(shape.layers):
         source = kinds[layer.kind].position_bias

@@ -87,14 +87,15 @@ class RunArguments:
     _argument_group_name = "run"
 
     model: str = help_field("local Hugging Face directory (LLaMA, Mistral, Qwen2/2.5, Qwen3; BERT, RoBERTa sequence "
-                            "classifiers), a .gguf file, a Hub name "
+                            "classifiers; T5 v1.0/v1.1), a .gguf file, a Hub name "
                             "org/name or org/name@revision already in the local Hugging Face cache (HF_HOME; nothing is "
                             "downloaded: docs/HUB_NAMES.md), or a built-in random small model: 'tiny' (LLaMA with GQA), "
                             "'tiny-mha' (one KV head per query head), 'tiny-mistral', 'tiny-qwen2', 'tiny-qwen3'",
                             default="tiny")
     data: Optional[str] = help_field("training data: JSONL/JSON with 'text', 'instruction'/'input'/'output', "
                                      "'prompt'/'completion' fields, or conversations ('messages' role/content, ShareGPT "
-                                     "'conversations' from/value; docs/DATA.md), a directory saved by `datasets`, or a Hub data set "
+                                     "'conversations' from/value); a classifier's 'sentence' (or a pair) and 'label'; a "
+                                     "T5's 'input' and 'target' (docs/DATA.md); a directory saved by `datasets`, or a Hub data set "
                                      "name org/name[@revision] already in the local cache (json/jsonl/parquet/csv files, "
                                      "or prepared by an earlier load_dataset; docs/HUB_NAMES.md) "
                                      "(default: the shipped demo data)", default=None)
