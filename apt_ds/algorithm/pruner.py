@@ -196,7 +196,8 @@ class AdaptivePruner:
         # chosen once by their summed salience. Every other layer chooses its own.
         tied = shared_table_layers(shape)
         choosers = [(members, torch.stack([group_scores[i] for i in members]).sum(0)) for members in tied]
-        choosers += [([i], s) for i, s in enumerate(group_scores) if not any(i in members for members in tied)]
+        in_tied = {i for members in tied for i in members}
+        choosers += [([i], s) for i, s in enumerate(group_scores) if i not in in_tied]
         with_ffn = [i for i, layer in enumerate(layers) if family.kinds[layer.kind].has_ffn]
         group_prefix, neuron_prefix = prefix([s for _, s in choosers]), prefix([neuron_scores[i] for i in with_ffn])
         hidden_prefix = torch.cat([torch.zeros(1, dtype=torch.float64), hidden_scores.double().sort(descending=True).values.cumsum(0)])

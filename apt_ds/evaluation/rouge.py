@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from apt_ds.evaluation.errors import EvaluationError
 from apt_ds.evaluation.harness import DTYPES
+from apt_ds.models import family_of
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 
@@ -141,9 +142,10 @@ def _is_encoder_decoder(directory: str) -> bool:
 def generate(model, tokenizer, inputs: list[list[int]], request: RougeRequest, device: torch.device) -> list[str]:
     """The model's text for each input, `request.batch_size` at a time."""
     encoder_decoder = model.config.is_encoder_decoder
-    # transformers 5.25 sizes T5's cache for num_layers (an IndexError for a deeper decoder): such a
-    # T5 generates without it, the same tokens at more compute
-    use_cache = getattr(model.config, "num_decoder_layers", None) in (None, getattr(model.config, "num_layers", None))
+    # transformers 5.25 sizes an encoder-decoder's cache for the encoder's depth (an IndexError for a
+    # deeper decoder): a model whose stacks differ in depth generates without it, the same tokens at more compute
+    stacks = family_of(model).stacks_for(model.config)
+    use_cache = len({getattr(model.config, stack.count) for stack in stacks}) == 1
     pad_id = tokenizer.pad_token_id
     texts = []
     progress = tqdm(total=len(inputs), desc="generating", unit="row", leave=False, disable=None)  # None: off unless a terminal

@@ -23,9 +23,8 @@ from apt_ds.models import family_of
 def share_bias_tables(model, state) -> None:
     """Cut `model`'s shared bias tables to the heads its layers keep (a compacted model and its
     APTModel `state`, whose shape then records the tables' new width), when that is exact."""
-    shape, head_bias = state.shape, getattr(state, "head_bias", None)
-    readers = shared_table_layers(shape)
-    if head_bias is None or not readers or not shape.uniform:
+    shape, readers = state.shape, shared_table_layers(state.shape)
+    if state.head_bias is None or not readers or not shape.uniform:
         return
     heads = [[state.kept_groups[i].tolist() for i in members] for members in readers]
     if any(any(kept != stack[0] for kept in stack) for stack in heads):
@@ -41,7 +40,7 @@ def share_bias_tables(model, state) -> None:
             cut = nn.Embedding(table.num_embeddings, len(stack[0]), dtype=table.weight.dtype, device=table.weight.device)
             cut.weight.copy_(table.weight[:, stack[0]])
             setattr(model.get_submodule(owner), name, cut)
-    head_bias.remove()
+    state.head_bias.remove()
     state.head_bias = None
     for key in (BIAS_HEAD_INDEX, BIAS_HEADS):
         if hasattr(model.config, key):
