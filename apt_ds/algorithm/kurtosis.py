@@ -5,28 +5,42 @@ from __future__ import annotations
 
 import torch
 
-# Elements of W taken into float64 at a time (2 MiB): a whole 70B down_proj in float64 with its
-# powers would be 7.5 GB at once, and on a CPU the few MB-sized temporaries of even a small
-# model's first salience step raised glibc's mmap threshold and stayed behind as ~150 MB of free
-# heap (SmolLM2-135M, one process: what put APT's peak above LoRA's, docs/BENCHMARKS.md).
-POWER_SUM_BLOCK = 2**18
-POWER_SUM_BLOCK_GPU = 2**24  # on a GPU the caching allocator keeps no heap, and each block costs kernel launches
+# Elements of W taken into float64 at a time. A whole 70B down_proj in float64 with its powers
+# would be 7.5 GB at once. On a CPU the temporaries, made in forward hooks between the layers'
+# activations, stay behind as free heap that glibc keeps resident: 2 MiB blocks with a new float64
+# tensor per power left 23-27 MB of it on SmolLM2-135M's first salience step, the whole of APT's
+# peak above LoRA's before its first event (docs/BENCHMARKS.md, "APT beside LoRA"); two reused
+# 256 KiB buffers leave none, and were as fast (1.3 ms a 576 x 1536 weight against 2.0). On a GPU
+# the caching allocator keeps no heap, but the two buffers add to the step's peak in the last
+# layers' hooks (384 MiB at once for a 7B o_proj with one block of 2**24 and a new tensor per
+# power): 64 MiB, in about 11 blocks (each a few kernel launches) for a 7B down_proj.
+POWER_SUM_BLOCK = 2**15
+POWER_SUM_BLOCK_GPU = 2**22
 
 
-def column_power_sums(weight: torch.Tensor) -> torch.Tensor:
+def column_power_sums(weight: torch.Tensor, block: int | None = None) -> torch.Tensor:
     """P[k-1, j] = sum_i W_ij^k for k = 1..4, the kurtosis sufficient statistics. float64: the
     central fourth moment is a difference of raw moments, which cancel badly in fp32; these
-    are (4, channels) vectors computed once per shape, in blocks of rows (POWER_SUM_BLOCK)."""
+    are (4, channels) vectors computed once per shape, in blocks of rows (`block` elements at a
+    time; default POWER_SUM_BLOCK or POWER_SUM_BLOCK_GPU) through two float64 buffers made once
+    per call: the powers are taken in place, so the call's working memory is two blocks."""
     weight = weight.detach()
-    sums = torch.zeros(4, weight.shape[1], dtype=torch.float64, device=weight.device)
-    elements = POWER_SUM_BLOCK if weight.device.type == "cpu" else POWER_SUM_BLOCK_GPU
-    for block in weight.split(max(1, elements // max(1, weight.shape[1]))):
-        w = block.double()
-        w2 = w * w
+    columns = weight.shape[1]
+    sums = torch.zeros(4, columns, dtype=torch.float64, device=weight.device)
+    block = block or (POWER_SUM_BLOCK if weight.device.type == "cpu" else POWER_SUM_BLOCK_GPU)
+    rows = max(1, block // max(1, columns))
+    first = torch.empty(min(rows, weight.shape[0]), columns, dtype=torch.float64, device=weight.device)
+    second = torch.empty_like(first)
+    for part in weight.split(rows):
+        w, w2 = first[: len(part)], second[: len(part)]
+        w.copy_(part)
         sums[0] += w.sum(0)
+        torch.mul(w, w, out=w2)
         sums[1] += w2.sum(0)
-        sums[2] += (w2 * w).sum(0)
-        sums[3] += (w2 * w2).sum(0)
+        w.mul_(w2)  # w^3
+        sums[2] += w.sum(0)
+        w2.mul_(w2)  # w^4
+        sums[3] += w2.sum(0)
     return sums
 
 

@@ -31,13 +31,14 @@ gradient that reaches them is mask-scaled, i.e. the score is the first-order los
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
 
 from apt_ds.algorithm.finite import require_finite
 from apt_ds.algorithm.kurtosis import column_power_sums, unit_kurtosis
-from apt_ds.algorithm.salience_site import SiteSums, effective_weight
+from apt_ds.algorithm.salience_site import Scratch, SiteSums, effective_weight
 from apt_ds.algorithm.salience_tokens import SIDES, SiteTokens
 from apt_ds.algorithm.shrink import group_channels
 from apt_ds.algorithm.units import ModelShape
@@ -57,6 +58,7 @@ class SalienceCollector:
         self.world_size = world_size
         self.enabled = True
         self._handles: list = []
+        self._scratch = Scratch()  # the sites' temporaries on a CPU (salience_site.Scratch)
         # False when the caller knows from the host batch that no position is padding: the sites
         # then skip the token weights (a multiply over every activation, at no change in the sums).
         self.batch_has_padding = True
@@ -94,9 +96,10 @@ class SalienceCollector:
         sums = self._buffer[2 * per_kind : -slots]
         act_parts, grad_parts = act.split(attn + ffn + hidden), grad.split(attn + ffn + hidden)
         sum_parts = sums.split(attn + ffn)
-        self.attn_sites = [SiteSums(act_parts[i], grad_parts[i], sum_parts[i]) for i in range(len(layers))]
-        self.ffn_sites = [SiteSums(act_parts[i], grad_parts[i], sum_parts[i]) for i in range(len(layers), 2 * len(layers))]
-        self.hidden_sites = [SiteSums(a, g) for a, g in zip(act_parts[2 * len(layers):], grad_parts[2 * len(layers):])]
+        site = functools.partial(SiteSums, scratch=self._scratch)
+        self.attn_sites = [site(act_parts[i], grad_parts[i], sum_parts[i]) for i in range(len(layers))]
+        self.ffn_sites = [site(act_parts[i], grad_parts[i], sum_parts[i]) for i in range(len(layers), 2 * len(layers))]
+        self.hidden_sites = [site(a, g) for a, g in zip(act_parts[2 * len(layers):], grad_parts[2 * len(layers):])]
         self.tokens = self._buffer[-slots:]  # each side's, exact up to 2**24 tokens per step
         if not hasattr(self, "group_scores") or self.group_scores is None:
             self.group_scores = self.neuron_scores = self.hidden_scores = None

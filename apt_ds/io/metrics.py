@@ -11,15 +11,46 @@ import torch
 
 
 def memory_mb() -> dict:
-    """Current and peak resident set size of this process, in MiB, plus the CUDA caching
-    allocator's current and peak allocation on this process's device once CUDA is in use."""
+    """This process's resident set size now (rss_mb), its highest since the previous reading
+    (interval_peak_rss_mb: a logged step's own peak, with the event, evaluation or checkpoint that
+    came with it) and over the whole process (peak_rss_mb), in MiB; once CUDA is in use, the CUDA
+    caching allocator's allocation on this device the same three ways (cuda_mb,
+    cuda_interval_peak_mb, cuda_peak_mb). The kernel's and the allocator's peak counters are
+    reset at each reading (torchtune resets its peaks per log step the same way), so a step's
+    peak is exact, not sampled; where the kernel's cannot be reset (not Linux), there is no
+    interval figure and peak_rss_mb is getrusage's."""
     rss = psutil.Process().memory_info().rss / 2**20
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-    record = {"rss_mb": round(rss, 1), "peak_rss_mb": round(peak, 1)}
+    interval = _rss_peak_since_last_reading()
+    if interval is None:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+        record = {"rss_mb": round(rss, 1), "peak_rss_mb": round(peak, 1)}
+    else:  # getrusage reads the counter just reset: the whole process's peak is kept here
+        _process_peaks["rss"] = max(_process_peaks["rss"], interval)
+        record = {"rss_mb": round(rss, 1), "interval_peak_rss_mb": round(interval, 1),
+                  "peak_rss_mb": round(_process_peaks["rss"], 1)}
     if torch.cuda.is_initialized():  # never initialise CUDA just to read it
-        record["cuda_mb"] = round(torch.cuda.memory_allocated() / 2**20, 1)
-        record["cuda_peak_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+        interval = torch.cuda.max_memory_allocated() / 2**20
+        torch.cuda.reset_peak_memory_stats()
+        _process_peaks["cuda"] = max(_process_peaks["cuda"], interval)
+        record.update(cuda_mb=round(torch.cuda.memory_allocated() / 2**20, 1), cuda_interval_peak_mb=round(interval, 1),
+                      cuda_peak_mb=round(_process_peaks["cuda"], 1))
     return record
+
+
+_process_peaks = {"rss": 0.0, "cuda": 0.0}  # MiB, the highest interval peaks read so far
+
+
+def _rss_peak_since_last_reading() -> float | None:
+    """The kernel's high-water mark of RSS (VmHWM) in MiB, then reset to the current RSS (writing
+    5 to /proc/self/clear_refs); None where either is unavailable."""
+    try:
+        with open("/proc/self/status") as handle:
+            peak = next(int(line.split()[1]) for line in handle if line.startswith("VmHWM:"))
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+    except (OSError, StopIteration, ValueError):
+        return None
+    return peak / 1024
 
 
 class MetricsWriter:

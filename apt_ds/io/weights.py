@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from apt_ds.io.tensor_map import DTYPES
+
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -31,6 +33,7 @@ class SafetensorsWeights:
         self.directory = Path(directory)
         files = self._weight_files()
         self._handles = {}
+        self._entries: dict[Path, dict] = {}  # each file's tensor byte ranges, read on the first `read`
         self._file_of: dict[str, Path] = {}
         for path in files:
             try:
@@ -105,14 +108,21 @@ class SafetensorsWeights:
         return self._handles[self._file_of[name]].get_tensor(name)
 
     def read(self, name: str) -> torch.Tensor:
-        """`get`, through a handle opened for this tensor alone, so that nothing but the tensor
-        holds the file's pages: safetensors 0.8 maps each tensor on its own (copy-on-write), and
-        its pages leave memory with it; the long-lived handles keep every page they read
-        resident (in RSS) for as long as this object lives."""
+        """`get`, through a mapping of this tensor's own bytes (apt_ds.io.tensor_map), so that
+        nothing but the tensor holds its pages, and they leave memory with it; the long-lived
+        handles keep every page they read resident (in RSS) for as long as this object lives."""
         from safetensors import safe_open
 
+        from apt_ds.io.tensor_map import can_map, map_tensor, read_entries
+
         self._slice(name)
-        with safe_open(str(self._file_of[name]), framework="pt") as handle:
+        path = self._file_of[name]
+        if path not in self._entries:
+            self._entries[path] = read_entries(path)
+        entry = self._entries[path].get(name)
+        if entry is not None and can_map(entry):
+            return map_tensor(path, entry)
+        with safe_open(str(path), framework="pt") as handle:  # a dtype torch cannot view as stored
             return handle.get_tensor(name)
 
     def flat_range(self, name: str, start: int, length: int) -> torch.Tensor:
@@ -123,7 +133,7 @@ class SafetensorsWeights:
         numel = math.prod(shape)
         stop = min(numel, start + length)
         if start >= stop:
-            return torch.empty(0, dtype=_SAFETENSORS_DTYPES[piece.get_dtype()])
+            return torch.empty(0, dtype=DTYPES[piece.get_dtype()])
         if len(shape) <= 1:
             return piece[start:stop].reshape(-1)
         row = math.prod(shape[1:])
@@ -139,10 +149,5 @@ def _legacy_norm_name(name: str) -> str:
     return f"{stem}.{ {'weight': 'gamma', 'bias': 'beta'}.get(leaf, leaf)}" if stem.endswith("LayerNorm") else name
 
 
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                       "U8": torch.uint8, "BOOL": torch.bool}
-
-
 def _dtype_size(name: str) -> int:
-    return _SAFETENSORS_DTYPES[name].itemsize if name in _SAFETENSORS_DTYPES else 1
+    return DTYPES[name].itemsize if name in DTYPES else 1

@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import random_batch, tiny_llama
 
+from apt_ds.algorithm.kurtosis import column_power_sums
 from apt_ds.algorithm.salience import SalienceCollector
 from apt_ds.algorithm.units import ModelShape
 
@@ -138,3 +139,37 @@ def test_the_trainer_says_per_micro_batch_whether_it_is_padded(monkeypatch):
     assert {padded for padded, _ in seen} == {True, False}
     assert all(announced == padded for announced, padded in seen)
     assert trainer.state.salience.batch_has_padding  # unknown again outside a training forward
+
+
+def test_the_cpu_hooks_write_their_temporaries_into_one_reused_buffer():
+    """|X| and the token-weighted X go to the collector's one scratch buffer on a CPU (made anew in
+    every hook they left free heap behind, APT's peak above LoRA's): the same sums as new tensors
+    give, and the same buffer on the next step."""
+    model = tiny_llama("gqa")
+    batch = random_batch(batch=3, length=9)
+    batch["attention_mask"][1, 6:] = 0  # padded: the token-weighted path too
+    sums = {}
+    for reuse in (True, False):
+        collector = SalienceCollector(ModelShape.from_model(model), beta=0.85, use_kurtosis=True)
+        if not reuse:
+            for site in collector.attn_sites + collector.ffn_sites + collector.hidden_sites:
+                site.scratch = None
+        collector.install(model)
+        model(**batch).loss.backward()
+        first = collector._scratch._buffer
+        collector._buffer.zero_()
+        model(**batch).loss.backward()
+        collector.remove()
+        sums[reuse] = collector._buffer.clone()
+        assert (first is not None and collector._scratch._buffer is first) if reuse else first is None
+    assert torch.equal(sums[True], sums[False]) and sums[True].abs().sum() > 0
+
+
+@pytest.mark.parametrize("block", [1, 7, 64, 2**15, 2**22])
+def test_power_sums_taken_in_blocks_are_the_whole_weights_sums(block):
+    """The kurtosis power sums through two reused float64 buffers, in blocks of any size (a block
+    under one row takes a row at a time), from fp32 and bf16 weights."""
+    for weight in (torch.randn(37, 19), torch.randn(37, 19).bfloat16()):
+        w = weight.double()
+        expected = torch.stack([w.sum(0), (w**2).sum(0), (w**3).sum(0), (w**4).sum(0)])
+        torch.testing.assert_close(column_power_sums(weight, block), expected, rtol=1e-12, atol=1e-12)
