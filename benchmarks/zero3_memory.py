@@ -82,7 +82,7 @@ def worker(trace_out: Path, profile_steps: set[int], baseline: bool, train_argv:
         path.write_text(json.dumps(records, indent=1))
 
 
-def driver(resident: bool = False) -> None:
+def driver() -> None:
     import llama_scale
     from _common import git_commit, hardware
 
@@ -107,7 +107,13 @@ def driver(resident: bool = False) -> None:
     parser.add_argument("--one-process", action="store_true", help="no DeepSpeed: launch/train.py in one process")
     parser.add_argument("--adaptive-mmap", action="store_true",
                         help="leave glibc's mmap threshold adapting (the fix's other half still on): its cost alone")
+    parser.add_argument("--resident", action="store_true",
+                        help="sample Pss (file-backed pages too, each once: a one-process or ZeRO-2 model may stay "
+                             "mapped), not RssAnon")
     args = parser.parse_args()
+    resident = args.resident
+    if resident:
+        llama_scale.rss_anon_mb = _resident_mb
     args.out.mkdir(parents=True, exist_ok=True)
     if args.adaptive_mmap:
         os.environ["APT_BENCH_ADAPTIVE_MMAP"] = "1"
@@ -154,8 +160,30 @@ def measure(args, method: str, out: Path) -> dict:
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     traces = {path.stem: json.loads(path.read_text()) for path in sorted(out.glob("trace_rank*.json"))}
     return {"method": method, "rss_anon_peak_mb_by_rank": llama_scale.phases(samples, metrics, started),
+            "rank0_exact_peak_mb": exact_phases(metrics),
             "traces": traces, "step_time_s": [round(m["step_time_s"], 1) for m in metrics if not m.get("final")],
             "final_density": metrics[-1].get("density")}
+
+
+def exact_phases(metrics: list[dict]) -> dict:
+    """Rank 0's exact RSS peaks by phase, from its records' own peaks (`interval_peak_rss_mb`: the
+    kernel's high-water mark, reset at each record; each record covers its step and the event
+    after it, the first one the load too)."""
+    steps = [m for m in metrics if not m.get("final") and "interval_peak_rss_mb" in m]
+    if not steps:
+        return {}
+    events = [m["step"] for m in steps if m.get("event")]
+    first, last = (min(events), max(events)) if events else (None, None)
+
+    def peak(rows):
+        return max((m["interval_peak_rss_mb"] for m in rows), default=None)
+
+    return {"first_step_with_load": steps[0]["interval_peak_rss_mb"],
+            "steps_before_the_first_event": peak(m for m in steps[1:] if first is None or m["step"] < first),
+            "event_steps": peak(m for m in steps if m.get("event")),
+            "steps_after_the_last_event": peak(m for m in steps if last is not None and m["step"] > last),
+            "whole_run": max(m["peak_rss_mb"] for m in metrics if "peak_rss_mb" in m),
+            "per_step": {m["step"]: m["interval_peak_rss_mb"] for m in steps}}
 
 
 def _resident_mb(pid: int) -> float | None:
@@ -178,8 +206,4 @@ if __name__ == "__main__":
     import llama_scale
 
     llama_scale._is_rank = _is_rank  # the ranks run this script, not launch/train.py
-    resident = "--resident" in sys.argv  # Pss, file-backed pages too: a one-process or ZeRO-2 model may stay mmapped
-    if resident:
-        sys.argv.remove("--resident")
-        llama_scale.rss_anon_mb = _resident_mb
-    driver(resident)
+    driver()
