@@ -42,7 +42,7 @@ from apt_ds.training.forward import (
     supervised_token_count,
     valid_token_count,
 )
-from apt_ds.training.heap import release_free_heap
+from apt_ds.training.heap import HeapSettling, release_free_heap
 from apt_ds.training.laps import Laps
 from apt_ds.training.lr_schedule import warmup_cosine
 from apt_ds.training.out_files import check_unused_out_dir, next_micro_batches, quantized_base, write_rank_record
@@ -93,6 +93,7 @@ class APTrainer:
         self.trial_batches: list[dict] = []
         self.checkpoint_hooks: list = []  # called once each, on the main rank, after the next checkpoint
         self.history: list[dict] = []
+        self.heap_settling = HeapSettling()  # trims after each event's first steps (apt_ds.training.heap)
         self.backend.attach(model, train.lr, warmup_cosine(train.warmup_steps, train.steps), train.weight_decay,
                             train.grad_accum_steps, max_grad_norm=train.max_grad_norm)
         self.divergence = DivergenceGuard(train, lambda: kept_checkpoint_note(self.out_dir), self.backend.is_main())
@@ -199,8 +200,7 @@ class APTrainer:
         lr = self.backend.lr
         self.backend.step()  # skips the update when the gradient norm is not finite
         task_sum, kl_total, mse_total = self.backend.all_reduce_sum(sums).double().tolist()  # the metrics: one read
-        task_mean = task_sum / float(totals[0])
-        distill_mean = kl_total / float(totals[0]) + mse_total / float(totals[1])
+        task_mean, distill_mean = task_sum / float(totals[0]), kl_total / float(totals[0]) + mse_total / float(totals[1])
         record = {
             "step": self.step, "loss": (1 - mu) * task_mean + mu * distill_mean, "task_loss": task_mean,
             "distill_loss": distill_mean, "mu": mu, "lr": lr, "grad_norm": self.backend.grad_norm,
@@ -225,8 +225,8 @@ class APTrainer:
 
     # ---- pruning events ------------------------------------------------------------------
     def _after_step(self) -> dict:
-        step, record = self.step, {"event": False}
-        scores = self.state.salience
+        step, record, scores = self.step, {"event": False}, self.state.salience
+        self.heap_settling.step_done()
         if self.schedule.is_event(step) and scores.has_scores:
             record.update(self._pruning_event(step))
         elif self.schedule.in_decay_window(step) and scores.has_scores:
@@ -282,6 +282,7 @@ class APTrainer:
         part("teacher_snapshot")
         if decision.removes_anything():
             release_free_heap()  # the removed units' memory, or RSS would not drop (apt_ds.training.heap)
+            self.heap_settling.shape_changed()
         part("heap_release")
         record.update({"event": True, "event_time_s": time.perf_counter() - started, "decision": decision.fingerprint()[:16]})
         if self.eval_batches:

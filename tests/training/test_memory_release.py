@@ -120,3 +120,37 @@ def test_the_cli_hides_the_tokenized_data_from_event_collections_but_not_the_mod
     assert seen and all(s["examples"] == 0 for s in seen)
     assert all(s["parameters"] > 0 for s in seen)  # the model stays visible: its replaced weights' cycles are found
     assert freeze_prepared_data() is False and gc.get_freeze_count() == 0  # outside the CLI's block: nothing frozen
+
+
+def test_the_heap_is_trimmed_after_each_of_the_first_steps_after_a_shape_change(monkeypatch):
+    """HeapSettling: a shape change arms three trims, one at the end of each following step
+    (the holes that the old sizes left in glibc's arenas go back to the OS as the new sizes settle)."""
+    from apt_ds.training import heap
+
+    trims = []
+    monkeypatch.setattr(heap, "trim_free_heap", lambda: trims.append(1) or True)
+    settling = heap.HeapSettling()
+    settling.step_done()
+    assert trims == []  # nothing changed shape yet
+    settling.shape_changed()
+    for _ in range(5):
+        settling.step_done()
+    assert len(trims) == 3
+
+
+def test_a_training_run_trims_after_the_steps_that_follow_each_event(monkeypatch):
+    from conftest import random_batch, tiny_llama
+
+    from apt_ds import APTConfig, APTrainer, TrainConfig
+    from apt_ds.training import heap
+
+    trainer = APTrainer(tiny_llama("gqa"), APTConfig.for_steps(16, target_density=0.5), TrainConfig(steps=16),
+                        progress=False)
+    trimmed_after = []
+    monkeypatch.setattr(heap, "trim_free_heap", lambda: trimmed_after.append(trainer.step) or True)
+    trainer.train(random_batch(batch=2, length=8, seed=i) for i in range(10**6))
+    events = [r["step"] for r in trainer.history if r.get("event")]
+    assert events
+    settling = [s for s in trimmed_after if s not in events]  # an event's own release trims too
+    expected = sorted({s for e in events for s in range(e + 1, e + 4) if s <= 16} - set(events))
+    assert settling == expected
