@@ -5,8 +5,8 @@ the file's pages resident, so memory would not drop as units are removed. transf
 `disable_mmap` reads each file whole before it builds tensors from it, so the model is held
 twice at the load's peak (1.42 GB for SmolLM2-135M's 540 MB of fp32 weights, measured), which
 made a pruning run's whole-run peak higher than a LoRA run's that maps the file. Read tensor by
-tensor, through a handle opened for that tensor alone (SafetensorsWeights.read), the peak is the
-model plus its largest tensor, and each tensor's pages go when a shrink replaces it. The
+tensor, each a mapping of its own bytes (SafetensorsWeights.read, apt_ds.io.tensor_map), the peak
+is the model plus its largest tensor, and each tensor's pages go when a shrink replaces it. The
 quantized loader (apt_ds.io.quantized) fills its model the same way.
 """
 

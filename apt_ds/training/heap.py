@@ -42,15 +42,18 @@ def trim_free_heap() -> bool:
 
 
 class HeapSettling:
-    """Trim the heap at the end of each of the first `steps` steps after a shape change.
+    """Trim the heap at the end of steps: of each of the first `steps` steps after a shape change,
+    and of every step once `large_allocations_returned` has set the process's mmap threshold (CPU
+    runs under ZeRO-3).
 
     After a pruning event the tensors change size, and the small allocations that glibc serves from
-    its arenas (every block under the mmap threshold, and on a CPU run the activations and
-    temporaries of a step) no longer fit the holes the old sizes left: the first steps after an
-    event carve new memory while the holes stay resident. Measured at the 3B shape on 2 ranks
-    under ZeRO-3 (docs/BENCHMARKS.md), the step peak rose by 100, then 20, then 5 MB over the
-    three steps after the last event, with the live tensors constant. A trim (no collection: the
-    event's own release did that) after each of those steps gives the holes back."""
+    its arenas (every block under the mmap threshold) no longer fit the holes the old sizes left:
+    steps after an event carve new memory while the holes stay resident. Measured at the 1B shape
+    on 2 ranks under ZeRO-3 (docs/BENCHMARKS.md), the steps after the last event rose by 28, 5 and
+    8 MB with the live tensors constant, and were flat within 3 MB with a trim after each. At 3B
+    the rise resumed once three trims were over (+33, +35, +16 MB a step): under ZeRO-3 on a CPU,
+    where the threshold leaves only small blocks in the heap and a trim is cheap beside a step,
+    every step trims. A trim only: the event's own release collected the garbage."""
 
     def __init__(self, steps: int = 3):
         self.steps, self.left = steps, 0
@@ -59,8 +62,8 @@ class HeapSettling:
         self.left = self.steps
 
     def step_done(self) -> None:
-        if self.left:
-            self.left -= 1
+        if self.left or _threshold_fixed:
+            self.left = max(0, self.left - 1)
             trim_free_heap()
 
 
@@ -85,10 +88,15 @@ def large_allocations_returned(device, environ=os.environ) -> bool:
     chosen = "MALLOC_MMAP_THRESHOLD_" in environ or "mmap_threshold" in environ.get("GLIBC_TUNABLES", "")
     if getattr(device, "type", device) != "cpu" or chosen or not sys.platform.startswith("linux"):
         return False
+    global _threshold_fixed
     try:
-        return bool(ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+        _threshold_fixed = bool(ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
     except (OSError, AttributeError):  # musl and others
         return False
+    return _threshold_fixed
+
+
+_threshold_fixed = False  # large_allocations_returned set it in this process (HeapSettling trims every step)
 
 
 MALLINFO2_FIELDS = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")

@@ -129,6 +129,7 @@ def test_the_heap_is_trimmed_after_each_of_the_first_steps_after_a_shape_change(
 
     trims = []
     monkeypatch.setattr(heap, "trim_free_heap", lambda: trims.append(1) or True)
+    monkeypatch.setattr(heap, "_threshold_fixed", False)
     settling = heap.HeapSettling()
     settling.step_done()
     assert trims == []  # nothing changed shape yet
@@ -136,6 +137,10 @@ def test_the_heap_is_trimmed_after_each_of_the_first_steps_after_a_shape_change(
     for _ in range(5):
         settling.step_done()
     assert len(trims) == 3
+    monkeypatch.setattr(heap, "_threshold_fixed", True)  # a CPU run under ZeRO-3: every step
+    for _ in range(4):
+        settling.step_done()
+    assert len(trims) == 7
 
 
 def test_a_training_run_trims_after_the_steps_that_follow_each_event(monkeypatch):
@@ -147,6 +152,7 @@ def test_a_training_run_trims_after_the_steps_that_follow_each_event(monkeypatch
     trainer = APTrainer(tiny_llama("gqa"), APTConfig.for_steps(16, target_density=0.5), TrainConfig(steps=16),
                         progress=False)
     trimmed_after = []
+    monkeypatch.setattr(heap, "_threshold_fixed", False)
     monkeypatch.setattr(heap, "trim_free_heap", lambda: trimmed_after.append(trainer.step) or True)
     trainer.train(random_batch(batch=2, length=8, seed=i) for i in range(10**6))
     events = [r["step"] for r in trainer.history if r.get("event")]
