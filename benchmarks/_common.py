@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import resource
 import shutil
 import subprocess
 import sys
@@ -207,7 +206,10 @@ def proportional_set_mb(pid: int | str = "self") -> float | None:
 
 
 def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's peak RSS (MiB), across the trainer's resets of the kernel's counter."""
+    from apt_ds.io.metrics import memory_mb
+
+    return memory_mb()["peak_rss_mb"]
 
 
 def write_json(path: str | Path, data) -> None:
@@ -376,19 +378,15 @@ def check_fast_scorer(model, tokenizer, rows: list[dict], labels: list[str], max
 
 
 def reset_peak_rss() -> bool:
-    """Reset this process's VmHWM (peak RSS) to the current RSS (Linux >= 4.0)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as handle:
-            handle.write("5")
-        return True
-    except OSError:
-        return False
+    """Start a new peak-RSS window for vm_hwm_mb (Linux >= 4.0). Through apt_ds.io.metrics, whose
+    records reset the kernel's counter at every step: VmHWM alone would see back to the last one."""
+    from apt_ds.io.metrics import mark_rss_peak
+
+    return mark_rss_peak()
 
 
 def vm_hwm_mb() -> float:
-    """Peak RSS since process start or the last reset_peak_rss() (MiB)."""
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    """Peak RSS since process start or the last reset_peak_rss() (MiB), across the trainer's resets."""
+    from apt_ds.io.metrics import rss_peak_since_mark_mb
+
+    return rss_peak_since_mark_mb()

@@ -61,10 +61,11 @@ def live_tensors() -> tuple[int, float]:
 
 
 def step_peak_mb() -> float:
-    """VmHWM since the last call (or process start), then reset to the current RSS."""
-    peak = status_mb("VmHWM")
-    with open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")
+    """The peak RSS since the last call (or process start), then a new window (apt_ds.io.metrics)."""
+    from apt_ds.io.metrics import mark_rss_peak, rss_peak_since_mark_mb
+
+    peak = rss_peak_since_mark_mb()
+    mark_rss_peak()
     return round(peak, 1)
 
 

@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import socket
 import statistics
 import subprocess
@@ -51,8 +50,10 @@ MICRO, SEQ = 2, 128
 def _mem() -> dict:
     import psutil
 
+    from apt_ds.io.metrics import memory_mb
+
     return {"rss_mb": psutil.Process().memory_info().rss / 2**20,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "peak_rss_mb": memory_mb()["peak_rss_mb"]}  # getrusage's would miss what the trainer's records reset
 
 
 def _batch(rank: int, step: int) -> dict:

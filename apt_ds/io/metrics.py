@@ -20,12 +20,13 @@ def memory_mb() -> dict:
     peak is exact, not sampled; where the kernel's cannot be reset (not Linux), there is no
     interval figure and peak_rss_mb is getrusage's."""
     rss = psutil.Process().memory_info().rss / 2**20
-    interval = _rss_peak_since_last_reading()
+    interval = _vm_hwm_mb(reset=True)
     if interval is None:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
         record = {"rss_mb": round(rss, 1), "peak_rss_mb": round(peak, 1)}
     else:  # getrusage reads the counter just reset: the whole process's peak is kept here
         _process_peaks["rss"] = max(_process_peaks["rss"], interval)
+        _process_peaks["rss_since_mark"] = max(_process_peaks["rss_since_mark"], interval)
         record = {"rss_mb": round(rss, 1), "interval_peak_rss_mb": round(interval, 1),
                   "peak_rss_mb": round(_process_peaks["rss"], 1)}
     if torch.cuda.is_initialized():  # never initialise CUDA just to read it
@@ -37,17 +38,37 @@ def memory_mb() -> dict:
     return record
 
 
-_process_peaks = {"rss": 0.0, "cuda": 0.0}  # MiB, the highest interval peaks read so far
+_process_peaks = {"rss": 0.0, "rss_since_mark": 0.0, "cuda": 0.0}  # MiB, the highest interval peaks read so far
 
 
-def _rss_peak_since_last_reading() -> float | None:
-    """The kernel's high-water mark of RSS (VmHWM) in MiB, then reset to the current RSS (writing
-    5 to /proc/self/clear_refs); None where either is unavailable."""
+def mark_rss_peak() -> bool:
+    """Start a window for `rss_peak_since_mark_mb` (a caller timing its own phases, as the
+    benchmarks do: the kernel's counter is reset at every `memory_mb`, so reading VmHWM alone
+    would only see back to the last record). False where the counter cannot be reset."""
+    if _vm_hwm_mb(reset=True) is None:
+        return False
+    _process_peaks["rss_since_mark"] = 0.0
+    return True
+
+
+def rss_peak_since_mark_mb() -> float:
+    """The highest RSS since `mark_rss_peak` (or since the process started), in MiB, across the
+    resets `memory_mb` makes; getrusage's peak where the kernel's counter cannot be read."""
+    current = _vm_hwm_mb(reset=False)
+    if current is None:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return max(_process_peaks["rss_since_mark"], current)
+
+
+def _vm_hwm_mb(reset: bool) -> float | None:
+    """The kernel's high-water mark of RSS (VmHWM) in MiB; with `reset`, then set back to the
+    current RSS (writing 5 to /proc/self/clear_refs). None where either is unavailable."""
     try:
         with open("/proc/self/status") as handle:
             peak = next(int(line.split()[1]) for line in handle if line.startswith("VmHWM:"))
-        with open("/proc/self/clear_refs", "w") as handle:
-            handle.write("5")
+        if reset:
+            with open("/proc/self/clear_refs", "w") as handle:
+                handle.write("5")
     except (OSError, StopIteration, ValueError):
         return None
     return peak / 1024

@@ -1,5 +1,6 @@
-"""Give freed heap memory back to the operating system: after a pruning event, after loading, and
-as it is freed on CPU runs under ZeRO-3 (`large_allocations_returned`).
+"""Give freed heap memory back to the operating system: after a pruning event and the steps that
+follow it (`HeapSettling`), after loading, and as it is freed on CPU runs under ZeRO-3
+(`large_allocations_returned`; there after every step as well).
 
 PyTorch's CPU allocator sits on malloc. A shape change frees the old, larger weight and
 optimizer tensors, but glibc keeps most of those pages in the process (they count in RSS)
