@@ -147,7 +147,8 @@ def measure(args, method: str, out: Path) -> dict:
     run_dir = out / "run"
     train_argv = ["--deepspeed", str(args.ds_config), "--model", str(args.model_dir), "--micro-batch-size", "1",
                   "--max-seq-len", "64", "--steps", str(args.steps), "--method", method,
-                  "--checkpoint-every", "0", "--out", str(run_dir), "--overwrite", *shlex.split(args.train_args)]
+                  "--checkpoint-every", "0", "--out", str(run_dir), "--overwrite", "--interval-memory-peaks", "true",
+                  *shlex.split(args.train_args)]
     if method == "apt":
         train_argv += shlex.split(args.apt_args)
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.ranks),

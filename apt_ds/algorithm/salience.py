@@ -58,7 +58,6 @@ class SalienceCollector:
         self.world_size = world_size
         self.enabled = True
         self._handles: list = []
-        self._scratch = Scratch()  # the sites' temporaries on a CPU (salience_site.Scratch)
         # False when the caller knows from the host batch that no position is padding: the sites
         # then skip the token weights (a multiply over every activation, at no change in the sums).
         self.batch_has_padding = True
@@ -96,6 +95,7 @@ class SalienceCollector:
         sums = self._buffer[2 * per_kind : -slots]
         act_parts, grad_parts = act.split(attn + ffn + hidden), grad.split(attn + ffn + hidden)
         sum_parts = sums.split(attn + ffn)
+        self._scratch = Scratch()  # the sites' temporaries on a CPU, at this shape's sizes (salience_site)
         site = functools.partial(SiteSums, scratch=self._scratch)
         self.attn_sites = [site(act_parts[i], grad_parts[i], sum_parts[i]) for i in range(len(layers))]
         self.ffn_sites = [site(act_parts[i], grad_parts[i], sum_parts[i]) for i in range(len(layers), 2 * len(layers))]

@@ -13,7 +13,8 @@ class Scratch:
     CPU. Made anew in every hook, they were allocated between the layers' activations of a forward
     and left free heap that glibc keeps resident: 10-12 MB over SmolLM2-135M's first salience
     steps, which APT held above LoRA until its first event (docs/BENCHMARKS.md). The buffer grows
-    to the largest site's size and stays: one temporary's memory, held instead of made."""
+    to the largest site's size and stays until the collector's next shape (`SalienceCollector.reset`,
+    at every shrink): one temporary's memory, held instead of made."""
 
     def __init__(self):
         self._buffer: torch.Tensor | None = None
@@ -23,7 +24,8 @@ class Scratch:
         """An uninitialised tensor of x's shape, dtype and device (a view of the buffer)."""
         buffer = self._buffer
         if buffer is None or buffer.numel() < x.numel() or buffer.dtype != x.dtype or buffer.device != x.device:
-            self._views, self._buffer = {}, None  # the old buffer goes before the new one is made
+            self._views = {}
+            buffer = self._buffer = None  # the old buffer goes before the new one is made
             self._buffer = buffer = torch.empty(x.numel(), dtype=x.dtype, device=x.device)
         view = self._views.get(x.shape)
         if view is None:

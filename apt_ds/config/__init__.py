@@ -215,6 +215,11 @@ class TrainConfig(_JsonConfig):
                                        "as TRL's assistant_only_loss and completion_only_loss)", default=False)
     seed: int = help_field("random seed (model init of adapters, data order, layer sampling)", default=0)
     log_every: int = help_field("write a metrics line every N steps", default=1)
+    interval_memory_peaks: bool = help_field(
+        "each metrics line also carries its own exact memory peak since the previous line (interval_peak_rss_mb; "
+        "cuda_interval_peak_mb) by resetting the kernel's and CUDA's peak counters at each line; then getrusage, "
+        "/usr/bin/time and torch.cuda.max_memory_allocated see only back to the last line, which is why it is off",
+        default=False)
     checkpoint_every: int = help_field("save a resumable checkpoint every N steps (0: only at the end) (default: 10% of "
                                        "steps, at least 10)", default=0)
     device: str = help_field("where one process without DeepSpeed trains: auto (cuda when available, else cpu), cpu, "

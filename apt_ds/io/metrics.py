@@ -10,31 +10,31 @@ import psutil
 import torch
 
 
-def memory_mb() -> dict:
-    """This process's resident set size now (rss_mb), its highest since the previous reading
-    (interval_peak_rss_mb: a logged step's own peak, with the event, evaluation or checkpoint that
-    came with it) and over the whole process (peak_rss_mb), in MiB; once CUDA is in use, the CUDA
-    caching allocator's allocation on this device the same three ways (cuda_mb,
-    cuda_interval_peak_mb, cuda_peak_mb). The kernel's and the allocator's peak counters are
-    reset at each reading (torchtune resets its peaks per log step the same way), so a step's
-    peak is exact, not sampled; where the kernel's cannot be reset (not Linux), there is no
-    interval figure and peak_rss_mb is getrusage's."""
-    rss = psutil.Process().memory_info().rss / 2**20
-    interval = _vm_hwm_mb(reset=True)
-    if interval is None:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-        record = {"rss_mb": round(rss, 1), "peak_rss_mb": round(peak, 1)}
-    else:  # getrusage reads the counter just reset: the whole process's peak is kept here
-        _process_peaks["rss"] = max(_process_peaks["rss"], interval)
-        _process_peaks["rss_since_mark"] = max(_process_peaks["rss_since_mark"], interval)
-        record = {"rss_mb": round(rss, 1), "interval_peak_rss_mb": round(interval, 1),
-                  "peak_rss_mb": round(_process_peaks["rss"], 1)}
+def memory_mb(interval: bool = False) -> dict:
+    """This process's resident set size now (rss_mb) and its peak (peak_rss_mb), in MiB; once CUDA
+    is in use, the CUDA caching allocator's allocation on this device now and at its peak (cuda_mb,
+    cuda_peak_mb). With `interval` (TrainConfig.interval_memory_peaks) also each one's highest since
+    the previous interval reading (interval_peak_rss_mb: a logged step's own peak with its event or
+    evaluation; cuda_interval_peak_mb), exact rather than sampled: the kernel's and the allocator's
+    peak counters are reset at each such reading (torchtune resets its peaks per log step the same
+    way), so the process's peak is kept here, and getrusage and torch.cuda.max_memory_allocated
+    see only back to the last reading. Where the kernel's counter cannot be reset (not Linux)
+    there is no interval figure."""
+    record = {"rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1)}
+    since = _vm_hwm_mb(reset=True) if interval else None
+    if since is not None:
+        _process_peaks["rss"] = max(_process_peaks["rss"], since)
+        _process_peaks["rss_since_mark"] = max(_process_peaks["rss_since_mark"], since)
+        record["interval_peak_rss_mb"] = round(since, 1)
+    record["peak_rss_mb"] = round(max(_process_peaks["rss"], _vm_hwm_mb(reset=False) or 0.0,
+                                      resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024), 1)  # Linux: KiB
     if torch.cuda.is_initialized():  # never initialise CUDA just to read it
-        interval = torch.cuda.max_memory_allocated() / 2**20
-        torch.cuda.reset_peak_memory_stats()
-        _process_peaks["cuda"] = max(_process_peaks["cuda"], interval)
-        record.update(cuda_mb=round(torch.cuda.memory_allocated() / 2**20, 1), cuda_interval_peak_mb=round(interval, 1),
-                      cuda_peak_mb=round(_process_peaks["cuda"], 1))
+        peak = torch.cuda.max_memory_allocated() / 2**20
+        _process_peaks["cuda"] = max(_process_peaks["cuda"], peak)
+        record.update(cuda_mb=round(torch.cuda.memory_allocated() / 2**20, 1), cuda_peak_mb=round(_process_peaks["cuda"], 1))
+        if interval:
+            record["cuda_interval_peak_mb"] = round(peak, 1)
+            torch.cuda.reset_peak_memory_stats()
     return record
 
 
@@ -45,8 +45,10 @@ def mark_rss_peak() -> bool:
     """Start a window for `rss_peak_since_mark_mb` (a caller timing its own phases, as the
     benchmarks do: the kernel's counter is reset at every `memory_mb`, so reading VmHWM alone
     would only see back to the last record). False where the counter cannot be reset."""
-    if _vm_hwm_mb(reset=True) is None:
+    peak = _vm_hwm_mb(reset=True)
+    if peak is None:
         return False
+    _process_peaks["rss"] = max(_process_peaks["rss"], peak)  # the process's peak outlives the window
     _process_peaks["rss_since_mark"] = 0.0
     return True
 

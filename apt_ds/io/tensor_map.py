@@ -16,11 +16,14 @@ length, a JSON header naming each tensor's dtype, shape and byte range, then the
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import math
 import mmap
 import struct
 import sys
+import weakref
 from pathlib import Path
 
 import torch
@@ -59,12 +62,44 @@ def can_map(entry: TensorEntry) -> bool:
 
 def map_tensor(path: str | Path, entry: TensorEntry) -> torch.Tensor:
     """The tensor, its storage a private mapping of its own bytes in `path` (see the module's
-    docstring); the mapping is released with the tensor's last reference."""
+    docstring); the mapping is released with the tensor's last reference, and holds no file
+    descriptor (a 70B model has ~720 tensors, against a common limit of 1,024 open files)."""
     dtype, count = DTYPES[entry.dtype], math.prod(entry.shape)
     if count == 0:
         return torch.empty(entry.shape, dtype=dtype)
     first = entry.start - entry.start % mmap.ALLOCATIONGRANULARITY
     with open(path, "rb") as handle:
-        mapped = mmap.mmap(handle.fileno(), entry.stop - first, offset=first, access=mmap.ACCESS_COPY)
+        mapped = _private_mapping(handle.fileno(), entry.stop - first, first)
     # frombuffer keeps `mapped` alive for as long as the tensor's storage lives
     return torch.frombuffer(mapped, dtype=dtype, count=count, offset=entry.start - first).view(entry.shape)
+
+
+def _private_mapping(fd: int, length: int, offset: int):
+    """A writable copy-on-write mapping of `length` bytes of `fd` from `offset`, as an object with
+    the buffer protocol that unmaps at its last reference and keeps no descriptor open.
+    Python's mmap keeps a duplicate of the descriptor for the mapping's life (before 3.13, where
+    trackfd=False turns that off): one per weight, which ran out at 256 open files in a test."""
+    if sys.version_info >= (3, 13):
+        return mmap.mmap(fd, length, offset=offset, access=mmap.ACCESS_COPY, trackfd=False)
+    libc = _libc()
+    if libc is None:  # not a POSIX C library: Python's mapping, descriptor and all
+        return mmap.mmap(fd, length, offset=offset, access=mmap.ACCESS_COPY)
+    address = libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, offset)
+    if address in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), f"mmap of {length} bytes at offset {offset} failed")
+    buffer = (ctypes.c_ubyte * length).from_address(address)
+    weakref.finalize(buffer, libc.munmap, ctypes.c_void_p(address), ctypes.c_size_t(length))
+    return buffer
+
+
+@functools.cache
+def _libc():
+    """The C library's mmap and munmap with their argument types; None where there are none."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    except (OSError, AttributeError):
+        return None
+    return libc

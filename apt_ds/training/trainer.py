@@ -135,7 +135,7 @@ class APTrainer:
                 if self.out_dir and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < cfg.steps:
                     self.save()
         final = {"step": self.step, "final": True, "density": self.state.density(), "world_size": self.backend.world_size,
-                 "skipped_steps": self.divergence.total, **self._sizes(), **memory_mb()}
+                 "skipped_steps": self.divergence.total, **self._sizes(), **memory_mb(self.train_config.interval_memory_peaks)}
         if self.run_info.get("truncation"):  # what --max-seq-len cut from the training data
             final["truncation"] = self.run_info["truncation"]
         if self.eval_batches:
@@ -304,7 +304,7 @@ class APTrainer:
         record["density"] = self.state.density()
         record["world_size"] = self.backend.world_size
         record["time"] = round(time.time(), 3)  # wall clock: lines up with external memory samples
-        record.update(memory_mb())
+        record.update(memory_mb(self.train_config.interval_memory_peaks))
         self.metrics.write(record)
         self.backend.log_metrics(record)  # DeepSpeed's monitor (TensorBoard, W&B, CSV) when its JSON enables one
         self.history.append(record)

@@ -68,7 +68,8 @@ def test_memory_record_has_cuda_fields_only_once_cuda_is_in_use(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 3 * 2**20)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 5 * 2**20)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
-    record = memory_mb()
+    assert "cuda_interval_peak_mb" not in memory_mb() and memory_mb()["cuda_peak_mb"] >= 5.0
+    record = memory_mb(interval=True)
     assert (record["cuda_mb"], record["cuda_interval_peak_mb"]) == (3.0, 5.0) and record["cuda_peak_mb"] >= 5.0
 
 
