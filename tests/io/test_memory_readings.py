@@ -4,6 +4,7 @@ the same way (tests/benchmarks/test_bench_gpu_check.py)."""
 
 from __future__ import annotations
 
+import mmap
 import sys
 
 import pytest
@@ -12,11 +13,20 @@ import torch
 from apt_ds.io.metrics import memory_mb
 
 
+def _touch_and_free_64_mib() -> None:
+    """64 MiB made resident and given back: an anonymous mapping of its own, so that neither glibc's
+    free heap (a long test session has plenty) nor torch's allocator can serve it from pages
+    already resident."""
+    block = mmap.mmap(-1, 64 * 2**20)
+    for offset in range(0, len(block), mmap.PAGESIZE):
+        block[offset] = 1
+    block.close()
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's VmHWM and clear_refs")
 def test_a_reading_gives_the_peak_since_the_last_one_and_keeps_the_process_peak():
     memory_mb(interval=True)  # resets the interval
-    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched, then freed
-    del block
+    _touch_and_free_64_mib()
     spike = memory_mb(interval=True)
     assert spike["interval_peak_rss_mb"] >= spike["rss_mb"] + 48  # the freed block's peak is seen
     calm = memory_mb(interval=True)
@@ -32,8 +42,7 @@ def test_a_callers_peak_window_survives_the_records_resets():
 
     assert mark_rss_peak()
     base = memory_mb(interval=True)["rss_mb"]
-    block = torch.ones(64 * 2**20 // 4)
-    del block
+    _touch_and_free_64_mib()
     memory_mb(interval=True)  # a training step's record with interval peaks: resets the kernel's counter
     memory_mb(interval=True)
     assert rss_peak_since_mark_mb() >= base + 48
@@ -46,8 +55,7 @@ def test_without_interval_peaks_the_kernels_counter_is_left_alone():
     """Off by default: getrusage and /usr/bin/time still see the whole run's peak."""
     import resource
 
-    block = torch.ones(64 * 2**20 // 4)
-    del block
+    _touch_and_free_64_mib()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     record = memory_mb()
     assert "interval_peak_rss_mb" not in record
