@@ -8,7 +8,6 @@ import mmap
 import sys
 
 import pytest
-import torch
 
 from apt_ds.io.metrics import memory_mb
 
