@@ -207,9 +207,9 @@ def proportional_set_mb(pid: int | str = "self") -> float | None:
 
 def peak_rss_mb() -> float:
     """This process's peak RSS (MiB), across the trainer's resets of the kernel's counter."""
-    from apt_ds.io.metrics import memory_mb
+    from apt_ds.io.metrics import process_peak_rss_mb
 
-    return memory_mb()["peak_rss_mb"]
+    return process_peak_rss_mb()
 
 
 def write_json(path: str | Path, data) -> None:

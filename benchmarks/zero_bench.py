@@ -50,10 +50,10 @@ MICRO, SEQ = 2, 128
 def _mem() -> dict:
     import psutil
 
-    from apt_ds.io.metrics import memory_mb
+    from apt_ds.io.metrics import process_peak_rss_mb
 
     return {"rss_mb": psutil.Process().memory_info().rss / 2**20,
-            "peak_rss_mb": memory_mb()["peak_rss_mb"]}  # getrusage's would miss what the trainer's records reset
+            "peak_rss_mb": process_peak_rss_mb()}  # getrusage's alone misses what interval readings reset
 
 
 def _batch(rank: int, step: int) -> dict:

@@ -21,13 +21,10 @@ def memory_mb(interval: bool = False) -> dict:
     see only back to the last reading. Where the kernel's counter cannot be reset (not Linux)
     there is no interval figure."""
     record = {"rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1)}
-    since = _vm_hwm_mb(reset=True) if interval else None
+    since = _take_interval_peak() if interval else None
     if since is not None:
-        _process_peaks["rss"] = max(_process_peaks["rss"], since)
-        _process_peaks["rss_since_mark"] = max(_process_peaks["rss_since_mark"], since)
         record["interval_peak_rss_mb"] = round(since, 1)
-    record["peak_rss_mb"] = round(max(_process_peaks["rss"], _vm_hwm_mb(reset=False) or 0.0,
-                                      resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024), 1)  # Linux: KiB
+    record["peak_rss_mb"] = round(process_peak_rss_mb(), 1)
     if torch.cuda.is_initialized():  # never initialise CUDA just to read it
         peak = torch.cuda.max_memory_allocated() / 2**20
         _process_peaks["cuda"] = max(_process_peaks["cuda"], peak)
@@ -41,14 +38,19 @@ def memory_mb(interval: bool = False) -> dict:
 _process_peaks = {"rss": 0.0, "rss_since_mark": 0.0, "cuda": 0.0}  # MiB, the highest interval peaks read so far
 
 
+def process_peak_rss_mb() -> float:
+    """This process's peak RSS in MiB, across the resets of the kernel's counter made here
+    (getrusage reads that counter: after a reset it sees only back to it)."""
+    return max(_process_peaks["rss"], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # Linux: KiB
+
+
 def mark_rss_peak() -> bool:
     """Start a window for `rss_peak_since_mark_mb` (a caller timing its own phases, as the
-    benchmarks do: the kernel's counter is reset at every `memory_mb`, so reading VmHWM alone
-    would only see back to the last record). False where the counter cannot be reset."""
-    peak = _vm_hwm_mb(reset=True)
-    if peak is None:
+    benchmarks do: with interval peaks on, the kernel's counter is reset at every `memory_mb`, so
+    reading VmHWM alone would only see back to the last record). False where the counter cannot
+    be reset."""
+    if _take_interval_peak() is None:
         return False
-    _process_peaks["rss"] = max(_process_peaks["rss"], peak)  # the process's peak outlives the window
     _process_peaks["rss_since_mark"] = 0.0
     return True
 
@@ -60,6 +62,16 @@ def rss_peak_since_mark_mb() -> float:
     if current is None:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return max(_process_peaks["rss_since_mark"], current)
+
+
+def _take_interval_peak() -> float | None:
+    """The kernel's peak since its last reset, then reset; kept in the process's and the caller's
+    window's peaks, which outlive the reset. None where the counter cannot be read and reset."""
+    since = _vm_hwm_mb(reset=True)
+    if since is not None:
+        _process_peaks["rss"] = max(_process_peaks["rss"], since)
+        _process_peaks["rss_since_mark"] = max(_process_peaks["rss_since_mark"], since)
+    return since
 
 
 def _vm_hwm_mb(reset: bool) -> float | None:

@@ -24,6 +24,7 @@ import mmap
 import struct
 import sys
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,13 +34,15 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F
           "U8": torch.uint8, "BOOL": torch.bool}
 
 
+@dataclass(frozen=True, slots=True)
 class TensorEntry:
-    """Where one tensor's bytes lie in its file."""
+    """Where one tensor's bytes lie in its file: its dtype as safetensors names it, its shape, and
+    the absolute byte offsets [start, stop)."""
 
-    __slots__ = ("dtype", "shape", "start", "stop")
-
-    def __init__(self, dtype: str, shape: list[int], start: int, stop: int):
-        self.dtype, self.shape, self.start, self.stop = dtype, shape, start, stop
+    dtype: str
+    shape: list[int]
+    start: int
+    stop: int
 
 
 def read_entries(path: str | Path) -> dict[str, TensorEntry]:

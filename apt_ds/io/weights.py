@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from apt_ds.io.tensor_map import DTYPES
+from apt_ds.io.tensor_map import DTYPES, can_map, map_tensor, read_entries
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -112,8 +112,6 @@ class SafetensorsWeights:
         nothing but the tensor holds its pages, and they leave memory with it; the long-lived
         handles keep every page they read resident (in RSS) for as long as this object lives."""
         from safetensors import safe_open
-
-        from apt_ds.io.tensor_map import can_map, map_tensor, read_entries
 
         self._slice(name)
         path = self._file_of[name]
