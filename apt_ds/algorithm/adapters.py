@@ -148,6 +148,36 @@ class APTAdapter(nn.Linear):
         return f"{super().extra_repr()}, rank={self.rank}, scaling={self.scaling:.4g}"
 
 
+class IdentityAdapter(APTAdapter):
+    """An adapter on the identity: y = x + scaling * B (A x), with no base weight at all (`weight`
+    is None). The self-distillation transform (hidden -> hidden, identity at the start) is one: an
+    identity matrix would be a frozen hidden x hidden weight on every rank (32 MiB at LLaMA-2-7B in
+    bf16, whole on each rank under ZeRO-2) and a matmul that changes nothing. Made by `create`."""
+
+    @classmethod
+    def create(cls, features: int, rank: int, alpha: float, generator: torch.Generator | None = None,
+               device: torch.device | str = "cpu") -> "IdentityAdapter":
+        linear = nn.Linear(features, features, bias=False, device="meta")  # only its shape is used
+        adapter = APTAdapter.wrap(linear, rank, alpha, generator, device=device)
+        adapter.__class__ = cls
+        adapter.weight = None  # nn.Module keeps the name, with no tensor behind it
+        return adapter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lora_a, lora_b = (self.teacher_A, self.teacher_B) if self.use_teacher else (self.lora_A, self.lora_B)
+        update = F.linear(F.linear(x.to(lora_a.dtype), lora_a), lora_b)
+        return x + (self.scaling * update).to(x.dtype)
+
+    @torch.no_grad()
+    def merged_weight(self) -> torch.Tensor:
+        """I + s * B A in fp32 (the identity has no dtype of its own)."""
+        eye = torch.eye(self.in_features, dtype=torch.float32, device=self.lora_A.device)
+        return eye + (self.lora_B.float() @ self.lora_A.float()) * self.scaling
+
+    def merge_and_unwrap(self) -> nn.Linear:
+        raise TypeError("an IdentityAdapter (the distillation transform) is dropped at export, not merged")
+
+
 def _init_lora_a(tensor: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """Fill a host tensor (the generator is a CPU one: the same values on every device)."""
     # PEFT's default: kaiming_uniform_(a=sqrt(5)) -> U(-1/sqrt(in), 1/sqrt(in)).

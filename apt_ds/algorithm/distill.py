@@ -5,7 +5,7 @@ from the last pruning event (`APTAdapter.teacher_A/B`), masks off, under no_grad
 Loss = kl_weight * KL(student || teacher at temperature T) * T^2 + mse_weight * MSE over
 sampled layers: layers are split into blocks, one layer is sampled per block, and the
 student's hidden state (the layer's output, before any final norm) passes through a
-transformation layer (hidden -> hidden, identity weight, tuned through a low-rank adapter)
+transformation layer (hidden -> hidden: the identity plus a low-rank adapter, `IdentityAdapter`)
 before the MSE. The MSE is relative per token
 (`relative_squared_error`): a deviation from the spec's plain MSE, see that function.
 Whole layers are never removed, so a sampled teacher layer maps to the same student layer.
@@ -16,9 +16,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch import nn
 
-from apt_ds.algorithm.adapters import APTAdapter, find_adapters
+from apt_ds.algorithm.adapters import APTAdapter, IdentityAdapter, find_adapters
 from apt_ds.algorithm.kl import kl_divergence_from_logits
 from apt_ds.config import APTConfig
 from apt_ds.models import family_of
@@ -27,14 +26,10 @@ TRANSFORM_ATTR = "apt_distill_transform"  # submodule name; export drops it
 
 
 def attach_transform(model, hidden: int, rank: int, alpha: float, seed: int,
-                     device: torch.device | str = "cpu") -> APTAdapter:
-    """Identity Linear (in the base weights' dtype) + trainable adapter, on `device`,
-    registered on the model so one engine owns it."""
-    reference = family_of(model).embedding_module(model).weight  # a ZeRO-3 partition keeps the dtype
-    linear = nn.Linear(hidden, hidden, bias=False, dtype=reference.dtype, device=device)
-    with torch.no_grad():
-        linear.weight.copy_(torch.eye(hidden, dtype=linear.weight.dtype, device=device))
-    transform = APTAdapter.wrap(linear, rank, alpha, torch.Generator().manual_seed(seed), device=device)
+                     device: torch.device | str = "cpu") -> IdentityAdapter:
+    """The identity plus a trainable adapter, on `device`, registered on the model so one engine
+    owns it (no hidden x hidden weight: `IdentityAdapter`)."""
+    transform = IdentityAdapter.create(hidden, rank, alpha, torch.Generator().manual_seed(seed), device=device)
     setattr(model, TRANSFORM_ATTR, transform)
     return transform
 

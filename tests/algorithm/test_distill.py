@@ -17,6 +17,7 @@ from apt_ds.algorithm.distill import (
 )
 from apt_ds.algorithm.masks import UnitMasks
 from apt_ds.algorithm.salience import SalienceCollector
+from apt_ds.algorithm.shrink import slice_linear
 from apt_ds.algorithm.units import ModelShape
 from apt_ds.config import APTConfig
 
@@ -95,7 +96,33 @@ def test_transform_is_identity_at_init_and_not_a_student_adapter():
     assert not any(n.startswith(TRANSFORM_ATTR) for n in student_adapters(model))
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert {f"{TRANSFORM_ATTR}.lora_A", f"{TRANSFORM_ATTR}.lora_B"} <= trainable
-    assert not transform.weight.requires_grad
+    # no hidden x hidden identity matrix is held: the transform's only tensors are its adapter's
+    assert transform.weight is None
+    assert {n for n, _ in transform.named_parameters()} == {"lora_A", "lora_B"}
+
+
+def test_transform_follows_its_adapter_and_shrinks_with_the_hidden_channels():
+    """y = x + s B A x whatever B holds; cut to kept channels it is the cut function (no weight)."""
+    model, _ = _student("gqa_tied")
+    transform = getattr(model, TRANSFORM_ATTR)
+    hidden = model.config.hidden_size
+    with torch.no_grad():
+        transform.lora_B.normal_(0, 0.1)
+    x = torch.randn(3, hidden)
+
+    def reference(inputs):
+        return inputs + transform.scaling * (inputs @ transform.lora_A.T @ transform.lora_B.T)
+
+    torch.testing.assert_close(transform(x), reference(x))
+    torch.testing.assert_close(x @ transform.merged_weight().T, reference(x), rtol=1e-5, atol=1e-5)
+    kept = torch.tensor([0, 2, 3])
+    masked = torch.zeros_like(x)
+    masked[:, kept] = x[:, kept]  # the cut channels carry nothing: the full transform's output there
+    expected = reference(masked)[:, kept]
+    change = slice_linear(transform, kept, kept, TRANSFORM_ATTR)
+    assert (transform.in_features, transform.out_features) == (3, 3) and transform.weight is None
+    assert set(change) == {f"{TRANSFORM_ATTR}.lora_A", f"{TRANSFORM_ATTR}.lora_B"}
+    torch.testing.assert_close(transform(x[:, kept]), expected)
 
 
 def _passes(distiller, model, batch, layers, teacher_layers=None):

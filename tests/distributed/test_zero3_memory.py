@@ -3,7 +3,8 @@
 - during a training step a rank holds gathered only the module being computed (and, with
   prefetch, the one prefetched next): every gather is recorded with the parameters gathered at
   that moment, and they must all belong to one module (two with prefetch);
-- after the last pruning event the bytes of live tensors do not grow from step to step;
+- after the last pruning event neither the bytes of live tensors nor the process's anonymous
+  resident memory grow from step to step;
 - gloo gathers large parameters in pieces, into the output's own memory, and the result is the
   same as one `all_gather_into_tensor`.
 """
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_distributed import COMMON, TRAIN, free_port, launch, metrics  # noqa: E402
 
 PROBES = str(Path(__file__).resolve().parent / "multirank")  # memory_probes.py
+RSS_FLAT_MB = 2.0  # a step's own small objects come and go; a leak or heap creep of a tensor a step would not
 
 # launch/train.py with every ZeRO-3 gather recorded (which modules hold gathered parameters at
 # that moment) and the live tensor bytes after each step, written to OUT/memory<RANK>.json
@@ -75,7 +77,15 @@ ds_comm.all_gather_into_tensor = recorded_gather
 train_step = trainer_module.APTrainer._train_step
 
 
+def rss_anon_mb():
+    """This rank's anonymous resident memory (the heap, tensors, stacks; not mapped files)."""
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) / 1024
+
+
 def recorded_step(self, batches):
+    rss_at_start = rss_anon_mb()  # after the previous step's heap settling (trainer._after_step)
     owners.clear()  # this step's modules (an event replaces parameters)
     for name, module in self.model.named_modules():
         for param in module._parameters.values():
@@ -88,7 +98,7 @@ def recorded_step(self, batches):
         in_step[0] = False
         owners.clear()
     gc.collect()
-    steps.append({{"step": record["step"], "live_bytes": live_tensor_mb() * 2**20}})
+    steps.append({{"step": record["step"], "live_bytes": live_tensor_mb() * 2**20, "rss_anon_at_start_mb": rss_at_start}})
     return record
 
 
@@ -134,7 +144,7 @@ def test_a_step_gathers_one_module_at_a_time_and_memory_is_flat_after_the_last_e
         # prefetched, apart from two known cases, both bounded: DeepSpeed releases a module after
         # its backward through a hook on its inputs' gradient, and the first layer's inputs need
         # none (the embedding is frozen), so its adapter-carrying projections are released at the
-        # end of backward (at most one layer); the distillation transform (hidden x hidden) is
+        # end of backward (at most one layer); the distillation transform (its adapter: rank x hidden) is
         # called after the engine's forward and is released at the end of backward too.
         assert len(record["gathers"]) > 50
         extra = [g for g in record["gathers"] if len(_held_besides_gathered(g) - _released_late(g)) > most_modules - 1]
@@ -146,6 +156,11 @@ def test_a_step_gathers_one_module_at_a_time_and_memory_is_flat_after_the_last_e
         # scalars aside: a leak of anything per step would be kilobytes at least).
         after = [s["live_bytes"] for s in record["steps"] if s["step"] > max(events)]
         assert len(after) >= 3 and max(after) - min(after) <= 256, after
+        # ... nor does the memory the process holds: RssAnon at the start of each step after the
+        # one following the last event (that step still settles the event's heap).
+        resident = [s["rss_anon_at_start_mb"] for s in record["steps"] if s["step"] > max(events) + 1]
+        print("RSS_AFTER_LAST_EVENT", resident)
+        assert len(resident) >= 2 and max(resident) - min(resident) <= RSS_FLAT_MB, resident
 
 
 def _held_besides_gathered(gather: dict) -> set[str]:
