@@ -82,6 +82,7 @@ def test_unknown_stage_names_and_profile_windows_outside_the_run_are_refused(tmp
         assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow  # ~35 s of four short runs; the CPU flow above runs the script end to end by default
 def test_recipe_schedule_repeats_alternate_and_summarise_ratios(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     code = gpu_check.main(["--device", "cpu", "--scale", "small", "--scale-seq-len", "32", "--scale-steps", "12", "--scale-micro-batch", "2",

@@ -40,8 +40,10 @@ from apt_ds.models import FAMILIES  # noqa: E402
 
 # LLaMA's runs: tests/distributed/test_distributed.py. Qwen3 uniform: the family a GGUF needs it for.
 # ZeRO-2 builds no partitioned model, so one family (Qwen2's biases) runs it by default; the others
-# under ZeRO-2, and Qwen3 non-uniform under ZeRO-3, run with -m slow.
-RUNS = [*((name, 3, ["--uniform"] if name == "qwen3" else []) for name in FAMILIES if name != "llama"), ("qwen2", 2, []),
+# under ZeRO-2, Qwen3 non-uniform and Mistral (LLaMA's tensors: test_distributed.py runs those under
+# ZeRO-3) under ZeRO-3, run with -m slow.
+RUNS = [*((name, 3, ["--uniform"] if name == "qwen3" else []) for name in FAMILIES if name not in ("llama", "mistral")),
+        pytest.param("mistral", 3, [], marks=pytest.mark.slow), ("qwen2", 2, []),
         *(pytest.param(name, 2, [], marks=pytest.mark.slow) for name in FAMILIES if name not in ("llama", "qwen2")),
         pytest.param("qwen3", 3, [], marks=pytest.mark.slow)]
 

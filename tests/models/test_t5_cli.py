@@ -141,7 +141,9 @@ def test_what_a_t5_run_cannot_do_yet_is_refused_in_one_line(in_tmp, tmp_path, t5
     assert not Path("run").exists()
 
 
-@pytest.mark.parametrize("stage, variant, uniform", [(2, "v1.1", False), (3, "v1.0", False), (3, "v1.1", True)],
+# v1.0 (ReLU FFN, tied head) runs whole in one process above; on 2 ranks under ZeRO-3 with -m slow
+@pytest.mark.parametrize("stage, variant, uniform", [(2, "v1.1", False), pytest.param(3, "v1.0", False, marks=pytest.mark.slow),
+                                                     (3, "v1.1", True)],
                          ids=["zero2-v1.1", "zero3-v1.0", "zero3-v1.1-uniform"])
 def test_a_two_rank_zero_t5_run_prunes_exports_and_resumes(tmp_path, t5_tokenizer, stage, variant, uniform):
     """T5 under ZeRO-2 and ZeRO-3 on 2 ranks (CPU accelerator): the same decisions on both ranks,
