@@ -211,5 +211,12 @@ def find_adapters(model) -> dict[str, APTAdapter]:
 
 
 def merge_adapters(model) -> None:
-    for module in find_adapters(model).values():
+    """Fold every layer adapter into its weight. A model still carrying the distillation transform
+    (an IdentityAdapter, which has no weight to fold into) is refused before anything changes."""
+    adapters = find_adapters(model)
+    transforms = [name for name, module in adapters.items() if isinstance(module, IdentityAdapter)]
+    if transforms:
+        raise ValueError(f"{transforms[0]} is the distillation transform, which an export drops: remove it "
+                         "before merging (apt_ds.export.merge does)")
+    for module in adapters.values():
         module.merge_and_unwrap()

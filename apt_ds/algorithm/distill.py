@@ -56,7 +56,8 @@ def relative_squared_error(student_h: torch.Tensor, teacher_h: torch.Tensor) -> 
 
 
 def student_adapters(model) -> dict[str, APTAdapter]:
-    return {n: a for n, a in find_adapters(model).items() if not n.startswith(TRANSFORM_ATTR)}
+    """The layers' adapters: not the distillation transform (by type, so under any module prefix)."""
+    return {n: a for n, a in find_adapters(model).items() if not isinstance(a, IdentityAdapter)}
 
 
 class SelfDistiller:

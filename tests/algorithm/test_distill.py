@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from conftest import random_batch, tiny_llama
 
-from apt_ds.algorithm.adapters import add_adapters
+from apt_ds.algorithm.adapters import add_adapters, find_adapters, merge_adapters
 from apt_ds.algorithm.distill import (
     TRANSFORM_ATTR,
     SelfDistiller,
@@ -99,6 +99,9 @@ def test_transform_is_identity_at_init_and_not_a_student_adapter():
     # no hidden x hidden identity matrix is held: the transform's only tensors are its adapter's
     assert transform.weight is None
     assert {n for n, _ in transform.named_parameters()} == {"lora_A", "lora_B"}
+    with pytest.raises(ValueError, match="distillation transform"):  # refused before any layer is merged
+        merge_adapters(model)
+    assert set(find_adapters(model)) == set(adapters) | {TRANSFORM_ATTR}
 
 
 def test_transform_follows_its_adapter_and_shrinks_with_the_hidden_channels():

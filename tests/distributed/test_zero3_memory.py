@@ -159,7 +159,6 @@ def test_a_step_gathers_one_module_at_a_time_and_memory_is_flat_after_the_last_e
         # ... nor does the memory the process holds: RssAnon at the start of each step after the
         # one following the last event (that step still settles the event's heap).
         resident = [s["rss_anon_at_start_mb"] for s in record["steps"] if s["step"] > max(events) + 1]
-        print("RSS_AFTER_LAST_EVENT", resident)
         assert len(resident) >= 2 and max(resident) - min(resident) <= RSS_FLAT_MB, resident
 
 
