@@ -75,9 +75,12 @@ class APTAdapter(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = frozen_linear(x, self.weight, self.bias)  # a quantized base weight too
+        return base + self.low_rank_update(x).to(base.dtype)
+
+    def low_rank_update(self, x: torch.Tensor) -> torch.Tensor:
+        """s * B (A x) in the adapter's dtype, with the teacher's snapshot in teacher mode."""
         lora_a, lora_b = (self.teacher_A, self.teacher_B) if self.use_teacher else (self.lora_A, self.lora_B)
-        update = F.linear(F.linear(x.to(lora_a.dtype), lora_a), lora_b)
-        return base + (self.scaling * update).to(base.dtype)
+        return self.scaling * F.linear(F.linear(x.to(lora_a.dtype), lora_a), lora_b)
 
     # ---- teacher snapshot ----------------------------------------------------------------
     @torch.no_grad()
@@ -125,8 +128,12 @@ class APTAdapter(nn.Linear):
         """W + s * B A, computed in fp32 and cast back to W's dtype (PEFT's rule on CPU); a
         quantized W is dequantized first (its compute dtype)."""
         weight = dense_weight(self.weight)
-        delta = (self.lora_B.float() @ self.lora_A.float()) * self.scaling
-        return (weight.float() + delta).to(weight.dtype)
+        return (weight.float() + self.merged_delta()).to(weight.dtype)
+
+    @torch.no_grad()
+    def merged_delta(self) -> torch.Tensor:
+        """s * B A in fp32: what merging adds to the base weight."""
+        return (self.lora_B.float() @ self.lora_A.float()) * self.scaling
 
     def merge_and_unwrap(self) -> nn.Linear:
         """Fold the adapter into the weight and turn this module back into a plain nn.Linear."""
@@ -158,21 +165,17 @@ class IdentityAdapter(APTAdapter):
     def create(cls, features: int, rank: int, alpha: float, generator: torch.Generator | None = None,
                device: torch.device | str = "cpu") -> "IdentityAdapter":
         linear = nn.Linear(features, features, bias=False, device="meta")  # only its shape is used
-        adapter = APTAdapter.wrap(linear, rank, alpha, generator, device=device)
-        adapter.__class__ = cls
+        adapter = cls.wrap(linear, rank, alpha, generator, device=device)
         adapter.weight = None  # nn.Module keeps the name, with no tensor behind it
         return adapter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lora_a, lora_b = (self.teacher_A, self.teacher_B) if self.use_teacher else (self.lora_A, self.lora_B)
-        update = F.linear(F.linear(x.to(lora_a.dtype), lora_a), lora_b)
-        return x + (self.scaling * update).to(x.dtype)
+        return x + self.low_rank_update(x).to(x.dtype)
 
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
         """I + s * B A in fp32 (the identity has no dtype of its own)."""
-        eye = torch.eye(self.in_features, dtype=torch.float32, device=self.lora_A.device)
-        return eye + (self.lora_B.float() @ self.lora_A.float()) * self.scaling
+        return torch.eye(self.in_features, dtype=torch.float32, device=self.lora_A.device) + self.merged_delta()
 
     def merge_and_unwrap(self) -> nn.Linear:
         raise TypeError("an IdentityAdapter (the distillation transform) is dropped at export, not merged")
@@ -214,9 +217,9 @@ def merge_adapters(model) -> None:
     """Fold every layer adapter into its weight. A model still carrying the distillation transform
     (an IdentityAdapter, which has no weight to fold into) is refused before anything changes."""
     adapters = find_adapters(model)
-    transforms = [name for name, module in adapters.items() if isinstance(module, IdentityAdapter)]
-    if transforms:
-        raise ValueError(f"{transforms[0]} is the distillation transform, which an export drops: remove it "
+    transform = next((name for name, module in adapters.items() if isinstance(module, IdentityAdapter)), None)
+    if transform is not None:
+        raise ValueError(f"{transform} is the distillation transform, which an export drops: remove it "
                          "before merging (apt_ds.export.merge does)")
     for module in adapters.values():
         module.merge_and_unwrap()

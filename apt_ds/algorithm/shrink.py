@@ -67,24 +67,22 @@ def slice_linear(module: nn.Linear, out_index, in_index, prefix: str) -> ShapeCh
     in_index = full_or_index(in_index, module.in_features)
     if out_index is None and in_index is None:
         return {}
-    if module.weight is None:  # an IdentityAdapter: the identity cut to the same units is the identity
-        pass
-    elif is_quantized(module.weight):  # whole quantization blocks kept as they are where the units allow it
-        module.weight, _ = keep_quantized(module.weight, out_index, in_index)
-    else:
-        weight = module.weight.detach()
-        if out_index is not None:
-            weight = weight.index_select(0, out_index.to(weight.device))
-        if in_index is not None:
-            weight = weight.index_select(1, in_index.to(weight.device))
-        module.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
     if module.bias is not None and out_index is not None:
         bias = module.bias.detach()
         module.bias = nn.Parameter(bias.index_select(0, out_index.to(bias.device)).contiguous(), requires_grad=False)
-    if module.weight is None:
+    if module.weight is None:  # an IdentityAdapter: the identity cut to the same units is the identity
         module.out_features = module.out_features if out_index is None else len(out_index)
         module.in_features = module.in_features if in_index is None else len(in_index)
     else:
+        if is_quantized(module.weight):  # whole quantization blocks kept as they are where the units allow it
+            module.weight, _ = keep_quantized(module.weight, out_index, in_index)
+        else:
+            weight = module.weight.detach()
+            if out_index is not None:
+                weight = weight.index_select(0, out_index.to(weight.device))
+            if in_index is not None:
+                weight = weight.index_select(1, in_index.to(weight.device))
+            module.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
         module.out_features, module.in_features = logical_shape(module.weight)
     change: ShapeChange = {}
     if isinstance(module, APTAdapter):
